@@ -1,0 +1,119 @@
+"""The HTTP frame every API function shares: one resolver factory, one error mapping.
+
+Only this module turns exceptions into status codes. Handlers stay thin: parse with
+``parse_body``, take the caller from ``principal``, call one service, return a dict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response, content_types
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ValidationError
+
+from shoal.auth import Principal
+from shoal.config import get_config
+from shoal.errors import (
+    BadRequest,
+    BodyTooLarge,
+    MalformedJson,
+    RouteNotFound,
+    ShoalError,
+    UnsupportedMediaType,
+)
+from shoal.observability import logger
+
+M = TypeVar("M", bound=BaseModel)
+
+JSON_HEADERS = {"Content-Type": content_types.APPLICATION_JSON}
+
+
+def error_response(error: ShoalError) -> Response[str]:
+    return Response(
+        status_code=error.status,
+        content_type=content_types.APPLICATION_JSON,
+        body=json.dumps(error.body()),
+    )
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response[str]:
+    return Response(
+        status_code=status,
+        content_type=content_types.APPLICATION_JSON,
+        body=json.dumps(body),
+        headers=headers,
+    )
+
+
+def make_resolver() -> APIGatewayHttpResolver:
+    """A resolver whose every failure becomes a coded ``{"error": ...}`` response."""
+    app = APIGatewayHttpResolver()
+
+    @app.exception_handler(ShoalError)
+    def _shoal_error(error: ShoalError) -> Response[str]:
+        if error.status >= 500:
+            logger.error("request failed", extra={"code": error.code})
+        return error_response(error)
+
+    @app.exception_handler(ValidationError)
+    def _validation_error(error: ValidationError) -> Response[str]:
+        fields = [
+            {"field": ".".join(str(p) for p in e["loc"]), "problem": e["msg"]}
+            for e in error.errors(include_input=False, include_url=False)
+        ]
+        return error_response(BadRequest("the request body does not fit the schema", fields=fields))
+
+    @app.not_found
+    def _not_found(_: Exception) -> Response[str]:
+        event = app.current_event
+        return error_response(
+            RouteNotFound(f"no route for {event.request_context.http.method} {event.path}")
+        )
+
+    @app.exception_handler(Exception)
+    def _unexpected(error: Exception) -> Response[str]:
+        # The type only: messages of arbitrary exceptions may quote request data.
+        logger.exception("unexpected error", extra={"error_type": type(error).__name__})
+        return error_response(ShoalError("an internal error occurred; retry the request"))
+
+    return app
+
+
+def principal(app: APIGatewayHttpResolver) -> Principal:
+    """The caller, from the claims API Gateway's JWT authorizer verified."""
+    authorizer = app.current_event.raw_event.get("requestContext", {}).get("authorizer") or {}
+    claims = (authorizer.get("jwt") or {}).get("claims")
+    return Principal.from_claims(claims)
+
+
+def parse_body(app: APIGatewayHttpResolver, model: type[M]) -> M:
+    """The request body as ``model``: size, content type and JSON checked before the schema."""
+    event = app.current_event
+    raw = event.decoded_body or ""
+    if len(raw.encode()) > get_config().max_body_bytes:
+        raise BodyTooLarge(f"the request body exceeds {get_config().max_body_bytes} bytes")
+    content_type = (event.headers or {}).get("content-type", "application/json")
+    if raw and "json" not in content_type.lower():
+        raise UnsupportedMediaType("send the body as application/json")
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise MalformedJson("the request body is not valid JSON") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return model.model_validate(data)
+
+
+def lambda_handler(
+    app: APIGatewayHttpResolver,
+) -> Callable[[dict[str, Any], LambdaContext], dict[str, Any]]:
+    """The Lambda entry point for a resolver, with the request id in every log line."""
+
+    @logger.inject_lambda_context(clear_state=True)
+    def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+        return app.resolve(event, context)
+
+    return handler

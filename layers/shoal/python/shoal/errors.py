@@ -1,0 +1,116 @@
+"""Every error a client can see, in one place.
+
+Domain code raises these; the data layer turns SDK errors into them (``raise ... from exc``);
+only ``shoal.api`` turns them into status codes and ``{"error": {...}}`` bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ShoalError(Exception):
+    """A failure with a stable, snake_case code and the HTTP status it maps to."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code.replace("_", " ")
+        self.details = details
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, **self.details}}
+
+
+class BadRequest(ShoalError):
+    status = 400
+    code = "invalid_request"
+
+
+class MalformedJson(BadRequest):
+    code = "malformed_json"
+
+
+class InvalidTopicName(BadRequest):
+    code = "invalid_topic_name"
+
+
+class InvalidPartitions(BadRequest):
+    code = "invalid_partitions"
+
+
+class InvalidTopic(BadRequest):
+    code = "invalid_topic"
+
+
+class InvalidFilter(BadRequest):
+    """A malformed topic filter, including a malformed ``$share/{ShareName}/{filter}``."""
+
+    code = "invalid_filter"
+
+
+class Unauthorized(ShoalError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(ShoalError):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(ShoalError):
+    status = 404
+    code = "not_found"
+
+
+class RouteNotFound(NotFound):
+    code = "route_not_found"
+
+
+class TopicNotFound(NotFound):
+    code = "topic_not_found"
+
+
+class MethodNotAllowed(ShoalError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class Conflict(ShoalError):
+    status = 409
+    code = "conflict"
+
+
+class TopicExists(Conflict):
+    code = "topic_exists"
+
+
+class NoNextStorageTopic(Conflict):
+    code = "no_next_storage_topic"
+
+
+class PublisherSeqGap(Conflict):
+    code = "publisher_seq_gap"
+
+
+class PayloadTooLarge(ShoalError):
+    status = 413
+    code = "payload_too_large"
+
+
+class BodyTooLarge(ShoalError):
+    status = 413
+    code = "body_too_large"
+
+
+class UnsupportedMediaType(ShoalError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class ServerBusy(ShoalError):
+    status = 503
+    code = "server_busy"

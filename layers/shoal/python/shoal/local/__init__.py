@@ -1,0 +1,1 @@
+"""The local runtime behind ``shoal dev``: moto on loopback, the gateway, the emulated triggers."""

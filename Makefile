@@ -24,7 +24,7 @@ lint: install
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2 --dist loadfile -q
 
 unit: install
 	$(BIN)/pytest -q tests/unit

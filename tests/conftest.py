@@ -10,6 +10,7 @@ import pytest
 from moto import mock_aws
 from shoal import store
 from shoal.config import get_config
+from shoal.local.aws import detach_moto_lambda_triggers
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto
 
@@ -49,6 +50,8 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[boto3.Session]:
     for key, value in names.environment().items():
         monkeypatch.setenv(key, value)
     get_config.cache_clear()
+    # the emulators deliver stream records themselves; moto's own delivery needs Docker
+    detach_moto_lambda_triggers()
     with mock_aws(), serialized_moto():
         session = boto3.Session(region_name="us-east-1")
         provision(session, names)

@@ -1,0 +1,542 @@
+"""The embedded AWS behind ``shoal dev``: moto's server on loopback, serialized and journaled.
+
+Two things moto's own server does not give us:
+
+- **Atomic conditional writes.** moto checks a DynamoDB condition and writes without a lock,
+  so racing writers can both pass. Every request runs under ``BACKEND_LOCK``.
+- **Durability.** moto keeps everything in memory. With a state directory, every successful
+  mutating request is appended to a journal and fsynced *before* its response leaves, while
+  the lock is still held, so journal order is apply order. A restart replays the journal, in
+  order, into the fresh backend before serving: whatever a client was told had succeeded is
+  there again, including after a kill -9.
+
+Replay reproduces what moto derives from time and randomness too: each journaled request runs
+with moto's clock frozen at the request's journal time and moto's random generator seeded with
+the request's journal sequence number, in the first run and in every replay. So Kinesis arrival
+timestamps, event source mapping UUIDs and the like come back identical. Kinesis sequence
+numbers are per-shard counters in moto, so in-order replay reproduces them on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import boto3
+
+from shoal.local.serialize import BACKEND_LOCK
+
+log = logging.getLogger("shoal-dev.aws")
+
+JOURNAL_FILE = "aws-journal.bin"
+_MAGIC = b"SHOALJ1\n"
+_RECORD_HEADER = struct.Struct(">II")  # payload length, crc32 of payload
+#: a record larger than this is treated as a torn length field, never allocated
+_MAX_RECORD = 1 << 30
+
+#: actions (X-Amz-Target suffix or query-protocol Action) that change nothing in moto
+READ_ONLY_ACTION_PREFIXES = (
+    "Get",
+    "List",
+    "Describe",
+    "Query",
+    "Scan",
+    "BatchGet",
+    "TransactGet",
+)
+READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+#: environ keys a replay needs to route and apply a request as the first run did
+_REPLAYED_ENVIRON = (
+    "REQUEST_METHOD",
+    "PATH_INFO",
+    "QUERY_STRING",
+    "CONTENT_TYPE",
+    "REQUEST_URI",
+    "RAW_URI",
+    "SERVER_NAME",
+    "SERVER_PORT",
+    "SERVER_PROTOCOL",
+)
+#: headers never journaled: connection handling, and credentials beyond the key id
+_DROPPED_HEADERS = frozenset(
+    {
+        "HTTP_CONNECTION",
+        "HTTP_KEEP_ALIVE",
+        "HTTP_TRANSFER_ENCODING",
+        "HTTP_EXPECT",
+        "HTTP_ACCEPT_ENCODING",
+        "HTTP_X_AMZ_SECURITY_TOKEN",
+        "HTTP_CONTENT_LENGTH",
+    }
+)
+_PRESERVED_NAMES_KEY = "moto.preserved_header_names"
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+# --- moto's clock and randomness, pinned per journaled request -------------------------------
+
+
+class _MotoClock:
+    """moto's ``utcnow``, pinnable to a request's journal time (set only under the lock)."""
+
+    frozen_at: dt.datetime | None = None
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        """Route moto's ``utcnow`` through this class.
+
+        moto's service modules import ``utcnow`` by name, so both the source and every copy
+        already imported are replaced; modules imported later pick up the replacement.
+        """
+        if cls.installed:
+            return
+        import sys
+
+        import moto.core.utils as core_utils
+
+        original = core_utils.utcnow
+
+        def utcnow() -> dt.datetime:
+            pinned = cls.frozen_at
+            return pinned if pinned is not None else original()
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith("moto.") and getattr(module, "utcnow", None) is original:
+                module.utcnow = utcnow  # type: ignore[attr-defined]
+        core_utils.utcnow = utcnow
+        cls.installed = True
+
+
+class _Pinned:
+    """moto's clock and random generator fixed for one journaled request (lock held)."""
+
+    def __init__(self, seq: int, at_ms: int) -> None:
+        self.seq = seq
+        self.at_ms = at_ms
+
+    def __enter__(self) -> None:
+        from moto.moto_api._internal import mock_random
+
+        at = dt.datetime.fromtimestamp(self.at_ms / 1000, tz=dt.UTC)
+        _MotoClock.frozen_at = at.replace(tzinfo=None)  # moto's utcnow is naive UTC
+        mock_random.seed(self.seq)
+
+    def __exit__(self, *_: object) -> None:
+        _MotoClock.frozen_at = None
+
+
+def detach_moto_lambda_triggers() -> None:
+    """Stop moto from running functions for stream records itself (process-wide, idempotent).
+
+    On every PutRecord(s) to a stream with an event source mapping (and every DynamoDB stream
+    record) moto tries to invoke the function in Docker, which is not here: each attempt costs
+    ~0.5 s inside the backend lock and then fails. The local runtime delivers those records
+    itself (``shoal.local.esm``); moto only needs to store the mappings.
+    """
+    from moto.awslambda.models import LambdaBackend
+
+    def no_delivery(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    LambdaBackend.send_kinesis_message = no_delivery
+    LambdaBackend.send_dynamodb_items = no_delivery
+
+
+# --- the journal -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    """One successful mutating request, as the WSGI app saw it."""
+
+    seq: int
+    at_ms: int
+    environ: dict[str, str]
+    preserved_names: dict[str, str]
+    body: bytes
+
+    def encode(self) -> bytes:
+        meta = {
+            "seq": self.seq,
+            "at_ms": self.at_ms,
+            "environ": self.environ,
+            "preserved": self.preserved_names,
+        }
+        payload = json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
+        return _RECORD_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+    @classmethod
+    def decode(cls, payload: bytes) -> JournalRecord:
+        head, _, body = payload.partition(b"\n")
+        meta = json.loads(head)
+        return cls(meta["seq"], meta["at_ms"], meta["environ"], meta["preserved"], body)
+
+    @property
+    def method(self) -> str:
+        return self.environ.get("REQUEST_METHOD", "")
+
+
+class Journal:
+    """An append-only file of length-prefixed, checksummed records.
+
+    Opening it reads every complete record and cuts off a torn tail (a record whose length or
+    checksum does not hold: the process died mid-append, so no client was told it succeeded).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[JournalRecord] = []
+        self.dropped_tail_bytes = 0
+        created = not path.exists()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if created or os.fstat(self._fd).st_size == 0:
+            os.write(self._fd, _MAGIC)
+            os.fsync(self._fd)
+            _fsync_dir(path.parent)
+        self._load()
+        os.lseek(self._fd, 0, os.SEEK_END)
+        self.next_seq = self.records[-1].seq + 1 if self.records else 0
+
+    def _load(self) -> None:
+        size = os.fstat(self._fd).st_size
+        with open(self.path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise ValueError(f"{self.path} is not a shoal AWS journal")
+            good = f.tell()
+            while True:
+                header = f.read(_RECORD_HEADER.size)
+                if len(header) < _RECORD_HEADER.size:
+                    break
+                length, crc = _RECORD_HEADER.unpack(header)
+                if length > _MAX_RECORD:
+                    break
+                payload = f.read(length)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    break
+                self.records.append(JournalRecord.decode(payload))
+                good = f.tell()
+        if good < size:
+            self.dropped_tail_bytes = size - good
+            log.warning("journal: dropped a torn tail of %d bytes", self.dropped_tail_bytes)
+            os.ftruncate(self._fd, good)
+            os.fsync(self._fd)
+
+    def append(self, record: JournalRecord) -> None:
+        """Write and fsync one record; returns only once it is durable."""
+        data = record.encode()
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        os.fsync(self._fd)
+        self.next_seq = record.seq + 1
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the middleware --------------------------------------------------------------------------
+
+
+def _action(environ: dict[str, Any], body: bytes) -> str | None:
+    target = environ.get("HTTP_X_AMZ_TARGET")
+    if target:
+        return str(target).rsplit(".", 1)[-1]
+    query = parse_qs(environ.get("QUERY_STRING", ""))
+    if "Action" in query:
+        return query["Action"][0]
+    if str(environ.get("CONTENT_TYPE", "")).startswith("application/x-www-form-urlencoded"):
+        form = parse_qs(body.decode("utf-8", "replace"))
+        if "Action" in form:
+            return form["Action"][0]
+    return None
+
+
+def is_mutating(environ: dict[str, Any], body: bytes) -> bool:
+    """Whether a request may change moto's state, so a restart must replay it."""
+    if str(environ.get("REQUEST_METHOD", "")).upper() in READ_ONLY_METHODS:
+        return False
+    action = _action(environ, body)
+    return not (action and action.startswith(READ_ONLY_ACTION_PREFIXES))
+
+
+def _read_body(environ: dict[str, Any]) -> bytes:
+    stream = environ["wsgi.input"]
+    if environ.get("wsgi.input_terminated"):
+        return bytes(stream.read())
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    chunks = []
+    while length > 0:
+        chunk = stream.read(length)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        length -= len(chunk)
+    return b"".join(chunks)
+
+
+def _journaled_environ(environ: dict[str, Any]) -> dict[str, str]:
+    kept = {k: str(environ[k]) for k in _REPLAYED_ENVIRON if k in environ}
+    for key, value in environ.items():
+        if key.startswith("HTTP_") and key not in _DROPPED_HEADERS and isinstance(value, str):
+            kept[key] = value
+    auth = kept.get("HTTP_AUTHORIZATION")
+    if auth:
+        # moto routes on the credential scope (service, region) and maps the key id to an
+        # account; the signature is neither checked nor needed to replay.
+        kept["HTTP_AUTHORIZATION"] = auth.split(",", 1)[0]
+    return kept
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    records: int
+    seconds: float
+    failures: int
+    dropped_tail_bytes: int
+
+
+class SerializedApp:
+    """WSGI middleware: one request at a time, successful mutations journaled before replying."""
+
+    def __init__(self, app: WsgiApp, journal: Journal | None = None) -> None:
+        self.app = app
+        self.journal = journal
+        self.failed = False
+        self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        body = _read_body(environ)
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        environ.pop("wsgi.input_terminated", None)
+        with BACKEND_LOCK:
+            if self.failed:
+                start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [b"the emulator's journal failed; restart shoal dev"]
+            journal = self.journal
+            if journal is None or not is_mutating(environ, body):
+                status, headers, payload = self._run(environ)
+            else:
+                seq, at_ms = journal.next_seq, self.clock_ms()
+                record = JournalRecord(
+                    seq=seq,
+                    at_ms=at_ms,
+                    environ=_journaled_environ(environ),
+                    preserved_names=dict(environ.get(_PRESERVED_NAMES_KEY) or {}),
+                    body=body,
+                )
+                with _Pinned(seq, at_ms):
+                    status, headers, payload = self._run(environ)
+                if status.startswith("2"):
+                    try:
+                        journal.append(record)
+                    except OSError:
+                        # moto has applied what the journal lacks: serve nothing more, so no
+                        # client observes state that a restart would not bring back
+                        self.failed = True
+                        log.critical("journal: append failed; refusing every further request")
+                        raise
+        start_response(status, headers)
+        return [payload]
+
+    def _run(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        captured: dict[str, Any] = {}
+
+        def start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Any:
+            captured["status"], captured["headers"] = status, headers
+            return lambda _data: None
+
+        result = self.app(environ, start_response)
+        try:
+            payload = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        return captured["status"], captured["headers"], payload
+
+    def replay(self) -> ReplayStats:
+        """Apply every journaled request, in order, to the (fresh) backend."""
+        journal = self.journal
+        if journal is None:
+            return ReplayStats(0, 0.0, 0, 0)
+        from werkzeug.test import EnvironBuilder
+
+        started = time.perf_counter()
+        failures = 0
+        with BACKEND_LOCK:
+            for record in journal.records:
+                environ = EnvironBuilder(method=record.method, data=record.body).get_environ()
+                environ.update(record.environ)
+                environ["CONTENT_LENGTH"] = str(len(record.body))
+                environ["wsgi.input"] = io.BytesIO(record.body)
+                if record.preserved_names:
+                    environ[_PRESERVED_NAMES_KEY] = dict(record.preserved_names)
+                with _Pinned(record.seq, record.at_ms):
+                    status, _, _ = self._run(environ)
+                if not status.startswith("2"):
+                    failures += 1
+                    log.warning("journal: record %d replayed with %s", record.seq, status)
+        stats = ReplayStats(
+            len(journal.records),
+            time.perf_counter() - started,
+            failures,
+            journal.dropped_tail_bytes,
+        )
+        journal.records = []  # applied; the bodies need not stay in memory
+        return stats
+
+
+# --- the server ------------------------------------------------------------------------------
+
+
+class EndpointSession(boto3.Session):
+    """A boto3 session whose clients and resources talk to one endpoint (the emulator)."""
+
+    def __init__(self, endpoint_url: str, **kwargs: Any) -> None:
+        kwargs.setdefault("region_name", "us-east-1")
+        kwargs.setdefault("aws_access_key_id", "testing")
+        kwargs.setdefault("aws_secret_access_key", "testing")
+        kwargs.setdefault("aws_session_token", "testing")
+        super().__init__(**kwargs)
+        self.endpoint_url = endpoint_url
+
+    def client(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("endpoint_url") is None:
+            kwargs["endpoint_url"] = self.endpoint_url
+        return super().client(*args, **kwargs)
+
+    def resource(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("endpoint_url") is None:
+            kwargs["endpoint_url"] = self.endpoint_url
+        return super().resource(*args, **kwargs)
+
+
+def reset_backends() -> None:
+    """Empty moto's process-wide backends (they outlive any one server object)."""
+    from moto.moto_api._internal.models import moto_api_backend
+
+    moto_api_backend.reset()
+
+
+class EmbeddedAws:
+    """moto on ``host:port`` (port 0: any free port), serialized, journaled under ``state_dir``.
+
+    moto's backends are process-wide, so one EmbeddedAws runs per process at a time; ``start``
+    empties them before replaying the journal.
+    """
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, state_dir: Path | None = None
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.state_dir = state_dir
+        self.journal: Journal | None = None
+        self.replay_stats = ReplayStats(0, 0.0, 0, 0)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        _MotoClock.install()
+        detach_moto_lambda_triggers()
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        class Dispatcher(DomainDispatcherApplication):
+            # moto answers "which backend serves this host" by scanning its package folders on
+            # every request (~1.5 ms); the answer never changes while the process runs
+            def __init__(self) -> None:
+                super().__init__(create_backend_app)
+                self._backends: dict[str | None, Any] = {}
+
+            def get_backend_for_host(self, host: str | None) -> Any:
+                if host not in self._backends:
+                    self._backends[host] = super().get_backend_for_host(host)
+                return self._backends[host]
+
+        class QuietHandler(MotoRequestHandler):
+            # werkzeug logs every request line; the runtime logs its own, without payloads
+            def log_request(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+        reset_backends()
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.journal = Journal(self.state_dir / JOURNAL_FILE)
+        app = SerializedApp(Dispatcher(), self.journal)
+        self.replay_stats = app.replay()
+        if self.replay_stats.records:
+            log.info(
+                "journal: replayed %d requests in %.2f s (%d failed)",
+                self.replay_stats.records,
+                self.replay_stats.seconds,
+                self.replay_stats.failures,
+            )
+        self._server = make_server(
+            self.host, self.port, app, threaded=True, request_handler=QuietHandler
+        )
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="shoal-aws", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def session(self) -> EndpointSession:
+        return EndpointSession(self.url)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            if self._thread is not None:
+                self._server.shutdown()
+                self._thread.join(timeout=10)
+                self._thread = None
+            self._server.server_close()
+            self._server = None
+        with BACKEND_LOCK:
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
+
+    def __enter__(self) -> EmbeddedAws:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

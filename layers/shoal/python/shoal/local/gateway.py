@@ -1,0 +1,501 @@
+"""The HTTP front door of ``shoal dev``: API Gateway's HTTP API, emulated.
+
+A request is matched to a declared route the way an HTTP API selects one (an exact route and
+method first, literal segments before ``{param}``, then greedy ``{param+}`` routes by longest
+prefix, then ``$default``; a route with an explicit method before ``ANY``), checked by the JWT
+authorizer when the route is authorized, turned into a payload format 2.0 event and handed to
+the route's function; the function's answer is turned back into HTTP by the 2.0 rules.
+
+Where API Gateway answers by itself the bodies are its own (``{"message": ...}``), except the
+401, which also carries Shoal's error frame (see ``authorizer.unauthorized_body``).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
+from shoal.local.authorizer import AuthorizationFailed, Authorized, JwtAuthorizer, unauthorized_body
+from shoal.local.provision import ACCOUNT_ID
+
+log = logging.getLogger("shoal-dev.gateway")
+
+#: API Gateway refuses larger request bodies
+MAX_REQUEST_BYTES = 10 * 1024 * 1024
+#: Lambda refuses a synchronous invocation whose event is larger
+MAX_INVOKE_PAYLOAD_BYTES = 6 * 1024 * 1024
+API_ID = "local"
+JWKS_PATH = "/.well-known/jwks.json"
+DISCOVERY_PATH = "/.well-known/openid-configuration"
+
+#: request bodies API Gateway passes as text; every other content type arrives base64-encoded
+_TEXT_TYPES = frozenset(
+    {
+        "application/json",
+        "application/xml",
+        "application/javascript",
+        "application/graphql",
+    }
+)
+
+
+def is_text_content_type(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return (
+        media.startswith("text/")
+        or media in _TEXT_TYPES
+        or media.endswith("+json")
+        or media.endswith("+xml")
+    )
+
+
+def frames(exc: BaseException) -> str:
+    """Where an exception was raised, without its message (which may quote a payload)."""
+    return "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+
+
+# --- route selection -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    route: Route
+    function: FunctionDef
+    path_parameters: dict[str, str]
+
+
+@dataclass(frozen=True)
+class _Template:
+    route: Route
+    function: FunctionDef
+    segments: tuple[str, ...]
+    greedy: str | None  # name of the trailing {name+}, if any
+
+    @classmethod
+    def parse(cls, route: Route, function: FunctionDef) -> _Template:
+        segments = tuple(route.path.strip("/").split("/")) if route.path != "/" else ()
+        greedy = None
+        if segments and segments[-1].startswith("{") and segments[-1].endswith("+}"):
+            greedy = segments[-1][1:-2]
+            segments = segments[:-1]
+        return cls(route, function, segments, greedy)
+
+    def match(self, parts: tuple[str, ...]) -> dict[str, str] | None:
+        if self.greedy is None and len(parts) != len(self.segments):
+            return None
+        if self.greedy is not None and len(parts) <= len(self.segments):
+            return None
+        params: dict[str, str] = {}
+        for template, part in zip(self.segments, parts, strict=False):
+            if template.startswith("{") and template.endswith("}"):
+                if not part:
+                    return None
+                params[template[1:-1]] = unquote(part)
+            elif template != part:
+                return None
+        if self.greedy is not None:
+            params[self.greedy] = unquote("/".join(parts[len(self.segments) :]))
+        return params
+
+    def rank(self) -> tuple[int, ...]:
+        """Bigger is more specific: literal segments before variables, left to right."""
+        literals = tuple(0 if s.startswith("{") else 1 for s in self.segments)
+        return (len(self.segments), *literals)
+
+
+class RouteTable:
+    def __init__(self, routes: Iterable[tuple[Route, FunctionDef]]) -> None:
+        self._exact: list[_Template] = []
+        self._greedy: list[_Template] = []
+        self._default: RouteMatch | None = None
+        for route, function in routes:
+            if route.path == DEFAULT_ROUTE:
+                self._default = RouteMatch(route, function, {})
+                continue
+            template = _Template.parse(route, function)
+            (self._greedy if template.greedy else self._exact).append(template)
+
+    def match(self, method: str, raw_path: str) -> RouteMatch | None:
+        # a trailing slash is an empty last segment: /v1/topics/ is not /v1/topics
+        parts = tuple(raw_path[1:].split("/")) if raw_path not in ("", "/") else ()
+        method = method.upper()
+        for group in (self._exact, self._greedy):
+            best: tuple[tuple[int, ...], int, _Template, dict[str, str]] | None = None
+            for template in group:
+                if template.route.method not in (method, "ANY"):
+                    continue
+                params = template.match(parts)
+                if params is None:
+                    continue
+                key = (template.rank(), 1 if template.route.method == method else 0)
+                if best is None or key > best[:2]:
+                    best = (*key, template, params)
+            if best is not None:
+                _, _, template, params = best
+                return RouteMatch(template.route, template.function, params)
+        return self._default
+
+
+# --- events and responses --------------------------------------------------------------------
+
+
+@dataclass
+class HttpRequest:
+    method: str
+    raw_path: str
+    raw_query: str = ""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    source_ip: str = "127.0.0.1"
+    protocol: str = "HTTP/1.1"
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        return ",".join(values) if values else None
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    @classmethod
+    def json(cls, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> HttpResponse:
+        return cls(
+            status, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
+        )
+
+
+def _request_id() -> str:
+    # API Gateway request ids are 10 random bytes, base64 (e.g. "JKJaXmPLvHcESHA=")
+    return base64.b64encode(secrets.token_bytes(10)).decode()
+
+
+def build_event(
+    request: HttpRequest,
+    match: RouteMatch,
+    *,
+    authorized: Authorized | None = None,
+    request_id: str | None = None,
+    now_ms: int | None = None,
+) -> dict[str, Any]:
+    """The payload format 2.0 event API Gateway sends the route's function."""
+    now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    request_id = request_id or _request_id()
+    headers: dict[str, str] = {}
+    cookies: list[str] = []
+    for name, value in request.headers:
+        lower = name.lower()
+        if lower == "cookie":
+            cookies.extend(c.strip() for c in value.split(";") if c.strip())
+            continue
+        headers[lower] = f"{headers[lower]},{value}" if lower in headers else value
+    forwarded = headers.get("x-forwarded-for")
+    headers["x-forwarded-for"] = (
+        f"{forwarded}, {request.source_ip}" if forwarded else request.source_ip
+    )
+    headers.setdefault("x-forwarded-proto", "http")
+    host = headers.get("host", "localhost")
+    domain = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    route_key = match.route.key
+    at = dt.datetime.fromtimestamp(now_ms / 1000, tz=dt.UTC)
+    event: dict[str, Any] = {
+        "version": "2.0",
+        "routeKey": route_key,
+        "rawPath": request.raw_path,
+        "rawQueryString": request.raw_query,
+        "headers": headers,
+    }
+    if cookies:
+        event["cookies"] = cookies
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(request.raw_query, keep_blank_values=True):
+        query[name] = f"{query[name]},{value}" if name in query else value
+    if query:
+        event["queryStringParameters"] = query
+    if match.path_parameters:
+        event["pathParameters"] = dict(match.path_parameters)
+    context: dict[str, Any] = {
+        "accountId": ACCOUNT_ID,
+        "apiId": API_ID,
+        "domainName": domain,
+        "domainPrefix": domain.split(".", 1)[0],
+        "http": {
+            "method": request.method.upper(),
+            "path": request.raw_path,
+            "protocol": request.protocol,
+            "sourceIp": request.source_ip,
+            "userAgent": headers.get("user-agent", ""),
+        },
+        "requestId": request_id,
+        "routeKey": route_key,
+        "stage": "$default",
+        "time": at.strftime("%d/%b/%Y:%H:%M:%S +0000"),
+        "timeEpoch": now_ms,
+    }
+    if authorized is not None:
+        context["authorizer"] = authorized.context()
+    event["requestContext"] = context
+    if request.body:
+        if is_text_content_type(headers.get("content-type")):
+            try:
+                event["body"] = request.body.decode("utf-8")
+                event["isBase64Encoded"] = False
+            except UnicodeDecodeError:
+                event["body"] = base64.b64encode(request.body).decode()
+                event["isBase64Encoded"] = True
+        else:
+            event["body"] = base64.b64encode(request.body).decode()
+            event["isBase64Encoded"] = True
+    else:
+        event["isBase64Encoded"] = False
+    return event
+
+
+def internal_server_error() -> HttpResponse:
+    return HttpResponse.json(500, {"message": "Internal Server Error"})
+
+
+def to_http_response(result: Any) -> HttpResponse:
+    """A function's answer as API Gateway returns it under payload format 2.0."""
+    if not (isinstance(result, dict) and "statusCode" in result):
+        # no statusCode: API Gateway assumes 200 and sends the whole answer as JSON
+        return HttpResponse.json(200, result)
+    try:
+        status = int(result["statusCode"])
+    except (TypeError, ValueError):
+        return internal_server_error()
+    headers = [(str(k), str(v)) for k, v in (result.get("headers") or {}).items()]
+    headers += [("Set-Cookie", str(c)) for c in result.get("cookies") or []]
+    body = result.get("body")
+    if body is None:
+        payload = b""
+    elif not isinstance(body, str):
+        payload = json.dumps(body).encode()
+    elif result.get("isBase64Encoded"):
+        try:
+            payload = base64.b64decode(body, validate=True)
+        except ValueError:
+            return internal_server_error()
+    else:
+        payload = body.encode()
+    return HttpResponse(status, headers, payload)
+
+
+# --- the gateway -----------------------------------------------------------------------------
+
+Invoke = Callable[[FunctionDef, dict[str, Any]], Any]
+
+
+class Gateway:
+    """Routes, authorizes and invokes: one HTTP request in, one HTTP response out."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        authorizer: JwtAuthorizer,
+        invoke: Invoke,
+        *,
+        jwks: Mapping[str, Any],
+        public_url: str = "",
+    ) -> None:
+        self.routes = routes
+        self.authorizer = authorizer
+        self.invoke = invoke
+        self.jwks = jwks
+        self.public_url = public_url
+
+    def handle(self, request: HttpRequest) -> HttpResponse:
+        if request.method.upper() == "GET" and request.raw_path in (JWKS_PATH, DISCOVERY_PATH):
+            return self._identity_provider(request.raw_path)
+        if len(request.body) > MAX_REQUEST_BYTES:
+            return HttpResponse.json(413, {"message": "Request Entity Too Large"})
+        match = self.routes.match(request.method, request.raw_path)
+        if match is None:
+            return HttpResponse.json(404, {"message": "Not Found"})
+        authorized = None
+        if match.route.authorized:
+            try:
+                authorized = self.authorizer.authorize(request.header("authorization"))
+            except AuthorizationFailed as exc:
+                return HttpResponse.json(
+                    401,
+                    unauthorized_body(exc.reason),
+                    [("WWW-Authenticate", 'Bearer error="invalid_token"')],
+                )
+        request_id = _request_id()
+        event = build_event(request, match, authorized=authorized, request_id=request_id)
+        if len(json.dumps(event)) > MAX_INVOKE_PAYLOAD_BYTES:
+            return HttpResponse.json(413, {"message": "Request Entity Too Large"})
+        try:
+            result = self.invoke(match.function, event)
+        except Exception as exc:
+            # the type only: an exception's message may quote the request
+            log.error(
+                "function %s raised %s\n%s", match.function.name, type(exc).__name__, frames(exc)
+            )
+            response = internal_server_error()
+        else:
+            response = to_http_response(result)
+        response.headers.append(("apigw-requestid", request_id))
+        return response
+
+    def _identity_provider(self, path: str) -> HttpResponse:
+        if path == JWKS_PATH:
+            return HttpResponse.json(200, self.jwks)
+        return HttpResponse.json(
+            200,
+            {
+                "issuer": self.authorizer.issuer,
+                "jwks_uri": f"{self.public_url}{JWKS_PATH}",
+                "id_token_signing_alg_values_supported": ["RS256"],
+                "response_types_supported": ["token"],
+                "subject_types_supported": ["public"],
+            },
+        )
+
+
+# --- the HTTP server -------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "shoal-dev"
+    sys_version = ""
+    server: _Server
+
+    def _serve(self) -> None:
+        started = time.perf_counter()
+        path, _, query = self.path.partition("?")
+        body = self._read_body()
+        if body is None:
+            # refused before reading it all; the unread rest makes the connection unusable
+            self.close_connection = True
+            response = HttpResponse.json(413, {"message": "Request Entity Too Large"})
+        else:
+            request = HttpRequest(
+                method=self.command,
+                raw_path=path,
+                raw_query=query,
+                headers=list(self.headers.items()),
+                body=body,
+                source_ip=self.client_address[0],
+                protocol=self.request_version,
+            )
+            try:
+                response = self.server.gateway.handle(request)
+            except Exception as exc:
+                log.error("gateway failed: %s\n%s", type(exc).__name__, frames(exc))
+                response = internal_server_error()
+        self.send_response(response.status)  # with Date
+        for name, value in response.headers:
+            if name.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(response.body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+        # method, path and status only: never the query string, headers or bodies
+        log.info(
+            "%s %s %d %.1fms",
+            self.command,
+            path,
+            response.status,
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None when it exceeds what API Gateway accepts."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return b"".join(chunks)
+                total += size
+                if total > MAX_REQUEST_BYTES:
+                    return None
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_REQUEST_BYTES:
+            return None
+        return self.rfile.read(length) if length else b""
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # http.server's own lines quote the full request line, query string included
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    gateway: Gateway
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class GatewayServer:
+    """The gateway on ``host:port`` (port 0: any free port), one thread per connection.
+
+    The port is bound at construction, so its URL (the default issuer) is known before the
+    gateway behind it is built; nothing is served before ``start``.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        server_class = _Server6 if ":" in host else _Server
+        self._server = server_class((host, port), _Handler)
+        self.host = host
+        self.port = self._server.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def gateway(self) -> Gateway:
+        return self._server.gateway
+
+    @gateway.setter
+    def gateway(self, gateway: Gateway) -> None:
+        self._server.gateway = gateway
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="shoal-gateway", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            # shutdown() waits for serve_forever, so only a started server may be asked
+            self._server.shutdown()
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._server.server_close()

@@ -1,0 +1,402 @@
+"""``shoal dev`` wired together: emulated account, functions, gateway, triggers.
+
+Start order: the embedded AWS (journal replayed), the process environment exactly as a deployed
+function sees it, provisioning from the declarations (idempotent, so a restart keeps what is
+there), the store bound, the start hooks, the triggers (event source mappings and schedules)
+and last the gateway, so nothing reaches a handler before the account is ready.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoal.clock import Clock, SystemClock
+from shoal.config import Config, get_config
+from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef
+from shoal.local.authorizer import (
+    DEFAULT_AUDIENCE,
+    IssuerSettings,
+    JwtAuthorizer,
+    SigningKey,
+    mint_token,
+)
+from shoal.local.aws import EmbeddedAws
+from shoal.local.gateway import Gateway, GatewayServer, RouteTable
+from shoal.local.provision import ACCOUNT_ID, LocalNames, provision
+
+log = logging.getLogger("shoal-dev.runtime")
+
+REGION = "us-east-1"
+RUNTIME_FILE = "runtime.json"
+LOCK_FILE = "lock"
+CHECKPOINTS_DIR = "checkpoints"
+
+#: What every function's process sees besides the declared environment: fake credentials (the
+#: emulator checks none, and no real account can be reached with them), one region, few SDK
+#: retries (nothing throttles locally; a retry only hides a bug), no X-Ray daemon.
+BASE_ENVIRONMENT = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": REGION,
+    "AWS_REGION": REGION,
+    "AWS_MAX_ATTEMPTS": "2",
+    "AWS_RETRY_MODE": "standard",
+    "AWS_ACCOUNT_ID_ENDPOINT_MODE": "disabled",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "POWERTOOLS_TRACE_DISABLED": "1",
+    "POWERTOOLS_METRICS_NAMESPACE": "Shoal",
+}
+
+StartHook = Callable[[Config], object]
+
+
+def _ensure_default_topic(config: Config) -> None:
+    from shoal.composite import ensure_default_topic
+
+    ensure_default_topic(config)
+
+
+#: Called in order after provisioning, with the process configuration bound, before any
+#: request is served. Each runs at every start (after the journal replay), so each must be
+#: idempotent. Add a hook here; import inside it, to keep the runtime's own imports light.
+START_HOOKS: list[StartHook] = [
+    # the `default` composite topic every MQTT topic without a topic of its own belongs to
+    _ensure_default_topic,
+]
+
+
+# --- in-process Lambda -----------------------------------------------------------------------
+
+
+class LambdaContext:
+    """The parts of Lambda's context object a handler (and Powertools) reads."""
+
+    function_version = "$LATEST"
+
+    def __init__(self, fn: FunctionDef, function_name: str) -> None:
+        self.function_name = function_name
+        self.memory_limit_in_mb = fn.memory_mb
+        self.invoked_function_arn = f"arn:aws:lambda:{REGION}:{ACCOUNT_ID}:function:{function_name}"
+        self.aws_request_id = str(uuid.uuid4())
+        self.log_group_name = f"/aws/lambda/{function_name}"
+        self.log_stream_name = "shoal-dev"
+        self._deadline = time.monotonic() + fn.timeout_s
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._deadline - time.monotonic()) * 1000))
+
+
+Handler = Callable[[dict[str, Any], Any], Any]
+
+
+class _Sandboxes:
+    """One function's execution environments: each runs one invocation at a time.
+
+    Lambda never runs two invocations in one environment at once, and handlers rely on that
+    (Powertools' resolver keeps the current event on a module-level object). So concurrent
+    invocations get separate copies of the handler module, made on demand like cold starts.
+    """
+
+    def __init__(self, fn: FunctionDef, limit: int) -> None:
+        self.fn = fn
+        self.limit = limit
+        self.created = 0
+        self._idle: list[Handler] = []
+        self._available = threading.Condition()
+
+    def _load(self) -> Handler:
+        if self.created == 0:
+            module = importlib.import_module(self.fn.module)
+        else:
+            spec = importlib.util.find_spec(self.fn.module)
+            if spec is None or spec.loader is None:
+                raise ImportError(self.fn.module)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        handler: Handler = getattr(module, self.fn.attribute)
+        return handler
+
+    def acquire(self) -> Handler:
+        with self._available:
+            while not self._idle and self.created >= self.limit:
+                self._available.wait()
+            if self._idle:
+                return self._idle.pop()
+            handler = self._load()
+            self.created += 1
+            return handler
+
+    def release(self, handler: Handler) -> None:
+        with self._available:
+            self._idle.append(handler)
+            self._available.notify()
+
+
+class Functions:
+    """The declared functions, invoked in-process with the event Lambda would pass."""
+
+    def __init__(
+        self, deployment: Deployment, names: LocalNames, *, max_concurrency: int = 32
+    ) -> None:
+        self.names = names
+        self._by_name = {names.functions[fn.name]: fn for fn in deployment.functions}
+        self._sandboxes = {fn.name: _Sandboxes(fn, max_concurrency) for fn in deployment.functions}
+
+    def invoke(self, function_name: str, event: dict[str, Any]) -> Any:
+        """Invoke by deployed name (e.g. "shoal-health"), as triggers name their target."""
+        fn = self._by_name.get(function_name)
+        if fn is None:
+            raise KeyError(f"no declared function is deployed as {function_name!r}")
+        return self.invoke_def(fn, event)
+
+    def invoke_def(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
+        sandboxes = self._sandboxes[fn.name]
+        handler = sandboxes.acquire()
+        try:
+            return handler(event, LambdaContext(fn, self.names.functions[fn.name]))
+        finally:
+            sandboxes.release(handler)
+
+
+def ensure_functions_importable(root: Path | None = None) -> Path:
+    """Put the project root (the folder holding ``functions/``) on ``sys.path``."""
+    candidates = [root] if root else [Path.cwd(), Path(__file__).resolve().parents[5]]
+    for candidate in candidates:
+        if candidate is not None and (candidate / "functions").is_dir():
+            if str(candidate) not in sys.path:
+                sys.path.insert(0, str(candidate))
+            return candidate
+    raise RuntimeError("cannot find the functions/ folder; run shoal dev from the project root")
+
+
+# --- the runtime -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    aws_host: str = "127.0.0.1"
+    aws_port: int = 0
+    state_dir: Path | None = None
+    default_partitions: int = 1
+    #: default: the gateway's own URL
+    issuer: str | None = None
+    audience: str = DEFAULT_AUDIENCE
+    prefix: str = "shoal"
+    #: run event source mappings and schedules (off: only HTTP reaches the functions)
+    triggers: bool = True
+    project_root: Path | None = None
+
+
+class StateDirInUse(RuntimeError):
+    pass
+
+
+class LocalRuntime:
+    def __init__(
+        self,
+        options: DevOptions,
+        *,
+        clock: Clock | None = None,
+        deployment: Deployment = DEPLOYMENT,
+    ) -> None:
+        self.options = options
+        self.clock = clock or SystemClock()
+        self.deployment = deployment
+        self.names = LocalNames.for_deployment(
+            deployment, prefix=options.prefix, default_partitions=options.default_partitions
+        )
+        self.aws: EmbeddedAws | None = None
+        self.gateway: GatewayServer | None = None
+        self.functions = Functions(deployment, self.names)
+        self.key: SigningKey | None = None
+        self.issuer = ""
+        self._state_dir: Path | None = None
+        self._temp_dir: Path | None = None
+        self._lock_fd: int | None = None
+        self._triggers: list[Any] = []
+
+    # -- lifecycle --
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        options = self.options
+        ensure_functions_importable(options.project_root)
+        state = self._open_state_dir()
+        # bound first, so a port in use fails at once; it serves nothing before start(). The
+        # default issuer is its URL, port 0 included.
+        server = GatewayServer(options.host, options.port)
+        self.gateway = server
+        self.aws = EmbeddedAws(options.aws_host, options.aws_port, options.state_dir)
+        self.aws.start()
+        self._set_environment(self.aws.url)
+        session = self.aws.session()
+        provision(session, self.names, self.deployment)
+        from shoal import store
+
+        get_config.cache_clear()
+        config = get_config()
+        store.bind(config)
+        for hook in START_HOOKS:
+            hook(config)
+
+        self.key = SigningKey.load_or_create(state)
+        public = server.url
+        if options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
+            public = f"http://127.0.0.1:{server.port}"
+        self.issuer = options.issuer or public
+        server.gateway = Gateway(
+            RouteTable(self.deployment.routes()),
+            JwtAuthorizer(
+                issuer=self.issuer,
+                audiences=(options.audience,),
+                jwks=self.key.jwks(),
+                clock=self.clock,
+            ),
+            self.functions.invoke_def,
+            jwks=self.key.jwks(),
+            public_url=public,
+        )
+        IssuerSettings(self.issuer, options.audience).save(state)
+
+        if options.triggers:
+            self._start_triggers(state)
+        server.start()
+        self._write_runtime_file(state, public)
+
+    def _start_triggers(self, state: Path) -> None:
+        """Event source mappings (read from the Lambda API) and schedules, invoking in-process."""
+        from shoal.local.checkpoints import FileCheckpoints
+        from shoal.local.esm import EventSourceMappings
+        from shoal.local.scheduler import Scheduler, schedules_for
+
+        assert self.aws is not None
+        # checkpoints are keyed by mapping UUID, which the journal replays identically
+        mappings = EventSourceMappings(
+            self.aws.session(),
+            self.functions.invoke,
+            self.clock,
+            FileCheckpoints(state / CHECKPOINTS_DIR),
+            endpoint_url=self.aws.url,
+        )
+        mappings.start()
+        self._triggers.append(mappings)
+        scheduler = Scheduler(
+            schedules_for(self.deployment, self.names), self.functions.invoke, self.clock
+        )
+        scheduler.start()
+        self._triggers.append(scheduler)
+
+    def stop(self) -> None:
+        """Stop serving, then the triggers, then the emulator; safe to call more than once."""
+        started = time.monotonic()
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+        while self._triggers:
+            trigger = self._triggers.pop()
+            try:
+                trigger.stop()
+            except Exception as exc:
+                log.error("stopping %s failed: %s", type(trigger).__name__, type(exc).__name__)
+            log.debug("%s stopped after %.2f s", type(trigger).__name__, time.monotonic() - started)
+        if self.aws is not None:
+            self.aws.stop()
+            self.aws = None
+        log.debug("stopped in %.2f s", time.monotonic() - started)
+        if self._state_dir is not None:
+            (self._state_dir / RUNTIME_FILE).unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+    # -- pieces --
+
+    def _open_state_dir(self) -> Path:
+        if self.options.state_dir is None:
+            self._temp_dir = Path(tempfile.mkdtemp(prefix="shoal-dev-"))
+            self._state_dir = self._temp_dir
+            return self._temp_dir
+        state = self.options.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        os.chmod(state, 0o700)
+        fd = os.open(state / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise StateDirInUse(f"another shoal dev is running on {state}") from exc
+        self._lock_fd = fd
+        self._state_dir = state
+        return state
+
+    def _set_environment(self, aws_url: str) -> None:
+        for key in list(os.environ):
+            # a developer's own AWS settings must not leak into the emulated account
+            if key.startswith("AWS_ENDPOINT_URL_") or key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+                del os.environ[key]
+        os.environ.update(BASE_ENVIRONMENT)
+        os.environ["AWS_ENDPOINT_URL"] = aws_url
+        os.environ.update(self.names.environment())
+
+    def _write_runtime_file(self, state: Path, public_url: str) -> None:
+        assert self.aws is not None
+        info = {
+            "pid": os.getpid(),
+            "url": public_url,
+            "aws_url": self.aws.url,
+            "issuer": self.issuer,
+            "audience": self.options.audience,
+        }
+        tmp = state / f"{RUNTIME_FILE}.tmp"
+        tmp.write_text(json.dumps(info))
+        tmp.replace(state / RUNTIME_FILE)
+
+    # -- for the CLI and tests --
+
+    @property
+    def url(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
+
+    @property
+    def aws_url(self) -> str:
+        assert self.aws is not None
+        return self.aws.url
+
+    @property
+    def state_dir(self) -> Path | None:
+        return self._state_dir
+
+    def mint_token(self, sub: str, **kwargs: Any) -> str:
+        assert self.key is not None
+        return mint_token(
+            self.key, issuer=self.issuer, audience=self.options.audience, sub=sub, **kwargs
+        )

@@ -1,0 +1,281 @@
+"""End-to-end fixtures: a real ``shoal dev`` process, driven over HTTP.
+
+``dev`` starts ``shoal dev`` on a free loopback port with a fresh ``--state-dir`` and waits
+until ``GET /v1/health`` answers. Use it like this::
+
+    @pytest.mark.e2e
+    def test_admin_creates_a_topic(dev: DevServer) -> None:
+        admin = dev.token("ops", admin=True)
+        status, body = dev.request("POST", "/v1/topics", token=admin, json={"name": "orders"})
+        assert status == 201
+        kinesis = dev.aws().client("kinesis")        # the emulated account, directly
+        dev.restart(kill=True)                        # kill -9, start again on the same state
+
+``dev_factory(**options)`` starts one with other options (``default_partitions=4``,
+``extra_args=[...]``); every server it started is stopped after the test. ``shared_dev`` is
+one server per test module, for tests that neither stop it nor need a fresh account.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from shoal.local.aws import EndpointSession
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+
+def shoal_command() -> list[str]:
+    """The installed ``shoal`` entry point of this interpreter's environment."""
+    script = Path(sys.executable).with_name("shoal")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
+
+
+def _child_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # the test process's fake-AWS settings are fine; an endpoint of its own is not
+    for key in [k for k in env if k.startswith("AWS_ENDPOINT_URL")]:
+        del env[key]
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("POWERTOOLS_LOG_LEVEL", "WARNING")
+    return env
+
+
+class DevServer:
+    """One ``shoal dev`` process on a state directory; restartable on the same ports."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        default_partitions: int = 1,
+        extra_args: Iterable[str] = (),
+    ) -> None:
+        self.state_dir = state_dir
+        self.default_partitions = default_partitions
+        self.extra_args = list(extra_args)
+        self.log_path = state_dir.parent / f"{state_dir.name}.log"
+        self.port = 0
+        self.aws_port = 0
+        self.url = ""
+        self.aws_url = ""
+        self.issuer = ""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    # -- lifecycle --
+
+    def start(self) -> None:
+        """Start ``shoal dev`` (on the ports of the previous run, if any) and wait for health."""
+        args = [
+            *shoal_command(),
+            "dev",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--aws-port",
+            str(self.aws_port),
+            "--state-dir",
+            str(self.state_dir),
+            "--default-partitions",
+            str(self.default_partitions),
+            *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                args, cwd=ROOT, env=_child_environment(), stdout=log, stderr=subprocess.STDOUT
+            )
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        runtime_file = self.state_dir / "runtime.json"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"shoal dev exited with {self.process.returncode}:\n{self.log()}"
+                )
+            info = _read_json(runtime_file)
+            if info and info.get("pid") == self.process.pid:
+                self.url, self.aws_url, self.issuer = info["url"], info["aws_url"], info["issuer"]
+                self.port = int(self.url.rsplit(":", 1)[1])
+                self.aws_port = int(self.aws_url.rsplit(":", 1)[1])
+                if self._healthy():
+                    return
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(
+            f"shoal dev did not become healthy in {START_TIMEOUT_S} s:\n{self.log()}"
+        )
+
+    def _healthy(self) -> bool:
+        try:
+            status, _ = self.request("GET", "/v1/health", timeout=5)
+        except OSError:
+            return False
+        return status == 200
+
+    def kill(self) -> None:
+        """kill -9: no shutdown code runs."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT_S)
+
+    def terminate(self) -> int:
+        """SIGTERM, and the exit status once the process has stopped."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(STOP_TIMEOUT_S)
+
+    def restart(self, kill: bool = True) -> None:
+        """Stop (kill -9 by default, else SIGTERM) and start again on the same state and ports."""
+        if kill:
+            self.kill()
+        else:
+            self.terminate()
+        self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    # -- talking to it --
+
+    def token(
+        self,
+        sub: str = "tester",
+        *,
+        admin: bool = False,
+        clients: Iterable[str] | None = None,
+        publish: Iterable[str] = (),
+        subscribe: Iterable[str] = (),
+        ttl_s: int = 3600,
+    ) -> str:
+        """A token from ``shoal token`` for this server's issuer (clients default to ``sub``)."""
+        args = [*shoal_command(), "token", "--sub", sub, "--state-dir", str(self.state_dir)]
+        args += ["--ttl-s", str(ttl_s)]
+        if admin:
+            args.append("--admin")
+        for flag, values in (
+            ("--clients", clients),
+            ("--publish", publish),
+            ("--subscribe", subscribe),
+        ):
+            items = list(values or ())
+            if items:
+                args += [flag, *items]
+        done = subprocess.run(
+            args, cwd=ROOT, env=_child_environment(), capture_output=True, check=True, timeout=60
+        )
+        return done.stdout.decode().strip().splitlines()[-1]
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = None,
+        json: Any = None,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, Any]:
+        """One HTTP request; the body comes back parsed as JSON when it is JSON, else bytes."""
+        all_headers = dict(headers or {})
+        data = body
+        if json is not None:
+            data = jsonlib.dumps(json).encode()
+            all_headers.setdefault("Content-Type", "application/json")
+        if token is not None:
+            all_headers["Authorization"] = f"Bearer {token}"
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers=all_headers
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read()
+        try:
+            return status, jsonlib.loads(raw) if raw else None
+        except ValueError:
+            return status, raw
+
+    def aws(self) -> boto3.Session:
+        """A boto3 session whose clients talk to this server's emulated account."""
+        return EndpointSession(self.aws_url)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = jsonlib.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+DevFactory = Callable[..., DevServer]
+
+
+@contextmanager
+def _servers(directory: Path) -> Iterator[DevFactory]:
+    servers: list[DevServer] = []
+
+    def start(*, default_partitions: int = 1, extra_args: Iterable[str] = ()) -> DevServer:
+        server = DevServer(
+            directory / f"state-{len(servers)}",
+            default_partitions=default_partitions,
+            extra_args=extra_args,
+        )
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.poll() is None:
+                try:
+                    server.terminate()
+                except subprocess.TimeoutExpired:
+                    server.kill()
+
+
+@pytest.fixture
+def dev_factory(tmp_path: Path) -> Iterator[DevFactory]:
+    """Starts ``shoal dev`` processes with options; all are stopped after the test."""
+    with _servers(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture
+def dev(dev_factory: DevFactory) -> DevServer:
+    """A fresh ``shoal dev`` on its own state directory, healthy; free to kill or restart."""
+    return dev_factory()
+
+
+@pytest.fixture(scope="module")
+def shared_dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    """One ``shoal dev`` for a whole test module (a start costs seconds).
+
+    Tests that use it see each other's state: use distinct names, and never stop it.
+    """
+    with _servers(tmp_path_factory.mktemp("shared-dev")) as start:
+        yield start()

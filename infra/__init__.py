@@ -1,0 +1,1 @@
+"""The CDK app: one stack built from ``shoal.declarations.DEPLOYMENT``."""

@@ -1,0 +1,613 @@
+"""The Shoal stack, built only from ``shoal.declarations``.
+
+Every table, bucket, function, route, grant and schedule comes from a ``Deployment``; this
+module loops over it and knows no resource by name, so a function, route, table or grant added
+to the declarations reaches the stack with no edit here. The one name it knows is
+``bootstrap``: a function of that name is run as a CloudFormation custom resource so the
+default composite topic exists once the stack is deployed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import aws_cdk as cdk
+from aws_cdk import aws_apigatewayv2 as apigw
+from aws_cdk import aws_apigatewayv2_authorizers as authorizers
+from aws_cdk import aws_apigatewayv2_integrations as integrations
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_cloudwatch_actions as cloudwatch_actions
+from aws_cdk import aws_dynamodb as dynamodb
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as sns_subscriptions
+from aws_cdk import custom_resources
+from constructs import Construct, Node
+from shoal.declarations import (
+    DEFAULT_ROUTE,
+    DEPLOYMENT,
+    BucketDef,
+    Deployment,
+    FunctionDef,
+    Grant,
+    environment,
+)
+from shoal.store import TableDef
+
+from infra.bundling import PipLayerBundling
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYER_DIR = ROOT / "layers" / "shoal"
+FUNCTIONS_DIR = ROOT / "functions"
+
+#: the declared function that CloudFormation runs on deploy to create the default topic
+BOOTSTRAP = "bootstrap"
+LOG_RETENTION = logs.RetentionDays.ONE_MONTH
+ALARM_PERIOD = cdk.Duration.minutes(5)
+#: API Gateway HTTP API's integration timeout is 30 s; a routed function should end first
+API_TIMEOUT_S = 29
+ASSET_EXCLUDE = ["**/__pycache__", "**/*.pyc", "*.egg-info"]
+
+TABLE_READ = (
+    "dynamodb:BatchGetItem",
+    "dynamodb:ConditionCheckItem",
+    "dynamodb:DescribeTable",
+    "dynamodb:GetItem",
+    "dynamodb:Query",
+    "dynamodb:Scan",
+)
+# ConditionCheckItem is here too: a TransactWriteItems with a condition check is how a
+# function writes under a condition on another item, and needs no read of its own.
+TABLE_WRITE = (
+    "dynamodb:BatchWriteItem",
+    "dynamodb:ConditionCheckItem",
+    "dynamodb:DeleteItem",
+    "dynamodb:DescribeTable",
+    "dynamodb:PutItem",
+    "dynamodb:UpdateItem",
+)
+STREAM_READ = (
+    "kinesis:DescribeStream",
+    "kinesis:DescribeStreamConsumer",
+    "kinesis:DescribeStreamSummary",
+    "kinesis:GetRecords",
+    "kinesis:GetShardIterator",
+    "kinesis:ListShards",
+    "kinesis:ListStreamConsumers",
+    "kinesis:SubscribeToShard",
+)
+STREAM_WRITE = ("kinesis:PutRecord", "kinesis:PutRecords")
+# Managing storage topics: creating, tagging, resizing and deleting the streams themselves.
+STREAM_MANAGE = (
+    "kinesis:AddTagsToStream",
+    "kinesis:CreateStream",
+    "kinesis:DeleteStream",
+    "kinesis:UpdateShardCount",
+)
+
+
+class MissingContextError(ValueError):
+    """A CDK context value the stack cannot be built without."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What differs between deployments of the same declarations; read from CDK context."""
+
+    jwt_issuer: str
+    jwt_audience: tuple[str, ...]
+    default_partitions: int = 1
+    #: keep tables (deletion protection, RETAIN) and the archive bucket when the stack goes
+    retain_data: bool = True
+    #: storage streams are "<stream_prefix>-<topic>-<index>"; None: the declarations' prefix
+    stream_prefix: str | None = None
+    alarm_email: str | None = None
+
+    @classmethod
+    def from_context(cls, node: Node) -> Settings:
+        def get(key: str) -> Any:
+            value = node.try_get_context(key)
+            return None if value in (None, "") else value
+
+        issuer, audience = get("jwtIssuer"), get("jwtAudience")
+        if issuer is None or audience is None:
+            raise MissingContextError(
+                "the JWT authorizer needs CDK context jwtIssuer and jwtAudience, e.g. "
+                "npx aws-cdk@2 deploy -c jwtIssuer=https://issuer.example.com/ "
+                "-c jwtAudience=shoal"
+            )
+        if not str(issuer).startswith("https://"):
+            raise MissingContextError(f"jwtIssuer must be an https URL, got {issuer!r}")
+        audiences = (
+            tuple(audience)
+            if isinstance(audience, list)
+            else tuple(a.strip() for a in str(audience).split(",") if a.strip())
+        )
+        return cls(
+            jwt_issuer=str(issuer),
+            jwt_audience=audiences,
+            default_partitions=int(get("defaultPartitions") or 1),
+            retain_data=_flag(get("retainData"), default=True),
+            stream_prefix=get("streamPrefix"),
+            alarm_email=get("alarmEmail"),
+        )
+
+
+def _flag(value: Any, *, default: bool) -> bool:
+    # `-c retainData=false` arrives as a string, cdk.json gives a boolean
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in {"1", "true", "yes"}
+
+
+def pascal(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[^A-Za-z0-9]+", name))
+
+
+class ShoalStack(cdk.Stack):
+    """One Shoal deployment: API, functions, layer, tables, bucket, schedules, alarms."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        deployment: Deployment = DEPLOYMENT,
+        settings: Settings | None = None,
+        functions_dir: Path = FUNCTIONS_DIR,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        self.deployment = deployment
+        self.settings = settings or Settings.from_context(self.node)
+        self.stream_prefix = self.settings.stream_prefix or deployment.stream_prefix
+        self.removal = (
+            cdk.RemovalPolicy.RETAIN if self.settings.retain_data else cdk.RemovalPolicy.DESTROY
+        )
+        cdk.Tags.of(self).add("app", "shoal")
+
+        self.table_defs = {t.logical: t for t in deployment.tables}
+        self.tables = {t.logical: self._table(t) for t in deployment.tables}
+        self.buckets = {b.logical: self._bucket(b) for b in deployment.buckets}
+        # Explicit names, known before anything is created: a function's environment names
+        # every function (itself included), which with generated names would be a cycle.
+        self.function_names = {f.name: self._function_name(f) for f in deployment.functions}
+        layer = self._layer()
+        env = {
+            **environment(
+                {logical: table.ref for logical, table in self.tables.items()},
+                {logical: bucket.bucket_name for logical, bucket in self.buckets.items()},
+                self.function_names,
+                stream_prefix=self.stream_prefix,
+                default_partitions=self.settings.default_partitions,
+            ),
+            **deployment.extra_env,
+        }
+        self.functions = {
+            f.name: self._function(f, layer, env, functions_dir) for f in deployment.functions
+        }
+        for fdef in deployment.functions:
+            if fdef.routes and fdef.timeout_s > API_TIMEOUT_S:
+                cdk.Annotations.of(self.functions[fdef.name]).add_warning_v2(
+                    "shoal:timeout-beyond-api",
+                    f"{fdef.name}: timeout {fdef.timeout_s}s exceeds the HTTP API's "
+                    f"{API_TIMEOUT_S}s; the gateway will cut calls Lambda still runs",
+                )
+            for grant in fdef.grants:
+                self._grant(fdef, grant)
+            if fdef.schedule_s is not None:
+                self._schedule(fdef)
+
+        self.api = self._api()
+        if BOOTSTRAP in self.functions:
+            self._bootstrap()
+        self._alarms()
+        self._outputs()
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _table(self, table: TableDef) -> dynamodb.CfnTable:
+        schema = table.schema()
+        cfn = dynamodb.CfnTable(
+            self,
+            f"{pascal(table.logical)}Table",
+            billing_mode="PAY_PER_REQUEST",
+            attribute_definitions=[
+                dynamodb.CfnTable.AttributeDefinitionProperty(
+                    attribute_name=a["AttributeName"], attribute_type=a["AttributeType"]
+                )
+                for a in schema["AttributeDefinitions"]
+            ],
+            key_schema=_key_schema(schema["KeySchema"]),
+            global_secondary_indexes=[
+                dynamodb.CfnTable.GlobalSecondaryIndexProperty(**_index(table, i))
+                for i in schema.get("GlobalSecondaryIndexes", [])
+            ]
+            or None,
+            local_secondary_indexes=[
+                dynamodb.CfnTable.LocalSecondaryIndexProperty(**_index(table, i))
+                for i in schema.get("LocalSecondaryIndexes", [])
+            ]
+            or None,
+            point_in_time_recovery_specification=(
+                dynamodb.CfnTable.PointInTimeRecoverySpecificationProperty(
+                    point_in_time_recovery_enabled=True
+                )
+            ),
+            time_to_live_specification=(
+                dynamodb.CfnTable.TimeToLiveSpecificationProperty(
+                    attribute_name=table.ttl_attribute, enabled=True
+                )
+                if table.ttl_attribute
+                else None
+            ),
+            deletion_protection_enabled=self.settings.retain_data,
+        )
+        cfn.apply_removal_policy(self.removal)
+        return cfn
+
+    def _bucket(self, bucket: BucketDef) -> s3.Bucket:
+        lifecycle = [
+            s3.LifecycleRule(
+                id="abort-incomplete-uploads",
+                abort_incomplete_multipart_upload_after=cdk.Duration.days(7),
+            )
+        ]
+        if bucket.expire_days is not None:
+            lifecycle.append(
+                s3.LifecycleRule(id="expire", expiration=cdk.Duration.days(bucket.expire_days))
+            )
+        return s3.Bucket(
+            self,
+            f"{pascal(bucket.logical)}Bucket",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=False,
+            lifecycle_rules=lifecycle,
+            removal_policy=self.removal,
+        )
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _function_name(self, fdef: FunctionDef) -> str:
+        name = f"{self.stack_name}-{fdef.name}"
+        if len(name) > 64 or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ValueError(
+                f"function name {name!r} (stack name + declared name) must be at most 64 "
+                "letters, digits, '-' or '_'; choose a shorter stack name"
+            )
+        return name
+
+    def _layer(self) -> lambda_.LayerVersion:
+        return lambda_.LayerVersion(
+            self,
+            "SharedLayer",
+            description="the shoal library and its dependencies",
+            code=lambda_.Code.from_asset(
+                str(LAYER_DIR),
+                exclude=ASSET_EXCLUDE,
+                bundling=cdk.BundlingOptions(
+                    # required by the type, never pulled: local bundling always succeeds
+                    image=lambda_.Runtime.PYTHON_3_12.bundling_image,
+                    local=PipLayerBundling(LAYER_DIR),
+                ),
+            ),
+            compatible_runtimes=[lambda_.Runtime.PYTHON_3_12],
+            compatible_architectures=[lambda_.Architecture.ARM_64],
+        )
+
+    def _function(
+        self,
+        fdef: FunctionDef,
+        layer: lambda_.ILayerVersion,
+        env: Mapping[str, str],
+        functions_dir: Path,
+    ) -> lambda_.Function:
+        cid = pascal(fdef.name)
+        name = self.function_names[fdef.name]
+        log_group = logs.LogGroup(
+            self,
+            f"{cid}Logs",
+            log_group_name=f"/aws/lambda/{name}",
+            retention=LOG_RETENTION,
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
+        return lambda_.Function(
+            self,
+            f"{cid}Function",
+            function_name=name,
+            description=fdef.description[:256] or None,
+            runtime=lambda_.Runtime.PYTHON_3_12,
+            architecture=lambda_.Architecture.ARM_64,
+            handler=fdef.handler,
+            code=lambda_.Code.from_asset(str(functions_dir / fdef.name), exclude=ASSET_EXCLUDE),
+            layers=[layer],
+            memory_size=fdef.memory_mb,
+            timeout=cdk.Duration.seconds(fdef.timeout_s),
+            tracing=lambda_.Tracing.ACTIVE,
+            log_group=log_group,
+            environment=dict(env),
+        )
+
+    def _grant(self, fdef: FunctionDef, grant: Grant) -> None:
+        fn = self.functions[fdef.name]
+        reads = grant.access in ("read", "read_write")
+        writes = grant.access in ("write", "read_write")
+
+        def allow(actions: Sequence[str], resources: Sequence[str], **condition: Any) -> None:
+            fn.add_to_role_policy(
+                iam.PolicyStatement(
+                    actions=sorted(set(actions)),
+                    resources=list(resources),
+                    conditions=condition or None,
+                )
+            )
+
+        if grant.kind == "table":
+            table = self._declared(self.tables, fdef, grant)
+            schema = self.table_defs[grant.name].schema()
+            resources = [table.attr_arn]
+            if "GlobalSecondaryIndexes" in schema or "LocalSecondaryIndexes" in schema:
+                resources.append(f"{table.attr_arn}/index/*")
+            actions = (TABLE_READ if reads else ()) + (TABLE_WRITE if writes else ())
+            allow(actions, resources)
+        elif grant.kind == "bucket":
+            bucket = self._declared(self.buckets, fdef, grant)
+            if reads and writes:
+                bucket.grant_read_write(fn)
+            elif reads:
+                bucket.grant_read(fn)
+            else:
+                bucket.grant_write(fn)
+        elif grant.kind == "streams":
+            stream = self.format_arn(
+                service="kinesis", resource="stream", resource_name=f"{self.stream_prefix}-*"
+            )
+            if reads:
+                allow(STREAM_READ, [stream, f"{stream}/consumer/*"])
+                # ListStreams names no stream; Lambda's own Kinesis pollers ask for it too
+                allow(["kinesis:ListStreams"], ["*"])
+            if writes:
+                allow(STREAM_WRITE, [stream])
+            if reads and writes:
+                allow(STREAM_MANAGE, [stream])
+        elif grant.kind == "event_source_mappings":
+            # grant.name is the function the mappings invoke. Mappings have generated ids, so
+            # create (which names no mapping) and update/delete are scoped by the condition on
+            # the function they invoke; get and list cannot be scoped by function.
+            target = self._declared(self.function_names, fdef, grant)
+            function_arn = self.format_arn(
+                service="lambda",
+                resource="function",
+                resource_name=target,
+                arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+            )
+            mapping = self.format_arn(
+                service="lambda",
+                resource="event-source-mapping",
+                resource_name="*",
+                arn_format=cdk.ArnFormat.COLON_RESOURCE_NAME,
+            )
+            invokes_target = {"lambda:FunctionArn": [function_arn, f"{function_arn}:*"]}
+            if reads:
+                allow(["lambda:GetEventSourceMapping"], [mapping])
+                allow(["lambda:ListEventSourceMappings"], ["*"])
+            if writes:
+                allow(["lambda:CreateEventSourceMapping"], ["*"], StringLike=invokes_target)
+                allow(
+                    ["lambda:DeleteEventSourceMapping", "lambda:UpdateEventSourceMapping"],
+                    [mapping],
+                    StringLike=invokes_target,
+                )
+        else:  # pragma: no cover - the Literal type names every kind
+            raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
+
+    @staticmethod
+    def _declared(resources: Mapping[str, Any], fdef: FunctionDef, grant: Grant) -> Any:
+        if grant.name not in resources:
+            raise ValueError(
+                f"function {fdef.name} is granted {grant.kind} {grant.name!r}, "
+                f"which the deployment does not declare (declared: {sorted(resources)})"
+            )
+        return resources[grant.name]
+
+    def _schedule(self, fdef: FunctionDef) -> None:
+        assert fdef.schedule_s is not None
+        # EventBridge rates are whole minutes, one at least.
+        minutes = max(1, math.ceil(fdef.schedule_s / 60))
+        if minutes * 60 != fdef.schedule_s:
+            cdk.Annotations.of(self.functions[fdef.name]).add_warning_v2(
+                "shoal:schedule-rounded",
+                f"{fdef.name}: schedule of {fdef.schedule_s}s runs every {minutes} min",
+            )
+        rate = cdk.Duration.minutes(minutes)
+        events.Rule(
+            self,
+            f"{pascal(fdef.name)}Schedule",
+            description=f"runs {fdef.name} every {minutes} min",
+            schedule=events.Schedule.rate(rate),
+            # a run that could not start within one period is superseded by the next one
+            targets=[
+                targets.LambdaFunction(
+                    self.functions[fdef.name], max_event_age=rate, retry_attempts=2
+                )
+            ],
+        )
+
+    # -- API -------------------------------------------------------------------------------
+
+    def _api(self) -> apigw.HttpApi:
+        api = apigw.HttpApi(self, "HttpApi", api_name=self.stack_name, description="Shoal")
+        jwt = authorizers.HttpJwtAuthorizer(
+            "JwtAuthorizer",
+            self.settings.jwt_issuer,
+            jwt_audience=list(self.settings.jwt_audience),
+        )
+        integration_of: dict[str, integrations.HttpLambdaIntegration] = {}
+        for route, fdef in self.deployment.routes():
+            if fdef.name not in integration_of:
+                integration_of[fdef.name] = integrations.HttpLambdaIntegration(
+                    f"{pascal(fdef.name)}Integration", self.functions[fdef.name]
+                )
+            key = (
+                apigw.HttpRouteKey.DEFAULT
+                if route.path == DEFAULT_ROUTE
+                else apigw.HttpRouteKey.with_(route.path, apigw.HttpMethod[route.method])
+            )
+            apigw.HttpRoute(
+                self,
+                f"Route{pascal(route.key.replace('$', 'Dollar'))}",
+                http_api=api,
+                route_key=key,
+                integration=integration_of[fdef.name],
+                authorizer=jwt if route.authorized else None,
+            )
+
+        access_logs = logs.LogGroup(
+            self, "ApiAccessLogs", retention=LOG_RETENTION, removal_policy=cdk.RemovalPolicy.DESTROY
+        )
+        # One JSON line per request; identity by `sub` only, never the token or the body.
+        stage = cast(apigw.CfnStage, api.default_stage.node.default_child)
+        stage.access_log_settings = apigw.CfnStage.AccessLogSettingsProperty(
+            destination_arn=access_logs.log_group_arn,
+            format=json.dumps(
+                {
+                    "requestId": "$context.requestId",
+                    "requestTime": "$context.requestTimeEpoch",
+                    "routeKey": "$context.routeKey",
+                    "status": "$context.status",
+                    "responseLength": "$context.responseLength",
+                    "latency": "$context.responseLatency",
+                    "integrationLatency": "$context.integrationLatency",
+                    "integrationError": "$context.integrationErrorMessage",
+                    "authorizerError": "$context.authorizer.error",
+                    "sub": "$context.authorizer.claims.sub",
+                    "sourceIp": "$context.identity.sourceIp",
+                }
+            ),
+        )
+        return api
+
+    # -- deploy-time bootstrap -------------------------------------------------------------
+
+    def _bootstrap(self) -> None:
+        provider = custom_resources.Provider(
+            self,
+            "BootstrapProvider",
+            on_event_handler=self.functions[BOOTSTRAP],
+            log_group=logs.LogGroup(
+                self,
+                "BootstrapProviderLogs",
+                retention=LOG_RETENTION,
+                removal_policy=cdk.RemovalPolicy.DESTROY,
+            ),
+        )
+        default_topic = cdk.CustomResource(
+            self,
+            "DefaultTopic",
+            service_token=provider.service_token,
+            resource_type="Custom::ShoalDefaultTopic",
+            properties={
+                "DefaultTopic": self.deployment.default_topic,
+                "DefaultPartitions": self.settings.default_partitions,
+            },
+        )
+        # Retained data: CloudFormation never sends Delete, so the default topic's streams
+        # outlive the stack like its tables do.
+        default_topic.apply_removal_policy(self.removal)
+        # The bootstrap may create event source mappings for other functions, which must
+        # exist (with their policies) first.
+        for name, fn in self.functions.items():
+            if name != BOOTSTRAP:
+                default_topic.node.add_dependency(fn)
+
+    # -- operations ------------------------------------------------------------------------
+
+    def _alarms(self) -> None:
+        topic = sns.Topic(self, "AlarmTopic", display_name=f"{self.stack_name} alarms")
+        if self.settings.alarm_email:
+            topic.add_subscription(sns_subscriptions.EmailSubscription(self.settings.alarm_email))
+        notify = cloudwatch_actions.SnsAction(topic)
+
+        def alarm(cid: str, name: str, metric: cloudwatch.IMetric, description: str) -> None:
+            cloudwatch.Alarm(
+                self,
+                cid,
+                alarm_name=f"{self.stack_name}-{name}",
+                alarm_description=description,
+                metric=metric,
+                threshold=0,
+                evaluation_periods=1,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ).add_alarm_action(notify)
+
+        for name, fn in self.functions.items():
+            cid = pascal(name)
+            alarm(
+                f"{cid}ErrorsAlarm",
+                f"{name}-errors",
+                fn.metric_errors(period=ALARM_PERIOD, statistic="Sum"),
+                f"{name} failed an invocation (see docs/operations.md)",
+            )
+            alarm(
+                f"{cid}ThrottlesAlarm",
+                f"{name}-throttles",
+                fn.metric_throttles(period=ALARM_PERIOD, statistic="Sum"),
+                f"{name} was throttled (see docs/operations.md)",
+            )
+        alarm(
+            "Api5xxAlarm",
+            "api-5xx",
+            self.api.metric_server_error(period=ALARM_PERIOD, statistic="Sum"),
+            "the HTTP API answered 5xx (see docs/operations.md)",
+        )
+        cdk.CfnOutput(self, "AlarmTopicArn", value=topic.topic_arn)
+
+    def _outputs(self) -> None:
+        cdk.CfnOutput(self, "ApiUrl", value=self.api.api_endpoint)
+        for logical, table in self.tables.items():
+            cdk.CfnOutput(self, f"{pascal(logical)}TableName", value=table.ref)
+        for logical, bucket in self.buckets.items():
+            cdk.CfnOutput(self, f"{pascal(logical)}BucketName", value=bucket.bucket_name)
+
+
+def _key_schema(elements: Sequence[Mapping[str, str]]) -> list[dynamodb.CfnTable.KeySchemaProperty]:
+    return [
+        dynamodb.CfnTable.KeySchemaProperty(
+            attribute_name=e["AttributeName"], key_type=e["KeyType"]
+        )
+        for e in elements
+    ]
+
+
+def _index(table: TableDef, index: Mapping[str, Any]) -> dict[str, Any]:
+    # TableDef.schema() promises DynamoDB's CreateTable shape; say so if it breaks the promise
+    if not {"IndexName", "KeySchema", "Projection"} <= index.keys():
+        raise ValueError(
+            f"table {table.logical}: TableDef.schema() must give indexes as IndexName, "
+            f"KeySchema, Projection (CreateTable shape), got {sorted(index)}"
+        )
+    projection = index["Projection"]
+    return {
+        "index_name": index["IndexName"],
+        "key_schema": _key_schema(index["KeySchema"]),
+        "projection": dynamodb.CfnTable.ProjectionProperty(
+            projection_type=projection.get("ProjectionType"),
+            non_key_attributes=projection.get("NonKeyAttributes"),
+        ),
+    }

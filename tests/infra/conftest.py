@@ -1,0 +1,28 @@
+"""Synthesized templates, built once per session: a synth costs seconds.
+
+``deployed`` is the stack of the real declarations; ``variant`` is the test-only ``VARIANT``
+deployment, synthesized with -c defaultPartitions=4 -c retainData=false.
+"""
+
+from __future__ import annotations
+
+import pytest
+from shoal.declarations import DEPLOYMENT
+
+from tests.infra.stacks import VARIANT, Synth, context, synth
+
+
+@pytest.fixture(scope="session")
+def deployed() -> Synth:
+    return synth(DEPLOYMENT, context())
+
+
+@pytest.fixture(scope="session")
+def variant(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    functions_dir = tmp_path_factory.mktemp("functions")
+    for fn in VARIANT.functions:
+        (functions_dir / fn.name).mkdir()
+        (functions_dir / fn.name / "app.py").write_text("def handler(event, context):\n    pass\n")
+    return synth(
+        VARIANT, context(defaultPartitions="4", retainData="false"), functions_dir=functions_dir
+    )

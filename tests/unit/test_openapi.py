@@ -9,9 +9,9 @@ from typing import Any
 import jsonschema
 import yaml
 from openapi_spec_validator import validate
+from shoal.declarations import DEFAULT_ROUTE, DEPLOYMENT
 
 from functions.health.app import handler as health
-from shoal.declarations import DEFAULT_ROUTE, DEPLOYMENT
 from tests.helpers import FakeContext, http_event, response_json
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
@@ -52,7 +52,9 @@ def test_every_served_operation_is_declared_and_planned_ones_are_not() -> None:
     for key, op in operations().items():
         planned = op.get("x-shoal-status") == "planned"
         # Given the document marks what is not served yet, the declarations must agree.
-        assert (key in declared) is not planned, f"{key}: planned={planned}, declared={key in declared}"
+        assert (key in declared) is not planned, (
+            f"{key}: planned={planned}, declared={key in declared}"
+        )
 
 
 def test_health_answer_fits_its_schema() -> None:

@@ -101,6 +101,87 @@ DEPLOYMENT = Deployment(
             memory_mb=256,
             timeout_s=5,
         ),
+        FunctionDef(
+            name="admin",
+            description="Composite topics: create, list, get, add a storage topic, switch produce",
+            routes=(
+                Route("POST", "/v1/topics"),
+                Route("GET", "/v1/topics"),
+                Route("GET", "/v1/topics/{name}"),
+                Route("POST", "/v1/topics/{name}/storage-topics"),
+                Route("POST", "/v1/topics/{name}/switch-produce"),
+            ),
+            grants=(
+                Grant("table", "topics", "read_write"),
+                # create the storage streams and read their shards
+                Grant("streams", "storage", "read_write"),
+                # the router's mapping on each new stream; listing makes creation idempotent
+                Grant("event_source_mappings", "router", "read_write"),
+            ),
+        ),
+        FunctionDef(
+            name="publish",
+            description="POST /v1/messages[:batch]: validate, deduplicate, route, put",
+            routes=(Route("POST", "/v1/messages"), Route("POST", "/v1/messages:batch")),
+            grants=(
+                Grant("table", "topics", "read"),
+                Grant("table", "publishers", "read_write"),
+                Grant("table", "retained", "write"),
+                Grant("streams", "storage", "write"),
+                # a retry of a crashed publish reads its shard back (two grants: no stream
+                # management, which read_write on streams would add)
+                Grant("streams", "storage", "read"),
+            ),
+            memory_mb=1024,
+        ),
+        FunctionDef(
+            name="router",
+            description="Consumes the storage streams (event source mappings made at run time)",
+            grants=(
+                Grant("streams", "storage", "read"),
+                Grant("bucket", "archive", "write"),
+            ),
+            timeout_s=60,
+        ),
+        FunctionDef(
+            name="bootstrap",
+            description="Custom resource: creates the default composite topic at deploy",
+            grants=(
+                Grant("table", "topics", "read_write"),
+                Grant("streams", "storage", "read_write"),
+                Grant("event_source_mappings", "router", "read_write"),
+            ),
+            timeout_s=300,
+        ),
+        FunctionDef(
+            name="sessions",
+            description="Connect, disconnect, heartbeat and read sessions (the session registry)",
+            routes=(
+                Route("PUT", "/v1/sessions/{client_id}"),
+                Route("DELETE", "/v1/sessions/{client_id}"),
+                Route("GET", "/v1/sessions/{client_id}"),
+                Route("POST", "/v1/sessions/{client_id}/heartbeat"),
+            ),
+            grants=(Grant("table", "sessions", "read_write"),),
+            # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
+            timeout_s=15,
+        ),
+        FunctionDef(
+            name="reaper",
+            description="Scheduled: keepalive expiry, wills after their delay, session expiry",
+            grants=(
+                # the due index and the registry's conditional writes
+                Grant("table", "sessions", "read_write"),
+                # wills go through the publish path, with the publish function's grants
+                Grant("table", "topics", "read"),
+                Grant("table", "publishers", "read_write"),
+                Grant("table", "retained", "write"),
+                Grant("streams", "storage", "write"),
+                Grant("streams", "storage", "read"),
+            ),
+            schedule_s=60,
+            timeout_s=120,
+        ),
     ),
 )
 

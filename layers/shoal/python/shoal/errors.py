@@ -45,6 +45,12 @@ class InvalidTopic(BadRequest):
     code = "invalid_topic"
 
 
+class InvalidPayload(BadRequest):
+    """A payload that is not base64, or both ``payload`` and ``text`` given."""
+
+    code = "invalid_payload"
+
+
 class InvalidFilter(BadRequest):
     """A malformed topic filter, including a malformed ``$share/{ShareName}/{filter}``."""
 
@@ -96,6 +102,18 @@ class PublisherSeqGap(Conflict):
     code = "publisher_seq_gap"
 
 
+class StorageTopicPending(Conflict):
+    """Another storage topic is being added to the topic; repeating that request finishes it."""
+
+    code = "storage_topic_pending"
+
+
+class StreamConflict(Conflict):
+    """A stream with a storage topic's name exists but is not what the topic needs."""
+
+    code = "stream_conflict"
+
+
 class PayloadTooLarge(ShoalError):
     status = 413
     code = "payload_too_large"
@@ -114,3 +132,19 @@ class UnsupportedMediaType(ShoalError):
 class ServerBusy(ShoalError):
     status = 503
     code = "server_busy"
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+
+class ChannelOutdated(Conflict):
+    """A newer connect for this client id exists: this one can never become the newest."""
+
+    code = "channel_outdated"
+
+
+class SessionTakenOver(Conflict):
+    """The channel named by ``Shoal-Channel`` is no longer the client id's live channel."""
+
+    code = "session_taken_over"

@@ -1,0 +1,1 @@
+"""Shoal's benchmarks: ``python -m bench`` runs them all and writes results.json and RESULTS.md."""

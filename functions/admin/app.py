@@ -1,0 +1,66 @@
+"""Composite topics (admin): create, list, get, add a storage topic, switch produce."""
+
+from typing import Any
+
+from aws_lambda_powertools.event_handler import Response
+from pydantic import BaseModel, ConfigDict
+from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
+from shoal.composite import TopicService
+from shoal.streams import PerConfig
+
+app = make_resolver()
+service = PerConfig(TopicService.from_config)
+
+
+class CreateTopic(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Checked by the service, so a wrong type is invalid_topic_name / invalid_partitions too.
+    name: Any = None
+    partitions: Any = None
+
+
+class AddStorageTopic(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    partitions: Any = None
+
+
+class NoBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@app.post("/v1/topics")
+def create_topic() -> Response[str]:
+    principal(app).require_admin()
+    body = parse_body(app, CreateTopic)
+    return json_response(201, service().create(body.name, body.partitions).document())
+
+
+@app.get("/v1/topics")
+def list_topics() -> dict[str, Any]:
+    principal(app).require_admin()
+    return {"topics": [t.document() for t in service().list()]}
+
+
+@app.get("/v1/topics/<name>")
+def get_topic(name: str) -> dict[str, Any]:
+    principal(app).require_admin()
+    return service().get(name).document()
+
+
+@app.post("/v1/topics/<name>/storage-topics")
+def add_storage_topic(name: str) -> Response[str]:
+    principal(app).require_admin()
+    body = parse_body(app, AddStorageTopic)
+    return json_response(201, service().add_storage_topic(name, body.partitions).document())
+
+
+@app.post("/v1/topics/<name>/switch-produce")
+def switch_produce(name: str) -> dict[str, Any]:
+    principal(app).require_admin()
+    parse_body(app, NoBody)
+    return service().switch_produce(name).document()
+
+
+handler = lambda_handler(app)

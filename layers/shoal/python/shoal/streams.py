@@ -1,0 +1,358 @@
+"""The Kinesis adapter: storage streams, the router's event source mappings, records in and out.
+
+The only module (with ``shoal.archive``) that speaks to Kinesis and Lambda. Client errors become
+``shoal.errors`` here; a failed put is an outcome, not an exception, because the publish path
+retries exactly the records that failed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.clock import Clock, SystemClock
+from shoal.config import Config
+from shoal.errors import ServerBusy, StreamConflict
+from shoal.observability import logger
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+    from mypy_boto3_lambda import LambdaClient
+
+#: Kinesis maps a record to a shard by a 128-bit hash key
+HASH_SPACE = 1 << 128
+#: Kinesis' limits: a record's data plus partition key, and one PutRecords call
+MAX_RECORD_BYTES = 1024 * 1024
+MAX_PUT_RECORDS = 500
+MAX_PUT_RECORDS_BYTES = 5 * 1024 * 1024
+
+#: How the router consumes a storage stream. Unlimited retries and no maximum record age keep
+#: DESIGN.md's property 1 (a message is never dropped): a batch the router cannot process
+#: blocks its shard, which the IteratorAge alarm reports, instead of being skipped. The router
+#: itself never fails on a malformed record (it archives it as such), so only an AWS outage
+#: blocks a shard. With unlimited retries an on-failure destination would never be used, so
+#: none is configured. ParallelizationFactor stays 1: one Kinesis record may carry several
+#: ordering keys of its partition (see shoal.publishing), so only whole-shard order keeps
+#: per-key order.
+ROUTER_MAPPING: dict[str, Any] = {
+    "StartingPosition": "TRIM_HORIZON",
+    "BatchSize": 100,
+    "MaximumBatchingWindowInSeconds": 0,
+    "FunctionResponseTypes": ["ReportBatchItemFailures"],
+    "BisectBatchOnFunctionError": True,
+    "MaximumRetryAttempts": -1,
+    "MaximumRecordAgeInSeconds": -1,
+    "ParallelizationFactor": 1,
+}
+
+_THROTTLED = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "LimitExceededException",
+        "KMSThrottlingException",
+        "ThrottlingException",
+        "TooManyRequestsException",
+        "InternalFailure",
+        "ServiceUnavailable",
+    }
+)
+
+
+def _failed(exc: ClientError) -> PutOutcome:
+    code = _code(exc) or "ClientError"
+    # a throttled or refused call (4xx) wrote nothing; a server error may have written it
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return PutOutcome(error_code=code, ambiguous=not 400 <= status < 500)
+
+
+def even_starting_keys(partitions: int) -> list[int]:
+    """Each shard's starting hash key when ``partitions`` shards split the hash space evenly."""
+    step = HASH_SPACE // partitions
+    return [i * step for i in range(partitions)]
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    arn: str
+    #: the open shards' starting hash keys, in hash order: partition j is shard j
+    starting_keys: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OutRecord:
+    data: bytes
+    partition_key: str
+    explicit_hash_key: int
+
+    @property
+    def size(self) -> int:
+        return len(self.data) + len(self.partition_key.encode())
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    shard_id: str | None = None
+    sequence_number: str | None = None
+    error_code: str | None = None
+    #: the record may have been written all the same (a timeout, a 5xx on the whole call);
+    #: retrying it could store it twice, so only a caller that can read back may
+    ambiguous: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+
+class Streams:
+    """Storage streams and their router mappings, over boto3 Kinesis and Lambda clients."""
+
+    def __init__(
+        self,
+        kinesis: KinesisClient,
+        awslambda: LambdaClient,
+        clock: Clock | None = None,
+        *,
+        writer: KinesisClient | None = None,
+    ) -> None:
+        self.kinesis = kinesis
+        self.awslambda = awslambda
+        self.clock = clock or SystemClock()
+        #: puts go through a client that never retries by itself: a retried put after a
+        #: timeout may store a record twice, so only the publish path decides what to retry
+        self.writer = writer or kinesis
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Streams:
+        session = boto3.session.Session(region_name=config.region)
+        # Short timeouts bound how long a put can take; the publish lease depends on it.
+        boto = BotoConfig(connect_timeout=2, read_timeout=5, retries={"mode": "standard"})
+        once = BotoConfig(
+            connect_timeout=2,
+            read_timeout=5,
+            retries={"mode": "standard", "total_max_attempts": 1},
+        )
+        return cls(
+            session.client("kinesis", config=boto),
+            session.client("lambda", config=boto),
+            clock,
+            writer=session.client("kinesis", config=once),
+        )
+
+    # -- storage streams -----------------------------------------------------------------
+
+    def ensure_stream(self, name: str, partitions: int, *, wait_s: float = 20.0) -> StreamInfo:
+        """Create the stream unless it exists, wait until it is active, and read its shards.
+
+        Idempotent, so a topic creation that crashed after creating its stream converges when
+        repeated. A stream of that name with another shard count is a conflict, never reused.
+        """
+        try:
+            self.kinesis.create_stream(
+                StreamName=name,
+                ShardCount=partitions,
+                StreamModeDetails={"StreamMode": "PROVISIONED"},
+            )
+        except ClientError as exc:
+            if _code(exc) in _THROTTLED:
+                raise ServerBusy("Kinesis refused to create the stream now; retry") from exc
+            if _code(exc) != "ResourceInUseException":
+                raise
+        deadline = self.clock.now_ms() + int(wait_s * 1000)
+        while True:
+            summary = self.kinesis.describe_stream_summary(StreamName=name)[
+                "StreamDescriptionSummary"
+            ]
+            if summary["StreamStatus"] == "ACTIVE":
+                break
+            if self.clock.now_ms() >= deadline:
+                raise ServerBusy(f"stream {name} is still {summary['StreamStatus']}; retry")
+            self.clock.sleep(1.0)
+        starts = sorted(
+            int(shard["HashKeyRange"]["StartingHashKey"])
+            for shard in self._shards(name)
+            if "EndingSequenceNumber" not in shard.get("SequenceNumberRange", {})
+        )
+        if len(starts) != partitions or (starts and starts[0] != 0):
+            raise StreamConflict(
+                f"stream {name} exists with {len(starts)} open shards, not {partitions}",
+                stream=name,
+            )
+        return StreamInfo(arn=summary["StreamARN"], starting_keys=tuple(starts))
+
+    def _shards(self, name: str) -> list[dict[str, Any]]:
+        shards: list[dict[str, Any]] = []
+        response = self.kinesis.list_shards(StreamName=name)
+        shards.extend(response["Shards"])  # type: ignore[arg-type]
+        while response.get("NextToken"):
+            response = self.kinesis.list_shards(NextToken=response["NextToken"])
+            shards.extend(response["Shards"])  # type: ignore[arg-type]
+        return shards
+
+    # -- the router's event source mappings ------------------------------------------------
+
+    def ensure_router_mapping(self, stream_arn: str, function_name: str) -> str:
+        """The UUID of the one mapping from ``stream_arn`` to ``function_name``; idempotent.
+
+        Lambda refuses a second Kinesis mapping for the same function and stream; an emulator
+        may not, so racing creators converge by keeping the smallest UUID.
+        """
+        mappings = self._mappings(stream_arn, function_name)
+        if not mappings:
+            try:
+                self.awslambda.create_event_source_mapping(
+                    EventSourceArn=stream_arn, FunctionName=function_name, **ROUTER_MAPPING
+                )
+            except ClientError as exc:
+                if _code(exc) in _THROTTLED:
+                    raise ServerBusy("Lambda refused the event source mapping now") from exc
+                if _code(exc) != "ResourceConflictException":
+                    raise
+            mappings = self._mappings(stream_arn, function_name)
+        keep, *extra = sorted(mappings)
+        for uuid in extra:
+            try:
+                self.awslambda.delete_event_source_mapping(UUID=uuid)
+            except ClientError as exc:
+                if _code(exc) != "ResourceNotFoundException":
+                    raise
+        return keep
+
+    def _mappings(self, stream_arn: str, function_name: str) -> list[str]:
+        uuids: list[str] = []
+        kwargs: dict[str, Any] = {"EventSourceArn": stream_arn, "FunctionName": function_name}
+        while True:
+            response = self.awslambda.list_event_source_mappings(**kwargs)
+            uuids.extend(m["UUID"] for m in response.get("EventSourceMappings", []))
+            if not response.get("NextMarker"):
+                return uuids
+            kwargs["Marker"] = response["NextMarker"]
+
+    # -- records ---------------------------------------------------------------------------
+
+    def put_record(self, stream: str, record: OutRecord) -> PutOutcome:
+        try:
+            response = self.writer.put_record(
+                StreamName=stream,
+                Data=record.data,
+                PartitionKey=record.partition_key,
+                ExplicitHashKey=str(record.explicit_hash_key),
+            )
+        except ClientError as exc:
+            logger.warning("put_record failed", extra={"stream": stream, "code": _code(exc)})
+            return _failed(exc)
+        except BotoCoreError as exc:
+            # a timeout is ambiguous: the record may be in the stream
+            logger.warning("put_record failed", extra={"stream": stream, "error": type(exc)})
+            return PutOutcome(error_code=type(exc).__name__, ambiguous=True)
+        return PutOutcome(shard_id=response["ShardId"], sequence_number=response["SequenceNumber"])
+
+    def put_records(self, stream: str, records: Sequence[OutRecord]) -> list[PutOutcome]:
+        """One PutRecords call (the caller keeps within 500 records and 5 MiB)."""
+        try:
+            response = self.writer.put_records(
+                StreamName=stream,
+                Records=[
+                    {
+                        "Data": r.data,
+                        "PartitionKey": r.partition_key,
+                        "ExplicitHashKey": str(r.explicit_hash_key),
+                    }
+                    for r in records
+                ],
+            )
+        except ClientError as exc:
+            logger.warning("put_records failed", extra={"stream": stream, "code": _code(exc)})
+            return [_failed(exc) for _ in records]
+        except BotoCoreError as exc:
+            logger.warning("put_records failed", extra={"stream": stream, "error": type(exc)})
+            return [PutOutcome(error_code=type(exc).__name__, ambiguous=True) for _ in records]
+        # a per-record ErrorCode means that record was not added
+        return [
+            PutOutcome(error_code=r["ErrorCode"])
+            if r.get("ErrorCode")
+            else PutOutcome(shard_id=r.get("ShardId"), sequence_number=r.get("SequenceNumber"))
+            for r in response["Records"]
+        ]
+
+    def read_window(
+        self, stream: str, explicit_hash_key: int, since_ms: int, until_ms: int
+    ) -> Iterator[bytes]:
+        """The data of the records that arrived in the shard holding ``explicit_hash_key``
+        between ``since_ms`` and ``until_ms`` (inclusive), in order.
+
+        Bounded: a window that needs more GetRecords calls than a publish can afford, or a
+        throttled read, is ServerBusy, so the caller answers "retry" rather than guessing.
+        """
+        shard = next(
+            (
+                s["ShardId"]
+                for s in self._shards(stream)
+                if int(s["HashKeyRange"]["StartingHashKey"])
+                <= explicit_hash_key
+                <= int(s["HashKeyRange"]["EndingHashKey"])
+                and "EndingSequenceNumber" not in s.get("SequenceNumberRange", {})
+            ),
+            None,
+        )
+        if shard is None:
+            raise ServerBusy(f"no open shard of {stream} holds the hash key")
+        try:
+            iterator: str | None = self.kinesis.get_shard_iterator(
+                StreamName=stream,
+                ShardId=shard,
+                ShardIteratorType="AT_TIMESTAMP",
+                Timestamp=datetime.fromtimestamp(since_ms / 1000, UTC),
+            )["ShardIterator"]
+            for _ in range(_MAX_WINDOW_READS):
+                if iterator is None:
+                    return
+                response = self.kinesis.get_records(ShardIterator=iterator, Limit=1000)
+                for record in response["Records"]:
+                    arrival = record["ApproximateArrivalTimestamp"]
+                    if int(arrival.timestamp() * 1000) > until_ms:
+                        return
+                    yield record["Data"]
+                if not response["Records"] and response.get("MillisBehindLatest", 0) == 0:
+                    return
+                iterator = response.get("NextShardIterator")
+        except ClientError as exc:
+            raise ServerBusy("the storage topic could not be read back now; retry") from exc
+        raise ServerBusy("the storage topic window is too long to read back now; retry")
+
+
+#: a recovery read-back gives up (and asks the client to retry) after this many GetRecords
+_MAX_WINDOW_READS = 50
+
+T = TypeVar("T")
+
+
+class PerConfig(Generic[T]):
+    """One object per configuration: a container builds its service (clients, caches) once.
+
+    Tests that load a new configuration (``get_config.cache_clear()``) get a fresh object.
+    """
+
+    def __init__(self, factory: Callable[[Config], T]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._held: tuple[Config, T] | None = None
+
+    def __call__(self) -> T:
+        from shoal.config import get_config
+
+        config = get_config()
+        with self._lock:
+            if self._held is None or self._held[0] is not config:
+                self._held = (config, self._factory(config))
+            return self._held[1]

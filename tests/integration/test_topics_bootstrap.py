@@ -1,0 +1,50 @@
+"""The deploy-time bootstrap custom resource and the start-up hook: the `default` topic."""
+
+from __future__ import annotations
+
+import boto3
+from shoal.composite import ensure_default_topic, load_topic
+from shoal.config import get_config
+
+from functions.bootstrap.app import handler
+from tests.helpers import FakeContext, load_event
+
+
+def test_create_makes_the_default_topic_with_the_configured_partitions(aws: boto3.Session) -> None:
+    # When CloudFormation creates the custom resource (DefaultPartitions "2")
+    response = handler(load_event("bootstrap_create.json"), FakeContext())
+    # Then the default topic exists, with a stream of 2 shards and the router's mapping
+    assert response["PhysicalResourceId"] == "shoal-topic-default"
+    assert response["Data"] == {"Topic": "default", "Streams": "shoal-default-0"}
+    topic = load_topic("default")
+    assert topic is not None and topic.storage_topics[0].partitions == 2
+    assert len(aws.client("kinesis").list_shards(StreamName="shoal-default-0")["Shards"]) == 2
+    assert len(aws.client("lambda").list_event_source_mappings()["EventSourceMappings"]) == 1
+
+
+def test_create_and_update_are_idempotent(aws: boto3.Session) -> None:
+    handler(load_event("bootstrap_create.json"), FakeContext())
+    update = load_event("bootstrap_create.json")
+    update |= {"RequestType": "Update", "PhysicalResourceId": "shoal-topic-default"}
+    update["ResourceProperties"]["DefaultPartitions"] = "4"
+    response = handler(update, FakeContext())
+    # an existing topic is kept as it is (grow it with a storage topic instead)
+    assert response["PhysicalResourceId"] == "shoal-topic-default"
+    assert load_topic("default").storage_topics[0].partitions == 2  # type: ignore[union-attr]
+    assert len(aws.client("lambda").list_event_source_mappings()["EventSourceMappings"]) == 1
+
+
+def test_delete_keeps_the_topic_and_its_messages(aws: boto3.Session) -> None:
+    handler(load_event("bootstrap_create.json"), FakeContext())
+    delete = load_event("bootstrap_create.json")
+    delete |= {"RequestType": "Delete", "PhysicalResourceId": "shoal-topic-default"}
+    assert handler(delete, FakeContext()) == {"PhysicalResourceId": "shoal-topic-default"}
+    assert load_topic("default") is not None
+    assert aws.client("kinesis").list_streams()["StreamNames"] == ["shoal-default-0"]
+
+
+def test_the_start_hook_uses_the_configured_partition_count(aws: boto3.Session) -> None:
+    config = get_config().model_copy(update={"default_partitions": 3})
+    topic = ensure_default_topic(config)
+    assert topic.storage_topics[0].partitions == 3
+    assert ensure_default_topic(config) == load_topic("default")

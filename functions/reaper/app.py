@@ -1,0 +1,27 @@
+"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from shoal.config import get_config
+from shoal.observability import logger
+from shoal.publishing import PublishService
+from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
+
+
+@cache
+def reaper() -> Reaper:
+    config = get_config()
+    publisher = ServiceWillPublisher(PublishService.from_config(config))
+    return Reaper(SessionRepository.from_config(config), publisher)
+
+
+@logger.inject_lambda_context(clear_state=True)
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
+    report = reaper().run().as_dict()
+    if any(report.values()):
+        logger.info("reaped", extra=report)
+    return report

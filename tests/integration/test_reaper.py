@@ -1,0 +1,341 @@
+"""The reaper with a manual clock: keepalive expiry, wills after their delay, session expiry."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import boto3
+import pytest
+from shoal.clock import SystemClock
+from shoal.config import get_config
+from shoal.errors import TopicNotFound
+from shoal.sessions import (
+    WILL_RETRY_MS,
+    Reaper,
+    ServiceWillPublisher,
+    SessionRepository,
+    Version,
+    WillMessage,
+)
+
+import functions.reaper.app as reaper_app
+from tests.helpers import FakeContext, load_event
+from tests.integration.test_publish_harness import Harness
+from tests.integration.test_sessions_support import (
+    DynamoCalls,
+    Interleaved,
+    RecordingPublisher,
+    Sessions,
+    account,
+    clock,
+    sessions,
+)
+
+__all__ = ["account", "clock", "sessions"]  # fixtures
+
+CLIENT = "sensor-1"
+WILL = {"topic": "devices/sensor-1/status", "text": "gone", "delay_s": 30}
+
+
+@pytest.fixture
+def publisher() -> RecordingPublisher:
+    return RecordingPublisher()
+
+
+@pytest.fixture
+def reaper(sessions: Sessions, publisher: RecordingPublisher) -> Reaper:
+    return Reaper(sessions.repository, publisher, sessions.clock)
+
+
+def wills(publisher: RecordingPublisher) -> list[tuple[str, str, str]]:
+    return [(sub, client_id, will.topic) for sub, client_id, will, _ in publisher.published]
+
+
+def expired_channel(sessions: Sessions, reaper: Reaper, **connect: Any) -> str:
+    """A channel whose keepalive (10 s) ran out and that the reaper has disconnected."""
+    body = {"keepalive_s": 10, "session_expiry_s": 300, "will": WILL, **connect}
+    channel = sessions.connected(CLIENT, **body)
+    sessions.clock.advance(15)
+    assert reaper.run().channels_expired == 1
+    return channel
+
+
+# --- keepalive
+
+
+def test_channel_lives_until_one_and_a_half_keepalives(sessions: Sessions, reaper: Reaper) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300)
+    sessions.clock.advance(14.999)
+    assert reaper.run().channels_expired == 0
+    assert sessions.heartbeat(CLIENT, channel)[0] == 200
+
+
+def test_keepalive_expiry_disconnects_the_channel(sessions: Sessions, reaper: Reaper) -> None:
+    channel = expired_channel(sessions, reaper)
+    status, body = sessions.heartbeat(CLIENT, channel)
+    assert (status, body["error"]["code"]) == (409, "session_taken_over")
+    view = sessions.view(CLIENT)
+    assert view.head is not None and not view.head.connected
+    assert view.registrations == ()
+
+
+def test_heartbeat_keeps_the_channel_and_the_reaper_catches_up(
+    sessions: Sessions, reaper: Reaper
+) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300)
+    sessions.clock.advance(10)
+    assert sessions.heartbeat(CLIENT, channel)[0] == 200
+    # Given the index still says the connect's deadline, the reaper moves it, expiring nothing
+    sessions.clock.advance(5)
+    report = reaper.run()
+    assert (report.channels_expired, report.rescheduled) == (0, 1)
+    sessions.clock.advance(10)
+    assert reaper.run().channels_expired == 1
+
+
+def test_heartbeat_racing_the_reaper_keeps_the_channel(
+    sessions: Sessions, publisher: RecordingPublisher
+) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    sessions.clock.advance(15)
+    repository = Interleaved(sessions.repository)
+    # Given a heartbeat that lands between the reaper's read and its write
+    repository.on_read = lambda consistent: (
+        sessions.heartbeat(CLIENT, channel) if consistent else None
+    )
+    report = Reaper(repository, publisher, sessions.clock).run()
+    assert (report.channels_expired, report.contended) == (0, 1)
+    assert sessions.heartbeat(CLIENT, channel)[0] == 200
+
+
+def test_zero_keepalive_is_never_expired(sessions: Sessions, reaper: Reaper) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=0)
+    sessions.clock.advance(10**6)
+    assert reaper.run().channels_expired == 0
+    assert sessions.heartbeat(CLIENT, channel)[0] == 200
+
+
+# --- wills
+
+
+def test_will_is_published_after_its_delay(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    channel = expired_channel(sessions, reaper)
+    sessions.clock.advance(29.999)
+    reaper.run()
+    assert publisher.published == []
+    sessions.clock.advance(0.001)
+    assert reaper.run().wills_published == 1
+    assert wills(publisher) == [("alice", CLIENT, WILL["topic"])]
+    assert publisher.published[0][3] == channel
+    # and only once
+    sessions.clock.advance(60)
+    reaper.run()
+    assert len(publisher.published) == 1
+
+
+def test_clean_disconnect_publishes_no_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=60, will=WILL)
+    assert sessions.disconnect(CLIENT, channel)[0] == 204
+    sessions.clock.advance(3600)
+    reaper.run()
+    assert publisher.published == []
+
+
+def test_resume_within_the_delay_suppresses_the_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    expired_channel(sessions, reaper)
+    sessions.clock.advance(10)
+    status, body = sessions.connect(CLIENT, clean_start=False, session_expiry_s=300)
+    assert (status, body["session_present"]) == (200, True)
+    sessions.clock.advance(3600)
+    reaper.run()
+    assert publisher.published == []
+
+
+def test_takeover_of_a_live_channel_disarms_its_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    sessions.clock.advance(5)
+    sessions.connected(CLIENT, clean_start=False, keepalive_s=0, session_expiry_s=300)
+    sessions.clock.advance(3600)
+    report = reaper.run()
+    assert (report.channels_expired, publisher.published) == (0, [])
+
+
+def test_resume_after_the_delay_does_not_stop_the_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    # Given the delay ran out before the reaper's next run, and then the client comes back
+    expired_channel(sessions, reaper)
+    sessions.clock.advance(31)
+    sessions.connected(CLIENT, clean_start=False, session_expiry_s=300)
+    assert reaper.run().wills_published == 1
+
+
+def test_clean_start_within_the_delay_ends_the_session_and_publishes_at_once(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    expired_channel(sessions, reaper)
+    sessions.clock.advance(10)
+    sessions.connected(CLIENT, clean_start=True)
+    assert reaper.run().wills_published == 1
+
+
+def test_will_without_delay_is_published_with_the_expiry(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will={**WILL, "delay_s": 0})
+    sessions.clock.advance(15)
+    report = reaper.run()
+    assert (report.channels_expired, report.wills_published) == (1, 1)
+
+
+def test_session_ending_before_the_delay_publishes_the_will_then(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    # Given a session that ends at disconnect (expiry 0) and a 30 s will delay
+    sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=0, will=WILL)
+    sessions.clock.advance(15)
+    report = reaper.run()
+    # Then the will goes with the session, at once (MQTT 5: whichever comes first)
+    assert (report.channels_expired, report.wills_published, report.sessions_ended) == (1, 1, 1)
+    assert sessions.items(CLIENT) == []
+
+
+def test_failed_publish_is_retried_later(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    expired_channel(sessions, reaper)
+    sessions.clock.advance(30)
+    publisher.failures = 1
+    assert reaper.run().failed == 1
+    # the claimed will is not due again until its retry time
+    assert reaper.run().wills_published == 0
+    sessions.clock.advance(WILL_RETRY_MS / 1000)
+    assert reaper.run().wills_published == 1
+    assert len(publisher.published) == 1
+
+
+def test_overlapping_reapers_publish_a_will_once(
+    sessions: Sessions, publisher: RecordingPublisher
+) -> None:
+    reapers = [Reaper(sessions.repository, publisher, sessions.clock) for _ in range(4)]
+    expired_channel(sessions, reapers[0])
+    sessions.clock.advance(30)
+    threads = [threading.Thread(target=r.run) for r in reapers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(publisher.published) == 1
+
+
+# --- session expiry
+
+
+def test_expired_session_is_cleaned_up(sessions: Sessions, reaper: Reaper) -> None:
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=60)
+    sessions.disconnect(CLIENT, channel)
+    head = next(i for i in sessions.items(CLIENT) if i["item"] == "head")
+    # Given DynamoDB's TTL as the backstop: the head expires with the session
+    expires_ms = sessions.clock.now_ms() + 60_000
+    assert head["expires_at"] == -(-expires_ms // 1000)
+    sessions.clock.advance(59.999)
+    assert reaper.run().sessions_ended == 0
+    sessions.clock.advance(0.001)
+    assert reaper.run().sessions_ended == 1
+    assert sessions.items(CLIENT) == []
+
+
+def test_ended_session_cleanup_removes_leftover_registrations(
+    sessions: Sessions, reaper: Reaper
+) -> None:
+    # Given a registration no connect cleaned up (its channel never called again)
+    now = sessions.clock.now_ms()
+    stale = Version.new(now - 5)
+    sessions.repository.client.put_item(
+        TableName=sessions.repository.table,
+        Item={
+            "client_id": {"S": CLIENT},
+            "item": {"S": "reg#" + stale.key},
+            "channel": {"S": stale.channel},
+        },
+    )
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=0)
+    sessions.disconnect(CLIENT, channel)
+    assert reaper.run().sessions_ended == 1
+    assert sessions.items(CLIENT) == []
+
+
+def test_reaper_reads_the_due_index_not_the_table(sessions: Sessions, reaper: Reaper) -> None:
+    for n in range(5):
+        sessions.connected(f"sensor-{n}", keepalive_s=10)
+    sessions.clock.advance(15)
+    calls = DynamoCalls(sessions.repository.client)
+    assert reaper.run().channels_expired == 5
+    assert "Scan" not in calls.names
+    assert calls.names.count("Query") >= 8  # one per due shard, plus one read per client
+
+
+# --- the real publish path and the handler
+
+
+def test_will_reaches_the_stream_once(
+    account: boto3.Session, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(account)
+    default = harness.default()
+    publisher = ServiceWillPublisher(harness.publish)
+    reaper = Reaper(sessions.repository, publisher, sessions.clock)
+    channel = expired_channel(sessions, reaper)
+    sessions.clock.advance(30)
+    assert reaper.run().wills_published == 1
+    assert sessions.view(CLIENT).wills == ()
+    # When the same will is published again (as by a reaper that died before deleting it)
+    publisher.publish_will("alice", CLIENT, WillMessage.model_validate(WILL), will_id=channel)
+    # Then the stream holds it once, as the subscriber-visible record of the will
+    messages = [
+        m for _, m in harness.messages(default.storage_topics[0].stream) if m.topic == WILL["topic"]
+    ]
+    assert [(m.payload, m.sub, m.publisher_id) for m in messages] == [
+        (b"gone", "alice", f"will:{channel}")
+    ]
+
+
+def test_will_refused_for_good_is_dropped(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    # Given a publish path that refuses the will for good (a 4xx: retrying cannot help)
+    publisher.refusal = TopicNotFound("no composite topic and no default")
+    expired_channel(sessions, reaper)
+    sessions.clock.advance(30)
+    report = reaper.run()
+    assert (report.wills_published, report.wills_dropped, report.failed) == (0, 1, 0)
+    assert sessions.view(CLIENT).wills == ()
+
+
+def test_handler_runs_the_reaper_on_its_schedule(
+    sessions: Sessions, reaper: Reaper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reaper_app, "reaper", lambda: reaper)
+    sessions.connected(CLIENT, keepalive_s=10)
+    sessions.clock.advance(15)
+    report = reaper_app.handler(load_event("reaper_schedule.json"), FakeContext())
+    assert report["channels_expired"] == 1
+
+
+def test_handler_builds_its_reaper_from_the_configuration(sessions: Sessions) -> None:
+    reaper_app.reaper.cache_clear()
+    built = reaper_app.reaper()
+    reaper_app.reaper.cache_clear()
+    assert isinstance(built.repository, SessionRepository)
+    assert built.repository.table == get_config().table("sessions")
+    assert isinstance(built.clock, SystemClock)
+    assert isinstance(built.publisher, ServiceWillPublisher)

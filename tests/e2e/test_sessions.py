@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from shoal.publishing import decode_record
 
-from tests.e2e.conftest import DevServer
+from tests.e2e.conftest import DevFactory, DevServer
 
 pytestmark = pytest.mark.e2e
 
-#: the reaper runs every 60 s under ``shoal dev`` (its declared schedule), first 60 s after start
-WILL_WAIT_S = 150.0
+#: the reaper runs every second here (``--schedule reaper=1``), not its deployed minute
+WILL_WAIT_S = 30.0
 
 
 def session_call(
@@ -50,7 +50,8 @@ def test_connect_resume_and_stale_channel(shared_dev: DevServer) -> None:
     assert session_call(shared_dev, "DELETE", "dana-1", token, channel=second["channel"])[0] == 204
 
 
-def test_keepalive_expiry_publishes_the_will_to_the_stream(shared_dev: DevServer) -> None:
+def test_keepalive_expiry_publishes_the_will_to_the_stream(dev_factory: DevFactory) -> None:
+    shared_dev = dev_factory(extra_args=["--schedule", "reaper=1"])
     token = shared_dev.token("erin", clients=["erin-*"], publish=["devices/#"])
     will = {"topic": "devices/erin-1/status", "text": "offline", "delay_s": 0}
     body = {"keepalive_s": 1, "session_expiry_s": 60, "will": will}

@@ -20,7 +20,7 @@ import boto3
 import pytest
 from shoal.clock import ManualClock
 from shoal.local.checkpoints import FileCheckpoints, Position
-from shoal.local.esm import EventSourceMappings, lane_of, without_moto_stream_delivery
+from shoal.local.esm import EventSourceMappings, lane_of
 from shoal.local.provision import LAMBDA_ROLE, LocalNames
 
 from tests.helpers import load_event
@@ -95,14 +95,13 @@ def clock() -> ManualClock:
 def session(
     aws: boto3.Session, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[boto3.Session]:
-    # moto stamps arrival times with its own utcnow: tie it to the manual clock, and keep
-    # moto from trying to invoke the mapped function through Docker on every put.
+    # moto stamps arrival times with its own utcnow: tie it to the manual clock (the `aws`
+    # fixture already keeps moto from invoking mapped functions through Docker).
     def moto_now() -> datetime:
         return datetime.fromtimestamp(clock.now_ms() / 1000, UTC).replace(tzinfo=None)
 
     monkeypatch.setattr("moto.kinesis.models.utcnow", moto_now)
-    with without_moto_stream_delivery():
-        yield aws
+    yield aws
 
 
 def make_stream(session: boto3.Session, shards: int = 1, name: str = STREAM) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from shoal.clock import ManualClock
-from shoal.declarations import Deployment, FunctionDef
+from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef
 from shoal.local.provision import LocalNames
 from shoal.local.scheduler import Scheduler, schedules_for
 
@@ -140,3 +141,18 @@ def test_declared_schedules_name_physical_functions() -> None:
     # When the schedules are read / Then they name the deployed function and its period
     names = LocalNames.for_deployment(deployment, prefix="shoal")
     assert schedules_for(deployment, names) == [("shoal-reaper", 15)]
+
+
+def test_schedule_override_replaces_the_declared_period() -> None:
+    # Given the reaper is declared every 60 s, When shoal dev is told reaper=2,
+    # Then only its period changes and it keeps its physical name.
+    names = LocalNames.for_deployment(DEPLOYMENT)
+    declared = dict(schedules_for(DEPLOYMENT, names))
+    overridden = dict(schedules_for(DEPLOYMENT, names, {"reaper": 2}))
+    assert declared[names.functions["reaper"]] == 60
+    assert overridden == {**declared, names.functions["reaper"]: 2}
+
+
+def test_schedule_override_of_an_unscheduled_function_is_refused() -> None:
+    with pytest.raises(ValueError, match="health"):
+        schedules_for(DEPLOYMENT, None, {"health": 1})

@@ -31,11 +31,16 @@ M = TypeVar("M", bound=BaseModel)
 JSON_HEADERS = {"Content-Type": content_types.APPLICATION_JSON}
 
 
+def _dumps(body: Any) -> str:
+    # compact, as the resolver serializes the dicts routes return
+    return json.dumps(body, separators=(",", ":"))
+
+
 def error_response(error: ShoalError) -> Response[str]:
     return Response(
         status_code=error.status,
         content_type=content_types.APPLICATION_JSON,
-        body=json.dumps(error.body()),
+        body=_dumps(error.body()),
     )
 
 
@@ -43,7 +48,7 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
     return Response(
         status_code=status,
         content_type=content_types.APPLICATION_JSON,
-        body=json.dumps(body),
+        body=_dumps(body),
         headers=headers,
     )
 

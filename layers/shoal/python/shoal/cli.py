@@ -6,11 +6,22 @@
 
 ``shoal token`` signs with the key of the ``shoal dev`` that uses the same state directory
 (default ``.shoal``, the one ``make run`` uses) and prints the token alone on its last line.
+
+    shoal publish --url URL --token TOKEN --topic T (--text S | --file F) [--qos N] [--retain]
+                  [--publisher-id ID] [--state FILE]
+    shoal subscribe --url URL --token TOKEN --client-id C --filter F [--filter ...] [--qos N]
+                    [--count N] [--state FILE]
+
+``publish`` and ``subscribe`` speak to any Shoal (``shoal dev`` or a deployed stack) through
+``shoal.client``; ``--url`` and ``--token`` default to ``$SHOAL_URL`` and ``$SHOAL_TOKEN``. Their
+state file keeps the publisher sequence and the processed message ids, so a command killed and
+run again neither publishes twice nor prints a message twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -21,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 
 DEFAULT_STATE_DIR = Path(".shoal")
+CLIENT_DIR = DEFAULT_STATE_DIR / "client"
 ADMIN_TOKEN_TTL_S = 12 * 3600
 
 
@@ -48,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not run event source mappings and schedules",
     )
+    dev.add_argument(
+        "--schedule",
+        action="append",
+        default=[],
+        type=_schedule,
+        metavar="FUNCTION=SECONDS",
+        help="run a scheduled function this often instead of its deployed period",
+    )
     dev.add_argument("--log-level", default="INFO")
 
     token = commands.add_parser("token", help="print a JWT signed with the local key")
@@ -60,7 +80,47 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--ttl-s", type=int, default=3600)
     token.add_argument("--issuer", help="default: the issuer of shoal dev on --state-dir")
     token.add_argument("--audience", help="default: the audience of shoal dev on --state-dir")
+
+    publish = commands.add_parser("publish", help="publish one message, exactly once")
+    _client_arguments(publish)
+    publish.add_argument("--topic", required=True)
+    payload = publish.add_mutually_exclusive_group(required=True)
+    payload.add_argument("--text", help="the payload as UTF-8 text")
+    payload.add_argument("--file", type=Path, help="the payload's bytes ('-': standard input)")
+    publish.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
+    publish.add_argument("--retain", action="store_true")
+    publish.add_argument("--publisher-id", help="default: one made once per state file")
+
+    subscribe = commands.add_parser(
+        "subscribe", help="subscribe and print one JSON line per message"
+    )
+    _client_arguments(subscribe)
+    subscribe.add_argument("--client-id", required=True)
+    subscribe.add_argument("--filter", action="append", required=True, dest="filters")
+    subscribe.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
+    subscribe.add_argument(
+        "--count", type=int, metavar="N", help="stop after N messages (0: subscribe and exit)"
+    )
+    subscribe.add_argument("--clean-start", action="store_true", help="discard the session")
+    subscribe.add_argument("--session-expiry-s", type=int, default=3600)
+    subscribe.add_argument("--wait-ms", type=int, default=20_000, help="long-poll per request")
     return parser
+
+
+def _client_arguments(parser: argparse.ArgumentParser) -> None:
+    url, token = os.environ.get("SHOAL_URL"), os.environ.get("SHOAL_TOKEN")
+    parser.add_argument("--url", default=url, required=url is None, help="default: $SHOAL_URL")
+    parser.add_argument(
+        "--token", default=token, required=token is None, help="default: $SHOAL_TOKEN"
+    )
+    parser.add_argument("--state", type=Path, metavar="FILE", help=f"default: under {CLIENT_DIR}")
+
+
+def _schedule(text: str) -> tuple[str, int]:
+    name, _, seconds = text.partition("=")
+    if not name or not seconds.isdigit() or int(seconds) < 1:
+        raise argparse.ArgumentTypeError("expected FUNCTION=SECONDS, e.g. reaper=2")
+    return name, int(seconds)
 
 
 def _configure_logging(level: str) -> None:
@@ -95,6 +155,7 @@ def _dev(args: argparse.Namespace) -> int:
         issuer=args.issuer,
         audience=args.audience,
         triggers=not args.no_triggers,
+        schedule_every_s=tuple(args.schedule),
     )
     stopping = threading.Event()
 
@@ -107,7 +168,7 @@ def _dev(args: argparse.Namespace) -> int:
     runtime = LocalRuntime(options)
     try:
         runtime.start()
-    except (StateDirInUse, OSError) as exc:
+    except (StateDirInUse, OSError, ValueError) as exc:
         print(f"shoal dev: cannot start: {exc}", file=sys.stderr)
         return 1
     try:
@@ -177,10 +238,65 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from shoal.client import ClientError, ShoalClient
+
+    if args.file is None:
+        text, payload = args.text, None
+    else:
+        text = None
+        payload = sys.stdin.buffer.read() if str(args.file) == "-" else args.file.read_bytes()
+    try:
+        with ShoalClient(
+            args.url,
+            args.token,
+            publisher_id=args.publisher_id,
+            state=args.state or CLIENT_DIR / "publish.json",
+        ) as client:
+            result = client.publish(
+                args.topic, text=text, payload=payload, qos=args.qos, retain=args.retain
+            )
+    except ClientError as exc:
+        print(f"shoal publish: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.as_dict()))
+    return 0
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
+    from shoal.client import ClientError, ShoalClient
+
+    state = args.state or CLIENT_DIR / f"subscribe-{quote(args.client_id, safe='')}.json"
+    try:
+        with ShoalClient(args.url, args.token, client_id=args.client_id, state=state) as client:
+            client.connect(clean_start=args.clean_start, session_expiry_s=args.session_expiry_s)
+            granted = client.subscribe(args.filters, qos=args.qos)
+            for topic_filter, answer in zip(args.filters, granted, strict=False):
+                print(f"shoal subscribe: {topic_filter}: {answer}", file=sys.stderr)
+            if any(not isinstance(answer, int) for answer in granted):
+                return 1
+            try:
+                for message in client.messages(count=args.count, wait_ms=args.wait_ms):
+                    print(message.as_json_line(), flush=True)
+            except KeyboardInterrupt:
+                pass
+            client.close(disconnect=True)
+    except ClientError as exc:
+        print(f"shoal subscribe: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "dev":
         return _dev(args)
+    if args.command == "publish":
+        return _publish(args)
+    if args.command == "subscribe":
+        return _subscribe(args)
     return _token(args)
 
 

@@ -47,9 +47,8 @@ import json
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
@@ -1061,21 +1060,3 @@ def _moto_starting_timestamp(raw: dict[str, Any]) -> float | None:
 
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-@contextmanager
-def without_moto_stream_delivery() -> Iterator[None]:
-    """Stop moto from invoking functions itself when a record lands on a mapped stream.
-
-    moto's PutRecord(s) calls the mapped function through Docker, which these machines lack:
-    every put then waits for the Docker probe to fail (~90 ms) and logs an error. Shoal's
-    emulator does the delivering, so moto's own delivery is switched off while this is open.
-    """
-    from moto.awslambda.models import LambdaBackend
-
-    original = LambdaBackend.send_kinesis_message
-    LambdaBackend.send_kinesis_message = lambda *_args, **_kwargs: None
-    try:
-        yield
-    finally:
-        LambdaBackend.send_kinesis_message = original

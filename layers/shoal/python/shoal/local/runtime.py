@@ -204,6 +204,8 @@ class DevOptions:
     #: run event source mappings and schedules (off: only HTTP reaches the functions)
     triggers: bool = True
     project_root: Path | None = None
+    #: declared function name -> run every this many seconds instead of its declared period
+    schedule_every_s: tuple[tuple[str, int], ...] = ()
 
 
 class StateDirInUse(RuntimeError):
@@ -306,7 +308,9 @@ class LocalRuntime:
         mappings.start()
         self._triggers.append(mappings)
         scheduler = Scheduler(
-            schedules_for(self.deployment, self.names), self.functions.invoke, self.clock
+            schedules_for(self.deployment, self.names, dict(self.options.schedule_every_s)),
+            self.functions.invoke,
+            self.clock,
         )
         scheduler.start()
         self._triggers.append(scheduler)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,12 +32,22 @@ ASYNC_RETRY_DELAYS_S = (60.0, 120.0)
 
 
 def schedules_for(
-    deployment: Deployment = DEPLOYMENT, names: LocalNames | None = None
+    deployment: Deployment = DEPLOYMENT,
+    names: LocalNames | None = None,
+    every_s: Mapping[str, int] | None = None,
 ) -> list[tuple[str, int]]:
-    """(function name, every seconds) of each declared schedule, with physical names."""
+    """(function name, every seconds) of each declared schedule, with physical names.
+
+    ``every_s`` overrides a declared period by function name (``shoal dev --schedule``), so a
+    developer or a test need not wait a deployed minute for the reaper.
+    """
     names = names or LocalNames.for_deployment(deployment)
+    overrides = every_s or {}
+    unknown = set(overrides) - {f.name for f in deployment.functions if f.schedule_s}
+    if unknown:
+        raise ValueError(f"no scheduled function named {sorted(unknown)}")
     return [
-        (names.functions[f.name], f.schedule_s)
+        (names.functions[f.name], overrides.get(f.name, f.schedule_s))
         for f in deployment.functions
         if f.schedule_s is not None
     ]

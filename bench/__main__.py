@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import publish, sessions
+from bench import filter_index, publish, sessions
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = {"publish": publish, "sessions": sessions}
+BENCHMARKS = {"publish": publish, "sessions": sessions, "filter_index": filter_index}
 
 
 def main() -> int:

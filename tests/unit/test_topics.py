@@ -45,15 +45,27 @@ def test_dollar_topics_are_valid_but_not_publishable() -> None:
 
 
 @pytest.mark.parametrize(
-    "topic_filter", ["#", "+", "a/#", "a/+", "+/+", "/+", "+/", "a/+/b/#", "a//b", "$share", "+/#"]
-)
+    "topic_filter",
+    [
+        "#", "+", "a/#", "a/+", "+/+", "/+", "+/", "a/+/b/#", "a//b", "$share", "+/#",
+        # MQTT 5 section 4.7.1
+        "sport/tennis/player1/#", "sport/#", "sport/tennis/#", "+/tennis/#", "sport/+/player1",
+        "/", "//", "$SYS/#", "$SYS/+/x", "a/$/b", "Accounts payable", "é/+/ü",
+    ],
+)  # fmt: skip
 def test_valid_filters(topic_filter: str) -> None:
     assert is_valid_filter(topic_filter)
 
 
 @pytest.mark.parametrize(
-    "topic_filter", ["", "a#", "a/#/b", "#/a", "a+", "a/b+/c", "++", "##", "a\x00", "a/#b"]
-)
+    "topic_filter",
+    [
+        "", "a#", "a/#/b", "#/a", "a+", "a/b+/c", "++", "##", "a\x00", "a/#b",
+        # MQTT 5 section 4.7.1
+        "sport/tennis#", "sport/tennis/#/ranking", "sport+", "+a", "a/+b", "#/", "+#", "#+",
+        "x" * (MAX_TOPIC_BYTES + 1), "\ud800",
+    ],
+)  # fmt: skip
 def test_invalid_filters(topic_filter: str) -> None:
     assert not is_valid_filter(topic_filter)
 
@@ -86,6 +98,49 @@ def test_invalid_filters(topic_filter: str) -> None:
         ("a/#", "a/$x", True),
         ("a/#/b", "a/x/b", False),
         ("a/#", "a/+", False),
+        # MQTT 5 section 4.7: case, spaces, leading and trailing separators
+        ("ACCOUNTS", "Accounts", False),
+        ("Accounts payable", "Accounts payable", True),
+        ("Accounts", "Accounts payable", False),
+        ("/finance", "finance", False),
+        ("finance", "/finance", False),
+        ("finance/", "finance", False),
+        ("finance/#", "finance/", True),
+        ("sport/tennis/#", "sport/tennis", True),
+        ("sport/tennis/#", "sport/tennisplayer1", False),
+        ("sport/+/player1", "sport/tennis/player1", True),
+        ("sport/+/player1", "sport/player1", False),
+        ("+/tennis/#", "sport/tennis/player1/ranking", True),
+        ("+/tennis/#", "tennis", False),
+        # empty levels are levels
+        ("+/+", "/", True),
+        ("+", "/", False),
+        ("/#", "/", True),
+        ("/#", "/a/b", True),
+        ("/#", "a/b", False),
+        ("+/#", "a", True),
+        ("+/#", "/", True),
+        ("a/+/#", "a/b", True),
+        ("a/+/#", "a", False),
+        ("a//#", "a/", True),
+        ("a/+", "a//", False),
+        ("+/+/+", "a//", True),
+        # '$'-topics: only a first level that is not a wildcard can match them
+        ("$SYS/#", "$SYS", True),
+        ("+", "$SYS", False),
+        ("+/#", "$SYS/x", False),
+        ("+/+", "$x/y", False),
+        ("$x/+", "$x/y", True),
+        ("a/+", "a/$b", True),
+        ("+", "$", False),
+        ("$", "$", True),
+        ("#", "$", False),
+        ("$share/g/#", "$share/g/x", True),
+        ("+/g/x", "$share/g/x", False),
+        # wildcard characters are whole levels only, never literal in a filter
+        ("a/+", "a/b+", False),
+        ("é/+", "é/ü", True),
+        ("a\x00", "a\x00", False),
     ],
 )
 def test_matching_follows_mqtt_5(topic_filter: str, topic: str, expected: bool) -> None:
@@ -131,10 +186,25 @@ def test_invalid_filters_and_names_match_nothing() -> None:
     assert not matches("#", "")
 
 
-def test_parse_shared_splits_share_and_filter() -> None:
-    assert parse_shared("$share/group1/sport/#") == ("group1", "sport/#")
-    assert parse_shared("$share/g/+") == ("g", "+")
-    assert parse_shared("$share/g//") == ("g", "/")
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("$share/group1/sport/#", ("group1", "sport/#")),
+        ("$share/g/+", ("g", "+")),
+        ("$share/g//", ("g", "/")),
+        # MQTT 5 section 4.8.2
+        ("$share/consumer1/sport/tennis/+", ("consumer1", "sport/tennis/+")),
+        ("$share/consumer2/sport/tennis/+", ("consumer2", "sport/tennis/+")),
+        ("$share/consumer1//finance", ("consumer1", "/finance")),
+        ("$share/consumer1/+/+", ("consumer1", "+/+")),
+        ("$share/g/#", ("g", "#")),
+        ("$share/g/$SYS/#", ("g", "$SYS/#")),
+        ("$share/$g/a", ("$g", "a")),
+        ("$share/é ü/a", ("é ü", "a")),
+    ],
+)
+def test_parse_shared_splits_share_and_filter(text: str, parsed: tuple[str, str]) -> None:
+    assert parse_shared(text) == parsed
 
 
 @pytest.mark.parametrize("text", ["sport/#", "$SYS/#", "$share", "$sharex/a/b", "share/a/b"])
@@ -144,9 +214,27 @@ def test_non_shared_filters_parse_to_none(text: str) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["$share/", "$share//a", "$share/g", "$share/g/", "$share/g+/a", "$share/#/a", "$share/g/a#"],
-)
+    [
+        "$share/", "$share//a", "$share/g", "$share/g/", "$share/g+/a", "$share/#/a",
+        "$share/g/a#", "$share/+/a", "$share/a+b/x", "$share/a#b/x", "$share/g/a/#/b",
+        "$share/g/a+", "$share/g/a\x00", "$share/g/" + "x" * MAX_TOPIC_BYTES,
+    ],
+)  # fmt: skip
 def test_malformed_shared_filters_raise(text: str) -> None:
     with pytest.raises(InvalidFilter) as raised:
         parse_shared(text)
     assert raised.value.code == "invalid_filter"
+
+
+def test_invalid_filter_is_the_documented_bad_request() -> None:
+    # the error embedders catch is the one the API maps to 400 invalid_filter
+    from shoal import errors, topics
+
+    assert topics.InvalidFilter is errors.InvalidFilter
+    assert (InvalidFilter.status, InvalidFilter.code) == (400, "invalid_filter")
+
+
+@given(levels)
+def test_shared_filters_wrap_any_valid_filter(parts: list[str]) -> None:
+    topic_filter = "/".join(parts)
+    assert parse_shared(f"$share/g/{topic_filter}") == ("g", topic_filter)

@@ -5,6 +5,11 @@ The rules are MQTT 5.0 section 4.7: levels are separated by ``/`` and an empty l
 any number of child levels, so it must be the last level and stand alone (``a/#`` matches ``a``);
 a topic name holds no wildcard; a filter whose first level is a wildcard does not match a topic
 name that starts with ``$``. Both are UTF-8 strings of at most 65,535 bytes without U+0000.
+
+Public for embedders and conformance checks: ``matches(filter, topic)``, ``is_valid_filter``,
+``is_valid_topic``, ``parse_shared`` (which raises ``InvalidFilter``, importable from here or
+``shoal.errors``, for a malformed ``$share/{ShareName}/{filter}``). ``shoal.filter_index`` answers
+``matches`` for many filters at once.
 """
 
 from __future__ import annotations

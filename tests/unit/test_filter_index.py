@@ -1,0 +1,201 @@
+"""The filter index: the same answers as shoal.topics.matches, kept up to date incrementally."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from shoal import topics
+from shoal.errors import InvalidFilter
+from shoal.filter_index import FilterIndex
+
+# Few distinct level names, so that random filters and topics overlap often; '' and '$x' keep
+# the empty-level and $-topic rules in play.
+TOPIC_LEVEL = st.sampled_from(["a", "b", "", "$x", "c d"])
+FILTER_LEVEL = st.one_of(TOPIC_LEVEL, st.just("+"))
+topic_names = st.lists(TOPIC_LEVEL, min_size=1, max_size=4).map("/".join).filter(bool)
+topic_filters = st.builds(
+    lambda levels, hash_ended: "/".join([*levels, "#"] if hash_ended else levels),
+    st.lists(FILTER_LEVEL, min_size=0, max_size=4),
+    st.booleans(),
+).filter(topics.is_valid_filter)
+subscriptions = st.lists(st.tuples(topic_filters, st.integers(0, 5)), max_size=30)
+
+
+def expected(pairs: list[tuple[str, int]] | set[tuple[str, int]], topic: str) -> set[int]:
+    return {value for topic_filter, value in pairs if topics.matches(topic_filter, topic)}
+
+
+def test_hash_matches_the_parent_level_and_every_descendant() -> None:
+    # Given 'a/#'
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/#", "s")
+    # Then it matches 'a', 'a/' and deeper, not 'ab' or 'b/a'
+    assert [index.match(t) for t in ("a", "a/", "a/b/c")] == [{"s"}, {"s"}, {"s"}]
+    assert index.match("ab") == set()
+    assert index.match("b/a") == set()
+
+
+def test_empty_levels_are_levels() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("+/+", "two")
+    index.add("/+", "root-then-one")
+    index.add("+", "one")
+    # When '/finance' (two levels, the first empty) is looked up
+    assert index.match("/finance") == {"two", "root-then-one"}
+    assert index.match("/") == {"two", "root-then-one"}
+    assert index.match("finance") == {"one"}
+
+
+def test_leading_wildcards_do_not_match_dollar_topics() -> None:
+    # Given wildcards at the root and below it
+    index: FilterIndex[str] = FilterIndex()
+    for topic_filter in ("#", "+/monitor/Clients", "$SYS/#", "$SYS/monitor/+", "+/#"):
+        index.add(topic_filter, topic_filter)
+    # Then only the filters that name '$SYS' match the $-topic
+    assert index.match("$SYS/monitor/Clients") == {"$SYS/#", "$SYS/monitor/+"}
+    assert index.match("$SYS") == {"$SYS/#"}
+    # and a '$' below the first level is an ordinary character
+    assert index.match("a/$SYS") == {"#", "+/#"}
+
+
+def test_one_value_under_many_filters_and_many_values_under_one_filter() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/+", "s1")
+    index.add("a/b", "s1")
+    index.add("a/b", "s2")
+    index.add("a/b", "s2")  # the same pair twice is held once
+    assert len(index) == 3
+    assert index.match("a/b") == {"s1", "s2"}
+
+
+def test_invalid_topic_names_match_nothing() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("#", "all")
+    index.add("a/+", "plus")
+    for name in ("", "a/+", "a/#", "a\x00"):
+        assert index.match(name) == set()
+
+
+@pytest.mark.parametrize("topic_filter", ["", "a/#/b", "a+", "#a", "$share/g/a#"])
+def test_add_refuses_an_invalid_filter(topic_filter: str) -> None:
+    index: FilterIndex[str] = FilterIndex()
+    with pytest.raises(InvalidFilter):
+        index.add(topic_filter, "s")
+    assert len(index) == 0
+
+
+def test_remove_reports_whether_the_pair_was_held() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/+", "s1")
+    assert not index.remove("a/+", "s2")
+    assert not index.remove("a/#", "s1")
+    assert not index.remove("a/+/c", "s1")
+    assert not index.remove("a/#/b", "s1")
+    assert index.remove("a/+", "s1")
+    assert not index.remove("a/+", "s1")
+    assert len(index) == 0
+
+
+def test_the_match_is_a_fresh_set() -> None:
+    # Given a match the caller changes
+    index: FilterIndex[str] = FilterIndex()
+    index.add("#", "s")
+    index.match("a").add("intruder")
+    # Then the index is unchanged
+    assert index.match("a") == {"s"}
+
+
+def test_remove_prunes_the_nodes_it_empties() -> None:
+    # Given filters that share a prefix
+    index: FilterIndex[str] = FilterIndex()
+    for topic_filter in ("a/b/c", "a/+/#", "#", "a/b"):
+        index.add(topic_filter, "s")
+    # When all but one are removed
+    for topic_filter in ("a/b/c", "a/+/#", "#"):
+        assert index.remove(topic_filter, "s")
+    # Then only the path of 'a/b' remains
+    root = index._root
+    assert root.plus is None and not root.hash_values and list(root.children) == ["a"]
+    a = root.children["a"]
+    assert a.plus is None and list(a.children) == ["b"] and a.children["b"].children == {}
+    # and removing the last one leaves an empty root
+    assert index.remove("a/b", "s")
+    assert root.is_empty()
+
+
+@given(subscriptions, st.lists(topic_names, min_size=1, max_size=10))
+def test_match_equals_a_scan_with_topics_matches(
+    pairs: list[tuple[str, int]], names: list[str]
+) -> None:
+    index: FilterIndex[int] = FilterIndex()
+    for topic_filter, value in pairs:
+        index.add(topic_filter, value)
+    assert len(index) == len(set(pairs))
+    for name in names:
+        assert index.match(name) == expected(pairs, name)
+
+
+@given(subscriptions, st.data())
+def test_match_equals_a_scan_after_random_removes(
+    pairs: list[tuple[str, int]], data: st.DataObject
+) -> None:
+    # Given an index of random subscriptions
+    index: FilterIndex[int] = FilterIndex()
+    for topic_filter, value in pairs:
+        index.add(topic_filter, value)
+    held = set(pairs)
+    # When a random selection is removed (some of them twice, some never held)
+    removals = data.draw(
+        st.lists(
+            st.one_of(
+                st.sampled_from(pairs or [("a", 0)]), st.tuples(topic_filters, st.integers(0, 5))
+            )
+        )
+    )
+    for pair in removals:
+        assert index.remove(*pair) is (pair in held)
+        held.discard(pair)
+    # Then it answers as a scan of what is left
+    assert len(index) == len(held)
+    for name in data.draw(st.lists(topic_names, min_size=1, max_size=10)):
+        assert index.match(name) == expected(held, name)
+    # and once everything is removed nothing is left of the trie
+    for pair in list(held):
+        assert index.remove(*pair)
+    assert index._root.is_empty()
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Interleaved adds, removes and lookups against a plain set of pairs."""
+
+    pairs = Bundle("pairs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index: FilterIndex[int] = FilterIndex()
+        self.model: set[tuple[str, int]] = set()
+
+    @rule(target=pairs, topic_filter=topic_filters, value=st.integers(0, 3))
+    def add(self, topic_filter: str, value: int) -> tuple[str, int]:
+        self.index.add(topic_filter, value)
+        self.model.add((topic_filter, value))
+        return topic_filter, value
+
+    @rule(pair=consumes(pairs))
+    def remove(self, pair: tuple[str, int]) -> None:
+        assert self.index.remove(*pair) is (pair in self.model)
+        self.model.discard(pair)
+
+    @rule(name=topic_names)
+    def match(self, name: str) -> None:
+        assert self.index.match(name) == expected(self.model, name)
+
+    @invariant()
+    def size(self) -> None:
+        assert len(self.index) == len(self.model)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=50, stateful_step_count=40)

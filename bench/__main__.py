@@ -9,10 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import filter_index, publish, sessions
+from bench import audit, filter_index, publish, push, sessions
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = {"publish": publish, "sessions": sessions, "filter_index": filter_index}
+BENCHMARKS = {
+    "publish": publish,
+    "sessions": sessions,
+    "filter_index": filter_index,
+    "push": push,
+    "audit": audit,
+}
 
 
 def main() -> int:

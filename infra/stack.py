@@ -46,6 +46,7 @@ from shoal.declarations import (
 from shoal.store import TableDef
 
 from infra.bundling import PipLayerBundling
+from infra.pipeline import PipelineJobs
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER_DIR = ROOT / "layers" / "shoal"
@@ -216,6 +217,9 @@ class ShoalStack(cdk.Stack):
             self._bootstrap()
         self._alarms()
         self._outputs()
+        # the PySpark jobs over the archive (infra/pipeline.py)
+        if "archive" in self.buckets:
+            self.pipeline = PipelineJobs(self, "Pipeline", archive=self.buckets["archive"])
 
     # -- data ------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.config import get_config
+from shoal.delivery import SubscriptionRetirer
 from shoal.observability import logger
 from shoal.publishing import PublishService
 from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
@@ -16,7 +17,9 @@ from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
 def reaper() -> Reaper:
     config = get_config()
     publisher = ServiceWillPublisher(PublishService.from_config(config))
-    return Reaper(SessionRepository.from_config(config), publisher)
+    # an ended session's subscriptions leave the router's subscription store
+    retire = SubscriptionRetirer.from_config(config)
+    return Reaper(SessionRepository.from_config(config), publisher, on_session_end=retire)
 
 
 @logger.inject_lambda_context(clear_state=True)

@@ -1,9 +1,10 @@
-"""The router: consumes storage streams through event source mappings and archives each batch.
+"""The router: consumes storage streams through event source mappings; fans each batch out to
+the inboxes of matching sessions (``shoal.fanout``) and archives it (``shoal.archive``).
 
-Fan-out to subscribers comes with a later issue; archiving is already its real job. Records
-are parsed by Powertools' BatchProcessor; the archive takes the records before the first
-failure (Lambda hands the batch back from there), and an archive error fails the invocation
-so that Lambda retries the batch: object keys are deterministic, so a retry overwrites.
+Records are parsed by Powertools' BatchProcessor. Only the records before the first failure
+are routed and archived (Lambda hands the batch back from there). Fan-out goes first, then the
+archive; an error in either fails the invocation so that Lambda retries the batch: inbox writes
+skip what an earlier attempt wrote (the shard's ledger), archive object keys are deterministic.
 """
 
 from typing import Any
@@ -16,23 +17,37 @@ from aws_lambda_powertools.utilities.batch import (
 from aws_lambda_powertools.utilities.parser.models import KinesisDataStreamRecord
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.archive import ArchiveWriter
+from shoal.fanout import Fanout
 from shoal.observability import logger
 from shoal.streams import PerConfig
 
 service = PerConfig(ArchiveWriter.from_config)
+fanout = PerConfig(Fanout.from_config)
 
 
 @logger.inject_lambda_context(clear_state=True)
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     writer = service()
     batch = writer.batch()
+    records: list[tuple[str, bytes]] = []
+
+    def handle(record: KinesisDataStreamRecord) -> None:
+        batch.add(record)
+        data = record.kinesis.data
+        assert isinstance(data, bytes)
+        records.append((record.kinesis.sequenceNumber, data))
+
     # one processor per invocation: the local runtime invokes concurrently in one process
     processor = BatchProcessor(
         event_type=EventType.KinesisDataStreams, model=KinesisDataStreamRecord
     )
     response = process_partial_response(
-        event=event, record_handler=batch.add, processor=processor, context=context
+        event=event, record_handler=handle, processor=processor, context=context
     )
     failed = [int(str(f["itemIdentifier"])) for f in response.get("batchItemFailures", [])]
-    writer.write(batch.objects(min(failed) if failed else None))
+    cut = min(failed) if failed else None
+    routed = [(seq, data) for seq, data in records if cut is None or int(seq) < cut]
+    if routed:
+        fanout().route_records(batch.stream, batch.shard, routed)
+    writer.write(batch.objects(cut))
     return dict(response)

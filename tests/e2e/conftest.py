@@ -12,7 +12,8 @@ until ``GET /v1/health`` answers. Use it like this::
         dev.restart(kill=True)                        # kill -9, start again on the same state
 
 ``dev_factory(**options)`` starts one with other options (``default_partitions=4``,
-``extra_args=[...]``); every server it started is stopped after the test. ``shared_dev`` is
+``extra_args=[...]``, ``env={"SHOAL_ACK_TIMEOUT_S": "2"}``); every server it started is
+stopped after the test. ``shared_dev`` is
 one server per test module, for tests that neither stop it nor need a fresh account.
 """
 
@@ -26,7 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,13 @@ class DevServer:
         *,
         default_partitions: int = 1,
         extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.default_partitions = default_partitions
         self.extra_args = list(extra_args)
+        #: more environment for the server process (e.g. SHOAL_ACK_TIMEOUT_S)
+        self.env = dict(env or {})
         self.log_path = state_dir.parent / f"{state_dir.name}.log"
         self.port = 0
         self.aws_port = 0
@@ -98,7 +102,11 @@ class DevServer:
         ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                args, cwd=ROOT, env=_child_environment(), stdout=log, stderr=subprocess.STDOUT
+                args,
+                cwd=ROOT,
+                env=_child_environment() | self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self._wait_until_ready()
 
@@ -237,11 +245,17 @@ DevFactory = Callable[..., DevServer]
 def _servers(directory: Path) -> Iterator[DevFactory]:
     servers: list[DevServer] = []
 
-    def start(*, default_partitions: int = 1, extra_args: Iterable[str] = ()) -> DevServer:
+    def start(
+        *,
+        default_partitions: int = 1,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> DevServer:
         server = DevServer(
             directory / f"state-{len(servers)}",
             default_partitions=default_partitions,
             extra_args=extra_args,
+            env=env,
         )
         servers.append(server)
         server.start()

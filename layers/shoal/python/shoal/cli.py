@@ -12,6 +12,8 @@
     shoal subscribe --url URL --token TOKEN --client-id C --filter F [--filter ...] [--qos N]
                     [--count N] [--state FILE]
 
+    shoal pipeline {sync,audit,replay,stats} ...   (see docs/pipeline.md; each takes --help)
+
 ``publish`` and ``subscribe`` speak to any Shoal (``shoal dev`` or a deployed stack) through
 ``shoal.client``; ``--url`` and ``--token`` default to ``$SHOAL_URL`` and ``$SHOAL_TOKEN``. Their
 state file keeps the publisher sequence and the processed message ids, so a command killed and
@@ -104,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     subscribe.add_argument("--clean-start", action="store_true", help="discard the session")
     subscribe.add_argument("--session-expiry-s", type=int, default=3600)
     subscribe.add_argument("--wait-ms", type=int, default=20_000, help="long-poll per request")
+
+    # the jobs parse their own flags (the same ones EMR passes them): `shoal pipeline audit -h`
+    pipeline = commands.add_parser(
+        "pipeline", help="data pipeline over the archive: sync, audit, replay, stats"
+    )
+    pipeline.add_argument("job", choices=("sync", "audit", "replay", "stats"))
+    pipeline.add_argument("rest", nargs=argparse.REMAINDER, help="the job's flags")
     return parser
 
 
@@ -289,8 +298,24 @@ def _subscribe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    from shoal.local.runtime import ensure_functions_importable
+
+    try:
+        # pipeline/ sits beside functions/ in the project root
+        ensure_functions_importable()
+    except RuntimeError:
+        print("shoal pipeline: run it from the project root (the folder with pipeline/)")
+        return 2
+    from pipeline.entry import main as pipeline_main
+
+    return pipeline_main([args.job, *args.rest])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "pipeline":
+        return _pipeline(args)
     if args.command == "dev":
         return _dev(args)
     if args.command == "publish":

@@ -136,10 +136,15 @@ DEPLOYMENT = Deployment(
         ),
         FunctionDef(
             name="router",
-            description="Consumes the storage streams (event source mappings made at run time)",
+            description="Consumes the storage streams: fan-out to session inboxes, archive",
             grants=(
                 Grant("streams", "storage", "read"),
                 Grant("bucket", "archive", "write"),
+                # the subscription store's versions, changes and subscriptions
+                Grant("table", "subscriptions", "read"),
+                # deliveries, and the per-shard ledger that makes a retried batch write nothing
+                # twice (a retry reads what it wrote before)
+                Grant("table", "inboxes", "read_write"),
             ),
             timeout_s=60,
         ),
@@ -162,7 +167,11 @@ DEPLOYMENT = Deployment(
                 Route("GET", "/v1/sessions/{client_id}"),
                 Route("POST", "/v1/sessions/{client_id}/heartbeat"),
             ),
-            grants=(Grant("table", "sessions", "read_write"),),
+            grants=(
+                Grant("table", "sessions", "read_write"),
+                # a connect that ends a session removes its subscriptions from the router's store
+                Grant("table", "subscriptions", "read_write"),
+            ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
         ),
@@ -178,9 +187,79 @@ DEPLOYMENT = Deployment(
                 Grant("table", "retained", "write"),
                 Grant("streams", "storage", "write"),
                 Grant("streams", "storage", "read"),
+                # an expired session's subscriptions leave the router's store
+                Grant("table", "subscriptions", "read_write"),
             ),
             schedule_s=60,
             timeout_s=120,
+        ),
+        FunctionDef(
+            name="subscriptions",
+            description="Subscribe and unsubscribe: session state, subscription store, retained",
+            routes=(
+                Route("POST", "/v1/sessions/{client_id}/subscriptions"),
+                Route("POST", "/v1/sessions/{client_id}/unsubscribe"),
+            ),
+            grants=(
+                Grant("table", "sessions", "read_write"),
+                Grant("table", "subscriptions", "read_write"),
+                # retained messages matching a new subscription go to the session's inbox
+                Grant("table", "inboxes", "read_write"),
+                Grant("table", "retained", "read"),
+                Grant("table", "topics", "read"),
+            ),
+        ),
+        FunctionDef(
+            name="messages",
+            description="Get and ack: a session's inbox, in order, within its in-flight window",
+            routes=(
+                Route("GET", "/v1/sessions/{client_id}/messages"),
+                Route("POST", "/v1/sessions/{client_id}/acks"),
+            ),
+            grants=(
+                Grant("table", "sessions", "read"),
+                Grant("table", "inboxes", "read_write"),
+                # payloads too large for an inbox item are kept once there (shoal.delivery)
+                Grant("bucket", "archive", "read"),
+            ),
+        ),
+        FunctionDef(
+            name="push",
+            description="Push subscriptions: HTTP delivery from storage streams and retry queues",
+            grants=(
+                # specs and cursors (a cursor moves per batch); the per-key group states
+                Grant("table", "push_subscriptions", "read_write"),
+                Grant("table", "push_groups", "read_write"),
+                # reads its batches' sources again when it repairs a missing queue entry;
+                # puts into retry and dead-letter queues (two grants: no stream management)
+                Grant("streams", "storage", "read"),
+                Grant("streams", "storage", "write"),
+            ),
+            # an invocation waits for a retry's attempt time up to shoal.push.MAX_HOLD_S
+            timeout_s=120,
+        ),
+        FunctionDef(
+            name="pushadmin",
+            description="Push subscriptions (admin): create, get, change, delete, seek, DLQ",
+            routes=(
+                Route("POST", "/v1/subscriptions"),
+                Route("GET", "/v1/subscriptions/{name}"),
+                Route("PATCH", "/v1/subscriptions/{name}"),
+                Route("DELETE", "/v1/subscriptions/{name}"),
+                Route("POST", "/v1/subscriptions/{name}/seek"),
+                Route("GET", "/v1/subscriptions/{name}/dlq"),
+                Route("POST", "/v1/subscriptions/{name}/dlq/redrive"),
+            ),
+            grants=(
+                Grant("table", "push_subscriptions", "read_write"),
+                Grant("table", "push_groups", "read_write"),
+                # the subscription's topic and its storage streams
+                Grant("table", "topics", "read"),
+                # retry and dead-letter queues: create, delete, read (DLQ), put (redrive)
+                Grant("streams", "storage", "read_write"),
+                # the push taps and retry-queue mappings; a seek replaces a tap's mapping
+                Grant("event_source_mappings", "push", "read_write"),
+            ),
         ),
     ),
 )

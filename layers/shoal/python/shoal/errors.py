@@ -148,3 +148,52 @@ class SessionTakenOver(Conflict):
     """The channel named by ``Shoal-Channel`` is no longer the client id's live channel."""
 
     code = "session_taken_over"
+
+
+# -- push subscriptions (shoal.push) --------------------------------------------------------
+
+
+class InvalidSubscriptionName(BadRequest):
+    code = "invalid_subscription_name"
+
+
+class InvalidEndpoint(BadRequest):
+    """Not https (http only to loopback under ``shoal dev``), credentials in it, or no host."""
+
+    code = "invalid_endpoint"
+
+
+class InvalidRetryPolicy(BadRequest):
+    code = "invalid_retry_policy"
+
+
+class InvalidParallelism(BadRequest):
+    code = "invalid_parallelism"
+
+
+class InvalidSeek(BadRequest):
+    """Not exactly one of ``to_time`` and ``to`` ("earliest" or "latest")."""
+
+    code = "invalid_seek"
+
+
+class InvalidRedrive(BadRequest):
+    """Not exactly one of ``ordering_keys``, ``message_ids``, ``failed_after``, or over a cap."""
+
+    code = "invalid_redrive"
+
+
+class InvalidCursor(BadRequest):
+    """A page cursor (``after``) this service did not hand out."""
+
+    code = "invalid_cursor"
+
+
+class SubscriptionNotFound(NotFound):
+    code = "subscription_not_found"
+
+
+class SubscriptionExists(Conflict):
+    """A push subscription of that name exists (or is being created with another spec)."""
+
+    code = "subscription_exists"

@@ -400,6 +400,21 @@ class WillPublisher(Protocol):
         ...
 
 
+class SessionEndHook(Protocol):
+    def __call__(self, client_id: str, head: Head) -> object:
+        """A session ended (discarded by a connect, or expired): clean up after it."""
+        ...
+
+
+def _ended(hook: SessionEndHook | None, client_id: str, head: Head) -> None:
+    if hook is None:
+        return
+    try:
+        hook(client_id, head)
+    except Exception as exc:
+        logger.warning("cleaning up an ended session failed", extra={"error": type(exc).__name__})
+
+
 class ServiceWillPublisher:
     """Wills go through the publish path (``shoal.publishing``), exactly once each.
 
@@ -910,15 +925,23 @@ class SessionRegistry:
         *,
         budget_s: float = CONNECT_BUDGET_S,
         stats: RegistryStats | None = None,
+        on_session_end: SessionEndHook | None = None,
     ) -> None:
         self.repository = repository
         self.clock = clock or SystemClock()
         self.budget_ms = int(budget_s * 1000)
         self.stats = stats or RegistryStats()
+        self.on_session_end = on_session_end
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SessionRegistry:
-        return cls(SessionRepository.from_config(config), clock)
+        from shoal.delivery import SubscriptionRetirer
+
+        return cls(
+            SessionRepository.from_config(config),
+            clock,
+            on_session_end=SubscriptionRetirer.from_config(config, clock),
+        )
 
     # -- connect
 
@@ -983,6 +1006,12 @@ class SessionRegistry:
             self.clock.sleep(_backoff_s(attempts))
             view, local_max = real, real_max
         self.stats.add(connects=1, attempts=attempts)
+        ended = view.head
+        if plan.decision is not Decision.RESUME and ended is not None and ended.subscriptions:
+            # the session this connect ended: its subscriptions leave the router's store
+            # (best effort: the connect stands; a leftover only costs writes to an inbox no
+            # session reads, which TTL removes)
+            _ended(self.on_session_end, client_id, ended)
         return Connected(plan.session_present, ours.channel, request.keepalive_s)
 
     # -- session-scoped calls
@@ -1094,11 +1123,13 @@ class Reaper:
         clock: Clock | None = None,
         *,
         limit_per_shard: int = 500,
+        on_session_end: SessionEndHook | None = None,
     ) -> None:
         self.repository = repository
         self.publisher = publisher
         self.clock = clock or SystemClock()
         self.limit_per_shard = limit_per_shard
+        self.on_session_end = on_session_end
 
     def run(self) -> ReapReport:
         report = ReapReport()
@@ -1140,6 +1171,9 @@ class Reaper:
             if head.session_expiry_s > 0:
                 return
             head = replace(head, connected=False, rev=head.rev + 1, session_expires_at_ms=now)
+        if head.subscriptions and self.on_session_end is not None:
+            # before the head goes: a failure leaves the head due, so a later run retries
+            self.on_session_end(client_id, head)
         if self.repository.end_session(client_id, head, view.registrations):
             report.sessions_ended += 1
         else:

@@ -17,7 +17,7 @@ from pynamodb.attributes import (
     NumberAttribute,
     UnicodeAttribute,
 )
-from pynamodb.indexes import GlobalSecondaryIndex, KeysOnlyProjection
+from pynamodb.indexes import GlobalSecondaryIndex, IncludeProjection, KeysOnlyProjection
 from pynamodb.models import Model
 
 from shoal.config import Config
@@ -72,6 +72,18 @@ class PublisherModel(Model):
     overrides = MapAttribute[str, Any](default=dict)
 
 
+class RetainedByCompositeIndex(GlobalSecondaryIndex["RetainedModel"]):
+    """Retained topic names by composite topic: a subscribe matches its filter against these
+    (``shoal.delivery``), then reads the matching messages themselves, strongly consistent."""
+
+    class Meta:
+        index_name = "by_composite"
+        projection = IncludeProjection(["topic"])
+
+    composite_topic = UnicodeAttribute(hash_key=True)
+    key = UnicodeAttribute(range_key=True)
+
+
 class RetainedModel(Model):
     """The retained message of one MQTT topic name (absent when none is retained).
 
@@ -93,6 +105,7 @@ class RetainedModel(Model):
     #: a retained message is only replaced by one published at or after it
     published_at_ms = NumberAttribute()
     publisher = UnicodeAttribute(null=True)
+    by_composite = RetainedByCompositeIndex()
 
 
 @dataclass(frozen=True)
@@ -186,3 +199,141 @@ class SessionItemModel(Model):
 
 
 TABLES += (TableDef("sessions", SessionItemModel, ttl_attribute="expires_at"),)
+
+
+class SubscriptionItemModel(Model):
+    """The router-readable subscription store (see ``shoal.delivery``), one partition per bucket.
+
+    A bucket holds the subscriptions whose filter (without ``$share/{ShareName}/``) starts with
+    one literal level (``L:<level>``), or with a wildcard (``W``). ``item`` is ``#v`` (the
+    bucket's version, bumped by every change), ``s#<digest>`` (one session's subscription) or
+    ``c#<version>`` (the change that made that version, kept a day so that routers refresh
+    incrementally). Only key and TTL attributes are declared.
+    """
+
+    class Meta:
+        table_name = "subscriptions"
+        region = "us-east-1"
+
+    bucket = UnicodeAttribute(hash_key=True)
+    item = UnicodeAttribute(range_key=True)
+    #: epoch seconds; DynamoDB TTL removes old change records
+    expires_at = NumberAttribute(null=True)
+
+
+class InboxItemModel(Model):
+    """Session inboxes (see ``shoal.delivery``): one partition per session id.
+
+    ``position`` is ``#state`` (the session's delivery state: cursors, in-flight runs, acks) or
+    ``<source>#<position>`` (deliveries from one storage shard, or ``ret`` for retained
+    messages sent on subscribe). The router's per-shard ledger lives in partition
+    ``router#<source>``. Only key and TTL attributes are declared.
+    """
+
+    class Meta:
+        table_name = "inboxes"
+        region = "us-east-1"
+
+    inbox = UnicodeAttribute(hash_key=True)
+    position = UnicodeAttribute(range_key=True)
+    #: epoch seconds; consumed deliveries are never deleted one by one, TTL drops them
+    expires_at = NumberAttribute(null=True)
+
+
+TABLES += (
+    TableDef("subscriptions", SubscriptionItemModel, ttl_attribute="expires_at"),
+    TableDef("inboxes", InboxItemModel, ttl_attribute="expires_at"),
+)
+
+
+class PushSubscriptionModel(Model):
+    """Push subscriptions (``shoal.push``) and the push taps of storage streams.
+
+    ``name`` is a subscription's name, or ``tap#<stream>`` for the push tap of one storage
+    stream (subscription names hold no ``#``). A subscription item holds its spec (JSON), its
+    seek ``generation`` and ``skip_before_ms``, and ``cursors``: per storage stream of its
+    topic, ``{"from": ms, "shards": {shard id: {"s": sequence number, "t": arrival ms}}}``. A
+    tap item holds ``members`` (the subscriptions reading that stream) and a lease that
+    serializes changes to the tap's event source mapping; its ``spec`` is the JSON of the
+    composite topic and storage topic index the stream belongs to.
+    """
+
+    class Meta:
+        table_name = "push_subscriptions"
+        region = "us-east-1"
+
+    name = UnicodeAttribute(hash_key=True)
+    #: bumped by every change of the spec, state or seek position; conditions compare it
+    version = NumberAttribute(default=0)
+    state = UnicodeAttribute(null=True)
+    spec = UnicodeAttribute(null=True)
+    parallelism = NumberAttribute(null=True)
+    generation = NumberAttribute(default=0)
+    skip_before_ms = NumberAttribute(default=0)
+    created_at_ms = NumberAttribute(null=True)
+    cursors = MapAttribute[str, Any](default=dict)
+    members = MapAttribute[str, Any](null=True)
+    lease_until_ms = NumberAttribute(null=True)
+    lease_token = UnicodeAttribute(null=True)
+
+
+class PushBlockedIndex(GlobalSecondaryIndex["PushGroupModel"]):
+    """Sparse: only groups whose ordering key is blocked (messages pending in RQ or DLQ)."""
+
+    class Meta:
+        index_name = "blocked"
+        projection = IncludeProjection(["ordering_key", "rq_depth", "dlq_depth"])
+
+    blocked = UnicodeAttribute(hash_key=True)
+    ordering_digest = UnicodeAttribute(range_key=True)
+
+
+class PushGroupModel(Model):
+    """The group state of one (push subscription, ordering key), see ``shoal.push.GroupState``.
+
+    ``name`` is the subscription's, ``ordering_digest`` a digest of the ordering key (a sort key
+    holds 1 KB, an ordering key more); ``state`` is the JSON of the produced and consumed
+    positions of RQ and DLQ. Every write is conditional on ``version``.
+    """
+
+    class Meta:
+        table_name = "push_groups"
+        region = "us-east-1"
+
+    name = UnicodeAttribute(hash_key=True)
+    ordering_digest = UnicodeAttribute(range_key=True)
+    ordering_key = UnicodeAttribute()
+    version = NumberAttribute()
+    state = UnicodeAttribute()
+    #: the subscription's name while the key is blocked, else absent (the sparse index)
+    blocked = UnicodeAttribute(null=True)
+    rq_depth = NumberAttribute(default=0)
+    dlq_depth = NumberAttribute(default=0)
+    blocked_index = PushBlockedIndex()
+
+
+TABLES += (
+    TableDef("push_subscriptions", PushSubscriptionModel),
+    TableDef("push_groups", PushGroupModel),
+)
+
+
+class GroupItemModel(Model):
+    """Durable shared groups (see ``shoal.groups``): one partition per group, keyed by a digest
+    of (ShareName, filter).
+
+    ``item`` is ``#sgl`` (the group leader: version, incarnation, members, the streams' leases),
+    ``m#<session id>`` (a member's last renewal and its agent's view) or ``s#<source>`` (one
+    group stream's progress and fence). The messages themselves live in the inboxes table
+    (``shoal.group_streams``). Only the key attributes are declared.
+    """
+
+    class Meta:
+        table_name = "groups"
+        region = "us-east-1"
+
+    group = UnicodeAttribute(hash_key=True)
+    item = UnicodeAttribute(range_key=True)
+
+
+TABLES += (TableDef("groups", GroupItemModel),)

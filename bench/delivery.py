@@ -1,0 +1,492 @@
+"""Delivery: the router's fan-out with 1k subscriptions, and publish -> get -> ack over shoal dev.
+
+- **Router** (in-process emulator): 200 sessions hold 1,000 subscriptions (five filters each,
+  overlapping). Messages are published to one storage shard, then handed to
+  ``functions.router.app.handler`` in Lambda's event format, 100 records per invocation, as the
+  event source mapping would (one warm-up invocation first: the subscription view is loaded
+  once per container). Two traffic shapes: single publishes (one message per Kinesis record)
+  and batch publishes (10 messages per record). Measured: records/s per shard invocation, AWS
+  calls, and DynamoDB write units per delivered message. Write units are computed from the
+  items the router writes, by DynamoDB's rule (1 KB units per item, rounded up; a transaction
+  counts twice), since the emulator reports a flat unit per call. Then every session gets and
+  acks what it received, and the same is counted for get/ack.
+- **End to end** (a real ``shoal dev`` process, its router on the emulated event source
+  mappings): 10 sessions subscribe to one filter, one publisher sends messages one by one, each
+  session gets (max 100) and acks what it got, in rounds, one HTTP request at a time (see
+  ``_end_to_end``). Measured: delivered messages/s and publish-to-get latency (p50, p99), which
+  includes the mappings' 0.5 s poll interval and the round-robin of the one client thread.
+
+Figures are the emulator's: Shoal's work plus moto's (~0.7 ms a call, serialized), not AWS's.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.account import CallMeter, emulated_account, item_size
+
+SESSIONS = 200
+FILTERS_PER_SESSION = 5
+BATCH = 100
+E2E_SESSIONS = 10
+E2E_MESSAGES = 150
+E2E_PER_ROUND = 5
+EVENT = Path(__file__).resolve().parent.parent / "events" / "http_api_request.json"
+CLAIMS = {
+    "sub": "bench",
+    "shoal:clients": "[bench-*]",
+    "shoal:publish": "[#]",
+    "shoal:subscribe": "[#]",
+}
+
+
+class _Context:
+    function_name = "shoal-router"
+    function_version = "$LATEST"
+    memory_limit_in_mb = 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:shoal-router"
+    aws_request_id = "bench"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 60_000
+
+
+class WriteUnits:
+    """DynamoDB write units of the calls one client makes, from the items' sizes."""
+
+    def __init__(self) -> None:
+        self.units = 0.0
+        self.by_operation: dict[str, float] = {}
+
+    def attach(self, client: Any) -> None:
+        client.meta.events.register("before-parameter-build.dynamodb.*", self._record)
+
+    def _record(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        name = model.name
+        units = 0.0
+        if name == "BatchWriteItem":
+            for requests in params.get("RequestItems", {}).values():
+                for request in requests:
+                    put = request.get("PutRequest")
+                    units += math.ceil(item_size(put["Item"]) / 1024) if put else 1
+        elif name == "PutItem":
+            units = math.ceil(item_size(params["Item"]) / 1024)
+        elif name in ("UpdateItem", "DeleteItem"):
+            units = 1.0  # small items (the router's ledger)
+        elif name == "TransactWriteItems":
+            for part in params.get("TransactItems", []):
+                put = part.get("Put")
+                units += 2 * (math.ceil(item_size(put["Item"]) / 1024) if put else 1)
+        if units:
+            self.units += units
+            self.by_operation[name] = self.by_operation.get(name, 0.0) + units
+
+
+def _kinesis_events(session: Any, stream: str) -> list[dict[str, Any]]:
+    kinesis = session.client("kinesis")
+    shard = kinesis.list_shards(StreamName=stream)["Shards"][0]["ShardId"]
+    iterator = kinesis.get_shard_iterator(
+        StreamName=stream, ShardId=shard, ShardIteratorType="TRIM_HORIZON"
+    )["ShardIterator"]
+    records: list[dict[str, Any]] = []
+    while True:
+        response = kinesis.get_records(ShardIterator=iterator, Limit=10_000)
+        if not response["Records"]:
+            break
+        records += response["Records"]
+        iterator = response["NextShardIterator"]
+    arn = f"arn:aws:kinesis:us-east-1:123456789012:stream/{stream}"
+    events = []
+    for start in range(0, len(records), BATCH):
+        events.append(
+            {
+                "Records": [
+                    {
+                        "kinesis": {
+                            "kinesisSchemaVersion": "1.0",
+                            "partitionKey": r["PartitionKey"],
+                            "sequenceNumber": r["SequenceNumber"],
+                            "data": base64.b64encode(r["Data"]).decode(),
+                            "approximateArrivalTimestamp": r[
+                                "ApproximateArrivalTimestamp"
+                            ].timestamp(),
+                        },
+                        "eventSource": "aws:kinesis",
+                        "eventVersion": "1.0",
+                        "eventID": f"{shard}:{r['SequenceNumber']}",
+                        "eventName": "aws:kinesis:record",
+                        "invokeIdentityArn": "arn:aws:iam::123456789012:role/bench",
+                        "awsRegion": "us-east-1",
+                        "eventSourceARN": arn,
+                    }
+                    for r in records[start : start + BATCH]
+                ]
+            }
+        )
+    return events
+
+
+def _filters(s: int) -> list[str]:
+    return [
+        f"bench/{s % 50}/#",
+        f"bench/{s % 50}/+/temp",
+        f"bench/+/{s % 20}",
+        f"other/{s}/#",
+        f"bench/{s % 50}/{s % 7}",
+    ][:FILTERS_PER_SESSION]
+
+
+def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]:
+    from shoal.auth import Principal
+    from shoal.clock import SystemClock
+    from shoal.composite import ensure_default_topic
+    from shoal.config import get_config
+    from shoal.delivery import AckRequest, DeliveryService, SubscribeRequest, SubscriptionService
+    from shoal.publishing import BatchRequest, PublishRequest, PublishService
+    from shoal.sessions import ConnectRequest
+
+    import functions.router.app as router_app
+
+    with emulated_account(default_partitions=1) as session:
+        config = get_config()
+        clock = SystemClock()
+        ensure_default_topic(config, partitions=1)
+        who = Principal.from_claims(CLAIMS)
+        subscriptions = SubscriptionService.from_config(config, clock)
+        # set-up only: the subscribe path's transactions written part by part (the emulator
+        # copies a table per transaction part, which makes 200 subscribes take minutes)
+        subscriptions.subscriptions.dynamo = _Sequential(subscriptions.subscriptions.dynamo)
+        delivery = DeliveryService.from_config(config, clock)
+        channels: dict[str, str] = {}
+        for s in range(SESSIONS):
+            client_id = f"bench-{s}"
+            channels[client_id] = subscriptions.registry.connect(
+                who, client_id, ConnectRequest(clean_start=False, session_expiry_s=3600)
+            ).channel
+            request = SubscribeRequest.model_validate(
+                {"subscriptions": [{"filter": f, "qos": 1} for f in _filters(s)]}
+            )
+            subscriptions.subscribe(who, client_id, channels[client_id], request)
+        publisher = PublishService.from_config(config, clock)
+        payload = "x" * 64
+        for n in range(records):
+            messages = [
+                {"topic": f"bench/{(n * per_record + i) % 50}/{(n + i) % 20}", "text": payload}
+                for i in range(per_record)
+            ]
+            if per_record == 1:
+                publisher.publish(who, PublishRequest.model_validate(messages[0]))
+            else:
+                batch = BatchRequest.model_validate({"messages": messages})
+                publisher.publish_batch(who, batch.messages)
+        events = _kinesis_events(session, f"{config.stream_prefix}-default-0")
+
+        fanout = router_app.fanout()
+        writer = router_app.service()
+        meter, units = CallMeter(), WriteUnits()
+        meter.attach(fanout.inbox.dynamo.client)
+        meter.attach(writer.s3)
+        units.attach(fanout.inbox.dynamo.client)
+        # warm-up: the container loads its subscription view once
+        warm, *timed = events
+        router_app.handler(warm, _Context())
+        meter.reset()
+        units.units, units.by_operation = 0.0, {}
+        deliveries_before = _count_deliveries(session, config)
+        elapsed = 0.0
+        invocations: list[float] = []
+        for event in timed:
+            started = time.perf_counter()
+            router_app.handler(copy.deepcopy(event), _Context())
+            took = time.perf_counter() - started
+            elapsed += took
+            invocations.append(took)
+        delivered = _count_deliveries(session, config) - deliveries_before
+        timed_records = sum(len(e["Records"]) for e in timed)
+        router_calls = sum(meter.calls.values())
+        figures: dict[str, Any] = {
+            "subscriptions": SESSIONS * FILTERS_PER_SESSION,
+            "sessions": SESSIONS,
+            "messages_per_record": per_record,
+            "records_timed": timed_records,
+            "invocations_timed": len(timed),
+            "records_per_s_per_invocation": round(timed_records / elapsed, 1),
+            "messages_per_s": round(timed_records * per_record / elapsed, 1),
+            "ms_per_invocation_p50": round(1000 * statistics.median(invocations), 1),
+            "deliveries": delivered,
+            "deliveries_per_message": round(delivered / (timed_records * per_record), 2),
+            "router_aws_calls_per_delivery": round(router_calls / delivered, 4),
+            "router_calls": dict(sorted(meter.calls.items())),
+            "router_write_units_per_delivery": round(units.units / delivered, 4),
+            "router_write_units_by_operation": {
+                k: round(v, 1) for k, v in sorted(units.by_operation.items())
+            },
+        }
+        # every session gets (max 100) and acks what it received
+        consumer_meter, consumer_units = CallMeter(), WriteUnits()
+        consumer_meter.attach(delivery.inbox.dynamo.client)
+        consumer_meter.attach(delivery.registry.repository.client)
+        consumer_units.attach(delivery.inbox.dynamo.client)
+        got = 0
+        for client_id, channel in channels.items():
+            while True:
+                answer = delivery.get(who, client_id, channel, 100)["messages"]
+                if not answer:
+                    break
+                got += len(answer)
+                delivery.ack(who, client_id, channel, AckRequest(ids=[m["id"] for m in answer]))
+        figures["get_ack_delivered"] = got
+        figures["get_ack_aws_calls_per_delivery"] = round(
+            sum(consumer_meter.calls.values()) / max(got, 1), 4
+        )
+        figures["get_ack_write_units_per_delivery"] = round(consumer_units.units / max(got, 1), 4)
+        figures["name"] = name
+        return figures
+
+
+class _Sequential:
+    """A ``shoal.delivery.Dynamo`` whose transactions are written one part after the other."""
+
+    def __init__(self, dynamo: Any) -> None:
+        self._dynamo = dynamo
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dynamo, name)
+
+    def transact(self, parts: list[dict[str, Any]]) -> list[str] | None:
+        operations = {"Put": "put_item", "Update": "update_item", "Delete": "delete_item"}
+        for part in parts:
+            ((kind, request),) = part.items()
+            self._dynamo.call(operations[kind], **request)
+        return None
+
+
+def _count_deliveries(session: Any, config: Any) -> int:
+    table = session.resource("dynamodb").Table(config.table("inboxes"))
+    total, kwargs = 0, {"ProjectionExpression": "m"}
+    while True:
+        page = table.scan(**kwargs)
+        total += sum(len(i.get("m", [])) for i in page["Items"])
+        if "LastEvaluatedKey" not in page:
+            return total
+        kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+
+# --- end to end over shoal dev ------------------------------------------------------------------
+
+
+def _shoal() -> list[str]:
+    script = Path(sys.executable).with_name("shoal")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
+
+
+@contextmanager
+def _dev_server() -> Iterator[tuple[str, Path]]:
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
+        state = Path(tmp) / "state"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+        env["POWERTOOLS_LOG_LEVEL"] = "WARNING"
+        args = [*_shoal(), "dev", "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state)]
+        args += ["--default-partitions", "2"]
+        log = open(Path(tmp) / "dev.log", "wb")  # noqa: SIM115 - closed below
+        process = subprocess.Popen(args, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 90
+            url = ""
+            while time.monotonic() < deadline and not url:
+                if process.poll() is not None:
+                    raise RuntimeError((Path(tmp) / "dev.log").read_text())
+                try:
+                    info = json.loads((state / "runtime.json").read_text())
+                    if info.get("pid") == process.pid:
+                        url = info["url"]
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.2)
+            if not url:
+                raise RuntimeError("shoal dev did not start")
+            while _request(url, "GET", "/v1/health")[0] != 200:
+                time.sleep(0.2)
+            yield url, state
+        finally:
+            process.terminate()
+            process.wait(30)
+            log.close()
+
+
+def _token(state: Path) -> str:
+    args = [*_shoal(), "token", "--sub", "bench", "--state-dir", str(state)]
+    args += ["--clients", "bench-*", "--publish", "#", "--subscribe", "#"]
+    done = subprocess.run(args, capture_output=True, check=True, timeout=60)
+    return done.stdout.decode().strip().splitlines()[-1]
+
+
+def _request(
+    url: str,
+    method: str,
+    path: str,
+    token: str | None = None,
+    body: Any = None,
+    *,
+    channel: str | None = None,
+) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if channel:
+        headers["Shoal-Channel"] = channel
+    data = json.dumps(body).encode() if body is not None else None
+    # loopback http only: the URL is shoal dev's own
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers)  # noqa: S310
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+    except OSError:
+        return 0, None
+
+
+def _end_to_end() -> dict[str, Any]:
+    with _dev_server() as (url, state):
+        token = _token(state)
+        channels = {}
+        for s in range(E2E_SESSIONS):
+            client_id = f"bench-{s}"
+            status, body = _request(
+                url, "PUT", f"/v1/sessions/{client_id}", token, {"clean_start": True}
+            )
+            assert status == 200, body
+            channels[client_id] = body["channel"]
+            status, body = _request(
+                url,
+                "POST",
+                f"/v1/sessions/{client_id}/subscriptions",
+                token,
+                {"subscriptions": [{"filter": "e2e/#", "qos": 1}]},
+                channel=channels[client_id],
+            )
+            assert status == 200, body
+        # One client thread, one request at a time: shoal dev runs every handler in one
+        # process, and Powertools keeps the current event on a class all resolvers share, so
+        # concurrent requests can see each other's event (reported: shoal.api needs a
+        # per-thread current event). Each round publishes a few messages, then every session
+        # gets (max 100, no wait) and acks.
+        latencies: list[float] = []
+        received = dict.fromkeys(channels, 0)
+        last_received = 0.0
+        sent = 0
+        started = time.time()
+        published = started
+        deadline = time.monotonic() + 300
+        while min(received.values()) < E2E_MESSAGES and time.monotonic() < deadline:
+            for _ in range(min(E2E_PER_ROUND, E2E_MESSAGES - sent)):
+                status, body = _request(
+                    url,
+                    "POST",
+                    "/v1/messages",
+                    token,
+                    {"topic": f"e2e/{sent % 10}", "text": repr(time.time()), "qos": 1},
+                )
+                assert status == 201, body
+                sent += 1
+                published = time.time()
+            for client_id, channel in channels.items():
+                status, body = _request(
+                    url,
+                    "GET",
+                    f"/v1/sessions/{client_id}/messages?max=100&wait_ms=0",
+                    token,
+                    channel=channel,
+                )
+                if status != 200 or not body["messages"]:
+                    continue
+                now = time.time()
+                latencies += [now - float(base64.b64decode(m["payload"])) for m in body["messages"]]
+                received[client_id] += len(body["messages"])
+                last_received = now
+                ids = [m["id"] for m in body["messages"]]
+                _request(
+                    url,
+                    "POST",
+                    f"/v1/sessions/{client_id}/acks",
+                    token,
+                    {"ids": ids},
+                    channel=channel,
+                )
+        delivered = sum(received.values())
+        elapsed = max(last_received - started, 1e-9)
+        latencies.sort()
+        return {
+            "sessions": E2E_SESSIONS,
+            "messages_published": E2E_MESSAGES,
+            "publishing_s": round(published - started, 2),
+            "deliveries": delivered,
+            "deliveries_expected": E2E_MESSAGES * E2E_SESSIONS,
+            "delivered_per_s": round(delivered / elapsed, 1),
+            "latency_p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
+            "latency_p99_ms": round(1000 * latencies[int(len(latencies) * 0.99) - 1], 1),
+        }
+
+
+def run() -> dict[str, Any]:
+    return {
+        "router_single_publishes": _router_scenario("single", per_record=1, records=400),
+        "router_batch_publishes": _router_scenario("batch", per_record=10, records=300),
+        "end_to_end": _end_to_end(),
+    }
+
+
+def report(figures: dict[str, Any]) -> str:
+    lines = [
+        "## Delivery\n",
+        "Router fan-out: 200 sessions, 1,000 subscriptions (overlapping filters), one storage",
+        "shard, 100 records per invocation (warm container). Write units from the items' sizes.\n",
+        "| traffic | records/s per invocation | messages/s | deliveries per message "
+        "| router AWS calls per delivery | router WCU per delivery "
+        "| get+ack calls per delivery | get+ack WCU per delivery |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, label in (
+        ("router_single_publishes", "1 message per record"),
+        ("router_batch_publishes", "10 messages per record"),
+    ):
+        f = figures[key]
+        lines.append(
+            f"| {label} | {f['records_per_s_per_invocation']} | {f['messages_per_s']} "
+            f"| {f['deliveries_per_message']} | {f['router_aws_calls_per_delivery']} "
+            f"| {f['router_write_units_per_delivery']} | {f['get_ack_aws_calls_per_delivery']} "
+            f"| {f['get_ack_write_units_per_delivery']} |"
+        )
+    e = figures["end_to_end"]
+    lines += [
+        "",
+        f"End to end over `shoal dev` ({e['sessions']} sessions on one filter, "
+        f"{e['messages_published']} messages; one client thread, one request at a time: each "
+        f"round publishes {E2E_PER_ROUND}, then every session gets (max 100) and acks): "
+        f"{e['deliveries']}/{e['deliveries_expected']} delivered, "
+        f"{e['delivered_per_s']} deliveries/s, publish-to-get latency p50 "
+        f"{e['latency_p50_ms']} ms, p99 {e['latency_p99_ms']} ms (the event source mapping "
+        "polls every 0.5 s; every request passes the JWT authorizer and the emulator).\n",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(run()))

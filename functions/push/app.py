@@ -1,0 +1,19 @@
+"""Push subscriptions' delivery: push tap batches (storage streams) and retry queue batches.
+
+Invoked by event source mappings made at run time by the push admin (``shoal.push_store``):
+one per storage stream that push subscriptions read, one per retry queue.
+"""
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from shoal.observability import logger
+from shoal.push_delivery import PushConsumer
+from shoal.streams import PerConfig
+
+service = PerConfig(PushConsumer.from_config)
+
+
+@logger.inject_lambda_context(clear_state=True)
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return service().handle(event, context.get_remaining_time_in_millis())

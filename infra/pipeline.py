@@ -1,0 +1,142 @@
+"""The data pipeline on EMR Serverless: an application, a job role, and the jobs' code.
+
+``PipelineJobs`` deploys what ``shoal pipeline audit|replay|stats`` runs locally:
+
+* a Spark application (EMR release ``emr-7.x``, ARM, stops itself when idle, capped), so a job
+  costs nothing between runs;
+* a job execution role that EMR Serverless assumes (only for this account), which may read the
+  archive's ``messages/`` and ``events/`` and nothing else in the bucket, and read and write
+  only under the results prefix;
+* the code as CDK assets: ``pipeline/entry.py`` is the entry point, and one zip holds the
+  ``pipeline`` package with the stdlib-only part of ``shoal`` it imports (``shoal.topics`` and
+  ``shoal.errors``), passed as ``--py-files``.
+
+A job run is not a CloudFormation resource; the stack outputs what ``start-job-run`` needs and
+docs/pipeline.md shows the command. Replay into a live target needs the service's tables, so on
+EMR it writes its plan (``--target plan:s3://.../``) and ``shoal pipeline replay`` injects it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import aws_cdk as cdk
+from aws_cdk import aws_emrserverless as emrserverless
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_s3_assets as s3_assets
+from constructs import Construct
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE_LABEL = "emr-7.5.0"
+RESULTS_PREFIX = "pipeline-results"
+#: what the jobs read in the archive bucket (shoal.archive, shoal.delivery_events)
+ARCHIVE_PREFIXES = ("messages", "events")
+#: the part of the shoal package the jobs import: no third-party dependency
+SHOAL_MODULES = ("__init__.py", "errors.py", "topics.py")
+CODE_EXCLUDE = ["**/__pycache__", "**/*.pyc"]
+
+
+def stage_code(root: Path = ROOT) -> Path:
+    """A folder holding ``pipeline/`` and the jobs' slice of ``shoal/``, zipped by the asset."""
+    staged = Path(tempfile.mkdtemp(prefix="shoal-pipeline-"))
+    shutil.copytree(
+        root / "pipeline", staged / "pipeline", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (staged / "shoal").mkdir()
+    for name in SHOAL_MODULES:
+        shutil.copy2(root / "layers" / "shoal" / "python" / "shoal" / name, staged / "shoal")
+    return staged
+
+
+class PipelineJobs(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        archive: s3.IBucket,
+        release_label: str = RELEASE_LABEL,
+        results_prefix: str = RESULTS_PREFIX,
+        root: Path = ROOT,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        stack = cdk.Stack.of(self)
+        self.results_uri = f"s3://{archive.bucket_name}/{results_prefix}/"
+
+        self.application = emrserverless.CfnApplication(
+            self,
+            "Application",
+            name=f"{stack.stack_name}-pipeline",
+            release_label=release_label,
+            type="SPARK",
+            architecture="ARM64",
+            auto_start_configuration=emrserverless.CfnApplication.AutoStartConfigurationProperty(
+                enabled=True
+            ),
+            auto_stop_configuration=emrserverless.CfnApplication.AutoStopConfigurationProperty(
+                enabled=True, idle_timeout_minutes=15
+            ),
+            maximum_capacity=emrserverless.CfnApplication.MaximumAllowedResourcesProperty(
+                cpu="32 vCPU", memory="128 GB", disk="500 GB"
+            ),
+        )
+
+        self.role = iam.Role(
+            self,
+            "JobRole",
+            description="EMR Serverless job runs of the Shoal pipeline",
+            assumed_by=iam.ServicePrincipal(
+                "emr-serverless.amazonaws.com",
+                # the confused-deputy guard: only job runs of this account assume it
+                conditions={"StringEquals": {"aws:SourceAccount": stack.account}},
+            ),
+        )
+        read_prefixes = [f"{p}/*" for p in ARCHIVE_PREFIXES]
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadArchive",
+                actions=["s3:GetObject"],
+                resources=[archive.arn_for_objects(p) for p in read_prefixes],
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="ListArchiveAndResults",
+                actions=["s3:ListBucket"],
+                resources=[archive.bucket_arn],
+                conditions={
+                    "StringLike": {
+                        "s3:prefix": [
+                            *ARCHIVE_PREFIXES,
+                            *read_prefixes,
+                            results_prefix,
+                            f"{results_prefix}/*",
+                        ]
+                    }
+                },
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteResults",
+                # Spark's committer writes, reads back and deletes its temporary files
+                actions=["s3:PutObject", "s3:GetObject", "s3:DeleteObject"],
+                resources=[archive.arn_for_objects(f"{results_prefix}/*")],
+            )
+        )
+
+        self.code = s3_assets.Asset(self, "Code", path=str(stage_code(root)), exclude=CODE_EXCLUDE)
+        self.entry = s3_assets.Asset(self, "Entry", path=str(root / "pipeline" / "entry.py"))
+        self.code.grant_read(self.role)
+        self.entry.grant_read(self.role)
+
+        submit = f"--conf spark.submit.pyFiles={self.code.s3_object_url}"
+        cdk.CfnOutput(self, "ApplicationId", value=self.application.attr_application_id)
+        cdk.CfnOutput(self, "JobRoleArn", value=self.role.role_arn)
+        cdk.CfnOutput(self, "EntryPoint", value=self.entry.s3_object_url)
+        cdk.CfnOutput(self, "SparkSubmitParameters", value=submit)
+        cdk.CfnOutput(self, "ResultsUri", value=self.results_uri)
+        cdk.CfnOutput(self, "ArchiveUri", value=f"s3://{archive.bucket_name}")

@@ -1,0 +1,1823 @@
+"""Delivery: durable subscriptions, session inboxes, and get/ack exactly once per session.
+
+Subscriptions
+-------------
+A subscription lives twice, written by one transaction: in the session (``session.subscriptions``
+on the registry's head item, conditional on the channel being live) and in the subscription
+store the router reads (``shoal.store.SubscriptionItemModel``). The store is cut into *buckets*
+by the filter's first level (``L:<level>``, or ``W`` when it is a wildcard), so the router reads
+only the buckets a batch's topics can touch: ``W`` and the first levels of its topics. Each
+bucket has a version item bumped by every change and one change record per version (kept a
+day), so a router refreshes a bucket incrementally and detects a gap (then reloads it). The
+router reads the versions strongly consistent once per batch: a subscription whose subscribe
+returned before a publish is in the router's view of every batch holding that message.
+
+A subscription has a *sid* (kept when the same filter is subscribed again); deliveries carry it,
+and get drops a delivery whose subscription is gone or was replaced: unsubscribing drops the
+subscription's undelivered messages without a write per message. ``$share/{ShareName}/...``
+subscriptions are validated and stored; delivering to shared groups comes with the groups issue
+(the router leaves them to ``shoal.fanout.SharedGroups``).
+
+Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
+filters: every topic name the requested filter matches must be matched by the allowed one
+(``covers``), with the ``$`` rule (``#`` does not cover ``$SYS/#``).
+
+Inboxes
+-------
+One DynamoDB partition per session id (a discarded or expired session's inbox is simply never
+read again; TTL removes it). The router writes, per session and per batch of one storage shard,
+one item holding all the session's deliveries from that batch, keyed ``<source>#<position>``
+(source: a digest of stream and shard; position: Kinesis sequence number and the message's
+index in its record), so small messages share a write unit. A retried batch writes nothing
+twice: the router's per-shard ledger says whether a batch may have been written before, and
+then it first reads, per session, how far the session's items already cover (``shoal.fanout``).
+
+Get and ack
+-----------
+The session's delivery state is one small item (``#state``): a cursor per source (the last
+position handed out), the next delivery *ordinal*, the ack floor (every ordinal below it is
+done) with the acked ordinals above it, and *runs*: the ranges of positions each get handed
+out, with their first ordinal, time and channel. A delivery's id is ``<session id>.<ordinal>``.
+Ack marks ordinals done and moves the floor: one small write however many ids. A run whose
+messages are not all acked after the ack timeout, or that went to another channel (a
+reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
+recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
+out (at most once). Consumed deliveries are never deleted one by one: TTL removes them
+(``SHOAL_INBOX_RETENTION_S``, 14 days by default, is also how long an offline session's
+messages wait).
+
+Every write of the state is conditional on its version, so racing gets and acks of one session
+serialize; every call checks first that its channel is the live one. Positions make delivery
+idempotent a second time over: a cursor only moves forward, so a delivery written twice (under
+another key) is still handed out once. A long poll reads the inbox after 0.1 s, then 1.5 times
+later each time (at most every second), so a 20 s wait costs about 25 reads, not 200.
+
+Order: within one source (a storage shard) deliveries are written and handed out in position
+order, so messages of one ordering key arrive in publish order. Sources are read one after the
+other; across storage topics of one composite topic (after SwitchProduce) nothing orders them
+yet: that is the ordered drain's job.
+
+Retained messages
+-----------------
+A subscribe finds the retained messages of a filter through the retained table's
+``by_composite`` index: the composite topic the filter's first level names and ``default`` (a
+topic published before its composite topic existed), or every composite topic for a wildcard
+first level; it matches the topic names in memory, reading at most ``MAX_RETAINED_SCAN`` index
+entries per filter, then reads the matching messages strongly consistent. They are written to
+the session's inbox in the subscribe's own transaction (source ``ret``, positioned by the
+delivery state's version it bumps): at most ``MAX_RETAINED_PER_CALL`` messages and
+``MAX_RETAINED_BYTES`` per call, once per topic however many new subscriptions match it.
+
+Ended sessions
+--------------
+A connect that discards a session, and the reaper when a session expires, remove its
+subscriptions from the store (``SubscriptionRetirer``, a ``shoal.sessions.SessionEndHook``). A
+connect that dies between its commit and that clean-up leaves them behind: the router then
+keeps writing to an inbox no session reads (TTL removes it), which costs writes, never a wrong
+delivery.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+import boto3
+from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
+from botocore.exceptions import ClientError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from shoal import store
+from shoal.auth import Principal
+from shoal.clock import Clock, SystemClock
+from shoal.composite import DEFAULT_TOPIC
+from shoal.config import Config
+from shoal.errors import BadRequest, InvalidFilter, ServerBusy
+from shoal.observability import logger
+from shoal.sessions import Head, SessionRegistry
+from shoal.store import RetainedModel, TopicModel
+from shoal.topics import (
+    MULTI_LEVEL,
+    SEPARATOR,
+    SINGLE_LEVEL,
+    first_level,
+    is_valid_filter,
+    matches,
+    parse_shared,
+)
+
+SUBSCRIPTIONS_TABLE = "subscriptions"
+INBOXES_TABLE = "inboxes"
+SESSIONS_TABLE = "sessions"
+
+#: filters per subscribe or unsubscribe call: with their buckets' version and change items and
+#: the head they fit one transaction (100 items) with room for retained deliveries
+MAX_FILTERS_PER_CALL = 20
+#: subscriptions one session may hold (MQTT 5 would answer "quota exceeded")
+MAX_SUBSCRIPTIONS_PER_SESSION = 1000
+#: retained messages one subscribe call sends at most, and their bytes (one transaction)
+MAX_RETAINED_PER_CALL = 1000
+MAX_RETAINED_BYTES = 2 * 1024 * 1024
+#: retained topic names one subscribe reads from the index per filter before it stops
+MAX_RETAINED_SCAN = 10_000
+#: how long a bucket's change records stay: a router whose view is older reloads the bucket
+CHANGE_TTL_S = 24 * 3600
+#: get answers at most this many messages; long polls last at most this long
+MAX_GET = 100
+MAX_WAIT_MS = 20_000
+#: a long poll looks again after 0.1 s, then 1.5 times later each time, at most after 1 s
+POLL_INTERVAL_S = 0.1
+MAX_POLL_INTERVAL_S = 1.0
+#: messages one get looks at (including ones it skips: expired, unsubscribed)
+MAX_SCAN_PER_GET = 1000
+#: queries one get makes while looking for new messages
+MAX_QUERIES_PER_GET = 64
+#: ids one ack call takes
+MAX_ACK_IDS = 1000
+#: optimistic-concurrency attempts on the delivery state or a bucket's version
+ATTEMPTS = 8
+#: deliveries of one batch for one session share an item up to this size; DynamoDB's limit is
+#: 400 KB, and a write unit is 1 KB, so larger items save nothing
+MAX_ITEM_BYTES = 64 * 1024
+#: larger payloads are kept once in the archive bucket and referenced (an item holds 400 KB)
+MAX_INLINE_PAYLOAD = 32 * 1024
+PAYLOADS_PREFIX = "payloads"
+
+STATE = "#state"
+LEDGER = "#ledger"
+VERSION_ITEM = "#v"
+WILDCARD_BUCKET = "W"
+RETAINED_SOURCE = "ret"
+LAST_INDEX = 99_999
+
+DEFAULT_ACK_TIMEOUT_S = 30
+DEFAULT_WINDOW = 100
+DEFAULT_RETENTION_S = 14 * 24 * 3600
+
+_serializer = TypeSerializer()
+_deserializer = TypeDeserializer()
+_THROTTLED = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "InternalServerError",
+    }
+)
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+
+class DeliverySettings(BaseModel):
+    """Delivery's knobs, from the environment once per container (the deployment may set them;
+    ``shoal dev`` passes its own environment through, so tests can shorten the ack timeout)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ack_timeout_s: float = Field(default=DEFAULT_ACK_TIMEOUT_S, gt=0)
+    #: unacked QoS 1/2 deliveries a session may have (MQTT's receive maximum)
+    window: int = Field(default=DEFAULT_WINDOW, ge=1, le=1000)
+    retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DeliverySettings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, key in (
+            ("ack_timeout_s", "SHOAL_ACK_TIMEOUT_S"),
+            ("window", "SHOAL_INFLIGHT_WINDOW"),
+            ("retention_s", "SHOAL_INBOX_RETENTION_S"),
+        ):
+            if env.get(key):
+                values[name] = env[key]
+        return cls.model_validate(values)
+
+
+# --- positions, buckets, permissions (no AWS here) -----------------------------------------------
+
+
+def seq_key(sequence_number: str | int) -> str:
+    """A Kinesis sequence number as a string that sorts as the number (length first)."""
+    digits = str(int(sequence_number))
+    return f"{len(digits):02d}{digits}"
+
+
+def position(sequence_number: str | int, index: int) -> str:
+    """Where a message sits in its source: its record's sequence number, its index in it."""
+    return f"{seq_key(sequence_number)}.{index:05d}"
+
+
+def record_end(sequence_number: str | int) -> str:
+    """A position after every message of the record."""
+    return position(sequence_number, LAST_INDEX)
+
+
+def source_id(stream: str, shard: str) -> str:
+    """A short, stable name for one storage shard (every inbox key starts with it)."""
+    return hashlib.blake2b(f"{stream}/{shard}".encode(), digest_size=6).hexdigest()
+
+
+def item_key(source: str, first_position: str) -> str:
+    return f"{source}#{first_position}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    source, _, pos = key.partition("#")
+    return source, pos
+
+
+def bucket_of(topic_filter: str) -> str:
+    """The store bucket of a filter (without ``$share/...``) or of a topic name."""
+    level = first_level(topic_filter)
+    if level in (SINGLE_LEVEL, MULTI_LEVEL):
+        return WILDCARD_BUCKET
+    if len(level.encode("utf-8", "surrogatepass")) > 512:
+        # a partition key holds 2,048 bytes
+        return "H:" + hashlib.sha256(level.encode("utf-8", "surrogatepass")).hexdigest()
+    return "L:" + level
+
+
+def buckets_for_topic(topic: str) -> tuple[str, str]:
+    """The buckets whose filters can match a topic name."""
+    return WILDCARD_BUCKET, bucket_of(topic)
+
+
+def subscription_item(client_id: str, topic_filter: str) -> str:
+    """The store key of one client id's subscription to one filter (filters reach 64 KB)."""
+    raw = f"{client_id}\x00{topic_filter}".encode("utf-8", "surrogatepass")
+    return "s#" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def covers(allowed: str, requested: str) -> bool:
+    """Whether every topic name ``requested`` matches is matched by ``allowed`` too.
+
+    Both are filters without ``$share``; an invalid one covers (or is covered by) nothing.
+    Level by level: ``#`` in ``allowed`` covers the rest (and the parent level); ``+`` covers
+    any one level, ``+`` included; a literal covers only itself. ``#`` in ``requested`` is
+    covered only by ``#`` at the same level (or ``+/#`` standing for every topic). A leading
+    wildcard in ``allowed`` does not cover a requested ``$`` level, as it matches no ``$``-topic.
+    """
+    if not is_valid_filter(allowed) or not is_valid_filter(requested):
+        return False
+    a = allowed.split(SEPARATOR)
+    r = requested.split(SEPARATOR)
+    for i, level in enumerate(a):
+        if level == MULTI_LEVEL:
+            return not (i == 0 and r[0].startswith("$"))
+        if i >= len(r):
+            return False
+        wanted = r[i]
+        if wanted == MULTI_LEVEL:
+            # requested a/#: matches "a" itself, which only a/# covers; # alone: every
+            # topic name, which +/# covers as well (a topic has at least one level)
+            return (a[i:] == [MULTI_LEVEL]) or (i == 0 and a == [SINGLE_LEVEL, MULTI_LEVEL])
+        if level == SINGLE_LEVEL:
+            if i == 0 and wanted.startswith("$"):
+                return False
+            continue
+        if wanted != level:
+            return False
+    return len(a) == len(r)
+
+
+def may_subscribe(who: Principal, topic_filter: str) -> bool:
+    return any(covers(allowed, topic_filter) for allowed in who.subscribe)
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class SubscriptionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filter: str
+    qos: StrictInt = Field(default=1, ge=0, le=2)
+    no_local: StrictBool = False
+    retain_handling: StrictInt = Field(default=0, ge=0, le=2)
+
+
+class SubscribeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    subscriptions: list[SubscriptionRequest] = Field(min_length=1, max_length=MAX_FILTERS_PER_CALL)
+
+
+class UnsubscribeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filters: list[str] = Field(min_length=1, max_length=MAX_FILTERS_PER_CALL)
+
+
+class AckRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(max_length=MAX_ACK_IDS)
+
+
+# --- what the router holds -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """One session's subscription, as the subscription store holds it."""
+
+    key: str
+    client_id: str
+    session_id: str
+    #: as subscribed (``$share/...`` included)
+    filter: str
+    qos: int
+    sid: str
+    #: the principal that owns the session (no_local compares it)
+    owner: str
+    no_local: bool = False
+    share: str | None = None
+
+    @property
+    def topic_filter(self) -> str:
+        """The filter without ``$share/{ShareName}/``."""
+        shared = parse_shared(self.filter)
+        return shared[1] if shared else self.filter
+
+    def data(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "client_id": self.client_id,
+            "session_id": self.session_id,
+            "filter": self.filter,
+            "qos": self.qos,
+            "sid": self.sid,
+            "owner": self.owner,
+        }
+        if self.no_local:
+            out["no_local"] = True
+        if self.share is not None:
+            out["share"] = self.share
+        return out
+
+    @classmethod
+    def from_data(cls, key: str, data: Mapping[str, Any]) -> Subscription:
+        return cls(
+            key=key,
+            client_id=str(data["client_id"]),
+            session_id=str(data["session_id"]),
+            filter=str(data["filter"]),
+            qos=int(data["qos"]),
+            sid=str(data["sid"]),
+            owner=str(data.get("owner", "")),
+            no_local=bool(data.get("no_local", False)),
+            share=data.get("share"),
+        )
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a bucket: a subscription put (or replaced) or deleted."""
+
+    key: str
+    subscription: Subscription | None  # None: deleted
+
+    def data(self) -> dict[str, Any]:
+        if self.subscription is None:
+            return {"k": self.key, "op": "del"}
+        return {"k": self.key, "op": "put", "d": self.subscription.data()}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Change:
+        key = str(data["k"])
+        if data.get("op") == "del":
+            return cls(key, None)
+        return cls(key, Subscription.from_data(key, data["d"]))
+
+
+# --- inbox contents ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    """One delivery in an inbox item."""
+
+    position: str
+    message_id: str
+    topic: str
+    payload: bytes
+    #: the granted QoS: min(subscription, message)
+    qos: int
+    #: the filter that matched (the highest-QoS one when several of the session's did)
+    subscription: str
+    sid: str
+    published_at_ms: int
+    expires_at_ms: int | None = None
+    properties: Mapping[str, Any] = field(default_factory=dict)
+    retain: bool = False
+    #: the payload's key in the archive bucket, when it was too large to keep inline
+    payload_ref: str | None = None
+
+    def data(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "o": self.position,
+            "i": self.message_id,
+            "t": self.topic,
+            "p": self.payload,
+            "q": self.qos,
+            "s": self.subscription,
+            "g": self.sid,
+            "a": self.published_at_ms,
+        }
+        if self.expires_at_ms is not None:
+            out["x"] = self.expires_at_ms
+        if self.properties:
+            out["pr"] = dict(self.properties)
+        if self.retain:
+            out["r"] = True
+        if self.payload_ref is not None:
+            out["ref"] = self.payload_ref
+        return out
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> InboxMessage:
+        return cls(
+            position=str(data["o"]),
+            message_id=str(data["i"]),
+            topic=str(data["t"]),
+            payload=bytes(data.get("p") or b""),
+            qos=int(data["q"]),
+            subscription=str(data["s"]),
+            sid=str(data["g"]),
+            published_at_ms=int(data["a"]),
+            expires_at_ms=int(data["x"]) if data.get("x") is not None else None,
+            properties=dict(data.get("pr") or {}),
+            retain=bool(data.get("r", False)),
+            payload_ref=data.get("ref"),
+        )
+
+    def size(self) -> int:
+        """Roughly what it adds to an item (for packing; DynamoDB counts names and values)."""
+        props = len(json.dumps(self.properties)) if self.properties else 0
+        return (
+            60
+            + len(self.position)
+            + len(self.message_id)
+            + len(self.topic.encode("utf-8", "surrogatepass"))
+            + len(self.payload)
+            + len(self.subscription.encode("utf-8", "surrogatepass"))
+            + len(self.sid)
+            + props
+            + len(self.payload_ref or "")
+        )
+
+
+@dataclass(frozen=True)
+class InboxItem:
+    session_id: str
+    key: str
+    messages: tuple[InboxMessage, ...]
+    #: the last position this item accounts for (the batch's end: a retry skips up to it)
+    covered: str
+    expires_at: int
+
+    @property
+    def source(self) -> str:
+        return split_key(self.key)[0]
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "inbox": self.session_id,
+            "position": self.key,
+            "l": self.covered,
+            "m": [m.data() for m in self.messages],
+            "expires_at": self.expires_at,
+        }
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> InboxItem:
+        return cls(
+            session_id=str(raw["inbox"]),
+            key=str(raw["position"]),
+            messages=tuple(InboxMessage.from_data(m) for m in raw.get("m") or []),
+            covered=str(raw.get("l", "")),
+            expires_at=int(raw.get("expires_at") or 0),
+        )
+
+
+def pack(
+    session_id: str,
+    source: str,
+    messages: Sequence[InboxMessage],
+    covered: str,
+    expires_at: int,
+) -> list[InboxItem]:
+    """Deliveries of one session from one source, in order, as few items as fit.
+
+    The last item accounts for everything up to ``covered``; an earlier one up to its own last
+    message (the router writes them in this order, one after the other).
+    """
+    groups: list[list[InboxMessage]] = [[]]
+    size = 0
+    for message in messages:
+        grow = message.size()
+        if groups[-1] and size + grow > MAX_ITEM_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(message)
+        size += grow
+    items: list[InboxItem] = []
+    for n, group in enumerate(groups):
+        if not group:
+            continue
+        last = n == len(groups) - 1
+        items.append(
+            InboxItem(
+                session_id=session_id,
+                key=item_key(source, group[0].position),
+                messages=tuple(group),
+                covered=covered if last else group[-1].position,
+                expires_at=expires_at,
+            )
+        )
+    return items
+
+
+# --- the delivery state --------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Positions ``(after, upto]`` of one source, handed out by one get as ordinals
+    ``first .. first + count - 1`` (every message in that range, delivered or skipped)."""
+
+    first: int
+    count: int
+    source: str
+    after: str
+    upto: str
+    #: the key of the item holding the run's first message
+    start_item: str
+    sent_at_ms: int
+    channel: str
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def data(self) -> dict[str, Any]:
+        return {
+            "o": self.first,
+            "c": self.count,
+            "s": self.source,
+            "f": self.after,
+            "t": self.upto,
+            "i": self.start_item,
+            "a": self.sent_at_ms,
+            "h": self.channel,
+        }
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Run:
+        return cls(
+            first=int(data["o"]),
+            count=int(data["c"]),
+            source=str(data["s"]),
+            after=str(data["f"]),
+            upto=str(data["t"]),
+            start_item=str(data["i"]),
+            sent_at_ms=int(data["a"]),
+            channel=str(data["h"]),
+        )
+
+
+def _ranges(numbers: Iterable[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for n in sorted(numbers):
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return out
+
+
+@dataclass
+class DeliveryState:
+    """One session's delivery state (the ``#state`` item), changed in memory then written."""
+
+    version: int = 0
+    next_ordinal: int = 0
+    #: every ordinal below is done (acked, QoS 0, or skipped)
+    floor: int = 0
+    #: done ordinals at or above the floor
+    acked: set[int] = field(default_factory=set)
+    #: source -> the last position handed out
+    cursors: dict[str, str] = field(default_factory=dict)
+    #: source -> the key of the item the cursor sits inside of (more messages follow in it)
+    partial: dict[str, str] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+
+    def done(self, ordinal: int) -> bool:
+        return ordinal < self.floor or ordinal in self.acked
+
+    def in_flight(self) -> int:
+        """Handed-out ordinals not done (QoS 1/2 deliveries waiting for their ack)."""
+        return sum(1 for run in self.runs for o in range(run.first, run.end) if not self.done(o))
+
+    def normalize(self) -> None:
+        """Move the floor over done ordinals; forget runs and acks below it."""
+        self.runs.sort(key=lambda r: r.first)
+        floor = self.next_ordinal
+        for run in self.runs:
+            pending = next(
+                (o for o in range(max(run.first, self.floor), run.end) if o not in self.acked),
+                None,
+            )
+            if pending is not None:
+                floor = pending
+                break
+        self.floor = max(self.floor, floor)
+        self.acked = {o for o in self.acked if o >= self.floor}
+        self.runs = [
+            r
+            for r in self.runs
+            if any(not self.done(o) for o in range(max(r.first, self.floor), r.end))
+        ]
+
+    def record(self, session_id: str, expires_at: int) -> dict[str, Any]:
+        return {
+            "inbox": session_id,
+            "position": STATE,
+            "v": self.version,
+            "n": self.next_ordinal,
+            "fl": self.floor,
+            "ak": _ranges(self.acked),
+            "cu": dict(self.cursors),
+            "pa": dict(self.partial),
+            "ru": [r.data() for r in self.runs],
+            "expires_at": expires_at,
+        }
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> DeliveryState:
+        acked: set[int] = set()
+        for lo, hi in raw.get("ak") or []:
+            acked.update(range(int(lo), int(hi) + 1))
+        return cls(
+            version=int(raw.get("v", 0)),
+            next_ordinal=int(raw.get("n", 0)),
+            floor=int(raw.get("fl", 0)),
+            acked=acked,
+            cursors={str(k): str(v) for k, v in (raw.get("cu") or {}).items()},
+            partial={str(k): str(v) for k, v in (raw.get("pa") or {}).items()},
+            runs=[Run.from_data(r) for r in raw.get("ru") or []],
+        )
+
+
+def delivery_id(session_id: str, ordinal: int) -> str:
+    return f"{session_id}.{ordinal}"
+
+
+def ordinal_of(session_id: str, delivery: str) -> int | None:
+    prefix, _, number = delivery.rpartition(".")
+    if prefix != session_id or not number.isdigit():
+        return None
+    return int(number)
+
+
+# --- DynamoDB plumbing ---------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return int(value)
+    if isinstance(value, Binary):
+        return value.__bytes__()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, set):
+        return {_plain(v) for v in value}
+    return value
+
+
+def to_item(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _serializer.serialize(v) for k, v in record.items()}
+
+
+def from_item(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _plain(_deserializer.deserialize(v)) for k, v in raw.items()}
+
+
+def _code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+class Dynamo:
+    """The DynamoDB calls of delivery, with throttling turned into ServerBusy."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @classmethod
+    def from_config(cls, config: Config) -> Dynamo:
+        return cls(boto3.session.Session(region_name=config.region).client("dynamodb"))
+
+    def call(self, operation: str, **request: Any) -> dict[str, Any]:
+        try:
+            response: dict[str, Any] = getattr(self.client, operation)(**request)
+        except ClientError as exc:
+            if _code(exc) in _THROTTLED:
+                raise ServerBusy("the delivery store is busy; retry") from exc
+            raise
+        return response
+
+    def query(self, table: str, **request: Any) -> list[dict[str, Any]]:
+        """Every page (bounded by ``Limit`` when given: then one page)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            page = self.call("query", TableName=table, **request)
+            out += [from_item(i) for i in page.get("Items", [])]
+            if "Limit" in request or "LastEvaluatedKey" not in page:
+                return out
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    def get(self, table: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
+        raw = self.call("get_item", TableName=table, Key=to_item(key), ConsistentRead=True)
+        return from_item(raw["Item"]) if "Item" in raw else None
+
+    def batch_get(self, table: str, keys: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Strongly consistent, 100 keys a call, unprocessed keys asked again."""
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(keys), 100):
+            request: dict[str, Any] = {
+                table: {
+                    "Keys": [to_item(k) for k in keys[start : start + 100]],
+                    "ConsistentRead": True,
+                }
+            }
+            for _ in range(ATTEMPTS):
+                response = self.call("batch_get_item", RequestItems=request)
+                out += [from_item(i) for i in response.get("Responses", {}).get(table, [])]
+                request = response.get("UnprocessedKeys") or {}
+                if not request:
+                    break
+            else:
+                raise ServerBusy("the delivery store is busy; retry")
+        return out
+
+    def batch_put(self, table: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Put every record (25 a call); unprocessed ones again, then ServerBusy."""
+        for start in range(0, len(records), 25):
+            requests = [{"PutRequest": {"Item": to_item(r)}} for r in records[start : start + 25]]
+            pending: dict[str, Any] = {table: requests}
+            for attempt in range(ATTEMPTS):
+                response = self.call("batch_write_item", RequestItems=pending)
+                pending = response.get("UnprocessedItems") or {}
+                if not pending:
+                    break
+                # throttled: back off a little (DynamoDB's own advice for unprocessed items)
+                SystemClock().sleep(min(1.0, 0.02 * 2**attempt) * random.random())
+            else:
+                raise ServerBusy("the inbox did not take the deliveries; retry")
+
+    def transact(self, parts: list[dict[str, Any]]) -> list[str] | None:
+        """None when committed, else the cancellation reason code of each part."""
+        try:
+            # the token turns the SDK's own retry of a committed transaction into a success
+            self.call(
+                "transact_write_items", TransactItems=parts, ClientRequestToken=uuid.uuid4().hex
+            )
+        except ClientError as exc:
+            if _code(exc) == "TransactionCanceledException":
+                reasons = exc.response.get("CancellationReasons") or []
+                return [str(r.get("Code") or "None") for r in reasons] or ["Unknown"]
+            if _code(exc) == "TransactionConflictException":
+                return ["TransactionConflict"]
+            raise
+        return None
+
+
+# --- the subscription store ----------------------------------------------------------------------
+
+
+def change_item(version: int) -> str:
+    return f"c#{version:012d}"
+
+
+class SubscriptionStore:
+    """The subscriptions table: bucket versions, change records, subscriptions."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> SubscriptionStore:
+        return cls(Dynamo.from_config(config), config.table(SUBSCRIPTIONS_TABLE))
+
+    def versions(self, buckets: Iterable[str]) -> dict[str, int]:
+        """Each bucket's version (0: never written), strongly consistent, in one call per 100."""
+        wanted = sorted(set(buckets))
+        found = {b: 0 for b in wanted}
+        keys = [{"bucket": b, "item": VERSION_ITEM} for b in wanted]
+        for raw in self.dynamo.batch_get(self.table, keys):
+            found[str(raw["bucket"])] = int(raw.get("v", 0))
+        return found
+
+    def load(self, bucket: str) -> list[Subscription]:
+        """Every subscription of a bucket, strongly consistent."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#b = :b AND begins_with(#i, :s)",
+            ExpressionAttributeNames={"#b": "bucket", "#i": "item"},
+            ExpressionAttributeValues=to_item({":b": bucket, ":s": "s#"}),
+            ConsistentRead=True,
+        )
+        return [Subscription.from_data(str(r["item"]), r) for r in rows]
+
+    def changes(self, bucket: str, after: int, upto: int) -> list[Change] | None:
+        """The changes that made versions ``after+1 .. upto``; None when one is missing."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#b = :b AND #i BETWEEN :lo AND :hi",
+            ExpressionAttributeNames={"#b": "bucket", "#i": "item"},
+            ExpressionAttributeValues=to_item(
+                {":b": bucket, ":lo": change_item(after + 1), ":hi": change_item(upto)}
+            ),
+            ConsistentRead=True,
+        )
+        if [int(r["v"]) for r in rows] != list(range(after + 1, upto + 1)):
+            return None
+        return [Change.from_data(c) for r in rows for c in r.get("changes") or []]
+
+    def parts(
+        self, changes: Mapping[str, list[Change]], versions: Mapping[str, int], now_s: int
+    ) -> list[dict[str, Any]]:
+        """Transaction parts writing ``changes`` as the next version of each bucket."""
+        out: list[dict[str, Any]] = []
+        for bucket, bucket_changes in sorted(changes.items()):
+            old = versions.get(bucket, 0)
+            new = old + 1
+            if old == 0:
+                condition = "attribute_not_exists(#i)"
+                values: dict[str, Any] = {":new": new}
+            else:
+                condition = "#v = :old"
+                values = {":new": new, ":old": old}
+            out.append(
+                {
+                    "Update": {
+                        "TableName": self.table,
+                        "Key": to_item({"bucket": bucket, "item": VERSION_ITEM}),
+                        "UpdateExpression": "SET #v = :new",
+                        "ConditionExpression": condition,
+                        "ExpressionAttributeNames": {"#v": "v", "#i": "item"}
+                        if old == 0
+                        else {"#v": "v"},
+                        "ExpressionAttributeValues": to_item(values),
+                    }
+                }
+            )
+            out.append(
+                {
+                    "Put": {
+                        "TableName": self.table,
+                        "Item": to_item(
+                            {
+                                "bucket": bucket,
+                                "item": change_item(new),
+                                "v": new,
+                                "changes": [c.data() for c in bucket_changes],
+                                "expires_at": now_s + CHANGE_TTL_S,
+                            }
+                        ),
+                    }
+                }
+            )
+            for change in bucket_changes:
+                key = to_item({"bucket": bucket, "item": change.key})
+                if change.subscription is None:
+                    out.append({"Delete": {"TableName": self.table, "Key": key}})
+                else:
+                    record = {"bucket": bucket, "item": change.key, "v": new}
+                    record |= change.subscription.data()
+                    out.append({"Put": {"TableName": self.table, "Item": to_item(record)}})
+        return out
+
+
+# --- the inbox store -----------------------------------------------------------------------------
+
+
+def ledger_partition(source: str) -> str:
+    return f"router#{source}"
+
+
+class InboxStore:
+    """The inboxes table: deliveries, each session's delivery state, the router's ledgers."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> InboxStore:
+        return cls(Dynamo.from_config(config), config.table(INBOXES_TABLE))
+
+    # -- deliveries
+
+    def put(self, items: Sequence[InboxItem]) -> None:
+        """Write items; a session's later items of one source only after its earlier ones, so a
+        get never sees a later delivery before an earlier one."""
+        rounds: list[list[InboxItem]] = []
+        seen: dict[tuple[str, str], int] = {}
+        for item in items:
+            n = seen.get((item.session_id, item.source), -1) + 1
+            seen[(item.session_id, item.source)] = n
+            while len(rounds) <= n:
+                rounds.append([])
+            rounds[n].append(item)
+        for batch in rounds:
+            self.dynamo.batch_put(self.table, [i.record() for i in batch])
+
+    def put_transaction_part(self, item: InboxItem) -> dict[str, Any]:
+        return {"Put": {"TableName": self.table, "Item": to_item(item.record())}}
+
+    def after(self, session_id: str, key: str, *, inclusive: bool, limit: int) -> list[InboxItem]:
+        """Up to ``limit`` items of the session from ``key`` on, in key order."""
+        operator = ">=" if inclusive else ">"
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression=f"#p = :p AND #k {operator} :k",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": session_id, ":k": key}),
+            ConsistentRead=True,
+            Limit=limit,
+        )
+        return [InboxItem.from_record(r) for r in rows]
+
+    def between(self, session_id: str, first: str, last: str) -> list[InboxItem]:
+        """The session's items with keys from ``first`` to ``last``, inclusive."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": session_id, ":a": first, ":b": last}),
+            ConsistentRead=True,
+        )
+        return [InboxItem.from_record(r) for r in rows]
+
+    def covered(self, session_id: str, source: str, upto: str) -> str:
+        """How far the session's items of ``source`` at or before ``upto`` account for ("" for
+        nothing): the router's check before it writes a batch that may have been written."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position", "#l": "l"},
+            ExpressionAttributeValues=to_item(
+                {":p": session_id, ":a": f"{source}#", ":b": item_key(source, upto)}
+            ),
+            ProjectionExpression="#l",
+            ConsistentRead=True,
+            ScanIndexForward=False,
+            Limit=1,
+        )
+        return str(rows[0].get("l", "")) if rows else ""
+
+    # -- the router's ledger
+
+    def ledger(self, source: str) -> str:
+        """The last record position (``seq_key``) the router may have written deliveries for."""
+        raw = self.dynamo.get(self.table, {"inbox": ledger_partition(source), "position": LEDGER})
+        return str(raw.get("a", "")) if raw else ""
+
+    def advance_ledger(self, source: str, through: str) -> None:
+        """Record that deliveries up to ``through`` may exist (only ever forward)."""
+        try:
+            self.dynamo.call(
+                "update_item",
+                TableName=self.table,
+                Key=to_item({"inbox": ledger_partition(source), "position": LEDGER}),
+                UpdateExpression="SET #a = :a",
+                ConditionExpression="attribute_not_exists(#a) OR #a < :a",
+                ExpressionAttributeNames={"#a": "a"},
+                ExpressionAttributeValues=to_item({":a": through}),
+            )
+        except ClientError as exc:
+            if _code(exc) != "ConditionalCheckFailedException":
+                raise
+
+    # -- the delivery state
+
+    def state(self, session_id: str) -> DeliveryState:
+        raw = self.dynamo.get(self.table, {"inbox": session_id, "position": STATE})
+        return DeliveryState.from_record(raw) if raw else DeliveryState()
+
+    def state_part(
+        self, session_id: str, state: DeliveryState, expected: int, expires_at: int
+    ) -> dict[str, Any]:
+        """A put of ``state`` on condition that the stored one is still version ``expected``."""
+        condition = "attribute_not_exists(#v) OR #v = :old" if expected == 0 else "#v = :old"
+        return {
+            "TableName": self.table,
+            "Item": to_item(state.record(session_id, expires_at)),
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": {"#v": "v"},
+            "ExpressionAttributeValues": to_item({":old": expected}),
+        }
+
+    def write_state(
+        self, session_id: str, state: DeliveryState, expected: int, expires_at: int
+    ) -> bool:
+        try:
+            self.dynamo.call("put_item", **self.state_part(session_id, state, expected, expires_at))
+        except ClientError as exc:
+            if _code(exc) == "ConditionalCheckFailedException":
+                return False
+            raise
+        return True
+
+
+# --- payloads too large for an item --------------------------------------------------------------
+
+
+class PayloadStore:
+    """Large payloads, once per message, in the archive bucket (``payloads/<message id>``)."""
+
+    def __init__(self, s3: Any, bucket: str) -> None:
+        self.s3 = s3
+        self.bucket = bucket
+
+    @classmethod
+    def from_config(cls, config: Config) -> PayloadStore:
+        session = boto3.session.Session(region_name=config.region)
+        return cls(session.client("s3"), config.buckets["archive"])
+
+    @staticmethod
+    def key(message_id: str) -> str:
+        return f"{PAYLOADS_PREFIX}/{message_id}"
+
+    def put(self, message_id: str, payload: bytes) -> str:
+        key = self.key(message_id)
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=payload)
+        return key
+
+    def get(self, key: str) -> bytes:
+        body: bytes = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        return body
+
+
+# --- subscribe and unsubscribe -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    request: SubscriptionRequest
+    topic_filter: str
+    share: str | None
+    sid: str
+    new: bool
+
+
+class SubscriptionService:
+    """Subscribe and unsubscribe for a live channel, and retained messages on subscribe."""
+
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        subscriptions: SubscriptionStore,
+        inbox: InboxStore,
+        settings: DeliverySettings,
+        *,
+        clock: Clock | None = None,
+        sessions_table: str | None = None,
+    ) -> None:
+        self.registry = registry
+        self.subscriptions = subscriptions
+        self.inbox = inbox
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.sessions_table = sessions_table or registry.repository.table
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> SubscriptionService:
+        store.bind(config)
+        dynamo = Dynamo.from_config(config)
+        return cls(
+            SessionRegistry.from_config(config, clock),
+            SubscriptionStore(dynamo, config.table(SUBSCRIPTIONS_TABLE)),
+            InboxStore(dynamo, config.table(INBOXES_TABLE)),
+            DeliverySettings.from_env(),
+            clock=clock,
+        )
+
+    # -- subscribe
+
+    def subscribe(
+        self, who: Principal, client_id: str, channel: str | None, request: SubscribeRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        granted: list[int | str] = []
+        accepted: dict[str, _Accepted] = {}
+        held = set(head.subscriptions)
+        for wanted in request.subscriptions:
+            code = self._check(who, wanted.filter)
+            if (
+                code is None
+                and wanted.filter not in held
+                and wanted.filter not in accepted
+                and len(held) + len(accepted) >= MAX_SUBSCRIPTIONS_PER_SESSION
+            ):
+                code = "quota_exceeded"
+            if code is not None:
+                granted.append(code)
+                continue
+            shared = parse_shared(wanted.filter)
+            existing = head.subscriptions.get(wanted.filter)
+            sid = str(existing["sid"]) if existing and existing.get("sid") else _new_sid()
+            accepted[wanted.filter] = _Accepted(
+                wanted,
+                shared[1] if shared else wanted.filter,
+                shared[0] if shared else None,
+                sid,
+                new=existing is None,
+            )
+            granted.append(wanted.qos)
+        if not accepted:
+            if granted and all(g == "invalid_filter" for g in granted):
+                raise InvalidFilter("no filter of the request is a valid topic filter")
+            return {"granted": granted}
+        self._commit_subscribe(who, client_id, head, accepted)
+        return {"granted": granted}
+
+    def _check(self, who: Principal, text: str) -> str | None:
+        try:
+            shared = parse_shared(text)
+        except InvalidFilter:
+            return "invalid_filter"
+        topic_filter = shared[1] if shared else text
+        if not is_valid_filter(topic_filter):
+            return "invalid_filter"
+        if not may_subscribe(who, topic_filter):
+            return "not_authorized"
+        return None
+
+    def _commit_subscribe(
+        self, who: Principal, client_id: str, head: Head, accepted: Mapping[str, _Accepted]
+    ) -> None:
+        session_id = head.session_id or ""
+        changes: dict[str, list[Change]] = {}
+        options: dict[str, dict[str, Any]] = {}
+        for text, a in accepted.items():
+            subscription = Subscription(
+                key=subscription_item(client_id, text),
+                client_id=client_id,
+                session_id=session_id,
+                filter=text,
+                qos=a.request.qos,
+                sid=a.sid,
+                owner=head.sub,
+                no_local=a.request.no_local,
+                share=a.share,
+            )
+            changes.setdefault(bucket_of(a.topic_filter), []).append(
+                Change(subscription.key, subscription)
+            )
+            option: dict[str, Any] = {
+                "qos": a.request.qos,
+                "no_local": a.request.no_local,
+                "retain_handling": a.request.retain_handling,
+                "sid": a.sid,
+            }
+            if a.share is not None:
+                option["share"] = a.share
+            options[text] = option
+        retained = self._retained(accepted)
+        for attempt in range(ATTEMPTS):
+            now = self.clock.now_ms()
+            versions = self.subscriptions.versions(changes)
+            parts = [self._head_part(client_id, head, now, put=options)]
+            parts += self.subscriptions.parts(changes, versions, now // 1000)
+            if retained:
+                parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
+            reasons = self.subscriptions.dynamo.transact(parts)
+            if reasons is None:
+                return
+            self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
+        raise ServerBusy("subscriptions of this session are contended; retry")
+
+    def _after_conflict(
+        self, who: Principal, client_id: str, channel: str, reasons: list[str], attempt: int
+    ) -> None:
+        if reasons and reasons[0] == "ConditionalCheckFailed":
+            # the head's condition: the channel is no longer live (this raises)
+            self.registry.require_live(who, client_id, channel)
+        self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+
+    def _head_part(
+        self,
+        client_id: str,
+        head: Head,
+        now_ms: int,
+        *,
+        put: Mapping[str, Mapping[str, Any]] | None = None,
+        remove: Iterable[str] = (),
+    ) -> dict[str, Any]:
+        """The head's update: on condition that the channel is still live, in this session."""
+        names = {
+            "#s": "session",
+            "#subs": "subscriptions",
+            "#id": "id",
+            "#newest": "newest",
+            "#connected": "connected",
+            "#sub": "sub",
+            "#seen": "last_seen_ms",
+        }
+        values: dict[str, Any] = {
+            ":newest": head.newest.key,
+            ":true": True,
+            ":owner": head.sub,
+            ":sid": head.session_id,
+            ":now": now_ms,
+        }
+        sets = ["#seen = :now"]
+        removes: list[str] = []
+        for n, (text, option) in enumerate((put or {}).items()):
+            names[f"#f{n}"] = text
+            values[f":f{n}"] = dict(option)
+            sets.append(f"#s.#subs.#f{n} = :f{n}")
+        for n, text in enumerate(remove):
+            names[f"#r{n}"] = text
+            removes.append(f"#s.#subs.#r{n}")
+        expression = "SET " + ", ".join(sets)
+        if removes:
+            expression += " REMOVE " + ", ".join(removes)
+        return {
+            "Update": {
+                "TableName": self.sessions_table,
+                "Key": to_item({"client_id": client_id, "item": "head"}),
+                "UpdateExpression": expression,
+                "ConditionExpression": (
+                    "#newest = :newest AND #connected = :true AND #sub = :owner AND #s.#id = :sid"
+                ),
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": to_item(values),
+            }
+        }
+
+    # -- retained messages
+
+    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, RetainedModel]]:
+        """Retained messages the new subscriptions get, per retain_handling, in topic order."""
+        wanted = [
+            a
+            for a in accepted.values()
+            if a.share is None
+            and (a.request.retain_handling == 0 or (a.request.retain_handling == 1 and a.new))
+        ]
+        if not wanted:
+            return []
+        chosen: dict[str, tuple[_Accepted, RetainedModel]] = {}
+        topics_cache: list[str] | None = None
+        for a in wanted:
+            level = first_level(a.topic_filter)
+            if level in (SINGLE_LEVEL, MULTI_LEVEL):
+                if topics_cache is None:
+                    topics_cache = sorted(
+                        {t.name for t in TopicModel.scan(attributes_to_get=["name"])}
+                    )
+                composites = [*topics_cache, DEFAULT_TOPIC]
+            else:
+                # the topic's own composite topic, or `default` (it may have been published
+                # before its composite topic existed)
+                composites = [level, DEFAULT_TOPIC]
+            keys: list[str] = []
+            scanned = 0
+            for composite in dict.fromkeys(composites):
+                for entry in RetainedModel.by_composite.query(composite):
+                    scanned += 1
+                    if matches(a.topic_filter, entry.topic):
+                        keys.append(entry.key)
+                    if scanned >= MAX_RETAINED_SCAN:
+                        break
+                if scanned >= MAX_RETAINED_SCAN:
+                    logger.warning("retained lookup stopped at its bound")
+                    break
+            for r in RetainedModel.batch_get(keys, consistent_read=True):
+                # one delivery per retained message, as for published ones: several new
+                # subscriptions of the call matching it send it once, with the highest QoS
+                qos = min(a.request.qos, int(r.qos))
+                held = chosen.get(r.topic)
+                if held is None or qos > min(held[0].request.qos, int(held[1].qos)):
+                    chosen[r.topic] = (a, r)
+        return [chosen[topic] for topic in sorted(chosen)]
+
+    def _retained_parts(
+        self,
+        session_id: str,
+        retained: list[tuple[_Accepted, RetainedModel]],
+        now_ms: int,
+        room: int,
+    ) -> list[dict[str, Any]]:
+        """The state's version bump and the inbox items holding the retained deliveries."""
+        state = self.inbox.state(session_id)
+        expected = state.version
+        state.version += 1
+        messages: list[InboxMessage] = []
+        total = 0
+        for n, (a, r) in enumerate(retained):
+            properties = json.loads(r.properties) if r.properties else {}
+            expiry = properties.get("message_expiry_s")
+            expires_at = None if expiry is None else int(r.published_at_ms) + int(expiry) * 1000
+            if expires_at is not None and expires_at <= now_ms:
+                continue
+            payload = bytes(r.payload or b"")
+            if n >= MAX_RETAINED_PER_CALL or total + len(payload) > MAX_RETAINED_BYTES:
+                logger.warning("retained messages beyond the per-subscribe bound were not sent")
+                break
+            total += len(payload)
+            messages.append(
+                InboxMessage(
+                    position=position(state.version, len(messages)),
+                    message_id=str(r.message_id),
+                    topic=str(r.topic),
+                    payload=payload,
+                    qos=min(a.request.qos, int(r.qos)),
+                    subscription=a.request.filter,
+                    sid=a.sid,
+                    published_at_ms=int(r.published_at_ms),
+                    expires_at_ms=expires_at,
+                    properties=properties,
+                    retain=True,
+                )
+            )
+        if not messages:
+            return []
+        expires = now_ms // 1000 + self.settings.retention_s
+        items = pack(session_id, RETAINED_SOURCE, messages, record_end(state.version), expires)[
+            : max(0, room - 1)
+        ]
+        parts: list[dict[str, Any]] = [
+            {"Put": self.inbox.state_part(session_id, state, expected, expires)}
+        ]
+        parts += [self.inbox.put_transaction_part(i) for i in items]
+        return parts
+
+    # -- unsubscribe
+
+    def unsubscribe(
+        self, who: Principal, client_id: str, channel: str | None, request: UnsubscribeRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        results: list[str] = []
+        dropping: dict[str, None] = {}
+        for text in request.filters:
+            if text in head.subscriptions:
+                dropping[text] = None
+                results.append("success")
+            else:
+                results.append("no_subscription_existed")
+        if dropping:
+            changes: dict[str, list[Change]] = {}
+            for text in dropping:
+                shared = _shared_or_none(text)
+                topic_filter = shared[1] if shared else text
+                changes.setdefault(bucket_of(topic_filter), []).append(
+                    Change(subscription_item(client_id, text), None)
+                )
+            for attempt in range(ATTEMPTS):
+                now = self.clock.now_ms()
+                versions = self.subscriptions.versions(changes)
+                parts = [self._head_part(client_id, head, now, remove=list(dropping))]
+                parts += self.subscriptions.parts(changes, versions, now // 1000)
+                reasons = self.subscriptions.dynamo.transact(parts)
+                if reasons is None:
+                    break
+                self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
+            else:
+                raise ServerBusy("subscriptions of this session are contended; retry")
+        return {"unsubscribed": results}
+
+
+class SubscriptionRetirer:
+    """Removes an ended session's subscriptions from the store (``SessionEndHook``).
+
+    Only the store: the head is gone or holds the new session. Idempotent; a subscription the
+    new session made since (same key, another session id) stays.
+    """
+
+    def __init__(self, subscriptions: SubscriptionStore, clock: Clock | None = None) -> None:
+        self.subscriptions = subscriptions
+        self.clock = clock or SystemClock()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> SubscriptionRetirer:
+        return cls(SubscriptionStore.from_config(config), clock)
+
+    def __call__(self, client_id: str, head: Head) -> int:
+        """How many subscriptions it removed."""
+        removed = 0
+        for text in head.subscriptions:
+            shared = _shared_or_none(text)
+            bucket = bucket_of(shared[1] if shared else text)
+            key = subscription_item(client_id, text)
+            for attempt in range(ATTEMPTS):
+                now = self.clock.now_ms()
+                versions = self.subscriptions.versions([bucket])
+                parts = self.subscriptions.parts(
+                    {bucket: [Change(key, None)]}, versions, now // 1000
+                )
+                # the delete only while the item still belongs to the ended session
+                delete = parts[-1]["Delete"]
+                delete["ConditionExpression"] = "#sid = :sid"
+                delete["ExpressionAttributeNames"] = {"#sid": "session_id"}
+                delete["ExpressionAttributeValues"] = to_item({":sid": head.session_id})
+                reasons = self.subscriptions.dynamo.transact(parts)
+                if reasons is None:
+                    removed += 1
+                    break
+                if len(reasons) == len(parts) and reasons[-1] == "ConditionalCheckFailed":
+                    break  # gone already, or the new session's own
+                self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+        return removed
+
+
+def channel_of(head: Head) -> str:
+    return head.newest.channel
+
+
+def _shared_or_none(text: str) -> tuple[str, str] | None:
+    try:
+        return parse_shared(text)
+    except InvalidFilter:
+        return None
+
+
+def _new_sid() -> str:
+    return os.urandom(4).hex()
+
+
+# --- get and ack ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A message the scan found: where it is, and the item it is in."""
+
+    source: str
+    item: InboxItem
+    message: InboxMessage
+    last_in_item: bool
+
+
+@dataclass
+class _Plan:
+    state: DeliveryState
+    out: list[dict[str, Any]] = field(default_factory=list)
+    changed: bool = False
+
+
+class DeliveryService:
+    """Get and ack for a live channel."""
+
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        inbox: InboxStore,
+        settings: DeliverySettings,
+        clock: Clock | None = None,
+        payloads: PayloadStore | None = None,
+    ) -> None:
+        self.registry = registry
+        self.inbox = inbox
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.payloads = payloads
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> DeliveryService:
+        return cls(
+            SessionRegistry.from_config(config, clock),
+            InboxStore.from_config(config),
+            DeliverySettings.from_env(),
+            clock,
+            PayloadStore.from_config(config),
+        )
+
+    # -- get
+
+    def get(
+        self,
+        who: Principal,
+        client_id: str,
+        channel: str | None,
+        max_messages: int = 10,
+        wait_ms: int = 0,
+    ) -> dict[str, Any]:
+        if max_messages < 1:
+            raise BadRequest("max is at least 1", field="max")
+        if wait_ms < 0:
+            raise BadRequest("wait_ms is not negative", field="wait_ms")
+        head = self.registry.require_live(who, client_id, channel)
+        channel = channel_of(head)
+        session_id = head.session_id or ""
+        wanted = min(max_messages, MAX_GET)
+        deadline = self.clock.now_ms() + min(wait_ms, MAX_WAIT_MS)
+        waited = False
+        interval = POLL_INTERVAL_S
+        # kept across idle polls: a stale copy only costs a failed conditional write
+        state: DeliveryState | None = None
+        while True:
+            for attempt in range(ATTEMPTS):
+                if state is None:
+                    state = self.inbox.state(session_id)
+                expected = state.version
+                now = self.clock.now_ms()
+                plan = self._plan(
+                    session_id=session_id,
+                    head=head,
+                    state=state,
+                    channel=channel,
+                    wanted=wanted,
+                    now=now,
+                )
+                if not plan.changed:
+                    break
+                if waited:
+                    # time passed: hand nothing to a channel that lost the session meanwhile
+                    head = self.registry.require_live(who, client_id, channel)
+                plan.state.version = expected + 1
+                plan.state.normalize()
+                expires = now // 1000 + self.settings.retention_s
+                if self.inbox.write_state(session_id, plan.state, expected, expires):
+                    if plan.out:
+                        return {"messages": plan.out}
+                    break
+                state = None
+                self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+            else:
+                raise ServerBusy("this session's deliveries are contended; retry")
+            left_ms = deadline - self.clock.now_ms()
+            if left_ms <= 0:
+                return {"messages": []}
+            # each idle poll reads the inbox: back off, so a long wait costs few reads
+            self.clock.sleep(min(interval, left_ms / 1000))
+            interval = min(interval * 1.5, MAX_POLL_INTERVAL_S)
+            waited = True
+
+    def _plan(
+        self,
+        *,
+        session_id: str,
+        head: Head,
+        state: DeliveryState,
+        channel: str,
+        wanted: int,
+        now: int,
+    ) -> _Plan:
+        plan = _Plan(state)
+        self._redeliver(session_id, plan, channel, wanted, now)
+        window_left = self.settings.window - state.in_flight()
+        if len(plan.out) < wanted and window_left > 0:
+            self._deliver_new(
+                session_id=session_id,
+                head=head,
+                plan=plan,
+                channel=channel,
+                wanted=wanted,
+                window_left=window_left,
+                now=now,
+            )
+        return plan
+
+    def _redeliver(self, session_id: str, plan: _Plan, channel: str, wanted: int, now: int) -> None:
+        state = plan.state
+        timeout_ms = int(self.settings.ack_timeout_s * 1000)
+        for run in sorted(state.runs, key=lambda r: r.first):
+            if len(plan.out) >= wanted:
+                return
+            due = run.channel != channel or run.sent_at_ms + timeout_ms <= now
+            if not due:
+                continue
+            found = self._read_run(session_id, run)
+            if found is None:
+                # its deliveries are gone (retention ran out): nothing left to redeliver
+                logger.warning("in-flight deliveries expired before their ack")
+                state.acked.update(range(run.first, run.end))
+                plan.changed = True
+                continue
+            pending = [(n, f) for n, f in enumerate(found) if not state.done(run.first + n)]
+            room = wanted - len(plan.out)
+            taken = pending[:room]
+            for n, f in taken:
+                plan.out.append(self._answer(session_id, run.first + n, f.message, True, now))
+            plan.changed = True
+            if len(taken) == len(pending):
+                run.sent_at_ms, run.channel = now, channel
+                continue
+            # split: the part handed out now, and the rest, still due
+            cut = taken[-1][0] + 1
+            rest_first = found[cut]
+            state.runs.remove(run)
+            state.runs.append(
+                replace(
+                    run,
+                    count=cut,
+                    upto=found[cut - 1].message.position,
+                    sent_at_ms=now,
+                    channel=channel,
+                )
+            )
+            state.runs.append(
+                replace(
+                    run,
+                    first=run.first + cut,
+                    count=run.count - cut,
+                    after=found[cut - 1].message.position,
+                    start_item=rest_first.item.key,
+                )
+            )
+            return
+
+    def _read_run(self, session_id: str, run: Run) -> list[_Found] | None:
+        """The run's messages in order, exactly as many as it has ordinals (else None)."""
+        items = self.inbox.between(session_id, run.start_item, item_key(run.source, run.upto))
+        found: dict[str, _Found] = {}
+        for item in items:
+            for n, m in enumerate(item.messages):
+                # a position is one message; the first item holding it is the one handed out
+                if run.after < m.position <= run.upto and m.position not in found:
+                    found[m.position] = _Found(run.source, item, m, n == len(item.messages) - 1)
+        ordered = sorted(found.values(), key=lambda f: f.message.position)
+        return ordered if len(ordered) == run.count else None
+
+    def _deliver_new(
+        self,
+        *,
+        session_id: str,
+        head: Head,
+        plan: _Plan,
+        channel: str,
+        wanted: int,
+        window_left: int,
+        now: int,
+    ) -> None:
+        state = plan.state
+        new_runs: dict[str, Run] = {}
+        for scanned, found in enumerate(self._scan(session_id, state)):
+            if len(plan.out) >= wanted or window_left <= 0 or scanned >= MAX_SCAN_PER_GET:
+                break
+            message = found.message
+            ordinal = state.next_ordinal
+            state.next_ordinal += 1
+            run = new_runs.get(found.source)
+            if run is None:
+                run = Run(
+                    first=ordinal,
+                    count=0,
+                    source=found.source,
+                    after=state.cursors.get(found.source, ""),
+                    upto=message.position,
+                    start_item=found.item.key,
+                    sent_at_ms=now,
+                    channel=channel,
+                )
+                new_runs[found.source] = run
+                state.runs.append(run)
+            run.count += 1
+            run.upto = message.position
+            state.cursors[found.source] = message.position
+            if found.last_in_item:
+                state.partial.pop(found.source, None)
+            else:
+                state.partial[found.source] = found.item.key
+            plan.changed = True
+            if not self._wanted(head, found, now):
+                # expired, or its subscription is gone: done without being sent
+                state.acked.add(ordinal)
+                continue
+            plan.out.append(self._answer(session_id, ordinal, message, False, now))
+            if message.qos == 0:
+                state.acked.add(ordinal)  # at most once: done as it goes out
+            else:
+                window_left -= 1
+
+    def _wanted(self, head: Head, found: _Found, now: int) -> bool:
+        """Whether a new delivery goes out: not expired, and its subscription still stands."""
+        message = found.message
+        if message.expires_at_ms is not None and message.expires_at_ms <= now:
+            return False
+        if found.item.expires_at and found.item.expires_at * 1000 <= now:
+            return False
+        option = head.subscriptions.get(message.subscription)
+        return bool(option) and option.get("sid") == message.sid
+
+    def _scan(self, session_id: str, state: DeliveryState) -> Iterator[_Found]:
+        """The session's messages after each source's cursor, source by source, in order.
+
+        Consumed items stay until TTL, so when the scan runs into a source's consumed items it
+        jumps to that source's cursor (one query per source with old items, no more).
+        """
+        lower, inclusive = STATE, False
+        for _ in range(MAX_QUERIES_PER_GET):
+            items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=10)
+            if not items:
+                return
+            jumped = False
+            for item in items:
+                source = item.source
+                cursor = state.cursors.get(source, "")
+                fresh = [m for m in item.messages if m.position > cursor]
+                if not fresh:
+                    partial = state.partial.get(source)
+                    if partial and partial > item.key:
+                        lower, inclusive = partial, True
+                    else:
+                        lower, inclusive = item_key(source, cursor), False
+                    if (lower, inclusive) <= (item.key, True):
+                        lower, inclusive = item.key, False
+                    jumped = True
+                    break
+                for n, message in enumerate(fresh):
+                    yield _Found(source, item, message, n == len(fresh) - 1)
+            if not jumped:
+                if len(items) < 10:
+                    return
+                lower, inclusive = items[-1].key, False
+
+    def _answer(
+        self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int
+    ) -> dict[str, Any]:
+        properties = dict(message.properties)
+        if message.expires_at_ms is not None:
+            # MQTT 5: the expiry a receiver sees is what is left of it
+            properties["message_expiry_s"] = max(0, (message.expires_at_ms - now) // 1000)
+        payload = message.payload
+        if message.payload_ref is not None and self.payloads is not None:
+            payload = self.payloads.get(message.payload_ref)
+        return {
+            "id": delivery_id(session_id, ordinal),
+            "message_id": message.message_id,
+            "topic": message.topic,
+            "payload": base64.b64encode(payload).decode("ascii"),
+            "qos": message.qos,
+            "retain": message.retain,
+            "dup": dup,
+            "subscription": message.subscription,
+            "properties": properties,
+            "published_at": message.published_at_ms,
+        }
+
+    # -- ack
+
+    def ack(
+        self, who: Principal, client_id: str, channel: str | None, request: AckRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        session_id = head.session_id or ""
+        ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
+        if not ordinals:
+            return {"acked": 0}
+        for attempt in range(ATTEMPTS):
+            state = self.inbox.state(session_id)
+            expected = state.version
+            fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
+            if not fresh:
+                return {"acked": 0}
+            state.acked |= fresh
+            state.version = expected + 1
+            state.normalize()
+            expires = self.clock.now_ms() // 1000 + self.settings.retention_s
+            if self.inbox.write_state(session_id, state, expected, expires):
+                return {"acked": len(fresh)}
+            self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+        raise ServerBusy("this session's deliveries are contended; retry")
+
+
+# --- for handlers --------------------------------------------------------------------------------
+
+
+def query_int(raw: str | None, name: str, default: int) -> int:
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise BadRequest(f"{name} must be an integer", field=name) from exc
+
+
+__all__ = [
+    "AckRequest",
+    "DeliveryService",
+    "DeliverySettings",
+    "InboxStore",
+    "SubscribeRequest",
+    "SubscriptionService",
+    "SubscriptionStore",
+    "UnsubscribeRequest",
+    "covers",
+]

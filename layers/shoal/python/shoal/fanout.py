@@ -1,0 +1,308 @@
+"""The router's fan-out: each batch of one storage shard into the inboxes of matching sessions.
+
+For a batch the router
+
+1. reads the versions of the subscription buckets the batch's topics can touch (``W`` and each
+   topic's first level), strongly consistent, in one call, and brings its cached view of those
+   buckets up to date (the changes since its version, or the whole bucket after a gap): a
+   subscription whose subscribe returned before a publish is seen by the batch holding it;
+2. matches every message against the view (``shoal.filter_index.FilterIndex`` per bucket) and
+   makes one delivery per matching session: of a session's overlapping subscriptions the one
+   granting the highest QoS (min(subscription, message)) is named; expired messages, and a
+   ``no_local`` subscription's own messages, are skipped; shared subscriptions are left to
+   ``SharedGroups`` (the groups issue);
+3. writes, per session, one inbox item holding its deliveries from the batch (keys:
+   ``<source>#<position>``, positions from Kinesis sequence numbers), after moving the
+   shard's *ledger* (the last record deliveries may exist for) past the batch. A batch that
+   starts at or before the ledger may have been written before (Lambda retries a failed batch,
+   possibly cut differently: bisected, or from a reported record), so then the router first asks
+   each session's inbox how far its items of this shard already cover, and writes only what
+   lies beyond: a retried batch writes nothing twice, and a session's items of one shard are
+   always written in position order.
+
+No-local: a publish carries no client id, so a ``no_local`` subscription skips the messages
+whose ``publisher_id`` equals the subscriber's client id and whose publishing principal owns the
+session (clients that want no-local publish with their client id as publisher id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shoal import store
+from shoal.clock import Clock, SystemClock
+from shoal.config import Config
+from shoal.delivery import (
+    MAX_INLINE_PAYLOAD,
+    WILDCARD_BUCKET,
+    DeliverySettings,
+    Dynamo,
+    InboxMessage,
+    InboxStore,
+    PayloadStore,
+    Subscription,
+    SubscriptionStore,
+    bucket_of,
+    pack,
+    position,
+    record_end,
+    seq_key,
+    source_id,
+)
+from shoal.errors import InvalidFilter
+from shoal.filter_index import FilterIndex
+from shoal.observability import logger
+from shoal.publishing import MalformedRecord, Message, decode_record
+
+#: a bucket further behind than this many versions is reloaded rather than replayed
+MAX_INCREMENTAL = 500
+
+
+class SharedGroups(Protocol):
+    """Where messages matching a shared subscription go (the shared groups issue)."""
+
+    def offer(self, subscription: Subscription, message: Message, at: str) -> None: ...
+
+
+@dataclass
+class _Bucket:
+    version: int
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)
+    index: FilterIndex[Subscription] = field(default_factory=FilterIndex)
+
+    def put(self, subscription: Subscription) -> None:
+        self.delete(subscription.key)
+        try:
+            self.index.add(subscription.topic_filter, subscription)
+        except InvalidFilter:
+            # the subscribe path validates filters; a bad one in the store matches nothing
+            logger.error("invalid filter in the subscription store")
+            return
+        self.subscriptions[subscription.key] = subscription
+
+    def delete(self, key: str) -> None:
+        old = self.subscriptions.pop(key, None)
+        if old is not None:
+            self.index.remove(old.topic_filter, old)
+
+
+@dataclass
+class CacheStats:
+    full_loads: int = 0
+    incremental: int = 0
+    version_reads: int = 0
+
+
+class SubscriptionCache:
+    """One container's view of the subscription store, brought up to date per batch."""
+
+    def __init__(self, subscriptions: SubscriptionStore) -> None:
+        self.subscriptions = subscriptions
+        self.buckets: dict[str, _Bucket] = {}
+        self.stats = CacheStats()
+
+    def refresh(self, buckets: Iterable[str]) -> None:
+        versions = self.subscriptions.versions(buckets)
+        self.stats.version_reads += 1
+        for name, version in versions.items():
+            cached = self.buckets.get(name)
+            if cached is not None and cached.version == version:
+                continue
+            if version == 0:
+                self.buckets[name] = _Bucket(0)
+                continue
+            if cached is not None and cached.version < version <= cached.version + MAX_INCREMENTAL:
+                changes = self.subscriptions.changes(name, cached.version, version)
+                if changes is not None:
+                    for change in changes:
+                        if change.subscription is None:
+                            cached.delete(change.key)
+                        else:
+                            cached.put(change.subscription)
+                    cached.version = version
+                    self.stats.incremental += 1
+                    continue
+            # Loaded after the version was read: it may hold newer changes too, which the next
+            # refresh applies again (puts and deletes by key are idempotent).
+            bucket = _Bucket(version)
+            for subscription in self.subscriptions.load(name):
+                bucket.put(subscription)
+            self.buckets[name] = bucket
+            self.stats.full_loads += 1
+
+    def match(self, topic: str) -> set[Subscription]:
+        found: set[Subscription] = set()
+        for name in dict.fromkeys((WILDCARD_BUCKET, bucket_of(topic))):
+            bucket = self.buckets.get(name)
+            if bucket is not None:
+                found |= bucket.index.match(topic)
+        return found
+
+    def __len__(self) -> int:
+        return sum(len(b.subscriptions) for b in self.buckets.values())
+
+
+@dataclass
+class RouteReport:
+    records: int = 0
+    messages: int = 0
+    deliveries: int = 0
+    items: int = 0
+    #: deliveries a retried batch found written already
+    already_written: int = 0
+    retried: bool = False
+    shared_skipped: int = 0
+
+
+def message_expiry_ms(message: Message) -> int | None:
+    expiry = message.properties.get("message_expiry_s")
+    return None if expiry is None else message.published_at_ms + int(expiry) * 1000
+
+
+class Fanout:
+    """Matches a batch against the subscription view and writes the deliveries."""
+
+    def __init__(
+        self,
+        cache: SubscriptionCache,
+        inbox: InboxStore,
+        settings: DeliverySettings,
+        *,
+        payloads: PayloadStore | None = None,
+        clock: Clock | None = None,
+        shared: SharedGroups | None = None,
+    ) -> None:
+        self.cache = cache
+        self.inbox = inbox
+        self.settings = settings
+        self.payloads = payloads
+        self.clock = clock or SystemClock()
+        self.shared = shared
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Fanout:
+        store.bind(config)
+        dynamo = Dynamo.from_config(config)
+        return cls(
+            SubscriptionCache(SubscriptionStore(dynamo, config.table("subscriptions"))),
+            InboxStore(dynamo, config.table("inboxes")),
+            DeliverySettings.from_env(),
+            payloads=PayloadStore.from_config(config),
+            clock=clock,
+        )
+
+    def route_records(
+        self, stream: str, shard: str, records: Sequence[tuple[str, bytes]]
+    ) -> RouteReport:
+        """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
+        not Shoal's are skipped here (the archive quarantines them)."""
+        decoded: list[tuple[str, list[Message]]] = []
+        for sequence_number, data in records:
+            try:
+                decoded.append((sequence_number, decode_record(data)))
+            except MalformedRecord:
+                continue
+        return self.route(stream, shard, decoded)
+
+    def route(
+        self, stream: str, shard: str, records: Sequence[tuple[str, list[Message]]]
+    ) -> RouteReport:
+        report = RouteReport(records=len(records))
+        if not records:
+            return report
+        now = self.clock.now_ms()
+        source = source_id(stream, shard)
+        topics = {m.topic for _, messages in records for m in messages}
+        self.cache.refresh({WILDCARD_BUCKET, *(bucket_of(t) for t in topics)})
+        deliveries: dict[str, list[InboxMessage]] = {}
+        for sequence_number, messages in records:
+            for index, message in enumerate(messages):
+                report.messages += 1
+                expires_at = message_expiry_ms(message)
+                if expires_at is not None and expires_at <= now:
+                    continue
+                at = position(sequence_number, index)
+                chosen = self._choose(message, at, report)
+                if not chosen:
+                    continue
+                payload, ref = message.payload, None
+                if len(payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
+                    ref = self.payloads.put(message.message_id, payload)
+                    payload = b""
+                for session_id, (qos, subscription) in chosen.items():
+                    deliveries.setdefault(session_id, []).append(
+                        InboxMessage(
+                            position=at,
+                            message_id=message.message_id,
+                            topic=message.topic,
+                            payload=payload,
+                            qos=qos,
+                            subscription=subscription.filter,
+                            sid=subscription.sid,
+                            published_at_ms=message.published_at_ms,
+                            expires_at_ms=expires_at,
+                            properties={
+                                k: v
+                                for k, v in message.properties.items()
+                                if k != "message_expiry_s"
+                            },
+                            payload_ref=ref,
+                        )
+                    )
+        if not deliveries:
+            return report
+        first, last = seq_key(records[0][0]), seq_key(records[-1][0])
+        end = record_end(records[-1][0])
+        ledger = self.inbox.ledger(source)
+        if ledger and ledger >= first:
+            # this batch, or part of it, may have been written before
+            report.retried = True
+            for session_id, messages in deliveries.items():
+                covered = self.inbox.covered(session_id, source, end)
+                kept = [m for m in messages if m.position > covered]
+                report.already_written += len(messages) - len(kept)
+                deliveries[session_id] = kept
+        if not ledger or ledger < last:
+            self.inbox.advance_ledger(source, last)
+        expires = now // 1000 + self.settings.retention_s
+        items = [
+            item
+            for session_id, messages in deliveries.items()
+            if messages
+            for item in pack(session_id, source, messages, end, expires)
+        ]
+        self.inbox.put(items)
+        report.items = len(items)
+        report.deliveries = sum(len(m) for m in deliveries.values())
+        return report
+
+    def _choose(
+        self, message: Message, at: str, report: RouteReport
+    ) -> dict[str, tuple[int, Subscription]]:
+        """Per matching session: the granted QoS and the subscription that grants it."""
+        chosen: dict[str, tuple[int, Subscription]] = {}
+        for subscription in self.cache.match(message.topic):
+            if subscription.share is not None:
+                if self.shared is not None:
+                    self.shared.offer(subscription, message, at)
+                else:
+                    report.shared_skipped += 1
+                continue
+            if (
+                subscription.no_local
+                and message.publisher_id == subscription.client_id
+                and message.sub == subscription.owner
+            ):
+                continue
+            qos = min(subscription.qos, message.qos)
+            held = chosen.get(subscription.session_id)
+            # the highest QoS wins; among equals the smallest filter, so a retry picks the same
+            if (
+                held is None
+                or qos > held[0]
+                or (qos == held[0] and subscription.filter < held[1].filter)
+            ):
+                chosen[subscription.session_id] = (qos, subscription)
+        return chosen

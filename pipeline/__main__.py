@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.entry import main
+
+sys.exit(main())

@@ -1,0 +1,448 @@
+"""Replay: archived messages, selected by topic filter and publish time, into one consumer again.
+
+This is how a consumer seeks past the storage streams' retention. Two steps:
+
+1. **select** (Spark, ``select``): the archive's messages, one per id, whose topic the filter
+   matches (``shoal.topics.matches``) and whose publish time is in [since, until), each with a
+   *replay id* (a digest of the replay's name and the original id) and a *replay position* that
+   sorts in per-ordering-key publish order (composite topic, storage topic index, shard,
+   sequence number, index in the record). The plan is sorted by that position.
+2. **inject** (``inject``): the plan, streamed to the driver in order, into a target. Every id
+   and position is deterministic, so running the same replay again writes the same items and
+   the consumer gets nothing twice; a different ``--replay-id`` makes a new replay.
+
+Targets (``--target KIND:NAME``): ``session:<client id>`` writes into the session's inbox (a
+source of its own, read by get like any other; each message carries the session's subscription
+that matches it, the one granting the highest QoS, or is left out when none does); ``plan:<dir>``
+writes the plan as JSON lines (what an EMR job does: injecting needs the service's tables);
+``group:`` and ``push:`` are not built yet (``TargetUnavailable``): shared groups do not exist,
+and push subscriptions have no entry point that takes outside messages into their retry path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pipeline.common import (
+    Output,
+    Progress,
+    in_range,
+    matching_topics,
+    parse_time,
+    read_messages,
+    spark_session,
+    unique_messages,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from shoal.clock import Clock
+    from shoal.config import Config
+
+#: messages handed to a target at once (one inbox write per session per batch)
+BATCH = 200
+
+
+class TargetUnavailable(RuntimeError):
+    """The target kind exists in the design but not (yet) in the service."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    topic_filter: str
+    since: int | None = None
+    until: int | None = None
+
+
+def replay_id_for(selection: Selection, target: str) -> str:
+    """The default name of a replay: the same selection into the same target is the same
+    replay (so running it twice is harmless)."""
+    raw = json.dumps([selection.topic_filter, selection.since, selection.until, target])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def replay_message_id(replay_id: str, message_id: str) -> str:
+    """The id a replayed message carries (``select`` computes the same in Spark)."""
+    return hashlib.sha256(f"{replay_id}#{message_id}".encode()).hexdigest()[:32]
+
+
+def select(messages: DataFrame, selection: Selection, replay_id: str) -> DataFrame:
+    """The replay plan: matching messages in replay-position order (pure; no I/O but a
+    collect of the distinct topic names in the time range)."""
+    from pyspark.sql import functions as F
+
+    unique = in_range(unique_messages(messages), "published_at", selection.since, selection.until)
+    topics = [r[0] for r in unique.select("topic").distinct().collect()]
+    wanted = matching_topics(topics, selection.topic_filter)
+
+    def digest(column: str, size: int) -> Any:
+        return F.substring(F.sha2(F.coalesce(F.col(column), F.lit("")), 256), 1, size)
+
+    digits = F.regexp_replace(F.coalesce("sequence_number", F.lit("0")), "^0+(?=.)", "")
+    position = F.concat_ws(
+        ".",
+        digest("composite_topic", 8),
+        F.lpad(F.coalesce("storage_topic", F.lit(0)).cast("string"), 4, "0"),
+        digest("shard_id", 8),
+        # a sequence number as a string that sorts as the number: its length, then its digits
+        F.concat(F.lpad(F.length(digits).cast("string"), 3, "0"), digits),
+        F.lpad(F.coalesce("position", F.lit(0)).cast("string"), 5, "0"),
+    )
+    replay_id_col = F.substring(
+        F.sha2(F.concat(F.lit(f"{replay_id}#"), F.col("message_id")), 256), 1, 32
+    )
+    return (
+        unique.where(F.col("topic").isin(wanted) if wanted else F.lit(False))
+        .select(
+            replay_id_col.alias("replay_message_id"),
+            "message_id",
+            "topic",
+            "composite_topic",
+            "ordering_key",
+            "qos",
+            "retain",
+            "published_at",
+            "properties",
+            "payload",
+            position.alias("replay_position"),
+        )
+        .orderBy("replay_position")
+    )
+
+
+@dataclass(frozen=True)
+class ReplayMessage:
+    replay_message_id: str
+    message_id: str
+    topic: str
+    ordering_key: str
+    qos: int
+    published_at: int
+    payload: bytes
+    replay_position: str
+    composite_topic: str = ""
+    retain: bool = False
+    properties: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ReplayMessage:
+        return cls(
+            replay_message_id=str(row["replay_message_id"]),
+            message_id=str(row["message_id"]),
+            topic=str(row["topic"]),
+            ordering_key=str(row["ordering_key"] or row["topic"]),
+            qos=int(row["qos"] if row["qos"] is not None else 1),
+            published_at=int(row["published_at"]),
+            payload=base64.b64decode(row["payload"] or ""),
+            replay_position=str(row["replay_position"]),
+            composite_topic=str(row["composite_topic"] or ""),
+            retain=bool(row["retain"]),
+            properties=_properties(row["properties"]),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "replay_message_id": self.replay_message_id,
+            "message_id": self.message_id,
+            "topic": self.topic,
+            "composite_topic": self.composite_topic,
+            "ordering_key": self.ordering_key,
+            "qos": self.qos,
+            "retain": self.retain,
+            "published_at": self.published_at,
+            "properties": dict(self.properties),
+            "payload": base64.b64encode(self.payload).decode(),
+            "replay_position": self.replay_position,
+        }
+
+
+def _properties(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    # the archive reads properties as strings; numbers go back to numbers
+    out: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        out[key] = int(value) if isinstance(value, str) and value.isdigit() else value
+    return out
+
+
+class ReplayTarget(Protocol):
+    """Where a replay goes. ``inject`` takes messages in replay-position order and answers how
+    many it wrote; the same messages again must change nothing."""
+
+    description: str
+
+    def inject(self, messages: Sequence[ReplayMessage]) -> int: ...
+
+    def close(self) -> None: ...
+
+
+# -- targets ---------------------------------------------------------------------------------------
+
+
+class PlanTarget:
+    """The plan as JSON lines in a folder (or s3:// prefix): one file, rewritten whole."""
+
+    def __init__(self, output: Output, name: str = "plan.jsonl") -> None:
+        self.output = output
+        self.name = name
+        self.lines: list[bytes] = []
+        self.description = f"plan {output.path(name)}"
+
+    def inject(self, messages: Sequence[ReplayMessage]) -> int:
+        self.lines += [json.dumps(m.as_json()).encode() + b"\n" for m in messages]
+        return len(messages)
+
+    def close(self) -> None:
+        self.output.write(self.name, b"".join(self.lines))
+
+
+class SessionInboxTarget:
+    """A session's inbox: a source of the replay's own, positions from the replay plan.
+
+    Get reads it like the router's sources, in position order; a message goes out with the
+    session's subscription that matches its topic (the highest QoS one), because get hands out
+    only deliveries whose subscription the session still holds.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        replay_id: str,
+        *,
+        sessions: Any,
+        inbox: Any,
+        payloads: Any,
+        retention_s: int,
+        clock: Clock,
+    ) -> None:
+        self.client_id = client_id
+        self.replay_id = replay_id
+        self.sessions = sessions
+        self.inbox = inbox
+        self.payloads = payloads
+        self.retention_s = retention_s
+        self.clock = clock
+        self.description = f"session {client_id!r}"
+        self.unmatched = 0
+        self._session: tuple[str, dict[str, tuple[int, str]]] | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: Config, client_id: str, replay_id: str, clock: Clock | None = None
+    ) -> SessionInboxTarget:
+        from shoal.clock import SystemClock
+        from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
+        from shoal.sessions import SessionRepository
+
+        return cls(
+            client_id,
+            replay_id,
+            sessions=SessionRepository.from_config(config),
+            inbox=InboxStore.from_config(config),
+            payloads=PayloadStore.from_config(config),
+            retention_s=DeliverySettings.from_env().retention_s,
+            clock=clock or SystemClock(),
+        )
+
+    @property
+    def source(self) -> str:
+        # sorts after the router's sources (hex digests), so a session gets what the router
+        # delivered first, then the replay
+        return "r" + hashlib.blake2b(self.replay_id.encode(), digest_size=6).hexdigest()
+
+    def _subscriptions(self) -> tuple[str, dict[str, tuple[int, str]]]:
+        if self._session is None:
+            head = self.sessions.head(self.client_id)
+            if head is None or not head.session_alive(self.clock.now_ms()):
+                raise TargetUnavailable(f"client {self.client_id!r} has no session to replay into")
+            subscriptions = {
+                topic_filter: (int(option.get("qos", 1)), str(option["sid"]))
+                for topic_filter, option in head.subscriptions.items()
+                if not topic_filter.startswith("$share/") and option and option.get("sid")
+            }
+            self._session = (str(head.session_id), subscriptions)
+        return self._session
+
+    def inject(self, messages: Sequence[ReplayMessage]) -> int:
+        from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
+        from shoal.topics import matches
+
+        session_id, subscriptions = self._subscriptions()
+        deliveries = []
+        for m in messages:
+            granted = [
+                (min(qos, m.qos), topic_filter, sid)
+                for topic_filter, (qos, sid) in subscriptions.items()
+                if matches(topic_filter, m.topic)
+            ]
+            if not granted:
+                self.unmatched += 1
+                continue
+            qos, topic_filter, sid = max(granted)
+            payload, ref = m.payload, None
+            if len(payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
+                ref = self.payloads.put(m.replay_message_id, payload)
+                payload = b""
+            deliveries.append(
+                InboxMessage(
+                    position=m.replay_position,
+                    message_id=m.replay_message_id,
+                    topic=m.topic,
+                    payload=payload,
+                    qos=qos,
+                    subscription=topic_filter,
+                    sid=sid,
+                    published_at_ms=m.published_at,
+                    properties=dict(m.properties),
+                    retain=False,
+                    payload_ref=ref,
+                )
+            )
+        if not deliveries:
+            return 0
+        expires = self.clock.now_ms() // 1000 + self.retention_s
+        items = pack(session_id, self.source, deliveries, deliveries[-1].position, expires)
+        self.inbox.put(items)
+        return len(deliveries)
+
+    def close(self) -> None:
+        return None
+
+
+def _unavailable(kind: str, reason: str) -> Callable[..., ReplayTarget]:
+    def make(*_: Any, **__: Any) -> ReplayTarget:
+        raise TargetUnavailable(f"replay into a {kind}: {reason}")
+
+    return make
+
+
+#: target kind -> factory(name, replay_id, spark) for the kinds that need no service config
+UNAVAILABLE: dict[str, Callable[..., ReplayTarget]] = {
+    "group": _unavailable("shared group", "shared groups are not built yet (issue 6)"),
+    "push": _unavailable(
+        "push subscription",
+        "shoal.push has no entry point that takes outside messages into a subscription's "
+        "retry path yet",
+    ),
+}
+
+
+def make_target(
+    spec: str, replay_id: str, spark: SparkSession | None = None, config: Config | None = None
+) -> ReplayTarget:
+    """``session:<client id>``, ``plan:<folder or s3:// prefix>``, ``group:...``, ``push:...``."""
+    kind, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise ValueError(f"a target is KIND:NAME, e.g. session:client-1 or plan:out/, got {spec!r}")
+    if kind == "plan":
+        return PlanTarget(Output(name, spark))
+    if kind == "session":
+        from shoal.config import get_config
+
+        return SessionInboxTarget.from_config(config or get_config(), name, replay_id)
+    if kind in UNAVAILABLE:
+        return UNAVAILABLE[kind](name, replay_id)
+    raise ValueError(f"unknown target kind {kind!r}: session, group, push or plan")
+
+
+def batches(rows: Iterable[Any], size: int = BATCH) -> Iterator[list[ReplayMessage]]:
+    batch: list[ReplayMessage] = []
+    for row in rows:
+        batch.append(ReplayMessage.from_row(row.asDict() if hasattr(row, "asDict") else row))
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def inject(plan: DataFrame, target: ReplayTarget, progress: Progress | None = None) -> int:
+    """Stream the plan to the target in order (partition by partition: the driver holds one
+    batch at a time). Returns how many messages the target took."""
+    written = 0
+    for batch in batches(plan.toLocalIterator()):
+        written += target.inject(batch)
+        if progress is not None:
+            progress(f"{written} messages into {target.description}")
+    target.close()
+    return written
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, help="archive root: a folder or s3://bucket")
+    parser.add_argument("--filter", required=True, help="MQTT topic filter of what to replay")
+    parser.add_argument("--since", help="publish time from (ISO 8601 or epoch ms), inclusive")
+    parser.add_argument("--until", help="publish time until (ISO 8601 or epoch ms), exclusive")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="session:<client id> | plan:<folder> | group:<share>/<filter> | push:<id>",
+    )
+    parser.add_argument(
+        "--replay-id", help="names the replay (default: from filter, time range and target)"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="inject into the shoal dev running on this state folder (its runtime.json)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="select and count, inject nothing")
+    parser.add_argument("--quiet", action="store_true")
+
+
+def use_local_runtime(state_dir: Path) -> None:
+    """Point this process at the emulated account of the shoal dev on ``state_dir``."""
+    from shoal.config import get_config
+    from shoal.local.provision import LocalNames
+    from shoal.local.runtime import BASE_ENVIRONMENT, RUNTIME_FILE
+
+    info = json.loads((state_dir / RUNTIME_FILE).read_text())
+    os.environ.update(BASE_ENVIRONMENT)
+    os.environ["AWS_ENDPOINT_URL"] = info["aws_url"]
+    os.environ.update(LocalNames.for_deployment().environment())
+    get_config.cache_clear()
+
+
+def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str, Any]:
+    progress = Progress("replay", quiet=args.quiet)
+    selection = Selection(args.filter, parse_time(args.since), parse_time(args.until))
+    replay_id = args.replay_id or replay_id_for(selection, args.target)
+    if args.state_dir is not None:
+        use_local_runtime(args.state_dir)
+    progress("starting Spark")
+    spark = spark or spark_session("shoal-replay")
+    target = None if args.dry_run else make_target(args.target, replay_id, spark)
+    progress(f"selecting {selection.topic_filter!r} from {args.input}")
+    plan = select(
+        read_messages(spark, args.input, selection.since, selection.until), selection, replay_id
+    ).cache()
+    selected = plan.count()
+    progress(f"{selected} messages selected (replay id {replay_id})")
+    written = 0 if target is None else inject(plan, target, progress)
+    unmatched = getattr(target, "unmatched", 0)
+    if unmatched:
+        progress(f"{unmatched} messages matched none of the target's subscriptions: left out")
+    return {"replay_id": replay_id, "selected": selected, "written": written}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal pipeline replay", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except TargetUnavailable as exc:
+        print(f"shoal pipeline replay: {exc}")
+        return 2
+    print(json.dumps(result))
+    return 0

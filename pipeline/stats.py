@@ -1,0 +1,192 @@
+"""Stats: throughput per topic and hour, per-consumer lag, retry and dead-letter rates.
+
+* **throughput** - archived messages (one per id) per composite topic, MQTT topic and UTC hour
+  of publish: messages, payload bytes, distinct publishers.
+* **lag** - per consumer (session, shared group, push subscription) at ``as_of`` (the end of
+  the data unless given): ``backlog`` is what was routed or delivered to it and is neither
+  acked, dead-lettered nor dropped; ``oldest_unacked_ms`` how long the oldest of those has
+  waited since its publish; ``delivery_lag_ms`` publish to first delivery, p50 and p99.
+* **rates** - per consumer: ``retry_rate`` redeliveries per first delivery, ``dlq_rate``
+  dead-lettered messages per message delivered or dead-lettered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeline.audit import (
+    CONSUMER,
+    PAIR,
+    AuditWindow,
+    data_end,
+    events_in_range,
+    published,
+    resolved_events,
+)
+from pipeline.common import (
+    Output,
+    Progress,
+    in_range,
+    iso,
+    parse_time,
+    read_events,
+    read_messages,
+    spark_session,
+    unique_messages,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+
+def throughput(
+    messages: DataFrame, since: int | None = None, until: int | None = None
+) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    unique = in_range(unique_messages(messages), "published_at", since, until)
+    hour = F.date_format(F.timestamp_millis(F.col("published_at")), "yyyy-MM-dd'T'HH':00Z'").alias(
+        "hour"
+    )
+    return (
+        unique.groupBy("composite_topic", "topic", hour)
+        .agg(
+            F.count(F.lit(1)).alias("messages"),
+            F.sum(F.coalesce(F.length(F.unbase64("payload")), F.lit(0))).alias("bytes"),
+            F.countDistinct("publisher").alias("publishers"),
+        )
+        .orderBy("hour", "composite_topic", "topic")
+    )
+
+
+def consumers(events: DataFrame, as_of: int) -> DataFrame:
+    """Lag and rates per consumer, from resolved delivery events."""
+    from pyspark.sql import functions as F
+
+    def first_at(*kinds: str) -> Any:
+        return F.min(F.when(F.col("event").isin(*kinds), F.col("at")))
+
+    per_message = (
+        events.where(F.col("message_id").isNotNull())
+        .groupBy(*PAIR)
+        .agg(
+            F.first("published_at", ignorenulls=True).alias("published_at"),
+            first_at("delivered").alias("delivered_at"),
+            first_at("acked").alias("acked_at"),
+            F.count(F.when(F.col("event") == "delivered", 1)).alias("deliveries"),
+            F.count(F.when(F.col("event") == "redelivered", 1)).alias("redeliveries"),
+            F.max(F.when(F.col("event") == "dead_lettered", 1).otherwise(0)).alias("dead"),
+            F.max(F.when(F.col("event") == "dropped", 1).otherwise(0)).alias("dropped"),
+            F.min("qos").alias("qos"),
+        )
+    )
+    open_ = (
+        F.col("acked_at").isNull()
+        & (F.col("dead") == 0)
+        & (F.col("dropped") == 0)
+        & (F.coalesce("qos", F.lit(1)) > 0)
+    )
+    lag = F.col("delivered_at") - F.col("published_at")
+    return (
+        per_message.groupBy(*CONSUMER)
+        .agg(
+            F.count(F.lit(1)).alias("messages"),
+            F.sum("deliveries").alias("deliveries"),
+            F.sum("redeliveries").alias("redeliveries"),
+            F.sum("dead").alias("dead_lettered"),
+            F.count(F.when(open_, 1)).alias("backlog"),
+            F.min(F.when(open_, F.col("published_at"))).alias("_oldest"),
+            F.percentile(lag, [0.5, 0.99]).alias("_lag"),
+            F.count(F.when((F.col("deliveries") > 0) | (F.col("dead") > 0), 1)).alias("_handled"),
+        )
+        .withColumn("oldest_unacked_ms", F.lit(as_of) - F.col("_oldest"))
+        .withColumn("delivery_lag_p50_ms", F.col("_lag")[0])
+        .withColumn("delivery_lag_p99_ms", F.col("_lag")[1])
+        .withColumn(
+            "retry_rate",
+            F.when(F.col("deliveries") > 0, F.col("redeliveries") / F.col("deliveries")),
+        )
+        .withColumn(
+            "dlq_rate",
+            F.when(F.col("_handled") > 0, F.col("dead_lettered") / F.col("_handled")),
+        )
+        .drop("_oldest", "_lag", "_handled")
+        .orderBy(*CONSUMER)
+    )
+
+
+def stats(
+    messages: DataFrame,
+    events: DataFrame,
+    since: int | None = None,
+    until: int | None = None,
+    as_of: int | None = None,
+) -> dict[str, Any]:
+    """stats.json's content (collects: the results are per hour and per consumer)."""
+    resolved = resolved_events(events)
+    archive = published(messages)
+    # publish times (and QoS) come from the archive, as in the audit
+    scoped = events_in_range(resolved, archive, AuditWindow(since=since, until=until))
+    end = as_of if as_of is not None else data_end(archive, resolved)
+    hourly = [r.asDict() for r in throughput(messages, since, until).collect()]
+    per_consumer = [r.asDict() for r in consumers(scoped, end).collect()]
+    return {
+        "since": since,
+        "until": until,
+        "as_of": end,
+        "as_of_iso": iso(end),
+        "totals": {
+            "messages": sum(r["messages"] for r in hourly),
+            "bytes": sum(r["bytes"] for r in hourly),
+            "topics": len({r["topic"] for r in hourly}),
+            "consumers": len(per_consumer),
+            "backlog": sum(r["backlog"] for r in per_consumer),
+            "redeliveries": sum(r["redeliveries"] for r in per_consumer),
+            "dead_lettered": sum(r["dead_lettered"] for r in per_consumer),
+        },
+        "throughput": hourly,
+        "consumers": per_consumer,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, help="archive root: a folder or s3://bucket")
+    parser.add_argument("--output", required=True, help="folder (or s3:// prefix) for stats.json")
+    parser.add_argument("--since", help="publish time from (ISO 8601 or epoch ms), inclusive")
+    parser.add_argument("--until", help="publish time until (ISO 8601 or epoch ms), exclusive")
+    parser.add_argument("--as-of", help="measure lag at this time (default: the data's end)")
+    parser.add_argument("--quiet", action="store_true")
+
+
+def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str, Any]:
+    progress = Progress("stats", quiet=args.quiet)
+    since, until = parse_time(args.since), parse_time(args.until)
+    progress("starting Spark")
+    spark = spark or spark_session("shoal-stats")
+    progress(f"reading {args.input}")
+    doc = stats(
+        read_messages(spark, args.input, since, until),
+        read_events(spark, args.input),
+        since,
+        until,
+        parse_time(args.as_of),
+    )
+    t = doc["totals"]
+    progress(
+        f"{t['messages']} messages on {t['topics']} topics, {t['consumers']} consumers, "
+        f"backlog {t['backlog']}, {t['redeliveries']} redeliveries, "
+        f"{t['dead_lettered']} dead-lettered"
+    )
+    path = Output(args.output, spark).write("stats.json", json.dumps(doc, indent=2).encode())
+    progress(f"wrote {path}")
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal pipeline stats", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0

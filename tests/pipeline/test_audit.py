@@ -1,0 +1,294 @@
+"""The audit finds planted losses, duplicates and reorderings, and nothing in clean traffic.
+
+Every story is planted under its own consumer in one archive (``audited``), audited once; each
+test reads its consumer's row (see ``tests.pipeline.data``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from pipeline.audit import AuditResult, AuditWindow, audit, report
+from tests.pipeline.data import (
+    SECOND,
+    T0,
+    Scenario,
+    events_df,
+    messages_df,
+    subscriptions_df,
+)
+
+pytestmark = pytest.mark.pipeline
+
+HORIZON_MS = 60 * SECOND
+LONG_AFTER = T0 + 10**6
+
+
+def _stories() -> tuple[list[Scenario], list[dict[str, Any]]]:
+    stories: list[Scenario] = []
+
+    def story(name: str, kind: str = "session") -> Scenario:
+        stories.append(Scenario(name, kind))
+        return stories[-1]
+
+    for name in ("clean-a", "clean-b"):
+        s = story(name)
+        for n in range(5):
+            s.clean(n)
+
+    s = story("lost")
+    s.clean(0)
+    s.publish(1)
+    s.record("routed", 1, 0.01)
+
+    s = story("late")
+    s.clean(0, ack_after_s=90)
+
+    s = story("dup")  # delivered twice as new (ordinals 0 and 7), each copy acked
+    s.clean(0)
+    s.ack(0, 6, s.delivery(0, 5, ordinal=7))
+
+    s = story("redelivered")  # dup after the ack timeout, the ack retried: one delivery id
+    s.publish(0)
+    first = s.delivery(0, 0.01)
+    s.record("redelivered", 0, 30, delivery_id=first)
+    s.ack(0, 30.1, first)
+    s.ack(0, 30.2, first)
+
+    s = story("reorder")  # one key, acked m0, m2, m1
+    s.clean(0, ack_after_s=1)
+    s.clean(1, ack_after_s=2)  # T0 + 3 s
+    s.clean(2, ack_after_s=0.5)  # T0 + 2.5 s
+
+    s = story("per-key")  # m1 (key b) acked before m0 (key a)
+    s.clean(0, ack_after_s=5, key="per-key/a")
+    s.clean(1, ack_after_s=0.1, key="per-key/b")
+
+    s = story("storage-order")  # publish clocks disagree with storage topic order
+    s.clean(5, ack_after_s=5, storage_topic=0, sequence=9)  # acked T0 + 10 s
+    s.clean(4, ack_after_s=7, storage_topic=1, sequence=1)  # acked T0 + 11 s
+
+    s = story("archived-twice")  # a bisected batch archived m0 twice
+    s.clean(0)
+    s.publish(0)
+
+    s = story("events-twice")  # a re-cut batch recorded every event twice
+    s.clean(0)
+    s.events *= 2
+
+    s = story("push-dlq", "push")
+    s.publish(0)
+    s.record("dead_lettered", 0, 5, reason="http 400")
+
+    s = story("dropped")
+    s.publish(0)
+    s.record("routed", 0, 0.01)
+    s.record("dropped", 0, 1, reason="expired")
+
+    s = story("qos0")
+    s.publish(0, qos=0)
+    s.delivery(0, 0.01, qos=0)
+
+    s = story("subscribed")  # subscribed to subscribed/# from T0; m1 never routed
+    s.clean(0, topic="subscribed/x")
+    s.publish(1, topic="subscribed/y")
+    s.publish(2, topic="elsewhere/x")
+
+    s = story("late-subscriber")  # subscribed 5 s after its only message
+    s.publish(0, topic="late-subscriber/x")
+
+    s = story("latency")
+    for n in range(10):
+        s.clean(n, ack_after_s=n + 1)
+
+    def held(consumer: str, topic_filter: str, since: int) -> dict[str, Any]:
+        return {
+            "consumer_kind": "session",
+            "consumer": consumer,
+            "filter": topic_filter,
+            "qos": 1,
+            "since": since,
+            "until": None,
+        }
+
+    subscriptions = [
+        held("subscribed", "subscribed/#", T0),
+        held("late-subscriber", "late-subscriber/+", T0 + 5 * SECOND),
+    ]
+    return stories, subscriptions
+
+
+@pytest.fixture(scope="module")
+def audited(spark: SparkSession) -> AuditResult:
+    stories, subscriptions = _stories()
+    return audit(
+        messages_df(spark, [m for s in stories for m in s.messages]),
+        events_df(spark, [e for s in stories for e in s.events]),
+        AuditWindow(horizon_ms=HORIZON_MS, as_of=LONG_AFTER),
+        subscriptions_df(spark, subscriptions),
+    )
+
+
+@pytest.fixture(scope="module")
+def rows(audited: AuditResult) -> dict[str, dict[str, Any]]:
+    return {row["consumer"]: row.asDict() for row in audited.consumers.collect()}
+
+
+def findings(row: dict[str, Any]) -> tuple[int, int, int]:
+    return row["lost"], row["duplicated"], row["reordered"]
+
+
+def test_clean_traffic_has_no_findings(rows: dict[str, dict[str, Any]]) -> None:
+    # Given two sessions that each got and acked every message once, in order
+    for name in ("clean-a", "clean-b"):
+        # Then nothing is lost, duplicated or reordered, and all five count as acked
+        assert findings(rows[name]) == (0, 0, 0)
+        assert (rows[name]["acked"], rows[name]["delivered_after_ack"]) == (5, 0)
+
+
+def test_routed_but_never_acked_is_lost_once_the_horizon_passed(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given m1 routed and never acked, the data reaching far past the horizon
+    # Then m1 is lost and m0 is not
+    assert (rows["lost"]["lost"], rows["lost"]["acked"]) == (1, 1)
+
+
+def test_acked_after_the_horizon_is_late_not_lost(rows: dict[str, dict[str, Any]]) -> None:
+    # Given m0 acked 90 s after publish with a 60 s horizon
+    # Then it is late
+    assert (rows["late"]["late"], rows["late"]["lost"], rows["late"]["acked"]) == (1, 0, 0)
+
+
+def test_a_message_acked_under_two_delivery_ids_is_duplicated(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given m0 delivered twice as new and each copy acked
+    # Then it is one duplicated message, handed out again after its first ack
+    assert rows["dup"]["duplicated"] == 1
+    assert rows["dup"]["delivered_after_ack"] == 1
+
+
+def test_a_redelivery_acked_twice_under_its_own_id_is_no_duplicate(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given m0 redelivered with dup and its ack retried, all under one delivery id
+    row = rows["redelivered"]
+    # Then nothing is duplicated and the redelivery is counted
+    assert (row["duplicated"], row["redeliveries"], row["redelivered_messages"]) == (0, 1, 1)
+
+
+def test_acks_out_of_publish_order_on_one_key_are_reordered(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given m0, m1, m2 on one key acked m0, m2, m1
+    # Then one message (m1) was acked after a later one
+    assert rows["reorder"]["reordered"] == 1
+
+
+def test_order_is_judged_per_ordering_key(rows: dict[str, dict[str, Any]]) -> None:
+    # Given m1 (key b) acked before m0 (key a)
+    # Then no key saw its messages out of order
+    assert rows["per-key"]["reordered"] == 0
+
+
+def test_publish_order_is_storage_topic_then_sequence(rows: dict[str, dict[str, Any]]) -> None:
+    # Given one key's message in storage topic 0 published later by clock than the one in
+    # storage topic 1, acked in storage topic order
+    # Then that is in order
+    assert rows["storage-order"]["reordered"] == 0
+
+
+def test_a_message_archived_twice_is_judged_once(rows: dict[str, dict[str, Any]]) -> None:
+    row = rows["archived-twice"]
+    assert (row["matched"], row["acked"], row["duplicated"]) == (1, 1, 0)
+
+
+def test_events_recorded_twice_count_once(rows: dict[str, dict[str, Any]]) -> None:
+    row = rows["events-twice"]
+    assert (row["acked"], row["duplicated"], row["lost"]) == (1, 0, 0)
+
+
+def test_dead_lettered_and_dropped_are_not_lost(rows: dict[str, dict[str, Any]]) -> None:
+    # Given a push subscription that dead-lettered m0 and a session that dropped m0 (expired)
+    # Then neither is lost
+    assert (rows["push-dlq"]["dead_lettered"], rows["push-dlq"]["lost"]) == (1, 0)
+    assert rows["push-dlq"]["consumer_kind"] == "push"
+    assert (rows["dropped"]["dropped"], rows["dropped"]["lost"]) == (1, 0)
+
+
+def test_qos0_deliveries_are_not_judged(rows: dict[str, dict[str, Any]]) -> None:
+    row = rows["qos0"]
+    assert (row["qos0"], row["lost"], row["judged"]) == (1, 0, 0)
+
+
+def test_a_subscription_at_publish_time_catches_a_message_never_routed(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given subscribed/# held from T0 and subscribed/y never routed to it
+    # Then subscribed/y is lost, and elsewhere/x was never expected
+    assert (rows["subscribed"]["matched"], rows["subscribed"]["lost"]) == (2, 1)
+
+
+def test_a_subscription_made_after_the_publish_does_not_expect_it(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    assert "late-subscriber" not in rows
+
+
+def test_latency_percentiles_are_publish_to_first_ack(rows: dict[str, dict[str, Any]]) -> None:
+    # Given ten messages acked 1..10 s after publish
+    row = rows["latency"]
+    # Then p50 is the median and p99 interpolates towards the maximum
+    assert row["latency"][0] == pytest.approx(5500)
+    assert row["latency"][2] == pytest.approx(9910)
+    assert row["latency_max"] == 10_000
+
+
+def test_report_json_carries_per_consumer_counts_and_examples(audited: AuditResult) -> None:
+    # When the planted stories are reported
+    doc = report(audited)
+    by_name = {c["consumer"]: c for c in doc["consumers"]}
+    # Then each consumer has its counts and latency, the totals add them up, and the
+    # examples name the planted findings
+    assert findings(by_name["lost"]) == (1, 0, 0)
+    assert set(by_name["lost"]["latency_ms"]) == {"p50", "p90", "p99", "max"}
+    assert doc["totals"]["lost"] == 2  # lost, subscribed
+    assert doc["totals"]["duplicated"] == 1
+    assert doc["totals"]["reordered"] == 1
+    assert {e["message_id"] for e in doc["examples"]["lost"]} == {"lost/m1", "subscribed/m1"}
+    assert [e["message_id"] for e in doc["examples"]["reordered"]] == ["reorder/m1"]
+    assert doc["clean"] is False
+
+
+def test_zero_case_empty_archive_reports_nothing(spark: SparkSession) -> None:
+    # Given an archive and an event log with nothing in them
+    result = audit(messages_df(spark, []), events_df(spark, []), AuditWindow())
+    # When reported
+    doc = report(result)
+    # Then there are no consumers, every total is zero and the audit is clean
+    assert doc["consumers"] == []
+    assert (doc["totals"]["messages"], doc["totals"]["lost"]) == (0, 0)
+    assert doc["clean"] is True
+
+
+def test_window_and_as_of_decide_what_is_judged_and_what_is_pending(
+    spark: SparkSession,
+) -> None:
+    # Given m0..m3 routed to one session, m1 also delivered, none acked
+    s = Scenario("windowed")
+    for n in range(4):
+        s.publish(n)
+        s.record("routed", n, 0.01)
+    s.delivery(1, 0.02)
+    # When audited for publish times [T0 + 1 s, T0 + 3 s) as of T0 + 11 s, horizon 60 s
+    window = AuditWindow(
+        since=T0 + SECOND, until=T0 + 3 * SECOND, horizon_ms=HORIZON_MS, as_of=T0 + 11 * SECOND
+    )
+    result = audit(messages_df(spark, s.messages), events_df(spark, s.events), window)
+    [row] = result.consumers.collect()
+    # Then only m1 and m2 are judged, and both are still pending, not lost
+    assert (row["matched"], row["pending"], row["lost"]) == (2, 2, 0)

@@ -1,0 +1,179 @@
+"""Replay selects by topic filter and publish time, in per-key order, with deterministic ids,
+and re-injects into a session's inbox idempotently."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from shoal.clock import ManualClock
+
+from pipeline.common import Output
+from pipeline.replay import (
+    PlanTarget,
+    ReplayMessage,
+    Selection,
+    SessionInboxTarget,
+    TargetUnavailable,
+    inject,
+    make_target,
+    replay_message_id,
+    select,
+)
+from tests.pipeline.data import SECOND, T0, message, messages_df
+
+pytestmark = pytest.mark.pipeline
+
+
+@pytest.fixture(scope="module")
+def archive(spark: SparkSession) -> DataFrame:
+    rows = [
+        # key k: m1 in storage topic 0 (seq 20), m2 in storage topic 1 (seq 5), m0 seq 10
+        message(0, topic="orders/eu", key="k", sequence=10, message_id="m0"),
+        message(1, topic="orders/eu", key="k", sequence=20, message_id="m1"),
+        message(2, topic="orders/us", key="k", storage_topic=1, sequence=5, message_id="m2"),
+        message(3, topic="billing/eu", key="b", sequence=30, message_id="m3"),
+        message(4, topic="$SYS/x", key="s", sequence=40, message_id="m4"),
+        message(9, topic="orders/eu", key="k", sequence=99, message_id="m9"),
+        message(1, topic="orders/eu", key="k", sequence=20, message_id="m1"),  # twice archived
+    ]
+    return messages_df(spark, rows)
+
+
+@pytest.fixture(scope="module")
+def plan(archive: DataFrame) -> list[dict[str, Any]]:
+    selection = Selection("orders/#", since=T0, until=T0 + 5 * SECOND)
+    return [r.asDict() for r in select(archive, selection, "r1").collect()]
+
+
+def test_selects_by_filter_and_time_once_per_message(plan: list[dict[str, Any]]) -> None:
+    # Given orders/# over [T0, T0 + 5 s): m9 is later, billing and $SYS do not match
+    # Then m0, m1 (archived twice, selected once) and m2 are selected
+    assert sorted(r["message_id"] for r in plan) == ["m0", "m1", "m2"]
+
+
+def test_plan_is_in_per_key_publish_order(plan: list[dict[str, Any]]) -> None:
+    # Then key k comes in storage topic, then sequence order: m0 (0/10), m1 (0/20), m2 (1/5)
+    assert [r["message_id"] for r in plan] == ["m0", "m1", "m2"]
+    assert [r["replay_position"] for r in plan] == sorted(r["replay_position"] for r in plan)
+
+
+def test_replay_ids_are_deterministic_and_new(plan: list[dict[str, Any]]) -> None:
+    # Then each id is the digest of replay name and original id (the same on every run)
+    for row in plan:
+        assert row["replay_message_id"] == replay_message_id("r1", row["message_id"])
+        assert row["replay_message_id"] != row["message_id"]
+
+
+def test_a_filter_matching_nothing_selects_nothing(archive: DataFrame) -> None:
+    assert select(archive, Selection("nothing/+"), "r1").count() == 0
+
+
+class FakeInbox:
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], Any] = {}
+
+    def put(self, items: list[Any]) -> None:
+        for item in items:
+            self.items[(item.session_id, item.key)] = item
+
+
+class FakeSessions:
+    def __init__(self, head: Any) -> None:
+        self._head = head
+
+    def head(self, client_id: str) -> Any:
+        return self._head
+
+
+class FakeHead:
+    session_id = "sess-1"
+    subscriptions = {
+        "orders/#": {"qos": 1, "sid": "sid-a"},
+        "orders/us": {"qos": 2, "sid": "sid-b"},
+        "$share/g/orders/#": {"qos": 1, "sid": "sid-g"},
+    }
+
+    def session_alive(self, now_ms: int) -> bool:
+        return True
+
+
+def replayed(n: int, topic: str = "orders/eu", qos: int = 2) -> ReplayMessage:
+    return ReplayMessage(
+        replay_message_id=f"r-{n}",
+        message_id=f"m{n}",
+        topic=topic,
+        ordering_key="k",
+        qos=qos,
+        published_at=T0 + n,
+        payload=b"hello",
+        replay_position=f"p{n:03d}",
+    )
+
+
+def session_target(inbox: FakeInbox, head: Any = None) -> SessionInboxTarget:
+    return SessionInboxTarget(
+        "client-1",
+        "r1",
+        sessions=FakeSessions(head or FakeHead()),
+        inbox=inbox,
+        payloads=None,
+        retention_s=3600,
+        clock=ManualClock(T0),
+    )
+
+
+def test_session_target_writes_in_order_with_the_matching_subscription() -> None:
+    # Given a session holding orders/# (QoS 1) and orders/us (QoS 2)
+    inbox = FakeInbox()
+    # When three messages are injected
+    written = session_target(inbox).inject(
+        [replayed(0), replayed(1, "orders/us"), replayed(2, "billing/x")]
+    )
+    # Then the two matching ones are in the session's inbox, in order, each with the
+    # subscription granting the highest QoS; billing/x matches nothing and is left out
+    assert written == 2
+    [item] = inbox.items.values()
+    assert item.session_id == "sess-1"
+    assert [(m.message_id, m.subscription, m.qos) for m in item.messages] == [
+        ("r-0", "orders/#", 1),
+        ("r-1", "orders/us", 2),
+    ]
+
+
+def test_session_target_is_idempotent() -> None:
+    # Given a replay injected once
+    inbox = FakeInbox()
+    session_target(inbox).inject([replayed(0), replayed(1)])
+    before = dict(inbox.items)
+    # When the same replay runs again
+    session_target(inbox).inject([replayed(0), replayed(1)])
+    # Then it wrote the same items under the same keys: nothing new
+    assert inbox.items == before
+
+
+def test_session_target_without_a_session_is_unavailable() -> None:
+    target = session_target(FakeInbox(), head=None)
+    target.sessions = FakeSessions(None)
+    with pytest.raises(TargetUnavailable):
+        target.inject([replayed(0)])
+
+
+@pytest.mark.parametrize("spec", ["group:g/orders/#", "push:orders-hook"])
+def test_targets_not_built_yet_say_so(spec: str) -> None:
+    with pytest.raises(TargetUnavailable):
+        make_target(spec, "r1")
+
+
+def test_inject_streams_the_plan_into_a_plan_file(archive: DataFrame, tmp_path: Path) -> None:
+    # Given the plan of orders/eu
+    plan = select(archive, Selection("orders/eu"), "r2")
+    # When injected into a plan target
+    written = inject(plan, PlanTarget(Output(str(tmp_path))))
+    # Then the file holds the messages in order with their payloads
+    lines = (tmp_path / "plan.jsonl").read_text().splitlines()
+    assert written == len(lines) == 3
+    assert base64.b64decode(__import__("json").loads(lines[0])["payload"]) == b"hello"

@@ -1,0 +1,64 @@
+"""Stats: throughput per topic and hour, lag, retry and dead-letter rates per consumer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from pipeline.stats import stats
+from tests.pipeline.data import SECOND, T0, Scenario, events_df, message, messages_df
+
+pytestmark = pytest.mark.pipeline
+
+HOUR = 3600 * SECOND
+
+
+@pytest.fixture(scope="module")
+def doc(spark: SparkSession) -> dict[str, Any]:
+    messages = [
+        message(0, topic="a/x", payload="AAAA"),  # 3 bytes
+        message(1, topic="a/x", payload="AAAA"),
+        message(2, topic="a/y", at=T0 + HOUR),
+    ]
+    # a session: m0 acked, m1 redelivered then acked, m2 unacked (backlog)
+    s = Scenario("s1")
+    s.clean(0)
+    d = s.delivery(1, 0.5)
+    s.record("redelivered", 1, 30, delivery_id=d)
+    s.ack(1, 31, d)
+    s.publish(2)
+    s.delivery(2, 2.0)
+    # a push subscription: m0 delivered, m1 dead-lettered
+    p = Scenario("p1", "push")
+    p.record("delivered", 0, 0.1)
+    p.record("dead_lettered", 1, 10)
+    events = s.events + p.events
+    # the scenario names its message ids "<name>/m<n>": point them at the archive's
+    for e in events:
+        e["message_id"] = e["message_id"].rsplit("/", 1)[-1] if e["message_id"] else ""
+    return stats(messages_df(spark, messages), events_df(spark, events), as_of=T0 + HOUR + 60_000)
+
+
+def test_throughput_per_topic_and_hour(doc: dict[str, Any]) -> None:
+    rows = {(r["topic"], r["hour"]): r for r in doc["throughput"]}
+    # Then two messages of a/x (3 bytes each) in the first hour, one of a/y an hour later
+    first_hour = "2023-11-14T22:00Z"
+    assert (rows[("a/x", first_hour)]["messages"], rows[("a/x", first_hour)]["bytes"]) == (2, 6)
+    assert rows[("a/y", "2023-11-14T23:00Z")]["messages"] == 1
+
+
+def test_lag_is_the_unacked_backlog_and_its_age(doc: dict[str, Any]) -> None:
+    s1 = next(c for c in doc["consumers"] if c["consumer"] == "s1")
+    # Then m2 is the backlog, waiting since its publish a minute before as_of
+    assert s1["backlog"] == 1
+    assert s1["oldest_unacked_ms"] == 60_000
+
+
+def test_retry_and_dlq_rates(doc: dict[str, Any]) -> None:
+    by_name = {c["consumer"]: c for c in doc["consumers"]}
+    # Then s1 redelivered one of three deliveries, p1 dead-lettered one of two messages
+    assert by_name["s1"]["retry_rate"] == pytest.approx(1 / 3)
+    assert by_name["p1"]["dlq_rate"] == pytest.approx(1 / 2)
+    assert doc["totals"]["dead_lettered"] == 1

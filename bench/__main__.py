@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import audit, filter_index, publish, push, sessions
+from bench import audit, delivery, filter_index, publish, push, sessions
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
     "publish": publish,
     "sessions": sessions,
     "filter_index": filter_index,
+    "delivery": delivery,
     "push": push,
     "audit": audit,
 }

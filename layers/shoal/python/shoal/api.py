@@ -7,7 +7,8 @@ Only this module turns exceptions into status codes. Handlers stay thin: parse w
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response, content_types
@@ -53,9 +54,32 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
     )
 
 
+class _Resolver(APIGatewayHttpResolver):
+    """Powertools' resolver, holding the request per thread.
+
+    Powertools keeps the current event on a class attribute shared by every resolver in the
+    process. A Lambda environment serves one request at a time, but ``shoal dev`` runs all
+    handlers in one process, where concurrent requests would read each other's event.
+    """
+
+    _request = threading.local()
+
+    @property
+    def current_event(self) -> Any:
+        return self._request.event
+
+    @current_event.setter
+    def current_event(self, value: Any) -> None:
+        self._request.event = value
+
+    def resolve(self, event: Mapping[str, Any], context: LambdaContext) -> dict[str, Any]:
+        self._request.event = self._to_proxy_event(dict(event))
+        return super().resolve(event, context)
+
+
 def make_resolver() -> APIGatewayHttpResolver:
     """A resolver whose every failure becomes a coded ``{"error": ...}`` response."""
-    app = APIGatewayHttpResolver()
+    app = _Resolver()
 
     @app.exception_handler(ShoalError)
     def _shoal_error(error: ShoalError) -> Response[str]:

@@ -1,4 +1,9 @@
-"""Run every benchmark, then write bench/results.json and bench/RESULTS.md."""
+"""Run the benchmarks, then write bench/results.json and bench/RESULTS.md.
+
+``python -m bench`` runs every benchmark; ``python -m bench groups push`` runs only those named
+and keeps the figures of the others from the previous results file (a full run takes long,
+mostly the audit's generated archives).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import audit, delivery, filter_index, publish, push, sessions
+from bench import audit, delivery, filter_index, groups, publish, push, sessions
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
@@ -17,12 +22,21 @@ BENCHMARKS = {
     "sessions": sessions,
     "filter_index": filter_index,
     "delivery": delivery,
+    "groups": groups,
     "push": push,
     "audit": audit,
 }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    wanted = list(sys.argv[1:] if argv is None else argv) or list(BENCHMARKS)
+    unknown = sorted(set(wanted) - set(BENCHMARKS))
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+        return 2
+    previous: dict[str, Any] = {}
+    if (HERE / "results.json").exists():
+        previous = json.loads((HERE / "results.json").read_text()).get("benchmarks", {})
     results: dict[str, Any] = {
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": platform.python_version(),
@@ -31,8 +45,13 @@ def main() -> int:
     }
     sections: list[str] = []
     for name, module in BENCHMARKS.items():
-        print(f"running {name} ...", file=sys.stderr)
-        figures = module.run()
+        if name in wanted:
+            print(f"running {name} ...", file=sys.stderr)
+            figures = module.run()
+        elif name in previous:
+            figures = previous[name]
+        else:
+            continue
         results["benchmarks"][name] = figures
         sections.append(module.report(figures))
     (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")

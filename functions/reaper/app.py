@@ -19,7 +19,14 @@ def reaper() -> Reaper:
     publisher = ServiceWillPublisher(PublishService.from_config(config))
     # an ended session's subscriptions leave the router's subscription store
     retire = SubscriptionRetirer.from_config(config)
-    return Reaper(SessionRepository.from_config(config), publisher, on_session_end=retire)
+    # a dead channel's shared groups advance (its expired leases go to live members), and an
+    # ended session leaves them (``shoal.groups``)
+    return Reaper(
+        SessionRepository.from_config(config),
+        publisher,
+        on_session_end=retire,
+        on_channel_expired=retire.groups.channel_expired if retire.groups else None,
+    )
 
 
 @logger.inject_lambda_context(clear_state=True)

@@ -145,6 +145,8 @@ DEPLOYMENT = Deployment(
                 # deliveries, and the per-shard ledger that makes a retried batch write nothing
                 # twice (a retry reads what it wrote before)
                 Grant("table", "inboxes", "read_write"),
+                # a shared group's new stream is made known to its leader (a conditional put)
+                Grant("table", "groups", "write"),
             ),
             timeout_s=60,
         ),
@@ -171,6 +173,10 @@ DEPLOYMENT = Deployment(
                 Grant("table", "sessions", "read_write"),
                 # a connect that ends a session removes its subscriptions from the router's store
                 Grant("table", "subscriptions", "read_write"),
+                # a heartbeat renews group leases and advances their leaders; an ended session
+                # leaves its groups, and the last member removes a group with its backlog
+                Grant("table", "groups", "read_write"),
+                Grant("table", "inboxes", "read_write"),
             ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
@@ -189,6 +195,9 @@ DEPLOYMENT = Deployment(
                 Grant("streams", "storage", "read"),
                 # an expired session's subscriptions leave the router's store
                 Grant("table", "subscriptions", "read_write"),
+                # and its shared groups (the last member removes a group with its backlog)
+                Grant("table", "groups", "read_write"),
+                Grant("table", "inboxes", "read_write"),
             ),
             schedule_s=60,
             timeout_s=120,
@@ -207,6 +216,8 @@ DEPLOYMENT = Deployment(
                 Grant("table", "inboxes", "read_write"),
                 Grant("table", "retained", "read"),
                 Grant("table", "topics", "read"),
+                # shared subscriptions join and leave their groups in the same transaction
+                Grant("table", "groups", "read_write"),
             ),
         ),
         FunctionDef(
@@ -219,6 +230,8 @@ DEPLOYMENT = Deployment(
             grants=(
                 Grant("table", "sessions", "read"),
                 Grant("table", "inboxes", "read_write"),
+                # the group streams the session leases: leaders, fences, progress
+                Grant("table", "groups", "read_write"),
                 # payloads too large for an inbox item are kept once there (shoal.delivery)
                 Grant("bucket", "archive", "read"),
             ),

@@ -14,9 +14,10 @@ returned before a publish is in the router's view of every batch holding that me
 
 A subscription has a *sid* (kept when the same filter is subscribed again); deliveries carry it,
 and get drops a delivery whose subscription is gone or was replaced: unsubscribing drops the
-subscription's undelivered messages without a write per message. ``$share/{ShareName}/...``
-subscriptions are validated and stored; delivering to shared groups comes with the groups issue
-(the router leaves them to ``shoal.fanout.SharedGroups``).
+subscription's undelivered messages without a write per message. A ``$share/{ShareName}/...``
+subscription joins its shared group in the subscribe transaction, and leaves it in the
+unsubscribe's (or the ended session's) one; get and ack take in the group streams the session
+leases (``shoal.groups``).
 
 Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
 filters: every topic name the requested filter matches must be matched by the allowed one
@@ -88,7 +89,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
@@ -113,6 +114,9 @@ from shoal.topics import (
     matches,
     parse_shared,
 )
+
+if TYPE_CHECKING:
+    from shoal.groups import GroupService, MembershipPlan
 
 SUBSCRIPTIONS_TABLE = "subscriptions"
 INBOXES_TABLE = "inboxes"
@@ -341,6 +345,8 @@ class Subscription:
     owner: str
     no_local: bool = False
     share: str | None = None
+    #: a shared subscription's group incarnation (``shoal.groups``): where the router writes
+    group: str | None = None
 
     @property
     def topic_filter(self) -> str:
@@ -361,6 +367,8 @@ class Subscription:
             out["no_local"] = True
         if self.share is not None:
             out["share"] = self.share
+        if self.group is not None:
+            out["group"] = self.group
         return out
 
     @classmethod
@@ -375,6 +383,7 @@ class Subscription:
             owner=str(data.get("owner", "")),
             no_local=bool(data.get("no_local", False)),
             share=data.get("share"),
+            group=data.get("group"),
         )
 
 
@@ -1095,6 +1104,7 @@ class SubscriptionService:
         *,
         clock: Clock | None = None,
         sessions_table: str | None = None,
+        groups: GroupService | None = None,
     ) -> None:
         self.registry = registry
         self.subscriptions = subscriptions
@@ -1102,9 +1112,13 @@ class SubscriptionService:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.sessions_table = sessions_table or registry.repository.table
+        #: shared subscriptions join and leave their groups (``shoal.groups``)
+        self.groups = groups
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SubscriptionService:
+        from shoal.groups import GroupService
+
         store.bind(config)
         dynamo = Dynamo.from_config(config)
         return cls(
@@ -1113,6 +1127,7 @@ class SubscriptionService:
             InboxStore(dynamo, config.table(INBOXES_TABLE)),
             DeliverySettings.from_env(),
             clock=clock,
+            groups=GroupService.from_config(config, clock, payloads=False),
         )
 
     # -- subscribe
@@ -1170,6 +1185,36 @@ class SubscriptionService:
         self, who: Principal, client_id: str, head: Head, accepted: Mapping[str, _Accepted]
     ) -> None:
         session_id = head.session_id or ""
+        shared = [text for text, a in accepted.items() if a.share is not None]
+        # the join of a shared subscription's group is read again on every attempt
+        joining = self.groups if shared else None
+        incarnations: Mapping[str, str] = {}
+        retained = self._retained(accepted)
+        for attempt in range(ATTEMPTS):
+            plan = None
+            if joining is not None:
+                plan = joining.membership(client_id, session_id, joins=shared)
+                incarnations = plan.incarnations
+            reasons = self._try_subscribe(
+                client_id, head, accepted, retained=retained, incarnations=incarnations, plan=plan
+            )
+            if reasons is None:
+                return
+            self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
+        raise ServerBusy("subscriptions of this session are contended; retry")
+
+    def _try_subscribe(
+        self,
+        client_id: str,
+        head: Head,
+        accepted: Mapping[str, _Accepted],
+        *,
+        retained: list[tuple[_Accepted, RetainedModel]],
+        incarnations: Mapping[str, str],
+        plan: MembershipPlan | None,
+    ) -> list[str] | None:
+        """One attempt at the subscribe transaction: None when it committed, else the reasons."""
+        session_id = head.session_id or ""
         changes: dict[str, list[Change]] = {}
         options: dict[str, dict[str, Any]] = {}
         for text, a in accepted.items():
@@ -1183,6 +1228,7 @@ class SubscriptionService:
                 owner=head.sub,
                 no_local=a.request.no_local,
                 share=a.share,
+                group=incarnations.get(text),
             )
             changes.setdefault(bucket_of(a.topic_filter), []).append(
                 Change(subscription.key, subscription)
@@ -1195,20 +1241,18 @@ class SubscriptionService:
             }
             if a.share is not None:
                 option["share"] = a.share
+            if text in incarnations:
+                option["group"] = incarnations[text]
             options[text] = option
-        retained = self._retained(accepted)
-        for attempt in range(ATTEMPTS):
-            now = self.clock.now_ms()
-            versions = self.subscriptions.versions(changes)
-            parts = [self._head_part(client_id, head, now, put=options)]
-            parts += self.subscriptions.parts(changes, versions, now // 1000)
-            if retained:
-                parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
-            reasons = self.subscriptions.dynamo.transact(parts)
-            if reasons is None:
-                return
-            self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
-        raise ServerBusy("subscriptions of this session are contended; retry")
+        now = self.clock.now_ms()
+        versions = self.subscriptions.versions(changes)
+        parts = [self._head_part(client_id, head, now, put=options)]
+        parts += self.subscriptions.parts(changes, versions, now // 1000)
+        if plan is not None:
+            parts += plan.parts
+        if retained:
+            parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
+        return self.subscriptions.dynamo.transact(parts)
 
     def _after_conflict(
         self, who: Principal, client_id: str, channel: str, reasons: list[str], attempt: int
@@ -1389,13 +1433,21 @@ class SubscriptionService:
                 changes.setdefault(bucket_of(topic_filter), []).append(
                     Change(subscription_item(client_id, text), None)
                 )
+            leaving = {t: head.subscriptions[t] for t in dropping if _shared_or_none(t)}
             for attempt in range(ATTEMPTS):
                 now = self.clock.now_ms()
                 versions = self.subscriptions.versions(changes)
                 parts = [self._head_part(client_id, head, now, remove=list(dropping))]
                 parts += self.subscriptions.parts(changes, versions, now // 1000)
+                plan = None
+                if leaving and self.groups is not None:
+                    # leaving a group (the last member removes it) rides in the same transaction
+                    plan = self.groups.membership(client_id, head.session_id or "", leaves=leaving)
+                    parts += plan.parts
                 reasons = self.subscriptions.dynamo.transact(parts)
                 if reasons is None:
+                    if plan is not None and self.groups is not None:
+                        self.groups.after(plan)
                     break
                 self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
             else:
@@ -1410,13 +1462,23 @@ class SubscriptionRetirer:
     new session made since (same key, another session id) stays.
     """
 
-    def __init__(self, subscriptions: SubscriptionStore, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        subscriptions: SubscriptionStore,
+        clock: Clock | None = None,
+        groups: GroupService | None = None,
+    ) -> None:
         self.subscriptions = subscriptions
         self.clock = clock or SystemClock()
+        #: the ended session leaves its shared groups (the last member removes a group)
+        self.groups = groups
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SubscriptionRetirer:
-        return cls(SubscriptionStore.from_config(config), clock)
+        from shoal.groups import GroupService
+
+        groups = GroupService.from_config(config, clock, payloads=False)
+        return cls(SubscriptionStore.from_config(config), clock, groups)
 
     def __call__(self, client_id: str, head: Head) -> int:
         """How many subscriptions it removed."""
@@ -1436,8 +1498,17 @@ class SubscriptionRetirer:
                 delete["ConditionExpression"] = "#sid = :sid"
                 delete["ExpressionAttributeNames"] = {"#sid": "session_id"}
                 delete["ExpressionAttributeValues"] = to_item({":sid": head.session_id})
+                plan = None
+                if shared is not None and self.groups is not None:
+                    plan = self.groups.membership(
+                        client_id, head.session_id or "", leaves={text: head.subscriptions[text]}
+                    )
+                    # first: the subscription's delete stays the last part (checked below)
+                    parts = plan.parts + parts
                 reasons = self.subscriptions.dynamo.transact(parts)
                 if reasons is None:
+                    if plan is not None and self.groups is not None:
+                        self.groups.after(plan)
                     removed += 1
                     break
                 if len(reasons) == len(parts) and reasons[-1] == "ConditionalCheckFailed":
@@ -1491,21 +1562,28 @@ class DeliveryService:
         settings: DeliverySettings,
         clock: Clock | None = None,
         payloads: PayloadStore | None = None,
+        *,
+        groups: GroupService | None = None,
     ) -> None:
         self.registry = registry
         self.inbox = inbox
         self.settings = settings
         self.clock = clock or SystemClock()
         self.payloads = payloads
+        #: the group streams the session leases (``shoal.groups``)
+        self.groups = groups
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> DeliveryService:
+        from shoal.groups import GroupService
+
         return cls(
             SessionRegistry.from_config(config, clock),
             InboxStore.from_config(config),
             DeliverySettings.from_env(),
             clock,
             PayloadStore.from_config(config),
+            groups=GroupService.from_config(config, clock),
         )
 
     # -- get
@@ -1532,6 +1610,7 @@ class DeliveryService:
         # kept across idle polls: a stale copy only costs a failed conditional write
         state: DeliveryState | None = None
         while True:
+            out: list[dict[str, Any]] = []
             for attempt in range(ATTEMPTS):
                 if state is None:
                     state = self.inbox.state(session_id)
@@ -1554,13 +1633,16 @@ class DeliveryService:
                 plan.state.normalize()
                 expires = now // 1000 + self.settings.retention_s
                 if self.inbox.write_state(session_id, plan.state, expected, expires):
-                    if plan.out:
-                        return {"messages": plan.out}
+                    out = plan.out
                     break
                 state = None
                 self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
             else:
                 raise ServerBusy("this session's deliveries are contended; retry")
+            if self.groups is not None and len(out) < wanted:
+                out += self.groups.get(session_id, head.subscriptions, wanted - len(out), channel)
+            if out:
+                return {"messages": out}
             left_ms = deadline - self.clock.now_ms()
             if left_ms <= 0:
                 return {"messages": []}
@@ -1779,21 +1861,23 @@ class DeliveryService:
     ) -> dict[str, Any]:
         head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""
+        # group deliveries (``g-...`` ids) are acked on their streams, fenced by their lease
+        grouped = self.groups.ack(session_id, head.subscriptions, request.ids) if self.groups else 0
         ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
         if not ordinals:
-            return {"acked": 0}
+            return {"acked": grouped}
         for attempt in range(ATTEMPTS):
             state = self.inbox.state(session_id)
             expected = state.version
             fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
             if not fresh:
-                return {"acked": 0}
+                return {"acked": grouped}
             state.acked |= fresh
             state.version = expected + 1
             state.normalize()
             expires = self.clock.now_ms() // 1000 + self.settings.retention_s
             if self.inbox.write_state(session_id, state, expected, expires):
-                return {"acked": len(fresh)}
+                return {"acked": len(fresh) + grouped}
             self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
         raise ServerBusy("this session's deliveries are contended; retry")
 

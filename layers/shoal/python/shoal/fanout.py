@@ -9,8 +9,9 @@ For a batch the router
 2. matches every message against the view (``shoal.filter_index.FilterIndex`` per bucket) and
    makes one delivery per matching session: of a session's overlapping subscriptions the one
    granting the highest QoS (min(subscription, message)) is named; expired messages, and a
-   ``no_local`` subscription's own messages, are skipped; shared subscriptions are left to
-   ``SharedGroups`` (the groups issue);
+   ``no_local`` subscription's own messages, are skipped; a shared group (``$share/...``)
+   gets one delivery however many of its members match, into its stream for this shard
+   (``shoal.group_streams``), and the group's leader learns of the stream (``shoal.groups``);
 3. writes, per session, one inbox item holding its deliveries from the batch (keys:
    ``<source>#<position>``, positions from Kinesis sequence numbers), after moving the
    shard's *ledger* (the last record deliveries may exist for) past the batch. A batch that
@@ -53,6 +54,8 @@ from shoal.delivery import (
 )
 from shoal.errors import InvalidFilter
 from shoal.filter_index import FilterIndex
+from shoal.group_streams import group_partition
+from shoal.groups import GroupStore, StreamRegistrar, group_key
 from shoal.observability import logger
 from shoal.publishing import MalformedRecord, Message, decode_record
 
@@ -61,7 +64,7 @@ MAX_INCREMENTAL = 500
 
 
 class SharedGroups(Protocol):
-    """Where messages matching a shared subscription go (the shared groups issue)."""
+    """Where messages of a shared subscription with no group incarnation go (older ones)."""
 
     def offer(self, subscription: Subscription, message: Message, at: str) -> None: ...
 
@@ -173,6 +176,7 @@ class Fanout:
         payloads: PayloadStore | None = None,
         clock: Clock | None = None,
         shared: SharedGroups | None = None,
+        groups: StreamRegistrar | None = None,
     ) -> None:
         self.cache = cache
         self.inbox = inbox
@@ -180,6 +184,8 @@ class Fanout:
         self.payloads = payloads
         self.clock = clock or SystemClock()
         self.shared = shared
+        #: shared groups: their streams are made known to their leaders (``shoal.groups``)
+        self.groups = groups
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Fanout:
@@ -191,6 +197,7 @@ class Fanout:
             DeliverySettings.from_env(),
             payloads=PayloadStore.from_config(config),
             clock=clock,
+            groups=StreamRegistrar(GroupStore.from_config(config, clock)),
         )
 
     def route_records(
@@ -217,6 +224,8 @@ class Fanout:
         topics = {m.topic for _, messages in records for m in messages}
         self.cache.refresh({WILDCARD_BUCKET, *(bucket_of(t) for t in topics)})
         deliveries: dict[str, list[InboxMessage]] = {}
+        #: a group's partition -> (group key, incarnation), for the groups this batch reaches
+        streams: dict[str, tuple[str, str]] = {}
         for sequence_number, messages in records:
             for index, message in enumerate(messages):
                 report.messages += 1
@@ -224,7 +233,7 @@ class Fanout:
                 if expires_at is not None and expires_at <= now:
                     continue
                 at = position(sequence_number, index)
-                chosen = self._choose(message, at, report)
+                chosen = self._choose(message, at, report, streams)
                 if not chosen:
                     continue
                 payload, ref = message.payload, None
@@ -240,7 +249,7 @@ class Fanout:
                             payload=payload,
                             qos=qos,
                             subscription=subscription.filter,
-                            sid=subscription.sid,
+                            sid=subscription.group or subscription.sid,
                             published_at_ms=message.published_at_ms,
                             expires_at_ms=expires_at,
                             properties={
@@ -253,6 +262,10 @@ class Fanout:
                     )
         if not deliveries:
             return report
+        if self.groups is not None:
+            for target, (key, incarnation) in sorted(streams.items()):
+                if target in deliveries:
+                    self.groups.ensure(key, incarnation, source)
         first, last = seq_key(records[0][0]), seq_key(records[-1][0])
         end = record_end(records[-1][0])
         ledger = self.inbox.ledger(source)
@@ -279,30 +292,41 @@ class Fanout:
         return report
 
     def _choose(
-        self, message: Message, at: str, report: RouteReport
+        self,
+        message: Message,
+        at: str,
+        report: RouteReport,
+        streams: dict[str, tuple[str, str]],
     ) -> dict[str, tuple[int, Subscription]]:
-        """Per matching session: the granted QoS and the subscription that grants it."""
+        """Per matching session, or shared group: the granted QoS and the subscription that
+        grants it (a group gets each message once, however many members match)."""
         chosen: dict[str, tuple[int, Subscription]] = {}
         for subscription in self.cache.match(message.topic):
-            if subscription.share is not None:
+            target = subscription.session_id
+            if subscription.share is not None and subscription.group is not None and self.groups:
+                # the group's stream for this source; MQTT forbids no_local on shared ones
+                target = group_partition(subscription.group)
+                key = group_key(subscription.share, subscription.topic_filter)
+                streams[target] = (key, subscription.group)
+            elif subscription.share is not None:
                 if self.shared is not None:
                     self.shared.offer(subscription, message, at)
                 else:
                     report.shared_skipped += 1
                 continue
-            if (
+            elif (
                 subscription.no_local
                 and message.publisher_id == subscription.client_id
                 and message.sub == subscription.owner
             ):
                 continue
             qos = min(subscription.qos, message.qos)
-            held = chosen.get(subscription.session_id)
+            held = chosen.get(target)
             # the highest QoS wins; among equals the smallest filter, so a retry picks the same
             if (
                 held is None
                 or qos > held[0]
                 or (qos == held[0] and subscription.filter < held[1].filter)
             ):
-                chosen[subscription.session_id] = (qos, subscription)
+                chosen[target] = (qos, subscription)
         return chosen

@@ -400,6 +400,18 @@ class WillPublisher(Protocol):
         ...
 
 
+class GroupLeases(Protocol):
+    """The session's shared groups (``shoal.groups.GroupService``)."""
+
+    def heartbeat(
+        self, session_id: str, subscriptions: Mapping[str, Any]
+    ) -> list[dict[str, Any]]: ...
+
+    def describe(
+        self, session_id: str, subscriptions: Mapping[str, Any]
+    ) -> list[dict[str, Any]]: ...
+
+
 class SessionEndHook(Protocol):
     def __call__(self, client_id: str, head: Head) -> object:
         """A session ended (discarded by a connect, or expired): clean up after it."""
@@ -708,6 +720,24 @@ class SessionRepository:
             "update_item", self._on(client_id, HEAD, expr, expr.live(version, sub))
         )
 
+    def heartbeat_head(
+        self, client_id: str, version: Version, sub: str, now_ms: int
+    ) -> Head | None:
+        """``heartbeat``, answering the head as written (None: not the live channel). The
+        answer costs nothing more than the write, and names the session's groups."""
+        expr = Expression().set("last_seen_ms", now_ms)
+        request = {
+            **self._on(client_id, HEAD, expr, expr.live(version, sub)),
+            "ReturnValues": "ALL_NEW",
+        }
+        try:
+            raw = self._call("update_item", request)
+        except ClientError as exc:
+            if _code(exc) == "ConditionalCheckFailedException":
+                return None
+            raise
+        return _head(_item(raw["Attributes"]))
+
     def update_live(
         self, client_id: str, version: Version, sub: str, expr: Expression, now_ms: int
     ) -> bool:
@@ -926,21 +956,26 @@ class SessionRegistry:
         budget_s: float = CONNECT_BUDGET_S,
         stats: RegistryStats | None = None,
         on_session_end: SessionEndHook | None = None,
+        groups: GroupLeases | None = None,
     ) -> None:
         self.repository = repository
         self.clock = clock or SystemClock()
         self.budget_ms = int(budget_s * 1000)
         self.stats = stats or RegistryStats()
         self.on_session_end = on_session_end
+        #: a heartbeat renews the session's group leases too (``shoal.groups``)
+        self.groups = groups
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SessionRegistry:
         from shoal.delivery import SubscriptionRetirer
 
+        retirer = SubscriptionRetirer.from_config(config, clock)
         return cls(
             SessionRepository.from_config(config),
             clock,
-            on_session_end=SubscriptionRetirer.from_config(config, clock),
+            on_session_end=retirer,
+            groups=retirer.groups,
         )
 
     # -- connect
@@ -1044,10 +1079,16 @@ class SessionRegistry:
 
     def heartbeat(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
         version = self._scope(who, client_id, channel)
-        if not self.repository.heartbeat(client_id, version, who.sub, self.clock.now_ms()):
+        now = self.clock.now_ms()
+        if self.groups is None:
+            if not self.repository.heartbeat(client_id, version, who.sub, now):
+                raise self._refuse(who, self.repository.head(client_id))
+            return {"leases": []}
+        head = self.repository.heartbeat_head(client_id, version, who.sub, now)
+        if head is None:
             raise self._refuse(who, self.repository.head(client_id))
-        # group leases arrive with shared subscriptions
-        return {"leases": []}
+        # the leases of the session's shared groups are renewed; what changed comes back
+        return {"leases": self.groups.heartbeat(head.session_id or "", head.subscriptions)}
 
     def disconnect(self, who: Principal, client_id: str, channel: str | None) -> None:
         version = self._scope(who, client_id, channel)
@@ -1062,7 +1103,10 @@ class SessionRegistry:
 
     def session(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
         head = self.require_live(who, client_id, channel)
-        return session_document(client_id, head)
+        document = session_document(client_id, head)
+        if self.groups is not None:
+            document["groups"] = self.groups.describe(head.session_id or "", head.subscriptions)
+        return document
 
 
 def session_document(client_id: str, head: Head) -> dict[str, Any]:
@@ -1124,12 +1168,15 @@ class Reaper:
         *,
         limit_per_shard: int = 500,
         on_session_end: SessionEndHook | None = None,
+        on_channel_expired: SessionEndHook | None = None,
     ) -> None:
         self.repository = repository
         self.publisher = publisher
         self.clock = clock or SystemClock()
         self.limit_per_shard = limit_per_shard
         self.on_session_end = on_session_end
+        #: a dead channel's shared groups advance: its expired leases move to live members
+        self.on_channel_expired = on_channel_expired
 
     def run(self) -> ReapReport:
         report = ReapReport()
@@ -1166,6 +1213,8 @@ class Reaper:
                 report.contended += 1
                 return
             report.channels_expired += 1
+            if head.subscriptions:
+                _ended(self.on_channel_expired, client_id, head)
             if will_due is not None and will_due <= now:
                 self._reap_will(client_id, WILL_PREFIX + head.newest.key, now, report)
             if head.session_expiry_s > 0:

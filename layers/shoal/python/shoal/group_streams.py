@@ -1,0 +1,508 @@
+"""Group streams: where the router writes a shared group's messages, and how far each is read.
+
+A *group stream* is one source shard of one storage topic, for one shared group. The router
+writes each message matching a group once, into the group's partition of the inboxes table
+(``grp#<incarnation>``), exactly as it writes a session's inbox (``shoal.fanout``): items keyed
+``<source>#<position>``, one per batch, written in position order, and never twice for a
+retried batch (the shard's ledger). A group removed and created again is a new incarnation
+with a new partition, so its old backlog is never read again; TTL removes what was not deleted.
+
+Each stream's *progress* is one item of the groups table (``s#<source>`` in the group's
+partition, see ``shoal.groups``), the only item a holder writes while it reads:
+
+- the fence: ``lease``, ``holder`` and ``state``, copies of the leader's, written in the same
+  transaction as the leader whenever the leader changes them. Every progress write is
+  conditional on them (and on ``pv``, the progress version), so a member that lost the stream
+  can never commit on it, and a hand-off never races a holder's last get;
+- ``next`` (the next delivery *ordinal*), ``floor`` (every ordinal below is done: acked, QoS 0,
+  or skipped) and ``done`` (done ordinals above it);
+- ``cursor`` (the last position handed out) and ``at_item`` (the item holding it);
+- ``runs``: ranges of positions handed out together, with their first ordinal, time and the
+  lease and session channel they went out to. A run of an older lease is due again at once
+  (the previous holder's unacked messages go to the next holder, ``dup`` true), and so is one
+  sent to an older channel of the holder (a reconnect); others after the ack timeout.
+
+A delivery's id is ``g-<group key>.<source>.<lease>.<ordinal>``: an ack names the lease it was
+delivered under, and only that lease's holder can ack it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from shoal.delivery import Dynamo, InboxItem, InboxMessage, PayloadStore, item_key, to_item
+
+GROUP_PARTITION_PREFIX = "grp#"
+DELIVERY_PREFIX = "g-"
+#: sorts after every position of a source (positions are digits and dots)
+SOURCE_END = "~"
+#: items one query of a stream reads
+ITEMS_PER_QUERY = 10
+#: queries one serve makes while looking for new messages
+MAX_QUERIES = 16
+
+
+class StreamState(StrEnum):
+    """A group stream's state in the leader (``shoal.groups``), mirrored in its progress."""
+
+    GRANTED = "granted"
+    REVOKING = "revoking"
+    REVOKED = "revoked"
+
+
+class StaleLease(Exception):
+    """A progress write or ack under a lease that is not the stream's current one."""
+
+
+def group_partition(incarnation: str) -> str:
+    """The inbox-table partition holding a group incarnation's streams."""
+    return GROUP_PARTITION_PREFIX + incarnation
+
+
+def delivery_id(group_key: str, source: str, lease: int, ordinal: int) -> str:
+    return f"{DELIVERY_PREFIX}{group_key}.{source}.{lease}.{ordinal}"
+
+
+@dataclass(frozen=True)
+class GroupDelivery:
+    group_key: str
+    source: str
+    lease: int
+    ordinal: int
+
+
+def parse_delivery_id(text: str) -> GroupDelivery | None:
+    """The parts of a group delivery's id; None for anything else (an inbox delivery's id)."""
+    if not text.startswith(DELIVERY_PREFIX):
+        return None
+    parts = text[len(DELIVERY_PREFIX) :].split(".")
+    if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():
+        return None
+    if not parts[0] or not parts[1]:
+        return None
+    return GroupDelivery(parts[0], parts[1], int(parts[2]), int(parts[3]))
+
+
+# --- progress (no AWS here) --------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Positions ``(after, upto]`` handed out together as ordinals ``first .. first+count-1``."""
+
+    first: int
+    count: int
+    after: str
+    upto: str
+    #: the key of the item holding the run's first message
+    start_item: str
+    sent_at_ms: int
+    lease: int
+    #: the session channel it went to (a reconnect gets its unacked messages again)
+    channel: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def data(self) -> list[Any]:
+        return [
+            self.first,
+            self.count,
+            self.after,
+            self.upto,
+            self.start_item,
+            self.sent_at_ms,
+            self.lease,
+            self.channel,
+        ]
+
+    @classmethod
+    def from_data(cls, raw: list[Any]) -> Run:
+        first, count, after, upto, start, sent, lease, channel = raw
+        return cls(
+            int(first),
+            int(count),
+            str(after),
+            str(upto),
+            str(start),
+            int(sent),
+            int(lease),
+            str(channel),
+        )
+
+
+def _ranges(numbers: Iterable[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for n in sorted(numbers):
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return out
+
+
+@dataclass
+class StreamProgress:
+    """One group stream's progress and fence (the ``s#<source>`` item)."""
+
+    source: str
+    incarnation: str
+    lease: int = 0
+    holder: str | None = None
+    state: StreamState = StreamState.REVOKED
+    #: bumped by every write of the item; every write is conditional on it
+    pv: int = 0
+    next: int = 0
+    floor: int = 0
+    done: set[int] = field(default_factory=set)
+    cursor: str = ""
+    at_item: str = ""
+    runs: list[Run] = field(default_factory=list)
+
+    def is_done(self, ordinal: int) -> bool:
+        return ordinal < self.floor or ordinal in self.done
+
+    def in_flight(self) -> int:
+        """Handed-out ordinals not done yet, under any lease."""
+        return sum(1 for r in self.runs for o in range(r.first, r.end) if not self.is_done(o))
+
+    def fence(self, member_id: str, lease: int) -> None:
+        """Raises StaleLease unless ``member_id`` holds the stream under ``lease``."""
+        if self.holder != member_id or self.lease != lease or self.state is StreamState.REVOKED:
+            raise StaleLease(f"lease {lease} of stream {self.source} is not this member's")
+
+    def ack(self, member_id: str, lease: int, ordinals: Iterable[int]) -> int:
+        """Mark delivered ordinals done under ``lease``; how many were not done before."""
+        self.fence(member_id, lease)
+        fresh = {o for o in ordinals if o < self.next and not self.is_done(o)}
+        # only what went out under this lease: an id of an older lease was fenced off
+        fresh = {
+            o for o in fresh if any(r.first <= o < r.end and r.lease == lease for r in self.runs)
+        }
+        self.done |= fresh
+        self.normalize()
+        return len(fresh)
+
+    def normalize(self) -> None:
+        """Move the floor over done ordinals; forget runs and done ordinals below it."""
+        self.runs.sort(key=lambda r: r.first)
+        floor = self.next
+        for run in self.runs:
+            pending = next(
+                (o for o in range(max(run.first, self.floor), run.end) if o not in self.done),
+                None,
+            )
+            if pending is not None:
+                floor = pending
+                break
+        self.floor = max(self.floor, floor)
+        self.done = {o for o in self.done if o >= self.floor}
+        self.runs = [
+            r
+            for r in self.runs
+            if any(not self.is_done(o) for o in range(max(r.first, self.floor), r.end))
+        ]
+
+    def record(self, group_key: str) -> dict[str, Any]:
+        """The item: the fence as attributes (conditions name them), the rest as one JSON
+        value (a few hundred bytes; one attribute is cheaper to read back than many)."""
+        body = {
+            "n": self.next,
+            "fl": self.floor,
+            "dn": _ranges(self.done),
+            "cu": self.cursor,
+            "ai": self.at_item,
+            "ru": [r.data() for r in self.runs],
+        }
+        out: dict[str, Any] = {
+            "group": group_key,
+            "item": stream_item(self.source),
+            "inc": self.incarnation,
+            "lease": self.lease,
+            "state": self.state.value,
+            "pv": self.pv,
+            # what the leader reads of the progress (a revoke waits for it to reach 0)
+            "f": self.in_flight(),
+            "p": json.dumps(body, separators=(",", ":")),
+        }
+        if self.holder is not None:
+            out["holder"] = self.holder
+        return out
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> StreamProgress:
+        body = json.loads(raw["p"]) if raw.get("p") else {}
+        done: set[int] = set()
+        for lo, hi in body.get("dn") or []:
+            done.update(range(int(lo), int(hi) + 1))
+        return cls(
+            source=str(raw["item"])[len(STREAM_PREFIX) :],
+            incarnation=str(raw.get("inc", "")),
+            lease=int(raw.get("lease", 0)),
+            holder=raw.get("holder"),
+            state=StreamState(raw.get("state", StreamState.REVOKED.value)),
+            pv=int(raw.get("pv", 0)),
+            next=int(body.get("n", 0)),
+            floor=int(body.get("fl", 0)),
+            done=done,
+            cursor=str(body.get("cu", "")),
+            at_item=str(body.get("ai", "")),
+            runs=[Run.from_data(list(r)) for r in body.get("ru") or []],
+        )
+
+
+STREAM_PREFIX = "s#"
+#: what the leader's load reads of a progress item (not the progress itself)
+FENCE_ATTRIBUTES = ("item", "inc", "lease", "holder", "state", "pv", "f")
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A stream's fence and in-flight count: what the leader reads of its progress."""
+
+    source: str
+    incarnation: str
+    lease: int = 0
+    holder: str | None = None
+    state: StreamState = StreamState.REVOKED
+    pv: int = 0
+    in_flight: int = 0
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> Fence:
+        return cls(
+            source=str(raw["item"])[len(STREAM_PREFIX) :],
+            incarnation=str(raw.get("inc", "")),
+            lease=int(raw.get("lease", 0)),
+            holder=raw.get("holder"),
+            state=StreamState(raw.get("state", StreamState.REVOKED.value)),
+            pv=int(raw.get("pv", 0)),
+            in_flight=int(raw.get("f", 0)),
+        )
+
+
+def stream_item(source: str) -> str:
+    return STREAM_PREFIX + source
+
+
+# --- reading a stream --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    item: InboxItem
+    message: InboxMessage
+
+
+class StreamReader:
+    """Reads one source of a group's partition of the inboxes table, in position order."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    def _query(self, partition: str, lower: str, upper: str, limit: int | None) -> list[InboxItem]:
+        request: dict[str, Any] = {
+            "KeyConditionExpression": "#p = :p AND #k BETWEEN :a AND :b",
+            "ExpressionAttributeNames": {"#p": "inbox", "#k": "position"},
+            "ExpressionAttributeValues": to_item({":p": partition, ":a": lower, ":b": upper}),
+            "ConsistentRead": True,
+        }
+        if limit is not None:
+            request["Limit"] = limit
+        return [InboxItem.from_record(r) for r in self.dynamo.query(self.table, **request)]
+
+    def after(self, partition: str, progress: StreamProgress) -> Iterator[Found]:
+        """The messages after the cursor, in order (a bounded number of queries)."""
+        source = progress.source
+        lower = progress.at_item or f"{source}#"
+        upper = f"{source}#{SOURCE_END}"
+        for _ in range(MAX_QUERIES):
+            items = self._query(partition, lower, upper, ITEMS_PER_QUERY)
+            for item in items:
+                for message in item.messages:
+                    if message.position > progress.cursor:
+                        yield Found(item, message)
+            if len(items) < ITEMS_PER_QUERY:
+                return
+            # the next page starts after the last item read (its key is a position: append a
+            # character that sorts after nothing a position holds, so BETWEEN excludes it)
+            lower = items[-1].key + "\x00"
+
+    def run(self, partition: str, source: str, run: Run) -> list[Found] | None:
+        """A run's messages in order, exactly as many as it has ordinals (else None: expired)."""
+        items = self._query(partition, run.start_item, item_key(source, run.upto), None)
+        found: dict[str, Found] = {}
+        for item in items:
+            for message in item.messages:
+                if run.after < message.position <= run.upto and message.position not in found:
+                    found[message.position] = Found(item, message)
+        ordered = sorted(found.values(), key=lambda f: f.message.position)
+        return ordered if len(ordered) == run.count else None
+
+
+# --- serving a stream --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A message a serve hands out."""
+
+    ordinal: int
+    message: InboxMessage
+    dup: bool
+
+
+def serve(
+    progress: StreamProgress,
+    *,
+    reader: StreamReader,
+    partition: str,
+    granted: bool,
+    qos: int,
+    wanted: int,
+    window: int,
+    now_ms: int,
+    ack_timeout_ms: int,
+    channel: str = "",
+) -> tuple[list[Handed], bool]:
+    """Plan one get on one stream the caller holds: due runs again, then (while the stream is
+    granted, not revoking) new messages after the cursor. Changes ``progress`` in place;
+    answers what goes out and whether ``progress`` changed."""
+    out: list[Handed] = []
+    changed = False
+    for run in sorted(progress.runs, key=lambda r: r.first):
+        if len(out) >= wanted:
+            break
+        due = (
+            run.lease != progress.lease
+            or run.channel != channel
+            or run.sent_at_ms + ack_timeout_ms <= now_ms
+        )
+        if not due:
+            continue
+        found = reader.run(partition, progress.source, run)
+        changed = True
+        if found is None:
+            # its deliveries are gone (retention ran out): nothing left to send again
+            progress.done.update(range(run.first, run.end))
+            continue
+        pending = [(n, f) for n, f in enumerate(found) if not progress.is_done(run.first + n)]
+        room = wanted - len(out)
+        taken = pending[:room]
+        for n, f in taken:
+            if _expired(f, now_ms):
+                progress.done.add(run.first + n)
+                continue
+            out.append(Handed(run.first + n, f.message, True))
+            if min(qos, f.message.qos) == 0:
+                progress.done.add(run.first + n)
+        if len(taken) == len(pending):
+            run.sent_at_ms, run.lease, run.channel = now_ms, progress.lease, channel
+            continue
+        # split: the part handed out now (under this lease), the rest still due
+        cut = taken[-1][0] + 1
+        progress.runs.remove(run)
+        progress.runs.append(
+            Run(
+                run.first,
+                cut,
+                run.after,
+                found[cut - 1].message.position,
+                run.start_item,
+                now_ms,
+                progress.lease,
+                channel,
+            )
+        )
+        progress.runs.append(
+            Run(
+                run.first + cut,
+                run.count - cut,
+                found[cut - 1].message.position,
+                run.upto,
+                found[cut].item.key,
+                run.sent_at_ms,
+                run.lease,
+                run.channel,
+            )
+        )
+        break
+    room = min(wanted - len(out), window - progress.in_flight())
+    if granted and room > 0:
+        current: Run | None = None
+        scanned = 0
+        for f in reader.after(partition, progress):
+            if room <= 0:
+                break
+            scanned += 1
+            ordinal = progress.next
+            progress.next += 1
+            if current is None:
+                current = Run(
+                    ordinal, 0, progress.cursor, "", f.item.key, now_ms, progress.lease, channel
+                )
+                progress.runs.append(current)
+            current.count += 1
+            current.upto = f.message.position
+            progress.cursor = f.message.position
+            progress.at_item = f.item.key
+            changed = True
+            if _expired(f, now_ms):
+                progress.done.add(ordinal)
+                continue
+            out.append(Handed(ordinal, f.message, False))
+            if min(qos, f.message.qos) == 0:
+                progress.done.add(ordinal)  # at most once: done as it goes out
+            else:
+                room -= 1
+    if changed:
+        progress.normalize()
+    return out, changed
+
+
+def _expired(found: Found, now_ms: int) -> bool:
+    expires = found.message.expires_at_ms
+    if expires is not None and expires <= now_ms:
+        return True
+    return bool(found.item.expires_at) and found.item.expires_at * 1000 <= now_ms
+
+
+def answer(
+    *,
+    group_key: str,
+    source: str,
+    lease: int,
+    handed: Handed,
+    subscription: str,
+    qos: int,
+    now_ms: int,
+    payloads: PayloadStore | None,
+) -> dict[str, Any]:
+    """A group delivery as get answers it (the same shape as an inbox delivery)."""
+    message = handed.message
+    properties = dict(message.properties)
+    if message.expires_at_ms is not None:
+        # MQTT 5: the expiry a receiver sees is what is left of it
+        properties["message_expiry_s"] = max(0, (message.expires_at_ms - now_ms) // 1000)
+    payload = message.payload
+    if message.payload_ref is not None and payloads is not None:
+        payload = payloads.get(message.payload_ref)
+    return {
+        "id": delivery_id(group_key, source, lease, handed.ordinal),
+        "message_id": message.message_id,
+        "topic": message.topic,
+        "payload": base64.b64encode(payload).decode("ascii"),
+        "qos": min(qos, message.qos),
+        "retain": False,
+        "dup": handed.dup,
+        "subscription": subscription,
+        "properties": properties,
+        "published_at": message.published_at_ms,
+    }

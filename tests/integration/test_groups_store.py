@@ -1,0 +1,311 @@
+"""The groups table over moto: the leader's conditional writes, fenced progress, get and ack.
+
+These drive ``GroupStore`` and ``GroupService`` directly, writing group streams the way the
+router does (``shoal.delivery.pack`` into the group's partition); the handler-level tests are
+in ``test_groups_api.py`` and ``test_groups_model.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import pytest
+from shoal.clock import ManualClock
+from shoal.config import get_config
+from shoal.delivery import (
+    DeliverySettings,
+    Dynamo,
+    InboxMessage,
+    InboxStore,
+    pack,
+    position,
+    record_end,
+)
+from shoal.group_streams import StreamReader, group_partition, parse_delivery_id
+from shoal.groups import (
+    GroupRef,
+    GroupService,
+    GroupSettings,
+    GroupStore,
+    StreamState,
+    advance,
+    group_key,
+)
+
+LEASE_S = 10.0
+FILTER = "$share/g/orders/#"
+OPTIONS = {"qos": 1, "share": "g"}
+
+
+@dataclass
+class Groups:
+    clock: ManualClock
+    store: GroupStore
+    service: GroupService
+    inbox: InboxStore
+    seq: int = 0
+
+    @property
+    def key(self) -> str:
+        return group_key("g", "orders/#")
+
+    def join(self, member: str) -> str:
+        plan = self.service.membership(f"client-{member}", member, joins=[FILTER])
+        assert self.store.dynamo.transact(plan.parts) is None
+        return plan.incarnations[FILTER]
+
+    def leave(self, member: str) -> list[tuple[str, str]]:
+        plan = self.service.membership(f"client-{member}", member, leaves={FILTER: OPTIONS})
+        assert self.store.dynamo.transact(plan.parts) is None
+        self.service.after(plan)
+        return plan.removed
+
+    def publish(self, incarnation: str, source: str, count: int, qos: int = 1) -> list[str]:
+        """Write ``count`` messages into one group stream as the router does; their ids."""
+        self.seq += 1
+        messages = [
+            InboxMessage(
+                position=position(self.seq, n),
+                message_id=f"msg-{self.seq}-{n}",
+                topic="orders/1",
+                payload=b"x",
+                qos=qos,
+                subscription=FILTER,
+                sid=incarnation,
+                published_at_ms=self.clock.now_ms(),
+            )
+            for n in range(count)
+        ]
+        partition = group_partition(incarnation)
+        self.inbox.put(pack(partition, source, messages, record_end(self.seq), 2_000_000_000))
+        self.store.ensure_stream(self.key, incarnation, source)
+        return [m.message_id for m in messages]
+
+    def subs(self, incarnation: str | None = None) -> dict[str, Any]:
+        return {FILTER: {**OPTIONS, **({"group": incarnation} if incarnation else {})}}
+
+
+@pytest.fixture
+def groups(aws: boto3.Session) -> Groups:
+    config = get_config()
+    clock = ManualClock()
+    dynamo = Dynamo(aws.client("dynamodb"))
+    store = GroupStore(
+        dynamo,
+        config.table("groups"),
+        config.table("inboxes"),
+        settings=GroupSettings(lease_timeout_s=LEASE_S),
+        clock=clock,
+    )
+    service = GroupService(
+        store,
+        StreamReader(dynamo, config.table("inboxes")),
+        DeliverySettings(ack_timeout_s=30, window=100),
+        clock=clock,
+    )
+    return Groups(clock, store, service, InboxStore(dynamo, config.table("inboxes")))
+
+
+def test_the_first_join_creates_the_group_and_later_joins_add_members(groups: Groups) -> None:
+    # Given no group
+    # When two members join
+    first = groups.join("a")
+    second = groups.join("b")
+    # Then one group (one incarnation) holds both, live
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None and first == second == loaded.state.incarnation
+    assert sorted(loaded.state.members) == ["a", "b"]
+    assert loaded.state.members["a"].alive(groups.clock.now_ms(), int(LEASE_S * 1000))
+
+
+def test_a_stream_the_router_writes_to_is_granted_and_fenced(groups: Groups) -> None:
+    # Given a member and a stream the router wrote to
+    inc = groups.join("a")
+    groups.publish(inc, "src1", 3)
+    # When the leader advances
+    loaded = groups.store.advance(groups.key, groups.clock.now_ms())
+    # Then the stream is granted to the member, and its progress item carries the same fence
+    assert loaded is not None
+    assert (loaded.state.streams["src1"].holder, loaded.state.streams["src1"].lease) == ("a", 1)
+    progress = groups.store.progress(groups.key, "src1")
+    assert progress is not None
+    assert (progress.holder, progress.lease, progress.state) == ("a", 1, StreamState.GRANTED)
+
+
+def test_a_transition_over_a_stale_version_loses_and_changes_nothing(groups: Groups) -> None:
+    # Given two invocations that read the same version
+    inc = groups.join("a")
+    groups.publish(inc, "src1", 1)
+    first = groups.store.load(groups.key)
+    second = groups.store.load(groups.key)
+    assert first is not None and second is not None
+    now = groups.clock.now_ms()
+    # When both write their transition
+    won = groups.store.commit(first, advance(first.state, now, int(LEASE_S * 1000)))
+    lost = groups.store.commit(second, advance(second.state, now, int(LEASE_S * 1000)))
+    # Then only the first lands; the leader's version moved once
+    assert (won, lost) == (True, False)
+    after = groups.store.load(groups.key)
+    assert after is not None and after.state.version == first.state.version + 1
+    assert groups.store.stats.as_dict()["conflicts"] == {"advance": 1}
+
+
+def test_get_hands_out_in_order_and_ack_commits_under_the_lease(groups: Groups) -> None:
+    # Given a member holding a stream with five messages
+    inc = groups.join("a")
+    ids = groups.publish(inc, "src1", 5)
+    # When it gets three, then the rest
+    first = groups.service.get("a", groups.subs(inc), 3)
+    second = groups.service.get("a", groups.subs(inc), 10)
+    # Then they come in publish order, once each
+    assert [m["message_id"] for m in first + second] == ids
+    assert all(not m["dup"] for m in first + second)
+    # When it acks them all
+    acked = groups.service.ack("a", groups.subs(inc), [m["id"] for m in first + second])
+    # Then all five count, and acking again counts nothing
+    assert acked == 5
+    assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in first]) == 0
+    progress = groups.store.progress(groups.key, "src1")
+    assert progress is not None and progress.in_flight() == 0
+
+
+def test_a_dead_members_unacked_messages_go_to_the_next_holder_after_the_lease_timeout(
+    groups: Groups,
+) -> None:
+    # Given member a holding the stream with three messages out, one acked
+    inc = groups.join("a")
+    ids = groups.publish(inc, "src1", 3)
+    got = groups.service.get("a", groups.subs(inc), 10)
+    assert groups.service.ack("a", groups.subs(inc), [got[0]["id"]]) == 1
+    groups.join("b")
+    # When a stops renewing and b keeps heartbeating past the lease timeout
+    groups.clock.advance(LEASE_S / 2)
+    groups.service.heartbeat("b", groups.subs(inc))
+    assert groups.service.get("b", groups.subs(inc), 10) == []  # a's lease still holds
+    groups.clock.advance(LEASE_S / 2)
+    changes = groups.service.heartbeat("b", groups.subs(inc))
+    # Then b is granted the stream under a new lease, and gets a's two unacked messages, dup
+    assert [(c["stream"], c["lease"], c["state"]) for c in changes] == [("src1", 2, "granted")]
+    again = groups.service.get("b", groups.subs(inc), 10)
+    assert [m["message_id"] for m in again] == ids[1:]
+    assert all(m["dup"] for m in again)
+    # and a's late ack of them is fenced off, while b's counts
+    assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in got[1:]]) == 0
+    assert groups.service.ack("b", groups.subs(inc), [m["id"] for m in again]) == 2
+
+
+def test_a_join_hands_a_stream_over_only_after_the_holders_final_ack(groups: Groups) -> None:
+    # Given a holding two streams, with a message of src2 in flight
+    inc = groups.join("a")
+    groups.publish(inc, "src1", 1)
+    groups.publish(inc, "src2", 1)
+    got = groups.service.get("a", groups.subs(inc), 10)
+    src1 = [m for m in got if parse_delivery_id(m["id"]).source == "src1"]  # type: ignore[union-attr]
+    src2 = [m for m in got if parse_delivery_id(m["id"]).source == "src2"]  # type: ignore[union-attr]
+    assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in src1]) == 1
+    # When b joins and the leader advances
+    groups.join("b")
+    groups.service.heartbeat("b", groups.subs(inc))
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None
+    # Then src2 (the highest source) is revoking from a, not yet b's; more of it is not sent to a
+    assert (loaded.state.streams["src2"].holder, loaded.state.streams["src2"].state) == (
+        "a",
+        StreamState.REVOKING,
+    )
+    groups.publish(inc, "src2", 1)
+    assert groups.service.get("a", groups.subs(inc), 10) == []
+    # When a acks its last src2 message (its final progress)
+    assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in src2]) == 1
+    # Then b holds src2 and gets only the new message
+    changes = groups.service.heartbeat("b", groups.subs(inc))
+    assert [(c["stream"], c["state"]) for c in changes] == [("src2", "granted")]
+    fresh = groups.service.get("b", groups.subs(inc), 10)
+    assert len(fresh) == 1 and not fresh[0]["dup"]
+
+
+def test_a_stale_holder_cannot_write_progress(groups: Groups) -> None:
+    # Given a's progress read under lease 1, then the stream taken from a (a left and came back)
+    inc = groups.join("a")
+    groups.publish(inc, "src1", 1)
+    groups.store.advance(groups.key, groups.clock.now_ms())
+    stale = groups.store.progress(groups.key, "src1")
+    assert stale is not None
+    groups.join("b")
+    groups.leave("a")
+    groups.store.advance(groups.key, groups.clock.now_ms())
+    # When a writes progress under its old lease
+    stale.next += 1
+    # Then the write is refused
+    assert not groups.store.save_progress(groups.key, stale, stale.pv, "a")
+    progress = groups.store.progress(groups.key, "src1")
+    assert progress is not None and (progress.holder, progress.lease) == ("b", 2)
+
+
+def test_qos0_messages_are_not_redelivered(groups: Groups) -> None:
+    # Given a holder that got two QoS 0 messages and then died
+    inc = groups.join("a")
+    groups.publish(inc, "src1", 2, qos=0)
+    assert len(groups.service.get("a", groups.subs(inc), 10)) == 2
+    groups.join("b")
+    # When its lease expires and b takes the stream
+    groups.clock.advance(LEASE_S)
+    groups.service.heartbeat("b", groups.subs(inc))
+    # Then b gets nothing again
+    assert groups.service.get("b", groups.subs(inc), 10) == []
+
+
+def test_the_last_leave_removes_the_group_with_its_backlog(groups: Groups) -> None:
+    # Given a group with a backlog and two members
+    inc = groups.join("a")
+    groups.join("b")
+    groups.publish(inc, "src1", 5)
+    groups.store.advance(groups.key, groups.clock.now_ms())
+    # When one leaves, the group stays; when the last leaves, it goes
+    assert groups.leave("a") == []
+    assert groups.store.load(groups.key) is not None
+    assert groups.leave("b") == [(groups.key, inc)]
+    # Then nothing of it is left: no leader, members, streams or backlog
+    assert groups.store.load(groups.key) is None
+    rows = groups.store.dynamo.query(
+        groups.store.table,
+        KeyConditionExpression="#g = :g",
+        ExpressionAttributeNames={"#g": "group"},
+        ExpressionAttributeValues={":g": {"S": groups.key}},
+    )
+    assert rows == []
+    backlog = groups.store.dynamo.query(
+        groups.inbox.table,
+        KeyConditionExpression="#p = :p",
+        ExpressionAttributeNames={"#p": "inbox"},
+        ExpressionAttributeValues={":p": {"S": group_partition(inc)}},
+    )
+    assert backlog == []
+    # and a new first member starts a new incarnation
+    assert groups.join("c") != inc
+
+
+def test_a_removed_incarnations_subscription_reaches_nothing(groups: Groups) -> None:
+    # Given a session whose subscription names an incarnation that was removed
+    old = groups.join("a")
+    groups.leave("a")
+    new = groups.join("b")
+    groups.publish(new, "src1", 1)
+    # When the stale session gets
+    # Then it gets nothing from the new incarnation
+    assert groups.service.get("a", groups.subs(old), 10) == []
+    assert old != new
+
+
+def test_membership_reads_one_group_ref_per_shared_subscription() -> None:
+    # Given a session's subscriptions, shared and not
+    subs = {
+        "$share/g/orders/#": {"qos": 1, "share": "g", "group": "i1"},
+        "orders/#": {"qos": 1},
+    }
+    from shoal.groups import group_refs
+
+    # Then only the shared one is a group, with its incarnation
+    assert group_refs(subs) == [GroupRef("$share/g/orders/#", "g", "orders/#", 1, "i1")]

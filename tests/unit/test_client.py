@@ -282,6 +282,28 @@ def test_heartbeats_go_out_twice_per_keepalive_while_polling(clients: Clients) -
     ]
 
 
+def test_a_shared_group_member_heartbeats_within_the_group_lease_and_polls_shorter(
+    clients: Clients,
+) -> None:
+    # Given a member of a shared group whose keepalive is a minute
+    client = clients.new()
+    client.connect(keepalive_s=60)
+    client.subscribe("$share/g/a/#")
+    client.fetch(wait_ms=20_000)
+    # When 6 s pass between two polls
+    clients.clock.advance(6)
+    client.fetch(wait_ms=20_000)
+    # Then it heartbeats before the second poll (a 30 s gap would lose its group streams)
+    assert [r.rsplit("/", 1)[-1] for r in clients.fake.requests][-3:] == [
+        "messages",
+        "heartbeat",
+        "messages",
+    ]
+    # and long-polls no longer than its heartbeat interval
+    assert clients.adapter is not None
+    assert clients.adapter.timeouts[-1] == (POLICY.timeout_s, POLICY.timeout_s + 5.0)
+
+
 # -- receiving ---------------------------------------------------------------------------------
 
 

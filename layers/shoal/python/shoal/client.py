@@ -64,6 +64,9 @@ RECENT_IDS = 1000
 MAX_ACK_IDS = 1000
 #: the pause between empty polls when the poll itself waits less than this
 IDLE_POLL_MS = 500
+#: a member of a shared group heartbeats this often (a third of the server's default group lease
+#: timeout, 15 s) and long-polls no longer, or it loses its group streams between two heartbeats
+GROUP_HEARTBEAT_MS = 5_000
 STATE_VERSION = 1
 
 
@@ -350,6 +353,8 @@ class ShoalClient:
         self.connection: Connection | None = None
         self._connect_options: dict[str, Any] = {}
         self._last_heartbeat_ms = 0
+        # a $share/ filter was subscribed through this client: heartbeat for its group leases
+        self._in_group = False
         # processed (recorded) ids whose ack has not been sent yet
         self._unacked: list[str] = []
 
@@ -629,10 +634,13 @@ class ShoalClient:
         return answer
 
     def _heartbeat_if_due(self) -> None:
-        if self.connection is None or self.connection.keepalive_s <= 0:
+        if self.connection is None:
             return
         # twice per keepalive, so one lost heartbeat never lets the server expire the channel
-        if self.clock.now_ms() - self._last_heartbeat_ms >= self.connection.keepalive_s * 500:
+        due_ms = self.connection.keepalive_s * 500 if self.connection.keepalive_s > 0 else None
+        if self._in_group:
+            due_ms = min(due_ms or GROUP_HEARTBEAT_MS, GROUP_HEARTBEAT_MS)
+        if due_ms is not None and self.clock.now_ms() - self._last_heartbeat_ms >= due_ms:
             self.heartbeat()
 
     def subscribe(
@@ -648,6 +656,8 @@ class ShoalClient:
             {"filter": item, "qos": qos} if isinstance(item, str) else dict(item) for item in items
         ]
         answer = self._session_call("POST", "/subscriptions", body={"subscriptions": subscriptions})
+        if any(str(s.get("filter", "")).startswith("$share/") for s in subscriptions):
+            self._in_group = True
         return list(answer.get("granted", []))
 
     def unsubscribe(self, filters: str | Sequence[str]) -> None:
@@ -660,6 +670,8 @@ class ShoalClient:
         """One ``GET .../messages``: the messages not processed yet. Redelivered ones that were
         processed (their ack was lost) are queued to be acked again, not returned."""
         self._heartbeat_if_due()
+        if self._in_group:
+            wait_ms = min(wait_ms, GROUP_HEARTBEAT_MS)
         answer = self._session_call(
             "GET",
             "/messages",

@@ -274,6 +274,12 @@ class ShoalStack(cdk.Stack):
             lifecycle.append(
                 s3.LifecycleRule(id="expire", expiration=cdk.Duration.days(bucket.expire_days))
             )
+        lifecycle += [
+            s3.LifecycleRule(
+                id=f"expire-{prefix.strip('/')}", prefix=prefix, expiration=cdk.Duration.days(days)
+            )
+            for prefix, days in bucket.expire_prefixes
+        ]
         return s3.Bucket(
             self,
             f"{pascal(bucket.logical)}Bucket",

@@ -134,7 +134,7 @@ def _fn(name: str, *grants: Grant, routes: tuple[Route, ...] = (), **kw: Any) ->
 
 VARIANT = Deployment(
     tables=(*TABLES, TableDef("leases", LeaseModel, ttl_attribute="expires_at")),
-    buckets=(BucketDef("archive", expire_days=30),),
+    buckets=(BucketDef("archive", expire_days=30, expire_prefixes=(("tmp/", 2),)),),
     functions=(
         _fn(
             "front",

@@ -157,6 +157,23 @@ def test_bucket_expire_days_becomes_a_lifecycle_rule(variant: Synth) -> None:
     rules = bucket["Properties"]["LifecycleConfiguration"]["Rules"]
     # Then objects expire after 30 days
     assert {"Id": "expire", "ExpirationInDays": 30, "Status": "Enabled"} in rules
+    # and objects under tmp/ after 2
+    assert {"Id": "expire-tmp", "Prefix": "tmp/", "ExpirationInDays": 2, "Status": "Enabled"} in (
+        rules
+    )
+
+
+def test_large_payloads_expire_after_the_inbox_retention(deployed: Synth) -> None:
+    # Given the real declaration: inbox items (which alone point at payloads/) live 14 days
+    from shoal.delivery import DEFAULT_RETENTION_S
+
+    [bucket] = deployed.of_type("AWS::S3::Bucket").values()
+    rules = bucket["Properties"]["LifecycleConfiguration"]["Rules"]
+    [rule] = [r for r in rules if r.get("Prefix") == "payloads/"]
+    # Then payload objects outlive every inbox item that can point at them, and then go
+    assert rule["ExpirationInDays"] * 86_400 > DEFAULT_RETENTION_S
+    # and the archive itself is kept (no bucket-wide expiry)
+    assert all("Prefix" in r or r["Id"] == "abort-incomplete-uploads" for r in rules)
 
 
 # -- functions -------------------------------------------------------------------------------

@@ -66,8 +66,10 @@ class FunctionDef:
 @dataclass(frozen=True)
 class BucketDef:
     logical: str
-    #: objects under these prefixes expire after this many days (None: kept)
+    #: every object expires after this many days (None: kept)
     expire_days: int | None = None
+    #: (prefix, days): objects under a prefix expire after that many days
+    expire_prefixes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,14 @@ class Deployment:
 
 DEPLOYMENT = Deployment(
     tables=TABLES,
-    buckets=(BucketDef("archive"),),
+    buckets=(
+        BucketDef(
+            "archive",
+            # large payloads are read only through inbox items, which TTL removes after the
+            # inbox retention (SHOAL_INBOX_RETENTION_S, 14 days by default): one day more
+            expire_prefixes=(("payloads/", 15),),
+        ),
+    ),
     functions=(
         FunctionDef(
             name="health",

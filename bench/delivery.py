@@ -15,6 +15,9 @@
   session gets (max 100) and acks what it got, in rounds, one HTTP request at a time (see
   ``_end_to_end``). Measured: delivered messages/s and publish-to-get latency (p50, p99), which
   includes the mappings' 0.5 s poll interval and the round-robin of the one client thread.
+- **Recording cost**: in the router and get/ack runs, the time spent in the delivery-event
+  recorder (``shoal.delivery_events``: buffering every event and its one PutObject per
+  invocation) as a share of the whole, and its extra AWS calls per message.
 
 Figures are the emulator's: Shoal's work plus moto's (~0.7 ms a call, serialized), not AWS's.
 """
@@ -210,12 +213,13 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         deliveries_before = _count_deliveries(session, config)
         elapsed = 0.0
         invocations: list[float] = []
-        for event in timed:
-            started = time.perf_counter()
-            router_app.handler(copy.deepcopy(event), _Context())
-            took = time.perf_counter() - started
-            elapsed += took
-            invocations.append(took)
+        with _recorder_spent() as recorder:
+            for event in timed:
+                started = time.perf_counter()
+                router_app.handler(copy.deepcopy(event), _Context())
+                took = time.perf_counter() - started
+                elapsed += took
+                invocations.append(took)
         delivered = _count_deliveries(session, config) - deliveries_before
         timed_records = sum(len(e["Records"]) for e in timed)
         router_calls = sum(meter.calls.values())
@@ -236,6 +240,10 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
             "router_write_units_by_operation": {
                 k: round(v, 1) for k, v in sorted(units.by_operation.items())
             },
+            "router_recording_time_fraction": round(recorder["s"] / elapsed, 4),
+            "router_recording_puts_per_message": round(
+                recorder["puts"] / (timed_records * per_record), 4
+            ),
         }
         # every session gets (max 100) and acks what it received
         consumer_meter, consumer_units = CallMeter(), WriteUnits()
@@ -243,13 +251,19 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         consumer_meter.attach(delivery.registry.repository.client)
         consumer_units.attach(delivery.inbox.dynamo.client)
         got = 0
-        for client_id, channel in channels.items():
-            while True:
-                answer = delivery.get(who, client_id, channel, 100)["messages"]
-                if not answer:
-                    break
-                got += len(answer)
-                delivery.ack(who, client_id, channel, AckRequest(ids=[m["id"] for m in answer]))
+        consumer_started = time.perf_counter()
+        with _recorder_spent() as recorder:
+            for client_id, channel in channels.items():
+                while True:
+                    answer = delivery.get(who, client_id, channel, 100)["messages"]
+                    if not answer:
+                        break
+                    got += len(answer)
+                    ids = [m["id"] for m in answer]
+                    delivery.ack(who, client_id, channel, AckRequest(ids=ids))
+        consumer_elapsed = time.perf_counter() - consumer_started
+        figures["get_ack_recording_time_fraction"] = round(recorder["s"] / consumer_elapsed, 4)
+        figures["get_ack_recording_puts_per_delivery"] = round(recorder["puts"] / max(got, 1), 4)
         figures["get_ack_delivered"] = got
         figures["get_ack_aws_calls_per_delivery"] = round(
             sum(consumer_meter.calls.values()) / max(got, 1), 4
@@ -257,6 +271,40 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         figures["get_ack_write_units_per_delivery"] = round(consumer_units.units / max(got, 1), 4)
         figures["name"] = name
         return figures
+
+
+@contextmanager
+def _recorder_spent() -> Iterator[dict[str, float]]:
+    """Seconds spent in the delivery-event recorder (``add``, ``flush``) and its puts, while
+    the block runs."""
+    from shoal.delivery_events import DeliveryEvents
+
+    spent = {"s": 0.0, "puts": 0.0}
+    add, flush = DeliveryEvents.add, DeliveryEvents.flush
+
+    def timed_add(self: DeliveryEvents, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            add(self, *args, **kwargs)
+        finally:
+            spent["s"] += time.perf_counter() - started
+
+    def timed_flush(self: DeliveryEvents, key_hint: str) -> str | None:
+        started = time.perf_counter()
+        try:
+            key = flush(self, key_hint)
+            spent["puts"] += key is not None
+            return key
+        finally:
+            spent["s"] += time.perf_counter() - started
+
+    DeliveryEvents.add = timed_add
+    DeliveryEvents.flush = timed_flush
+    try:
+        yield spent
+    finally:
+        DeliveryEvents.add = add
+        DeliveryEvents.flush = flush
 
 
 class _Sequential:
@@ -484,7 +532,20 @@ def report(figures: dict[str, Any]) -> str:
         f"{e['delivered_per_s']} deliveries/s, publish-to-get latency p50 "
         f"{e['latency_p50_ms']} ms, p99 {e['latency_p99_ms']} ms (the event source mapping "
         "polls every 0.5 s; every request passes the JWT authorizer and the emulator).\n",
+        "Delivery-event recording (share of the time in the recorder; extra PutObject calls):",
     ]
+    for key, label in (
+        ("router_single_publishes", "1 message per record"),
+        ("router_batch_publishes", "10 messages per record"),
+    ):
+        f = figures[key]
+        lines.append(
+            f"- {label}: router {100 * f['router_recording_time_fraction']:.1f}% of its time, "
+            f"{f['router_recording_puts_per_message']} puts per message; get+ack "
+            f"{100 * f['get_ack_recording_time_fraction']:.1f}%, "
+            f"{f['get_ack_recording_puts_per_delivery']} puts per delivery"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -15,8 +15,12 @@ Targets (``--target KIND:NAME``): ``session:<client id>`` writes into the sessio
 source of its own, read by get like any other; each message carries the session's subscription
 that matches it, the one granting the highest QoS, or is left out when none does); ``plan:<dir>``
 writes the plan as JSON lines (what an EMR job does: injecting needs the service's tables);
-``group:`` and ``push:`` are not built yet (``TargetUnavailable``): shared groups do not exist,
-and push subscriptions have no entry point that takes outside messages into their retry path.
+``group:<share>/<filter>`` (or ``group:$share/<share>/<filter>``) writes into the shared
+group's partition as a group stream of the replay's own (the leader learns of it as of a storage
+shard's and hands it to one member; each message once to the group, in per-key order);
+``push:`` is not built (``TargetUnavailable``): a push subscription takes messages only from
+its tap and its own retry queue, whose per-key offsets live in its group states, and no entry
+point reserves outside messages there yet.
 """
 
 from __future__ import annotations
@@ -316,6 +320,126 @@ class SessionInboxTarget:
         return None
 
 
+class GroupStreamTarget:
+    """A shared group: a stream of the replay's own in the group's partition.
+
+    Written exactly as the router writes a storage shard's stream (items keyed by source and
+    position, packed per batch) and made known to the group's leader, which hands it to one
+    member like any other stream: the group gets each message once, in plan (per-key) order.
+    The ids and positions are the plan's, so running the replay again rewrites the same items.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        replay_id: str,
+        *,
+        groups: Any,
+        inbox: Any,
+        payloads: Any,
+        retention_s: int,
+        clock: Clock,
+    ) -> None:
+        from shoal.topics import parse_shared
+
+        shared = parse_shared(text if text.startswith("$share/") else f"$share/{text}")
+        if shared is None:
+            raise ValueError(f"a group target is group:<share name>/<filter>, got {text!r}")
+        self.share, self.topic_filter = shared
+        self.text = f"$share/{self.share}/{self.topic_filter}"
+        self.replay_id = replay_id
+        self.groups = groups
+        self.inbox = inbox
+        self.payloads = payloads
+        self.retention_s = retention_s
+        self.clock = clock
+        self.description = f"shared group {self.text!r}"
+        self.unmatched = 0
+        self._incarnation: str | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: Config, text: str, replay_id: str, clock: Clock | None = None
+    ) -> GroupStreamTarget:
+        from shoal.clock import SystemClock
+        from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
+        from shoal.groups import GroupStore
+
+        return cls(
+            text,
+            replay_id,
+            groups=GroupStore.from_config(config, clock),
+            inbox=InboxStore.from_config(config),
+            payloads=PayloadStore.from_config(config),
+            retention_s=DeliverySettings.from_env().retention_s,
+            clock=clock or SystemClock(),
+        )
+
+    @property
+    def key(self) -> str:
+        from shoal.groups import group_key
+
+        return group_key(self.share, self.topic_filter)
+
+    @property
+    def source(self) -> str:
+        # the same rule as a session's replay source: after the router's sources
+        return "r" + hashlib.blake2b(self.replay_id.encode(), digest_size=6).hexdigest()
+
+    def _group(self) -> str:
+        """The group's incarnation, its replay stream made known to the leader (once)."""
+        if self._incarnation is None:
+            loaded = self.groups.load(self.key)
+            if loaded is None:
+                raise TargetUnavailable(f"no shared group {self.text!r} to replay into")
+            incarnation = str(loaded.state.incarnation)
+            # before the first write, as the router does: a leader never misses a stream
+            self.groups.ensure_stream(self.key, incarnation, self.source)
+            self._incarnation = incarnation
+        return self._incarnation
+
+    def inject(self, messages: Sequence[ReplayMessage]) -> int:
+        from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
+        from shoal.group_streams import group_partition
+        from shoal.topics import matches
+
+        incarnation = self._group()
+        deliveries = []
+        for m in messages:
+            if not matches(self.topic_filter, m.topic):
+                self.unmatched += 1
+                continue
+            payload, ref = m.payload, None
+            if len(payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
+                ref = self.payloads.put(m.replay_message_id, payload)
+                payload = b""
+            deliveries.append(
+                InboxMessage(
+                    position=m.replay_position,
+                    message_id=m.replay_message_id,
+                    topic=m.topic,
+                    payload=payload,
+                    # the member's subscription caps it when it goes out
+                    qos=m.qos,
+                    subscription=self.text,
+                    sid=incarnation,
+                    published_at_ms=m.published_at,
+                    properties=dict(m.properties),
+                    retain=False,
+                    payload_ref=ref,
+                )
+            )
+        if not deliveries:
+            return 0
+        expires = self.clock.now_ms() // 1000 + self.retention_s
+        partition = group_partition(incarnation)
+        self.inbox.put(pack(partition, self.source, deliveries, deliveries[-1].position, expires))
+        return len(deliveries)
+
+    def close(self) -> None:
+        return None
+
+
 def _unavailable(kind: str, reason: str) -> Callable[..., ReplayTarget]:
     def make(*_: Any, **__: Any) -> ReplayTarget:
         raise TargetUnavailable(f"replay into a {kind}: {reason}")
@@ -325,11 +449,12 @@ def _unavailable(kind: str, reason: str) -> Callable[..., ReplayTarget]:
 
 #: target kind -> factory(name, replay_id, spark) for the kinds that need no service config
 UNAVAILABLE: dict[str, Callable[..., ReplayTarget]] = {
-    "group": _unavailable("shared group", "shared groups are not built yet (issue 6)"),
     "push": _unavailable(
         "push subscription",
-        "shoal.push has no entry point that takes outside messages into a subscription's "
-        "retry path yet",
+        "not built: a push subscription takes messages only from its push tap and its own "
+        "retry queue, whose per-key offsets live in its group states, and nothing reserves "
+        "outside messages there yet; replay into a session or shared group, or write a plan "
+        "(plan:<dir>) and publish it again",
     ),
 }
 
@@ -347,6 +472,10 @@ def make_target(
         from shoal.config import get_config
 
         return SessionInboxTarget.from_config(config or get_config(), name, replay_id)
+    if kind == "group":
+        from shoal.config import get_config
+
+        return GroupStreamTarget.from_config(config or get_config(), name, replay_id)
     if kind in UNAVAILABLE:
         return UNAVAILABLE[kind](name, replay_id)
     raise ValueError(f"unknown target kind {kind!r}: session, group, push or plan")

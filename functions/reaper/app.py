@@ -1,4 +1,5 @@
-"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry."""
+"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry, and
+the seals of storage topics a SwitchProduce left behind (``shoal.drain``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.config import get_config
 from shoal.delivery import SubscriptionRetirer
+from shoal.drain import Sealer
 from shoal.observability import logger
 from shoal.publishing import PublishService
 from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
@@ -29,9 +31,16 @@ def reaper() -> Reaper:
     )
 
 
+@cache
+def sealer() -> Sealer:
+    return Sealer.from_config(get_config())
+
+
 @logger.inject_lambda_context(clear_state=True)
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report = reaper().run().as_dict()
+    # after the sessions' work: a failing seal fails the run (the next one seals again)
+    report["storage_topics_sealed"] = sealer().run()
     if any(report.values()):
         logger.info("reaped", extra=report)
     return report

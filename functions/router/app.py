@@ -5,6 +5,11 @@ Records are parsed by Powertools' BatchProcessor. Only the records before the fi
 are routed and archived (Lambda hands the batch back from there). Fan-out goes first, then the
 archive; an error in either fails the invocation so that Lambda retries the batch: inbox writes
 skip what an earlier attempt wrote (the shard's ledger), archive object keys are deterministic.
+
+Delivery events: the ``routed`` events of the batch are written as one object after the inbox
+writes (``shoal.delivery_events``), keyed by stream, shard and the batch's sequence range, so
+a retried batch rewrites the same object. ``SHOAL_FAULTS=router=<p>`` fails invocations at a
+random step on purpose (``shoal.faults``; tests only).
 """
 
 from typing import Any
@@ -17,12 +22,16 @@ from aws_lambda_powertools.utilities.batch import (
 from aws_lambda_powertools.utilities.parser.models import KinesisDataStreamRecord
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.archive import ArchiveWriter
+from shoal.delivery_events import Recording
 from shoal.fanout import Fanout
+from shoal.faults import ROUTER_STEPS, Faults
 from shoal.observability import logger
 from shoal.streams import PerConfig
 
 service = PerConfig(ArchiveWriter.from_config)
 fanout = PerConfig(Fanout.from_config)
+recording = PerConfig(Recording.from_config)
+faults = PerConfig(lambda config: Faults.from_config(config, "router"))
 
 
 @logger.inject_lambda_context(clear_state=True)
@@ -47,7 +56,16 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     failed = [int(str(f["itemIdentifier"])) for f in response.get("batchItemFailures", [])]
     cut = min(failed) if failed else None
     routed = [(seq, data) for seq, data in records if cut is None or int(seq) < cut]
+    fault = faults().plan(ROUTER_STEPS)
+    fault.at("before_inbox")
     if routed:
-        fanout().route_records(batch.stream, batch.shard, routed)
+        events = recording().new()
+        fanout().route_records(batch.stream, batch.shard, routed, events)
+        fault.at("after_inbox")
+        fault.at("before_events")
+        events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
+        fault.at("after_events")
+    fault.at("before_archive")
     writer.write(batch.objects(cut))
+    fault.at("after_archive")
     return dict(response)

@@ -9,7 +9,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.composite import route, stable_hash
-from shoal.publishing import RetainedStore
+from shoal.publishing import RetainedStore, decode_record, record_partition_key
 from shoal.streams import OutRecord, PutOutcome
 
 from tests.helpers import load_event
@@ -405,3 +405,63 @@ def test_publish_answers_fit_the_openapi_document(harness: Harness) -> None:
     _, batch = publish_call({"messages": [{"topic": "orders/1"}, {"topic": "#"}]}, batch=True)
     for result in batch["results"]:
         jsonschema.validate(result, schema("Error" if "error" in result else "PublishResult"))
+
+
+def _same_partition_keys(count: int) -> list[str]:
+    """Ordering keys the router sends to one partition of `orders` (4 partitions)."""
+    target = route(stable_hash("k0"), 4, 1)
+    keys = [f"k{n}" for n in range(200) if route(stable_hash(f"k{n}"), 4, 1) == target]
+    return keys[:count]
+
+
+def test_a_record_holds_one_ordering_key_and_is_keyed_by_it(harness: Harness) -> None:
+    # Given two ordering keys routed to the same partition
+    a, b = _same_partition_keys(2)
+    messages = [
+        {"topic": "orders/1", "text": str(n), "ordering_key": k}
+        for n, k in enumerate([a, b, a, b, a])
+    ]
+    # When one batch publishes their messages interleaved
+    status, body = publish_call({"messages": messages}, batch=True)
+    assert status == 200 and all("error" not in r for r in body["results"])
+    # Then each key's messages share one record whose partition key is the ordering key,
+    # routed to the partition's shard by its starting hash key
+    records = harness.records("shoal-orders-0")
+    assert sorted(r["PartitionKey"] for _, r in records) == sorted([a, b])
+    target = route(stable_hash(a), 4, 1)
+    assert {p for p, _ in records} == {target}
+    held = {r["PartitionKey"]: [m.payload for m in decode_record(r["Data"])] for _, r in records}
+    assert held == {a: [b"0", b"2", b"4"], b: [b"1", b"3"]}
+
+
+def test_an_ordering_key_too_long_for_kinesis_is_keyed_by_its_digest(harness: Harness) -> None:
+    # When a message's ordering key is longer than Kinesis' 256-character partition key
+    key = "k" * 300
+    status, _ = publish_call({"topic": "orders/1", "text": "x", "ordering_key": key})
+    # Then its record's partition key is the key's digest, the same for every record of it
+    assert status == 201
+    ((_, record),) = harness.records("shoal-orders-0")
+    assert record["PartitionKey"] == record_partition_key(key)
+    assert len(record["PartitionKey"]) == 32 and record["PartitionKey"] != key
+
+
+def test_a_failing_key_does_not_fail_another_key_of_its_partition(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two keys of one partition, and a stream that refuses every record of the first
+    a, b = _same_partition_keys(2)
+
+    def refuse(stream: str, records: Sequence[OutRecord]) -> list[PutOutcome]:
+        doomed = {n for n, r in enumerate(records) if r.partition_key == a}
+        return FlakyPuts(harness, {1: doomed})(stream, records)
+
+    monkeypatch.setattr(harness.streams, "put_records", refuse)
+    messages = [
+        {"topic": "orders/1", "text": str(n), "ordering_key": k} for n, k in enumerate([a, b, a])
+    ]
+    # When a batch publishes both
+    _, body = publish_call({"messages": messages}, batch=True)
+    # Then only the first key's messages answer 503; the other key's message is stored
+    codes = [r.get("error", {}).get("code") for r in body["results"]]
+    assert codes == ["server_busy", None, "server_busy"]
+    assert [m.ordering_key for _, m in harness.messages("shoal-orders-0")] == [b]

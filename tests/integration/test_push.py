@@ -126,6 +126,188 @@ def test_parallelism_changes_the_retry_queue_mapping(
     assert mapping["EventSourceMappings"][0]["ParallelizationFactor"] == 5
 
 
+def tap_mapping(h: PushHarness, aws: boto3.Session, stream: str = "shoal-default-0") -> Any:
+    arn = aws.client("kinesis").describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"
+    ]["StreamARN"]
+    (mapping,) = aws.client("lambda").list_event_source_mappings(
+        EventSourceArn=arn, FunctionName=h.config.functions["push"]
+    )["EventSourceMappings"]
+    return mapping
+
+
+def test_the_tap_runs_as_many_lanes_as_its_most_parallel_member(
+    harness: PushHarness, aws: boto3.Session
+) -> None:
+    # Given two subscriptions of one stream, parallelism 3 and 1
+    harness.subscribe(parallelism=3)
+    harness.subscribe(name="audit", parallelism=1)
+    # Then the tap's mapping runs 3 lanes per shard, and the tap says so
+    assert tap_mapping(harness, aws)["ParallelizationFactor"] == 3
+    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 3  # type: ignore[union-attr]
+    # When the first drops to 1 / Then so does the tap
+    harness.admin.update("orders", UpdateRequest(parallelism=1))
+    assert tap_mapping(harness, aws)["ParallelizationFactor"] == 1
+    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 1  # type: ignore[union-attr]
+    # When the other rises to 6 / Then the tap follows it
+    harness.admin.update("audit", UpdateRequest(parallelism=6))
+    assert tap_mapping(harness, aws)["ParallelizationFactor"] == 6
+
+
+def test_a_lane_running_ahead_never_makes_another_lane_skip_its_records(
+    harness: PushHarness,
+) -> None:
+    # Given a tap of two lanes and keys "a" and "b" published interleaved
+    harness.subscribe(parallelism=2)
+    ids = publish_round_robin(harness, ["a", "b"], 3)
+    event = harness.main_event()
+    lane: dict[str, dict[str, Any]] = {
+        key: {"Records": [r for r in event["Records"] if r["kinesis"]["partitionKey"] == key]}
+        for key in ("a", "b")
+    }
+    # When the lane of "b" (whose records come later in the shard) finishes first
+    assert harness.consumer.handle(lane["b"], 60_000) == {"batchItemFailures": []}
+    assert harness.consumer.handle(lane["a"], 60_000) == {"batchItemFailures": []}
+    # Then "a" was delivered too, each key in order
+    assert order_by_key(harness.endpoint.first_deliveries()) == ids
+    # And the shard cursor stayed; a replay of the whole shard delivers nothing twice
+    sub = harness.admin.subscriptions.load("orders")
+    assert sub is not None and dict(sub.cursors["shoal-default-0"].shards) == {}
+    harness.consumer.handle(event, 60_000)
+    assert len(harness.endpoint.calls) == 6
+
+
+class CrashOnce:
+    """Stands in for a method: the first call raises (a crash before the step), later ones run
+    the real method."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise ServerBusy("crash")
+        return self.real(*args, **kwargs)
+
+
+def push_mappings(h: PushHarness, aws: boto3.Session) -> list[str]:
+    """The streams the push function's mappings read, one entry per mapping."""
+    found = aws.client("lambda").list_event_source_mappings(
+        FunctionName=h.config.functions["push"]
+    )["EventSourceMappings"]
+    return sorted(m["EventSourceArn"].rsplit("/", 1)[1] for m in found)
+
+
+DELETE_STEPS = [
+    ("subscriptions", "set_state"),
+    ("subscriptions", "leave_tap"),
+    ("admin", "_settle_tap"),
+    ("queues", "delete_mapping"),
+    ("queues", "delete_stream"),
+    ("groups", "delete_all"),
+    ("subscriptions", "delete"),
+]
+
+
+@pytest.mark.parametrize(("owner", "step"), DELETE_STEPS)
+def test_a_delete_that_crashed_at_any_step_is_finished_by_repeating_it(
+    harness: PushHarness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch, owner: str, step: str
+) -> None:
+    # Given a subscription with a blocked key, and a delete that crashes before `step`
+    doc = harness.subscribe(retry={"max_attempts": 1})
+    harness.endpoint.respond = Switch("k")
+    harness.publish("k", 1)
+    harness.drain()
+    target = harness.admin if owner == "admin" else getattr(harness.admin, owner)
+    monkeypatch.setattr(target, step, CrashOnce(getattr(target, step)))
+    with pytest.raises(ServerBusy):
+        harness.admin.delete("orders")
+    # When the delete is repeated
+    harness.admin.delete("orders")
+    # Then nothing of the subscription is left: item, tap membership, mappings, queues, groups
+    with pytest.raises(SubscriptionNotFound):
+        harness.admin.describe("orders")
+    tap = harness.admin.subscriptions.tap("shoal-default-0")
+    assert tap is not None and tap.members == frozenset()
+    assert push_mappings(harness, aws) == []
+    streams = set(aws.client("kinesis").list_streams()["StreamNames"])
+    for queue in ("retry_queue", "dead_letter_queue"):
+        assert doc[queue]["storage_topics"][0]["stream"] not in streams
+    assert list(harness.admin.groups.blocked("orders")) == []
+    assert harness.admin.groups.get("orders", "k").version == 0
+
+
+def test_a_subscription_being_deleted_gets_nothing_and_takes_no_change(
+    harness: PushHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a delete that crashed right after marking the subscription deleting
+    harness.subscribe()
+    crash = CrashOnce(harness.admin.subscriptions.leave_tap)
+    monkeypatch.setattr(harness.admin.subscriptions, "leave_tap", crash)
+    with pytest.raises(ServerBusy):
+        harness.admin.delete("orders")
+    assert harness.admin.describe("orders")["state"] == "deleting"
+    # When a message is published and the tap's batch reaches the push function
+    harness.publish("k", 1)
+    assert harness.consumer.handle(harness.main_event(), 60_000) == {"batchItemFailures": []}
+    # Then it is not delivered, and a change or a repeated create is refused
+    assert harness.endpoint.calls == []
+    with pytest.raises(SubscriptionNotFound):
+        harness.admin.update("orders", UpdateRequest(parallelism=2))
+    with pytest.raises(SubscriptionExists):
+        harness.subscribe()
+
+
+# -- a storage topic added later ------------------------------------------------------------
+
+
+def test_a_new_storage_topic_reaches_push_subscriptions_without_a_patch(
+    harness: PushHarness, aws: boto3.Session
+) -> None:
+    # Given a push subscription of `default`
+    harness.subscribe(parallelism=2)
+    before = harness.publish("k", 1)
+    # When a storage topic is added, produce switches to it, and more is published
+    harness.topics.add_storage_topic("default", 2)
+    harness.topics.switch_produce("default")
+    after = [harness.publish("k", 2), harness.publish("j", 3)]
+    harness.drain()
+    # Then everything is delivered (no PATCH), the new stream has its one tap mapping
+    delivered = {i for _, i in harness.endpoint.first_deliveries()}
+    assert delivered == {before, *after}
+    assert push_mappings(harness, aws).count("shoal-default-1") == 1
+    assert tap_mapping(harness, aws, "shoal-default-1")["ParallelizationFactor"] == 2
+
+
+@pytest.mark.parametrize(
+    ("owner", "step"), [("subscriptions", "join_tap"), ("admin", "_settle_tap")]
+)
+def test_a_storage_topic_completion_that_crashed_leaves_one_tap_mapping(
+    harness: PushHarness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch, owner: str, step: str
+) -> None:
+    # Given a push subscription, and a topic completion that crashes before `step`
+    harness.subscribe()
+    real = getattr(harness.admin if owner == "admin" else harness.admin.subscriptions, step)
+    crash = CrashOnce(real)
+    cls = "PushAdmin" if owner == "admin" else "SubscriptionStore"
+    monkeypatch.setattr(f"shoal.push_admin.{cls}.{step}", lambda _self, *a, **k: crash(*a, **k))
+    with pytest.raises(ServerBusy):
+        harness.topics.add_storage_topic("default", 1)
+    assert harness.topics.get("default").pending is not None
+    # When the request is repeated
+    harness.topics.add_storage_topic("default", 1)
+    # Then the new stream has exactly one tap mapping and the subscription reads it
+    assert push_mappings(harness, aws).count("shoal-default-1") == 1
+    sub = harness.admin.subscriptions.load("orders")
+    assert sub is not None and "shoal-default-1" in sub.cursors
+    harness.topics.switch_produce("default")
+    message = harness.publish("k", 1)
+    harness.drain()
+    assert [i for _, i in harness.endpoint.first_deliveries()] == [message]
+
+
 # -- delivery and retry routing -------------------------------------------------------------
 
 

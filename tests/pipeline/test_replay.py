@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -162,10 +163,76 @@ def test_session_target_without_a_session_is_unavailable() -> None:
         target.inject([replayed(0)])
 
 
-@pytest.mark.parametrize("spec", ["group:g/orders/#", "push:orders-hook"])
-def test_targets_not_built_yet_say_so(spec: str) -> None:
-    with pytest.raises(TargetUnavailable):
-        make_target(spec, "r1")
+def test_push_targets_are_not_built_and_say_why() -> None:
+    with pytest.raises(TargetUnavailable, match="retry queue"):
+        make_target("push:orders-hook", "r1")
+
+
+class FakeGroups:
+    def __init__(self, incarnation: str | None) -> None:
+        self.incarnation = incarnation
+        self.streams: list[tuple[str, str, str]] = []
+
+    def load(self, key: str) -> Any:
+        if self.incarnation is None:
+            return None
+        return SimpleNamespace(state=SimpleNamespace(incarnation=self.incarnation))
+
+    def ensure_stream(self, key: str, incarnation: str, source: str) -> bool:
+        self.streams.append((key, incarnation, source))
+        return True
+
+
+def group_target(inbox: FakeInbox, groups: FakeGroups, text: str = "g/orders/#") -> Any:
+    from pipeline.replay import GroupStreamTarget
+
+    return GroupStreamTarget(
+        text,
+        "r1",
+        groups=groups,
+        inbox=inbox,
+        payloads=None,
+        retention_s=3600,
+        clock=ManualClock(T0),
+    )
+
+
+def test_group_target_writes_a_stream_of_its_own_the_leader_knows() -> None:
+    # Given a shared group $share/g/orders/# (incarnation inc-1)
+    inbox, groups = FakeInbox(), FakeGroups("inc-1")
+    target = group_target(inbox, groups)
+    # When three messages are injected, one outside the group's filter
+    written = target.inject([replayed(0), replayed(1), replayed(2, "billing/x")])
+    # Then the two matching ones are in the group's partition, in order, under the replay's
+    # source, and the leader was told of that stream before
+    from shoal.group_streams import group_partition
+    from shoal.groups import group_key
+
+    assert (written, target.unmatched) == (2, 1)
+    [item] = inbox.items.values()
+    assert item.session_id == group_partition("inc-1")
+    assert item.key.startswith(target.source + "#")
+    assert [(m.message_id, m.sid, m.subscription) for m in item.messages] == [
+        ("r-0", "inc-1", "$share/g/orders/#"),
+        ("r-1", "inc-1", "$share/g/orders/#"),
+    ]
+    assert groups.streams == [(group_key("g", "orders/#"), "inc-1", target.source)]
+
+
+def test_group_target_is_idempotent_and_takes_the_share_prefix_too() -> None:
+    # Given a replay injected once
+    inbox = FakeInbox()
+    group_target(inbox, FakeGroups("inc-1")).inject([replayed(0), replayed(1)])
+    before = dict(inbox.items)
+    # When the same replay runs again, the target named with its $share prefix
+    group_target(inbox, FakeGroups("inc-1"), "$share/g/orders/#").inject([replayed(0), replayed(1)])
+    # Then it wrote the same items under the same keys
+    assert inbox.items == before
+
+
+def test_group_target_without_a_group_is_unavailable() -> None:
+    with pytest.raises(TargetUnavailable, match="no shared group"):
+        group_target(FakeInbox(), FakeGroups(None)).inject([replayed(0)])
 
 
 def test_inject_streams_the_plan_into_a_plan_file(archive: DataFrame, tmp_path: Path) -> None:

@@ -173,6 +173,42 @@ def test_a_seek_generation_voids_the_routed_mark() -> None:
     assert action is MainAction.FOLLOW_DLQ
 
 
+def test_a_key_marked_finished_skips_what_it_finished_in_that_storage_topic() -> None:
+    # Given a key marked finished up to main 10 of storage topic 0 in generation 2
+    state = GroupState().mark(pos(10), 2)
+
+    def action(main: str, generation: int = 2) -> MainAction:
+        return decide_main(
+            state, main=main, message_id="x", generation=generation, skip_before_ms=0, ordered=True
+        )
+
+    # Then a replay of main 10 is skipped, main 11 is delivered
+    assert action(pos(10)) is MainAction.SKIP
+    assert action(pos(11)) is MainAction.DELIVER
+    # And the mark says nothing of another storage topic, nor after a seek
+    assert action(main_position(1, "5", 0)) is MainAction.DELIVER
+    assert action(pos(10), generation=3) is MainAction.DELIVER
+
+
+def test_a_mark_only_moves_forward_and_a_stale_generation_leaves_it() -> None:
+    state = GroupState().mark(pos(10), 2)
+    # When an older position, or one read before the seek, is marked / Then nothing changes
+    assert state.mark(pos(9), 2) is state
+    assert state.mark(pos(99), 1) is state
+    # When a later position is marked / Then the mark moves and survives the item's JSON
+    later = state.mark(pos(12), 2)
+    assert later.finished(pos(12), 2) and not later.finished(pos(13), 2)
+    assert GroupState.from_json(later.to_json(), 1).marks == later.marks
+
+
+def test_routing_in_a_new_generation_voids_the_marks() -> None:
+    # Given a mark of generation 1 / When a message is routed in generation 2
+    state = GroupState().mark(pos(10), 1)
+    routed = state.reserve("mq", [reservation(RQ, 1, pos(20))], generation=2)
+    # Then the old mark no longer skips anything
+    assert not routed.finished(pos(10), 2)
+
+
 def test_entries_older_than_a_seek_time_do_not_block() -> None:
     # Given the key's only pending entry published at 500 / When skip_before is 600
     action = decide_main(

@@ -9,8 +9,10 @@ count is a multiple of the previous base B gets ``K = new / B``, any other gets 
 base).
 
 Metadata changes are conditional writes on the topic's version. Creating a topic or adding a
-storage topic first records the storage topic as ``pending``, then creates its stream and the
-router's event source mapping (both idempotent), then moves it into ``storage_topics``; a crash
+storage topic first records the storage topic as ``pending``, then creates its stream, the
+router's event source mapping and the push taps of the topic's push subscriptions
+(``shoal.push_admin.follow_storage_topic``; all idempotent), then moves it into
+``storage_topics``; a crash
 anywhere leaves a pending storage topic that repeating the request completes.
 
 Publishers cache topics for ``TOPIC_CACHE_TTL_MS``. So that a cached copy can never route a
@@ -21,14 +23,15 @@ same instant (up to clock skew, bounded by the margin between the delay and the 
 publisher that publishes m1 then m2 can never put m2 in an earlier storage topic than m1. The
 admin call returns only once the change is in effect. A storage topic before the produce
 pointer receives no record that was routed after ``effective_at_ms``; a put already routed may
-still land up to one publish timeout later (the drain of a later issue must wait for that).
+still land up to one publish timeout later: the ordered drain (``shoal.drain``) seals a
+storage topic only after that, and readers of a later storage topic wait for its seals.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -228,6 +231,11 @@ def load_topic(name: str, *, consistent: bool = True) -> CompositeTopic | None:
         return None
 
 
+def scan_topics() -> Iterator[CompositeTopic]:
+    """Every topic, created or not (a scan: for the reaper's sealer, never a request path)."""
+    return (_topic_from(m) for m in TopicModel.scan())
+
+
 def _conditional_failed(exc: PutError | UpdateError) -> bool:
     return exc.cause_response_code == "ConditionalCheckFailedException"
 
@@ -410,6 +418,10 @@ class TopicService:
                 pending.stream, pending.partitions, wait_s=self.stream_wait_s
             )
             self.streams.ensure_router_mapping(info.arn, self.router_function)
+            # push subscriptions of the topic read the new stream before it is part of it
+            from shoal.push_admin import follow_storage_topic  # it imports this module
+
+            follow_storage_topic(self.config, self.streams, self.clock, topic, pending)
             even = list(info.starting_keys) == even_starting_keys(pending.partitions)
             done = replace(pending, hash_keys=None if even else info.starting_keys)
             effective = topic.effective_at_ms

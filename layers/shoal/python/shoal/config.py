@@ -33,6 +33,9 @@ class Config(BaseModel):
     #: Requests with a larger body are refused before parsing (API Gateway allows 10 MB,
     #: a synchronous Lambda invocation 6 MB).
     max_body_bytes: int = 6 * 1024 * 1024
+    #: fault injection for tests (``SHOAL_FAULTS=router=0.25[,seed=N]``): function -> the
+    #: probability that an invocation fails at a random step (``shoal.faults``); empty: never
+    faults: dict[str, float] = Field(default_factory=dict)
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -50,7 +53,27 @@ class Config(BaseModel):
             stream_prefix=env.get("SHOAL_STREAM_PREFIX", "shoal"),
             default_partitions=int(env.get("SHOAL_DEFAULT_PARTITIONS", "1")),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),
+            faults=parse_faults(env.get("SHOAL_FAULTS", "")),
         )
+
+
+def parse_faults(raw: str) -> dict[str, float]:
+    """``router=0.25,seed=7`` -> {"router": 0.25, "seed": 7.0} (``seed``: the random source's,
+    for a reproducible run); a malformed entry is an error at start, not a disabled switch."""
+    faults: dict[str, float] = {}
+    for part in raw.split(","):
+        if not part.strip():
+            continue
+        name, sep, value = (p.strip() for p in part.partition("="))
+        try:
+            number = float(value) if sep else -1.0
+        except ValueError:
+            number = -1.0
+        valid = number.is_integer() and number >= 0 if name == "seed" else 0.0 <= number <= 1.0
+        if not name or not valid:
+            raise ValueError(f"SHOAL_FAULTS: {part!r} is not <function>=<probability 0..1>")
+        faults[name] = number
+    return faults
 
 
 @cache

@@ -126,6 +126,9 @@ DEPLOYMENT = Deployment(
                 Grant("streams", "storage", "read_write"),
                 # the router's mapping on each new stream; listing makes creation idempotent
                 Grant("event_source_mappings", "router", "read_write"),
+                # a new storage topic joins the push taps of the topic's push subscriptions
+                Grant("table", "push_subscriptions", "read_write"),
+                Grant("event_source_mappings", "push", "read_write"),
             ),
         ),
         FunctionDef(
@@ -243,6 +246,8 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "read_write"),
                 # payloads too large for an inbox item are kept once there (shoal.delivery)
                 Grant("bucket", "archive", "read"),
+                # delivery events of gets and acks (shoal.delivery_events)
+                Grant("bucket", "archive", "write"),
             ),
         ),
         FunctionDef(
@@ -256,6 +261,8 @@ DEPLOYMENT = Deployment(
                 # puts into retry and dead-letter queues (two grants: no stream management)
                 Grant("streams", "storage", "read"),
                 Grant("streams", "storage", "write"),
+                # delivery events of its POST attempts (shoal.delivery_events)
+                Grant("bucket", "archive", "write"),
             ),
             # an invocation waits for a retry's attempt time up to shoal.push.MAX_HOLD_S
             timeout_s=120,

@@ -116,6 +116,8 @@ from shoal.topics import (
 )
 
 if TYPE_CHECKING:
+    from shoal.delivery_events import Recording
+    from shoal.drain import SessionGate
     from shoal.groups import GroupService, MembershipPlan
 
 SUBSCRIPTIONS_TABLE = "subscriptions"
@@ -492,19 +494,25 @@ class InboxItem:
     #: the last position this item accounts for (the batch's end: a retry skips up to it)
     covered: str
     expires_at: int
+    #: the storage stream, for a storage topic after a topic's first: readers hold it until the
+    #: earlier ones are drained (``shoal.drain``); None (not stored) otherwise
+    stream: str | None = None
 
     @property
     def source(self) -> str:
         return split_key(self.key)[0]
 
     def record(self) -> dict[str, Any]:
-        return {
+        out = {
             "inbox": self.session_id,
             "position": self.key,
             "l": self.covered,
             "m": [m.data() for m in self.messages],
             "expires_at": self.expires_at,
         }
+        if self.stream is not None:
+            out["st"] = self.stream
+        return out
 
     @classmethod
     def from_record(cls, raw: Mapping[str, Any]) -> InboxItem:
@@ -514,6 +522,7 @@ class InboxItem:
             messages=tuple(InboxMessage.from_data(m) for m in raw.get("m") or []),
             covered=str(raw.get("l", "")),
             expires_at=int(raw.get("expires_at") or 0),
+            stream=str(raw["st"]) if raw.get("st") else None,
         )
 
 
@@ -523,6 +532,8 @@ def pack(
     messages: Sequence[InboxMessage],
     covered: str,
     expires_at: int,
+    *,
+    stream: str | None = None,
 ) -> list[InboxItem]:
     """Deliveries of one session from one source, in order, as few items as fit.
 
@@ -550,6 +561,7 @@ def pack(
                 messages=tuple(group),
                 covered=covered if last else group[-1].position,
                 expires_at=expires_at,
+                stream=stream,
             )
         )
     return items
@@ -628,6 +640,9 @@ class DeliveryState:
     #: source -> the key of the item the cursor sits inside of (more messages follow in it)
     partial: dict[str, str] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
+    #: composite topic -> how many of its storage topics the session has passed (drained and
+    #: handed out: ``shoal.drain``); the later ones' items go out only after those
+    drained: dict[str, int] = field(default_factory=dict)
 
     def done(self, ordinal: int) -> bool:
         return ordinal < self.floor or ordinal in self.acked
@@ -667,6 +682,7 @@ class DeliveryState:
             "cu": dict(self.cursors),
             "pa": dict(self.partial),
             "ru": [r.data() for r in self.runs],
+            "dr": dict(self.drained),
             "expires_at": expires_at,
         }
 
@@ -683,6 +699,7 @@ class DeliveryState:
             cursors={str(k): str(v) for k, v in (raw.get("cu") or {}).items()},
             partial={str(k): str(v) for k, v in (raw.get("pa") or {}).items()},
             runs=[Run.from_data(r) for r in raw.get("ru") or []],
+            drained={str(k): int(v) for k, v in (raw.get("dr") or {}).items()},
         )
 
 
@@ -1550,6 +1567,8 @@ class _Plan:
     state: DeliveryState
     out: list[dict[str, Any]] = field(default_factory=list)
     changed: bool = False
+    #: new deliveries done without going out, and why (delivery events: ``dropped``)
+    dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
 
 
 class DeliveryService:
@@ -1564,6 +1583,8 @@ class DeliveryService:
         payloads: PayloadStore | None = None,
         *,
         groups: GroupService | None = None,
+        events: Recording | None = None,
+        drain: SessionGate | None = None,
     ) -> None:
         self.registry = registry
         self.inbox = inbox
@@ -1572,18 +1593,28 @@ class DeliveryService:
         self.payloads = payloads
         #: the group streams the session leases (``shoal.groups``)
         self.groups = groups
+        #: delivery events (``shoal.delivery_events``); None records nothing
+        self.events = events
+        #: holds items of a later storage topic until the earlier ones are drained and handed
+        #: out (``shoal.drain``); None hands out every source as it comes
+        self.drain = drain
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> DeliveryService:
+        from shoal.delivery_events import Recording
+        from shoal.drain import SessionGate
         from shoal.groups import GroupService
 
+        events = Recording.from_config(config, clock)
         return cls(
             SessionRegistry.from_config(config, clock),
             InboxStore.from_config(config),
             DeliverySettings.from_env(),
             clock,
             PayloadStore.from_config(config),
-            groups=GroupService.from_config(config, clock),
+            groups=GroupService.from_config(config, clock, events=events),
+            events=events,
+            drain=SessionGate.from_config(config, clock),
         )
 
     # -- get
@@ -1634,6 +1665,7 @@ class DeliveryService:
                 expires = now // 1000 + self.settings.retention_s
                 if self.inbox.write_state(session_id, plan.state, expected, expires):
                     out = plan.out
+                    self._record_get(session_id, client_id, plan)
                     break
                 state = None
                 self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
@@ -1781,6 +1813,7 @@ class DeliveryService:
             if not self._wanted(head, found, now):
                 # expired, or its subscription is gone: done without being sent
                 state.acked.add(ordinal)
+                plan.dropped.append((message, _drop_reason(found, now)))
                 continue
             plan.out.append(self._answer(session_id, ordinal, message, False, now))
             if message.qos == 0:
@@ -1810,10 +1843,20 @@ class DeliveryService:
             if not items:
                 return
             jumped = False
+            held: str | None = None
             for item in items:
                 source = item.source
                 cursor = state.cursors.get(source, "")
                 fresh = [m for m in item.messages if m.position > cursor]
+                held = None
+                if (
+                    fresh
+                    and self.drain is not None
+                    and not self.drain.admits(session_id, state, item)
+                ):
+                    # a later storage topic waits for the earlier ones (``shoal.drain``)
+                    held = source
+                    continue
                 if not fresh:
                     partial = state.partial.get(source)
                     if partial and partial > item.key:
@@ -1830,6 +1873,9 @@ class DeliveryService:
                 if len(items) < 10:
                     return
                 lower, inclusive = items[-1].key, False
+                if held is not None:
+                    # past the held source's other items in one step, not page by page
+                    lower = item_key(held, "~")
 
     def _answer(
         self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int
@@ -1854,6 +1900,42 @@ class DeliveryService:
             "published_at": message.published_at_ms,
         }
 
+    def _record_get(self, session_id: str, client_id: str, plan: _Plan) -> None:
+        """The delivery events of a get whose state write succeeded: one object, keyed by the
+        state version it wrote (a retried get writes another version, so its own object)."""
+        if self.events is None or not self.events.enabled:
+            return
+        from shoal.delivery_events import record_answers
+
+        events = self.events.new()
+        record_answers(events, "session", session_id, plan.out, label=client_id)
+        for message, reason in plan.dropped:
+            events.add(
+                "dropped",
+                "session",
+                session_id,
+                message_id=message.message_id,
+                topic=message.topic,
+                published_at=message.published_at_ms,
+                qos=message.qos,
+                reason=reason,
+                label=client_id,
+            )
+        events.flush(f"get/{session_id}/{plan.state.version}")
+
+    def _record_ack(self, session_id: str, state: DeliveryState, ordinals: set[int]) -> None:
+        """``acked`` for every requested ordinal that is done now, fresh or acked before (so a
+        retried ack repairs a crash between its state write and this flush)."""
+        if self.events is None or not self.events.enabled:
+            return
+        done = sorted(o for o in ordinals if o < state.next_ordinal and state.done(o))
+        if not done:
+            return
+        events = self.events.new()
+        for ordinal in done:
+            events.add("acked", "session", session_id, delivery_id=delivery_id(session_id, ordinal))
+        events.flush(f"ack/{session_id}/{state.version}/{done[0]}")
+
     # -- ack
 
     def ack(
@@ -1871,15 +1953,25 @@ class DeliveryService:
             expected = state.version
             fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
             if not fresh:
+                self._record_ack(session_id, state, ordinals)
                 return {"acked": grouped}
             state.acked |= fresh
             state.version = expected + 1
             state.normalize()
             expires = self.clock.now_ms() // 1000 + self.settings.retention_s
             if self.inbox.write_state(session_id, state, expected, expires):
+                self._record_ack(session_id, state, ordinals)
                 return {"acked": len(fresh) + grouped}
             self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
         raise ServerBusy("this session's deliveries are contended; retry")
+
+
+def _drop_reason(found: _Found, now: int) -> str:
+    message = found.message
+    expired = message.expires_at_ms is not None and message.expires_at_ms <= now
+    if expired or (found.item.expires_at and found.item.expires_at * 1000 <= now):
+        return "expired"
+    return "unsubscribed"
 
 
 # --- for handlers --------------------------------------------------------------------------------

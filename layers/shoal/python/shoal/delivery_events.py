@@ -36,12 +36,19 @@ hold twice (a batch cut differently on a retry).
 
 Without a configured archive bucket the recorder records nothing: ``add`` and ``flush`` are
 no-ops, so functions and tests that do not care need no bucket.
+
+Services hold a ``Recording`` (the bucket and one S3 client per container, made on first use)
+and take a fresh recorder from it per invocation (``recording.new()``); a service built
+without one records nothing. What each service records, and under which key hint, is listed in
+docs/pipeline.md ("What the services record").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -51,6 +58,8 @@ from shoal.config import Config
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+
+    from shoal.delivery import InboxMessage
 
 EVENTS_PREFIX = "events"
 ARCHIVE_BUCKET = "archive"
@@ -216,3 +225,112 @@ class DeliveryEvents:
 
             self._s3 = boto3.session.Session().client("s3")
         return self._s3
+
+
+class Recording:
+    """A container's way to record: the archive bucket and one S3 client, shared by the
+    recorders it hands out (``new``: one per invocation). Thread-safe."""
+
+    def __init__(
+        self, bucket: str | None, clock: Clock | None = None, s3: S3Client | None = None
+    ) -> None:
+        self.bucket = bucket
+        self.clock = clock or SystemClock()
+        self._s3 = s3
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Recording:
+        return cls(config.buckets.get(ARCHIVE_BUCKET), clock)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.bucket)
+
+    def new(self) -> DeliveryEvents:
+        return DeliveryEvents(self.bucket, self.clock, self._client() if self.enabled else None)
+
+    def _client(self) -> S3Client:
+        with self._lock:
+            if self._s3 is None:
+                import boto3
+
+                # a client is thread-safe; making one costs tens of milliseconds
+                self._s3 = boto3.session.Session().client("s3")
+            return self._s3
+
+
+def record_routed(
+    events: DeliveryEvents,
+    deliveries: Mapping[str, Sequence[InboxMessage]],
+    groups: Mapping[str, tuple[str, str]],
+) -> None:
+    """The router's ``routed`` events: per target of a batch (a session id, or a group's
+    partition, which ``groups`` maps to its group key and incarnation) every delivery it got,
+    recorded before a retry drops the ones written already, so a retried batch records the
+    same lines."""
+    if not events.enabled:
+        return
+    for target, messages in deliveries.items():
+        group = groups.get(target)
+        kind: ConsumerKind = "session" if group is None else "group"
+        consumer = target if group is None else group[0]
+        for m in messages:
+            events.add(
+                "routed",
+                kind,
+                consumer,
+                message_id=m.message_id,
+                topic=m.topic,
+                published_at=m.published_at_ms,
+                qos=m.qos,
+                subscription=m.subscription,
+            )
+
+
+def record_answers(
+    events: DeliveryEvents,
+    kind: ConsumerKind,
+    consumer: str,
+    answers: Sequence[Mapping[str, Any]],
+    *,
+    label: str | None = None,
+) -> None:
+    """``delivered`` / ``redelivered`` for the messages a get answers (its answer dicts)."""
+    for a in answers:
+        events.add(
+            "redelivered" if a.get("dup") else "delivered",
+            kind,
+            consumer,
+            message_id=str(a["message_id"]),
+            delivery_id=str(a["id"]),
+            topic=a.get("topic"),
+            published_at=a.get("published_at"),
+            qos=a.get("qos"),
+            subscription=a.get("subscription"),
+            label=label,
+        )
+
+
+class PerConsumer:
+    """One recorder per consumer for one invocation that serves several (the push function:
+    every subscription of a tap takes the batch, some in threads), each flushed as its own
+    object."""
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self._recorders: dict[str, DeliveryEvents] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, consumer: str) -> DeliveryEvents:
+        with self._lock:
+            recorder = self._recorders.get(consumer)
+            if recorder is None:
+                recorder = self._recorders[consumer] = self.recording.new()
+            return recorder
+
+    def flush(self, key_hint: Callable[[str], str]) -> list[str]:
+        """Every consumer's object (``key_hint(consumer)`` names it); the keys written."""
+        with self._lock:
+            recorders = sorted(self._recorders.items())
+        return [key for c, r in recorders if (key := r.flush(key_hint(c))) is not None]

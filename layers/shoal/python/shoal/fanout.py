@@ -52,6 +52,8 @@ from shoal.delivery import (
     seq_key,
     source_id,
 )
+from shoal.delivery_events import DeliveryEvents, record_routed
+from shoal.drain import RouterDrain
 from shoal.errors import InvalidFilter
 from shoal.filter_index import FilterIndex
 from shoal.group_streams import group_partition
@@ -177,6 +179,7 @@ class Fanout:
         clock: Clock | None = None,
         shared: SharedGroups | None = None,
         groups: StreamRegistrar | None = None,
+        drain: RouterDrain | None = None,
     ) -> None:
         self.cache = cache
         self.inbox = inbox
@@ -186,6 +189,9 @@ class Fanout:
         self.shared = shared
         #: shared groups: their streams are made known to their leaders (``shoal.groups``)
         self.groups = groups
+        #: the ordered drain (``shoal.drain``): labels items of later storage topics, marks a
+        #: shard drained once its seal is routed; None does neither
+        self.drain = drain
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Fanout:
@@ -198,10 +204,15 @@ class Fanout:
             payloads=PayloadStore.from_config(config),
             clock=clock,
             groups=StreamRegistrar(GroupStore.from_config(config, clock)),
+            drain=RouterDrain.from_config(config),
         )
 
     def route_records(
-        self, stream: str, shard: str, records: Sequence[tuple[str, bytes]]
+        self,
+        stream: str,
+        shard: str,
+        records: Sequence[tuple[str, bytes]],
+        events: DeliveryEvents | None = None,
     ) -> RouteReport:
         """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
         not Shoal's are skipped here (the archive quarantines them)."""
@@ -211,11 +222,21 @@ class Fanout:
                 decoded.append((sequence_number, decode_record(data)))
             except MalformedRecord:
                 continue
-        return self.route(stream, shard, decoded)
+        report = self.route(stream, shard, decoded, events)
+        if self.drain is not None:
+            # after the batch's deliveries are written: everything before its seal is routed
+            self.drain.after_batch(stream, shard, records)
+        return report
 
     def route(
-        self, stream: str, shard: str, records: Sequence[tuple[str, list[Message]]]
+        self,
+        stream: str,
+        shard: str,
+        records: Sequence[tuple[str, list[Message]]],
+        events: DeliveryEvents | None = None,
     ) -> RouteReport:
+        """``events``: the invocation's recorder; gets a ``routed`` event per delivery (the
+        caller flushes it once the inbox writes are done)."""
         report = RouteReport(records=len(records))
         if not records:
             return report
@@ -262,6 +283,8 @@ class Fanout:
                     )
         if not deliveries:
             return report
+        if events is not None:
+            record_routed(events, deliveries, streams)
         if self.groups is not None:
             for target, (key, incarnation) in sorted(streams.items()):
                 if target in deliveries:
@@ -280,11 +303,12 @@ class Fanout:
         if not ledger or ledger < last:
             self.inbox.advance_ledger(source, last)
         expires = now // 1000 + self.settings.retention_s
+        label = self.drain.label(stream) if self.drain is not None else None
         items = [
             item
             for session_id, messages in deliveries.items()
             if messages
-            for item in pack(session_id, source, messages, end, expires)
+            for item in pack(session_id, source, messages, end, expires, stream=label)
         ]
         self.inbox.put(items)
         report.items = len(items)

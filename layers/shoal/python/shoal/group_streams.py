@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -371,10 +371,12 @@ def serve(
     now_ms: int,
     ack_timeout_ms: int,
     channel: str = "",
+    admit: Callable[[InboxItem], bool] | None = None,
 ) -> tuple[list[Handed], bool]:
     """Plan one get on one stream the caller holds: due runs again, then (while the stream is
     granted, not revoking) new messages after the cursor. Changes ``progress`` in place;
-    answers what goes out and whether ``progress`` changed."""
+    answers what goes out and whether ``progress`` changed. ``admit`` holds back new messages
+    of an item it refuses (a later storage topic not drained yet: ``shoal.drain``)."""
     out: list[Handed] = []
     changed = False
     for run in sorted(progress.runs, key=lambda r: r.first):
@@ -439,7 +441,7 @@ def serve(
         current: Run | None = None
         scanned = 0
         for f in reader.after(partition, progress):
-            if room <= 0:
+            if room <= 0 or (admit is not None and not admit(f.item)):
                 break
             scanned += 1
             ordinal = progress.next

@@ -77,6 +77,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -85,6 +86,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 from shoal.delivery import DeliverySettings, Dynamo, PayloadStore, to_item
+from shoal.delivery_events import Recording, record_answers
+from shoal.drain import GroupGate, group_gate
 from shoal.errors import ServerBusy
 from shoal.group_streams import (
     FENCE_ATTRIBUTES,
@@ -100,6 +103,7 @@ from shoal.group_streams import (
     serve,
     stream_item,
 )
+from shoal.group_streams import delivery_id as stream_delivery_id
 from shoal.observability import logger
 from shoal.topics import parse_shared
 
@@ -1103,17 +1107,28 @@ class GroupService:
         *,
         clock: Clock | None = None,
         payloads: PayloadStore | None = None,
+        events: Recording | None = None,
+        drain: GroupGate | None = None,
     ) -> None:
         self.store = store
         self.reader = reader
         self.delivery = delivery
         self.clock = clock or store.clock
         self.payloads = payloads
+        #: delivery events (``shoal.delivery_events``) of gets and acks; None records nothing
+        self.events = events
+        #: streams of a later storage topic wait for the earlier ones' (``shoal.drain``)
+        self.drain = drain
         self._turn = 0
 
     @classmethod
     def from_config(
-        cls, config: Config, clock: Clock | None = None, *, payloads: bool = True
+        cls,
+        config: Config,
+        clock: Clock | None = None,
+        *,
+        payloads: bool = True,
+        events: Recording | None = None,
     ) -> GroupService:
         store = GroupStore.from_config(config, clock)
         return cls(
@@ -1122,6 +1137,8 @@ class GroupService:
             DeliverySettings.from_env(),
             clock=clock,
             payloads=PayloadStore.from_config(config) if payloads else None,
+            events=events,
+            drain=group_gate(config, clock or store.clock, store.progress),
         )
 
     # -- membership
@@ -1258,6 +1275,7 @@ class GroupService:
         lease = loaded.state.streams[source]
         progress = self.store.progress(ref.key, source)
         partition = group_partition(loaded.state.incarnation)
+        gate = self.drain
         for attempt in range(ATTEMPTS):
             if progress is None:
                 return []
@@ -1282,6 +1300,7 @@ class GroupService:
                 now_ms=now,
                 ack_timeout_ms=int(self.delivery.ack_timeout_s * 1000),
                 channel=channel,
+                admit=None if gate is None else partial(gate.admits, ref.key, partition),
             )
             if not changed:
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
@@ -1292,7 +1311,7 @@ class GroupService:
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
                     # nothing left in flight: that was the final progress, hand it over
                     self.store.advance(ref.key, now)
-                return [
+                answers = [
                     answer(
                         group_key=ref.key,
                         source=source,
@@ -1305,6 +1324,11 @@ class GroupService:
                     )
                     for h in handed
                 ]
+                if self.events is not None and self.events.enabled and answers:
+                    events = self.events.new()
+                    record_answers(events, "group", ref.key, answers, label=member_id)
+                    events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
+                return answers
             progress = self.store.progress(ref.key, source)
             self.clock.sleep(_backoff_s(attempt))
         raise ServerBusy("this group stream is contended; retry")
@@ -1346,15 +1370,43 @@ class GroupService:
             if fenced:
                 self.store.lost(ref.key, member_id)
             if count == 0:
+                self._record_acks(ref, source, by_lease, progress, member_id)
                 return 0
             progress.pv = expected + 1
             if self.store.save_progress(ref.key, progress, expected, member_id):
                 if progress.state is StreamState.REVOKING and progress.in_flight() == 0:
                     # the holder's final progress: hand the stream over now
                     self.store.advance(ref.key, self.clock.now_ms())
+                self._record_acks(ref, source, by_lease, progress, member_id)
                 return count
             self.clock.sleep(_backoff_s(attempt))
         raise ServerBusy("this group stream is contended; retry")
+
+    def _record_acks(
+        self,
+        ref: GroupRef,
+        source: str,
+        by_lease: Mapping[int, set[int]],
+        progress: StreamProgress,
+        member_id: str,
+    ) -> None:
+        """``acked`` for every requested delivery of the current lease that is done now, fresh
+        or acked before (a retried ack repairs a crash between its write and this flush)."""
+        if self.events is None or not self.events.enabled:
+            return
+        done = sorted(o for o in by_lease.get(progress.lease, ()) if progress.is_done(o))
+        if not done:
+            return
+        events = self.events.new()
+        for ordinal in done:
+            events.add(
+                "acked",
+                "group",
+                ref.key,
+                delivery_id=stream_delivery_id(ref.key, source, progress.lease, ordinal),
+                label=member_id,
+            )
+        events.flush(f"group-ack/{ref.key}/{source}/{progress.pv}/{progress.lease}/{done[0]}")
 
     # -- the session document
 

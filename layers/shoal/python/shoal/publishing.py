@@ -34,11 +34,19 @@ from the ordering key.
 
 Kinesis records
 ---------------
-One Kinesis record carries the messages of one partition from one request, in order (a JSON
-header line, then the payloads). A partition's messages are therefore written all or nothing,
-and when a request has more than one record for a partition they are written one round at a
-time: a record that still fails after the bounded retries fails every later message of its
-partition, so a retry can never put a later message before an earlier one.
+One Kinesis record carries messages of one ordering key from one request, in order (a JSON
+header line, then the payloads). Its ``ExplicitHashKey`` is the starting hash key of the key's
+partition (that routes it: shard consistent), and its ``PartitionKey`` is the ordering key
+(``record_partition_key``): Lambda's parallelization factor splits a shard into lanes by
+partition key, so one key's records stay in one lane, in order, however many lanes run (push
+subscriptions' ``parallelism``). A key's messages of one record are written all or nothing,
+and when a request has more than one record for a key they are written one round at a time: a
+record that still fails after the bounded retries fails every later message of its key, so a
+retry can never put a later message before an earlier one. Records of different keys go in
+the same PutRecords call (which keeps no order among them; none is promised).
+
+A read-back (above) is unaffected: it looks in the partition's shard by message id, whatever
+record holds the message.
 """
 
 from __future__ import annotations
@@ -111,6 +119,8 @@ _MAX_ADMIT_ROUNDS = 100
 _MAX_ROUTE_KEYS = 32
 
 _RECORD_HEAD = b'{"v":1,"m":['
+#: Kinesis' partition key is at most 256 characters; a longer ordering key goes by its digest
+MAX_PARTITION_KEY = 256
 _RECORD_TAIL = b"]}\n"
 
 
@@ -216,8 +226,18 @@ def record_size(headers: Sequence[bytes], payload_bytes: int, partition_key: str
     )
 
 
+def record_partition_key(ordering_key: str) -> str:
+    """The Kinesis partition key of a record of this ordering key: the key itself, or its
+    digest when Kinesis cannot hold it (the lane of a parallelized mapping follows it)."""
+    if 0 < len(ordering_key) <= MAX_PARTITION_KEY:
+        return ordering_key
+    return hashlib.blake2b(
+        ordering_key.encode("utf-8", "surrogatepass"), digest_size=16
+    ).hexdigest()
+
+
 def encode_record(messages: Sequence[Message]) -> bytes:
-    """Messages of one partition as one record: a JSON header line, then the payloads."""
+    """Messages of one ordering key as one record: a JSON header line, then the payloads."""
     return (
         _RECORD_HEAD
         + b",".join(m.header() for m in messages)
@@ -227,6 +247,9 @@ def encode_record(messages: Sequence[Message]) -> bytes:
 
 
 def decode_record(data: bytes) -> list[Message]:
+    if data.startswith(b'{"seal":'):
+        # a seal of the ordered drain (``shoal.drain``): a control record, no message
+        return []
     head, newline, body = data.partition(b"\n")
     if not newline:
         raise MalformedRecord("no header line")
@@ -678,7 +701,11 @@ class PublishService:
                 item.message_id = sequenced_message_id(item.key, item.seq)
             else:
                 item.message_id = uuid.uuid4().hex
-            size = record_size([item.message().header()], len(item.payload), item.message_id)
+            size = record_size(
+                [item.message().header()],
+                len(item.payload),
+                record_partition_key(item.ordering_key),
+            )
             if size > MAX_RECORD_BYTES:
                 item.error = PayloadTooLarge(
                     f"the message takes {size} bytes in its record, over Kinesis' "
@@ -948,12 +975,14 @@ class PublishService:
     def _put(self, items: list[_Item]) -> None:
         if not items:
             return
-        lanes: dict[tuple[str, int], list[_Item]] = {}
+        # one lane per (stream, partition, ordering key): a record holds one key's messages
+        lanes: dict[tuple[str, int, str], list[_Item]] = {}
         for item in items:
-            lanes.setdefault((item.storage.stream, item.partition), []).append(item)
+            lane = (item.storage.stream, item.partition, item.ordering_key)
+            lanes.setdefault(lane, []).append(item)
         packed = {lane: _pack(group) for lane, group in lanes.items()}
         single = sum(len(records) for records in packed.values()) == 1
-        failed: set[tuple[str, int]] = set()
+        failed: set[tuple[str, int, str]] = set()
         busy = ServerBusy("the storage topic did not take the message; retry")
         for index in range(max(len(records) for records in packed.values())):
             round_ = [
@@ -980,12 +1009,12 @@ class PublishService:
         first = group[0]
         return OutRecord(
             data=encode_record([i.message() for i in group]),
-            partition_key=first.message_id,
+            partition_key=record_partition_key(first.ordering_key),
             explicit_hash_key=first.storage.starting_key(first.partition),
         )
 
     def _put_round(self, records: list[tuple[str, OutRecord]], single: bool) -> list[PutOutcome]:
-        """Put records (of distinct partitions), retrying only the failed ones, bounded."""
+        """Put records (of distinct keys), retrying only the failed ones, bounded."""
         outcomes: list[PutOutcome] = [PutOutcome(error_code="NotAttempted")] * len(records)
         todo = list(range(len(records)))
         for attempt in range(PUT_ATTEMPTS):
@@ -1058,7 +1087,7 @@ def _utf8(text: str) -> bool:
 
 
 def _pack(items: list[_Item]) -> list[list[_Item]]:
-    """Messages of one partition, in order, packed into as few records as fit."""
+    """Messages of one ordering key, in order, packed into as few records as fit."""
     records: list[list[_Item]] = []
     headers: list[bytes] = []
     payload = 0
@@ -1067,7 +1096,9 @@ def _pack(items: list[_Item]) -> list[list[_Item]]:
         if (
             records
             and record_size(
-                [*headers, header], payload + len(item.payload), records[-1][0].message_id
+                [*headers, header],
+                payload + len(item.payload),
+                record_partition_key(item.ordering_key),
             )
             <= MAX_RECORD_BYTES
         ):

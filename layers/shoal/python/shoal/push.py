@@ -66,7 +66,7 @@ from shoal.errors import (
     InvalidRetryPolicy,
     InvalidSubscriptionName,
 )
-from shoal.publishing import MalformedRecord, Message, decode_record
+from shoal.publishing import MalformedRecord, Message, decode_record, record_partition_key
 from shoal.topics import SHARE_PREFIX, is_valid_filter
 
 SUBSCRIPTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -320,6 +320,11 @@ def main_position(storage_index: int, sequence_number: str, index: int) -> str:
     return f"{storage_index:06d}:{int(sequence_number):060d}:{index:05d}"
 
 
+def _topic_of(main: str) -> str:
+    """The storage topic field of a main position."""
+    return main.partition(":")[0]
+
+
 def ordering_digest(ordering_key: str) -> str:
     return hashlib.blake2b(
         ordering_key.encode("utf-8", "surrogatepass"), digest_size=16
@@ -328,10 +333,8 @@ def ordering_digest(ordering_key: str) -> str:
 
 def partition_key(ordering_key: str) -> str:
     """The Kinesis partition key of a queue record: the ordering key, so that the mapping's
-    parallelization factor keeps one key in one lane."""
-    if 0 < len(ordering_key) <= MAX_PARTITION_KEY:
-        return ordering_key
-    return ordering_digest(ordering_key)
+    parallelization factor keeps one key in one lane (as a storage record's)."""
+    return record_partition_key(ordering_key)
 
 
 @dataclass(frozen=True)
@@ -574,6 +577,10 @@ class GroupState:
     routed: str = ""
     generation: int = 0
     head: Head | None = None
+    #: per storage topic (the main position's first field), the main position of the last
+    #: message the MQ consumer finished in ``generation``, written when the push tap runs
+    #: several lanes (whose shard cursor cannot move: see ``shoal.push_delivery``)
+    marks: Mapping[str, str] = field(default_factory=dict)
     pending: Mapping[str, tuple[Reservation, ...]] = field(default_factory=dict)
     version: int = 0
 
@@ -618,8 +625,24 @@ class GroupState:
         )
         state = replace(state, pending={**self.pending, role: kept})
         if role == "mq" and generation is not None and reservations:
-            state = replace(state, routed=reservations[-1].main, generation=generation)
+            marks = state.marks if generation == state.generation else {}
+            state = replace(state, routed=reservations[-1].main, generation=generation, marks=marks)
         return state
+
+    def mark(self, main: str, generation: int) -> GroupState:
+        """The MQ consumer finished ``main`` (and every earlier message of the key in its
+        storage topic) in seek generation ``generation``."""
+        if generation < self.generation:
+            return self  # read before a seek: the seek's generation decides
+        if generation > self.generation:
+            return replace(self, routed="", generation=generation, marks={_topic_of(main): main})
+        if main <= self.marks.get(_topic_of(main), ""):
+            return self
+        return replace(self, marks={**self.marks, _topic_of(main): main})
+
+    def finished(self, main: str, generation: int) -> bool:
+        """Whether a mark says the MQ consumer finished ``main`` in this generation."""
+        return generation == self.generation and main <= self.marks.get(_topic_of(main), "")
 
     def consume(self, queue: Queue, n: int, main: str) -> GroupState:
         q = self.queue(queue)
@@ -658,6 +681,7 @@ class GroupState:
                 "pending": {
                     role: [r.item() for r in rs] for role, rs in self.pending.items() if rs
                 },
+                **({"marks": dict(self.marks)} if self.marks else {}),
             },
             separators=(",", ":"),
         )
@@ -684,6 +708,7 @@ class GroupState:
                 role: tuple(Reservation.from_item(r) for r in rs)
                 for role, rs in (raw.get("pending") or {}).items()
             },
+            marks={str(k): str(v) for k, v in (raw.get("marks") or {}).items()},
             version=version,
         )
 
@@ -716,6 +741,8 @@ def decide_main(
         mine = state.reserved("mq")
         if mine and mine[-1].message_id == message_id and mine[-1].main == main:
             return MainAction.REPUT
+        return MainAction.SKIP
+    if state.finished(main, generation):
         return MainAction.SKIP
     if ordered:
         # RQ first: while RQ holds the key, DLQ entries of it are older than anything in RQ

@@ -3,7 +3,16 @@
 Creating a subscription records it as ``creating``, then creates its RQ and DLQ streams, the
 RQ's mapping and its membership in the push tap of each storage stream of its topic (all
 idempotent), and marks it ``active``; a crash anywhere leaves a ``creating`` subscription that
-repeating the same request completes. Deleting undoes it in reverse.
+repeating the same request completes. Deleting undoes it in reverse: it marks the subscription
+``deleting`` (a conditional write; from then on the push function skips it and no other change
+is accepted), leaves its taps (a tap without live members loses its mapping), removes the RQ's
+mapping, the RQ and DLQ streams and the group states, each step idempotent, and deletes the
+item last; a crash anywhere leaves a ``deleting`` subscription that repeating the delete
+finishes.
+
+A storage topic added to the composite topic later is followed without a PATCH: completing it
+(``shoal.composite``) calls ``follow_storage_topic``, which adds it to every subscription of
+the topic and places its tap, before the storage topic becomes part of the topic.
 
 Seek: a subscription's MQ position moves to a time, to the earliest record or to the latest.
 Each cursor starts again at that time under a new generation (so an invocation that read the
@@ -35,7 +44,13 @@ from pydantic import BaseModel, ConfigDict
 
 from shoal import store
 from shoal.clock import Clock, SystemClock
-from shoal.composite import DEFAULT_TOPIC, CompositeTopic, is_valid_topic_name, load_topic
+from shoal.composite import (
+    DEFAULT_TOPIC,
+    CompositeTopic,
+    StorageTopic,
+    is_valid_topic_name,
+    load_topic,
+)
 from shoal.config import Config
 from shoal.errors import (
     BadRequest,
@@ -75,6 +90,7 @@ from shoal.push_store import (
     ReadBudgetExhausted,
     Subscription,
     SubscriptionStore,
+    Tap,
 )
 from shoal.streams import Streams
 from shoal.topics import MULTI_LEVEL, SINGLE_LEVEL, first_level
@@ -252,6 +268,8 @@ class PushAdmin:
 
     def _complete(self, name: str, topic: CompositeTopic) -> Subscription:
         sub = self._require(name)
+        if sub.state == DELETING:
+            raise SubscriptionNotFound(f"push subscription {name} is being deleted")
         for queue in (RQ, DLQ):
             self.queues.ensure(sub.queue(queue, self.prefix), self.stream_wait_s)
         rq_arn = self.queues.stream_arn(sub.queue(RQ, self.prefix).stream)
@@ -263,9 +281,15 @@ class PushAdmin:
         for storage in topic.storage_topics:
             self.subscriptions.join_tap(storage.stream, topic.name, storage.index, name)
             self._settle_tap(storage.stream)
+        # a storage topic added since the request read the topic: its completion looked for
+        # members of the taps before this one joined them
+        self._follow_topic(self._require(name))
+        sub = self._require(name)
         for _ in range(_MAX_CONFLICTS):
             if sub.state == ACTIVE:
                 return sub
+            if sub.state == DELETING:
+                raise SubscriptionNotFound(f"push subscription {name} is being deleted")
             if self.subscriptions.set_state(sub, ACTIVE):
                 logger.info("push subscription created", extra={"subscription": name})
                 return self._require(name)
@@ -285,39 +309,63 @@ class PushAdmin:
             arn = self.queues.stream_arn(stream)
             if tap is None or arn is None:
                 return
-            existing = [str(m["UUID"]) for m in self.queues.mappings(arn, self.push_function)]
-            if not tap.members:
+            mappings = self.queues.mappings(arn, self.push_function)
+            existing = [str(m["UUID"]) for m in mappings]
+            members = self.subscriptions.load_many(tap.members) if tap.members else {}
+            live = [s for s in members.values() if s.state != DELETING]
+            if not live:
                 for uuid in existing:
                     self.queues.delete_mapping(uuid)
                 return
+            lanes = max(s.parallelism for s in live)
             if existing and restart_at is None:
                 for uuid in existing[1:]:
                     self.queues.delete_mapping(uuid)
+                self._fit_lanes(tap, mappings[0], lanes)
                 return
             shards = self.queues.shards(stream)
-            positions = [
-                s.cursors[stream].position_ms(shards)
-                for s in self.subscriptions.load_many(tap.members).values()
-                if stream in s.cursors
-            ]
+            positions = [s.cursors[stream].position_ms(shards) for s in live if stream in s.cursors]
             if restart_at is not None:
                 positions.append(restart_at)
             start = min(positions, default=self.clock.now_ms())
             for uuid in existing:
                 self.queues.delete_mapping(uuid)
+            if lanes > tap.lanes:
+                self.subscriptions.set_tap_lanes(stream, lanes)
             # a second before: arrival times within one shard are only roughly in order, and
             # what a member processed already it skips by its cursor
             if start <= 1_000:
                 self.queues.create_mapping(
-                    arn, self.push_function, parallelism=1, start="TRIM_HORIZON"
+                    arn, self.push_function, parallelism=lanes, start="TRIM_HORIZON"
                 )
             else:
                 self.queues.create_mapping(
-                    arn, self.push_function, parallelism=1, start="AT_TIMESTAMP", at_ms=start - 1000
+                    arn,
+                    self.push_function,
+                    parallelism=lanes,
+                    start="AT_TIMESTAMP",
+                    at_ms=start - 1000,
                 )
-            logger.info("push tap mapping placed", extra={"stream": stream, "start_ms": start})
+            if lanes < tap.lanes:
+                self.subscriptions.set_tap_lanes(stream, lanes)
+            logger.info(
+                "push tap mapping placed",
+                extra={"stream": stream, "start_ms": start, "lanes": lanes},
+            )
         finally:
             self.subscriptions.release_tap_lease(stream, token)
+
+    def _fit_lanes(self, tap: Tap, mapping: dict[str, Any], lanes: int) -> None:
+        """The tap's mapping to ``lanes`` lanes per shard; the tap's ``lanes`` is raised
+        before the mapping runs more and lowered after it runs fewer (``shoal.push_store``)."""
+        factor = int(mapping.get("ParallelizationFactor") or 1)
+        if lanes > tap.lanes:
+            self.subscriptions.set_tap_lanes(tap.stream, lanes)
+        if factor != lanes:
+            self.queues.set_parallelism(str(mapping["UUID"]), lanes)
+            logger.info("push tap lanes changed", extra={"stream": tap.stream, "lanes": lanes})
+        if lanes < tap.lanes:
+            self.subscriptions.set_tap_lanes(tap.stream, lanes)
 
     # -- describe, update, delete ------------------------------------------------------------
 
@@ -375,6 +423,8 @@ class PushAdmin:
         parallelism = validate_parallelism(request.parallelism)
         for _ in range(_MAX_CONFLICTS):
             sub = self._require(name)
+            if not sub.active:
+                raise SubscriptionNotFound(f"push subscription {name} is {sub.state}")
             if sub.parallelism == parallelism or self.subscriptions.set_parallelism(
                 sub, parallelism
             ):
@@ -386,21 +436,56 @@ class PushAdmin:
             for mapping in self.queues.mappings(rq_arn, self.push_function):
                 if int(mapping.get("ParallelizationFactor") or 1) != parallelism:
                     self.queues.set_parallelism(str(mapping["UUID"]), parallelism)
-        self._follow_topic(self._require(name))
+        sub = self._require(name)
+        for stream in sub.cursors:
+            self._settle_tap(stream)
+        self._follow_topic(sub)
         return self.describe(name)
 
     def _follow_topic(self, sub: Subscription) -> None:
-        """Read storage topics the topic gained after the subscription was made."""
+        """Read storage topics the topic gained after the subscription was made (and one
+        being added whose stream exists: its completion may have missed this subscription)."""
         topic = load_topic(sub.spec.topic)
         if topic is None:
             return
-        new = {s.stream: 0 for s in topic.storage_topics if s.stream not in sub.cursors}
-        if new and not self.subscriptions.add_streams(sub, new):
+        storages = list(topic.storage_topics)
+        if topic.pending is not None and self.queues.stream_arn(topic.pending.stream):
+            storages.append(topic.pending)
+        for storage in storages:
+            if storage.stream not in sub.cursors:
+                self._follow(sub.name, topic.name, storage)
+
+    def _follow(self, name: str, topic: str, storage: StorageTopic) -> None:
+        """One subscription reads one more storage stream (all of it: the stream is new)."""
+        for _ in range(_MAX_CONFLICTS):
+            sub = self._require(name)
+            if sub.state == DELETING:
+                return
+            if storage.stream in sub.cursors or self.subscriptions.add_streams(
+                sub, {storage.stream: 0}
+            ):
+                break
+        else:
             raise ServerBusy("the subscription is changing; retry")
-        for storage in topic.storage_topics:
-            if storage.stream in new:
-                self.subscriptions.join_tap(storage.stream, topic.name, storage.index, sub.name)
-                self._settle_tap(storage.stream)
+        self.subscriptions.join_tap(storage.stream, topic, storage.index, name)
+        self._settle_tap(storage.stream)
+
+    def follow_storage_topic(self, topic: CompositeTopic, storage: StorageTopic) -> None:
+        """Every subscription of ``topic`` reads ``storage``, which is being added to it.
+
+        The members of the taps of the topic's storage streams are its subscriptions (each
+        joins all of them). Every step is idempotent and the tap's mapping is placed under
+        the tap's lease, so a completion repeated after a crash ends with one mapping.
+        """
+        names: set[str] = set()
+        for existing in topic.storage_topics:
+            tap = self.subscriptions.tap(existing.stream)
+            if tap is not None:
+                names |= tap.members
+        subs = self.subscriptions.load_many(names) if names else {}
+        for sub in sorted(subs.values(), key=lambda s: s.name):
+            if sub.spec.topic == topic.name and sub.state != DELETING:
+                self._follow(sub.name, topic.name, storage)
 
     def delete(self, name: str) -> None:
         for _ in range(_MAX_CONFLICTS):
@@ -420,6 +505,7 @@ class PushAdmin:
         self.queues.delete_stream(rq.stream)
         self.queues.delete_stream(dlq.stream)
         self.groups.delete_all(name)
+        # last: while the item is there, a repeated delete finds what is left to remove
         self.subscriptions.delete(name)
         logger.info("push subscription deleted", extra={"subscription": name})
 
@@ -746,3 +832,16 @@ def _decode_cursor(cursor: object) -> tuple[str, str]:
     except (binascii.Error, ValueError, KeyError, TypeError):
         raise InvalidCursor("the cursor is not one this service handed out") from None
     return shard, seq
+
+
+def follow_storage_topic(
+    config: Config, streams: Streams, clock: Clock, topic: CompositeTopic, storage: StorageTopic
+) -> None:
+    """The push subscriptions of ``topic`` read ``storage`` too: ``shoal.composite`` calls this
+    while it completes a new storage topic, before the storage topic joins the topic."""
+    if "push" not in config.functions or not topic.storage_topics:
+        return  # no push function deployed, or a new topic (no subscription can read it yet)
+    admin = PushAdmin(
+        config, SubscriptionStore(clock), GroupStore(), Queues(streams, clock), clock=clock
+    )
+    admin.follow_storage_topic(topic, storage)

@@ -23,6 +23,7 @@ the keys of its own lane.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,8 @@ from aws_lambda_powertools.utilities.data_classes import KinesisStreamEvent
 from shoal import store
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
+from shoal.delivery_events import EventKind, PerConsumer, Recording
+from shoal.drain import RECHECK_MS, PushGate, is_seal, push_consumer
 from shoal.errors import ServerBusy
 from shoal.observability import logger
 from shoal.publishing import MalformedRecord, Message, decode_record
@@ -63,6 +66,7 @@ from shoal.push import (
     main_position,
 )
 from shoal.push_store import (
+    CREATING,
     INFRASTRUCTURE_ERRORS,
     GroupStore,
     Queues,
@@ -82,6 +86,8 @@ SAFETY_MS = 12_000
 MAX_CONFLICTS = 10
 #: a key whose missing entry cannot be repaired is looked at again after this long
 GAP_WAIT_MS = 1_000
+#: "never" for the ordered drain's start times
+FOREVER_MS = 2**62
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,8 @@ class PushConsumer:
         *,
         clock: Clock | None = None,
         max_hold_s: float = MAX_HOLD_S,
+        events: Recording | None = None,
+        gate: PushGate | None = None,
     ) -> None:
         self.prefix = config.stream_prefix
         self.subscriptions = subscriptions
@@ -174,6 +182,12 @@ class PushConsumer:
         self.deliverer = deliverer
         self.clock = clock or SystemClock()
         self.max_hold_s = max_hold_s
+        #: delivery events (``shoal.delivery_events``); None records nothing
+        self.events = events
+        #: this invocation's recorders, per subscription (set on a per-invocation copy only)
+        self._recorders: PerConsumer | None = None
+        #: the ordered drain across storage topics (``shoal.drain``); None gates nothing
+        self.gate = gate
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushConsumer:
@@ -186,11 +200,15 @@ class PushConsumer:
             Queues(Streams.from_config(config, clock), clock),
             HttpDeliverer(EndpointPolicy.from_env(os.environ)),
             clock=clock,
+            events=Recording.from_config(config, clock),
+            gate=PushGate.from_config(config, clock),
         )
 
     # -- the entry point ------------------------------------------------------------------
 
     def handle(self, event: dict[str, Any], remaining_ms: int) -> dict[str, Any]:
+        if self.events is not None and self.events.enabled and self._recorders is None:
+            return self._recorded(event, remaining_ms)
         stream, records = parse_event(event)
         if not records:
             return {"batchItemFailures": []}
@@ -207,6 +225,20 @@ class PushConsumer:
         if failed is None:
             return {"batchItemFailures": []}
         return {"batchItemFailures": [{"itemIdentifier": records[failed].sequence_number}]}
+
+    def _recorded(self, event: dict[str, Any], remaining_ms: int) -> dict[str, Any]:
+        """``handle`` with delivery events: a copy of the consumer holds this invocation's
+        recorders (invocations share the consumer); each subscription's events are one object,
+        keyed by the batch (stream, shard, sequence range), written once the batch is done."""
+        worker = copy.copy(self)
+        recorders = worker._recorders = PerConsumer(self.events or Recording(None))
+        answer = worker.handle(event, remaining_ms)
+        stream, records = parse_event(event)
+        if records:
+            first, last = records[0], records[-1]
+            batch = f"{stream}/{first.shard}/{first.sequence_number}-{last.sequence_number}"
+            recorders.flush(lambda name: f"push/{name}/{batch}")
+        return answer
 
     def _run(
         self, works: Sequence[KeyWork], step: Callable[[KeyWork], None], parallelism: int
@@ -227,25 +259,27 @@ class PushConsumer:
             tap = self.subscriptions.tap(stream)
             if tap is None or not tap.members:
                 return None
-            subs = [
-                s
-                for s in self.subscriptions.load_many(tap.members).values()
-                if s.active and stream in s.cursors
-            ]
+            loaded = list(self.subscriptions.load_many(tap.members).values())
+            subs = [s for s in loaded if s.active and stream in s.cursors]
         except INFRASTRUCTURE_ERRORS:
             logger.warning("push tap unreadable", extra={"stream": stream})
             return 0
         decoded = [self._decode(r) for r in records]
+        # a member still being created takes the seals too: it may be active before the tap
+        # reads on (shoal.drain, push taps)
+        creating = [s for s in loaded if s.state == CREATING and stream in s.cursors]
+        unmarked = [self._pass_seals(s, stream, records, None) for s in creating]
 
         def one(sub: Subscription) -> int | None:
-            return self._main_for(sub, tap, stream, records, decoded, budget=budget)
+            stop = self._main_for(sub, tap, stream, records, decoded, budget=budget)
+            return self._pass_seals(sub, stream, records, stop)
 
         if len(subs) <= 1:
             stops = [one(s) for s in subs]
         else:
             with ThreadPoolExecutor(min(len(subs), 16)) as pool:
                 stops = list(pool.map(one, subs))
-        return min((s for s in stops if s is not None), default=None)
+        return min((s for s in [*stops, *unmarked] if s is not None), default=None)
 
     def _decode(self, record: InRecord) -> list[Message]:
         try:
@@ -289,6 +323,8 @@ class PushConsumer:
                 )
         if not admitted:
             return None
+        if works and not self._drained(sub, tap, budget):
+            return admitted[0].index
         try:
             states = self.groups.get_many(sub.name, works)
         except INFRASTRUCTURE_ERRORS:
@@ -298,6 +334,11 @@ class PushConsumer:
             work.state = states[key]
         self._run(list(works.values()), lambda w: self._main_step(sub, w, budget), sub.parallelism)
         stopped = min((s for w in works.values() if (s := w.stopped_at) is not None), default=None)
+        if tap.lanes > 1:
+            # Other lanes of this shard may hold earlier records: the shard cursor stays, each
+            # key's progress is marked instead (shoal.push_store, push taps).
+            self._run(list(works.values()), lambda w: self._mark(sub, w), sub.parallelism)
+            return stopped
         done = [r for r in admitted if stopped is None or r.index < stopped]
         if done:
             last = done[-1]
@@ -313,6 +354,60 @@ class PushConsumer:
                 # the records are done; a lagging cursor only makes a re-read skip less
                 logger.warning("push cursor not moved", extra={"subscription": sub.name})
         return stopped
+
+    def _drained(self, sub: Subscription, tap: Tap, budget: Budget) -> bool:
+        """Whether the subscription may take the tap's storage topic yet (the ordered drain,
+        ``shoal.drain.PushGate``): waits for it, asking about once a second, up to the hold
+        budget. Held, the batch goes back to the mapping whole (it retries without limit)."""
+        if self.gate is None or tap.storage_index == 0 or not sub.spec.ordered:
+            return True
+        consumer = push_consumer(sub.name, sub.spec.incarnation, sub.generation)
+
+        def start_ms(earlier: str) -> int:
+            cursor = sub.cursors.get(earlier)
+            if cursor is None:
+                return FOREVER_MS  # it reads nothing of that storage topic
+            if sub.generation > 0:
+                return cursor.from_ms  # a seek: the mapping reads again from there if earlier
+            earlier_tap = self.subscriptions.tap(earlier)
+            joined = earlier_tap.joined.get(sub.name, 0) if earlier_tap is not None else 0
+            return max(cursor.from_ms, joined)
+
+        while True:
+            try:
+                if self.gate.admits(consumer, tap.stream, start_ms):
+                    return True
+            except INFRASTRUCTURE_ERRORS:
+                logger.warning("push drain unreadable", extra={"subscription": sub.name})
+                return False
+            now = self.clock.now_ms()
+            if now >= budget.hold_until_ms:
+                logger.info(
+                    "push held for the drain",
+                    extra={"subscription": sub.name, "stream": tap.stream},
+                )
+                return False
+            self.clock.sleep(min(RECHECK_MS, budget.hold_until_ms - now) / 1000)
+
+    def _pass_seals(
+        self, sub: Subscription, stream: str, records: list[InRecord], stop: int | None
+    ) -> int | None:
+        """Record the seals the subscription passed in this batch (those before ``stop``), so
+        later storage topics open for it; returns ``stop``, or the seal it could not record."""
+        if self.gate is None:
+            return stop
+        consumer = push_consumer(sub.name, sub.spec.incarnation, sub.generation)
+        for record in records:
+            if stop is not None and record.index >= stop:
+                break
+            if not is_seal(record.data):
+                continue
+            try:
+                self.gate.store.mark_passed(stream, consumer, record.shard)
+            except INFRASTRUCTURE_ERRORS:
+                logger.warning("push seal not recorded", extra={"subscription": sub.name})
+                return record.index
+        return stop
 
     def _main_step(self, sub: Subscription, work: KeyWork, budget: Budget) -> None:
         while work.position < len(work.items):
@@ -390,6 +485,27 @@ class PushConsumer:
             self._put(sub, reservation.entry(item.message))
             return saved
         raise ServerBusy("the key's group state kept changing")
+
+    def _mark(self, sub: Subscription, work: KeyWork) -> None:
+        """Record how far the key got in this batch (a lane's replay then skips it)."""
+        if work.position == 0:
+            return
+        main = work.items[work.position - 1].main
+        state = work.state
+        try:
+            for _ in range(MAX_CONFLICTS):
+                new = state.mark(main, sub.generation)
+                if new is state:
+                    return
+                saved = self.groups.save(sub.name, work.ordering_key, new)
+                if saved is not None:
+                    work.state = saved
+                    return
+                state = self.groups.get(sub.name, work.ordering_key)
+        except INFRASTRUCTURE_ERRORS:
+            pass
+        # the messages are done; a missing mark only makes a replay deliver them again
+        logger.warning("push key mark not written", extra={"subscription": sub.name})
 
     # -- RQ: a retry queue's batch ----------------------------------------------------------
 
@@ -653,11 +769,40 @@ class PushConsumer:
 
     def _put(self, sub: Subscription, entry: Entry) -> None:
         self.queues.put(sub.queue(entry.queue, self.prefix), entry)
+        if self._recorders is not None and entry.queue == DLQ:
+            self._record(sub, entry.message, "dead_lettered", entry.attempts, entry.reason)
+
+    def _record(
+        self,
+        sub: Subscription,
+        message: Message,
+        event: EventKind,
+        attempt: int,
+        reason: str | None = None,
+    ) -> None:
+        assert self._recorders is not None
+        self._recorders[sub.name].add(
+            event,
+            "push",
+            sub.name,
+            message_id=message.message_id,
+            topic=message.topic,
+            ordering_key=message.ordering_key,
+            published_at=message.published_at_ms,
+            qos=message.qos,
+            attempt=attempt,
+            subscription=sub.spec.filter,
+            reason=reason,
+        )
 
     def _deliver(self, sub: Subscription, message: Message, attempt: int) -> DeliveryResult:
         result = self.deliverer.deliver(
             delivery_request(sub.name, sub.spec.endpoint, message, attempt)
         )
+        if self._recorders is not None:
+            self._record(sub, message, "delivered" if attempt == 1 else "redelivered", attempt)
+            if result.ok:
+                self._record(sub, message, "acked", attempt)
         if not result.ok:
             logger.info(
                 "push delivery failed",

@@ -15,6 +15,14 @@ mapping by one that starts no later than every member's position, and the other 
 what they processed already. A tap also reads each shard once for all its members, where a
 mapping per subscription would share Kinesis' five reads per second per shard among them.
 
+A tap's mapping runs ``lanes`` lanes per shard (its ParallelizationFactor): the largest
+``parallelism`` of its members. Lanes split a shard by partition key, which is the ordering key
+(``shoal.publishing``), so each key stays in order in its lane, but one lane may run ahead of
+another: a shard cursor moved by one lane would pass records another lane still holds. So
+while ``lanes`` > 1 the cursors stay where they are and each key's progress is marked in its
+group state instead (``GroupState.marks``). ``lanes`` is raised before the mapping runs more
+lanes and lowered only after it runs fewer, so it never says fewer lanes than may be running.
+
 Retry queues have a mapping each (the stream names its subscription).
 """
 
@@ -166,6 +174,10 @@ class Tap:
     storage_index: int
     members: frozenset[str]
     version: int
+    #: lanes per shard the tap's mapping may run (at least its ParallelizationFactor)
+    lanes: int = 1
+    #: when each member joined (ms; the ordered drain's "began reading", ``shoal.drain``)
+    joined: Mapping[str, int] = field(default_factory=dict)
 
 
 def _subscription(item: PushSubscriptionModel) -> Subscription:
@@ -303,8 +315,12 @@ class SubscriptionStore:
         return True
 
     def delete(self, name: str) -> None:
+        """Delete a ``deleting`` subscription's item (gone already counts as done)."""
         try:
-            PushSubscriptionModel(name).delete()
+            PushSubscriptionModel(name).delete(
+                condition=PushSubscriptionModel.name.does_not_exist()
+                | (PushSubscriptionModel.state == DELETING)
+            )
         except DeleteError as exc:
             raise ServerBusy("the subscription could not be deleted; retry") from exc
 
@@ -325,6 +341,9 @@ class SubscriptionStore:
             storage_index=int(info.get("index", 0)),
             members=frozenset(members),
             version=int(item.version),
+            # the tap item keeps its lanes in the subscription items' parallelism attribute
+            lanes=int(item.parallelism or 1),
+            joined={name: int(at) for name, at in members.items()},
         )
 
     def join_tap(self, stream: str, topic: str, storage_index: int, name: str) -> None:
@@ -353,6 +372,16 @@ class SubscriptionStore:
                 if not _conditional_failed(again):
                     raise ServerBusy("the push tap could not be changed; retry") from again
                 self.join_tap(stream, topic, storage_index, name)
+
+    def set_tap_lanes(self, stream: str, lanes: int) -> None:
+        try:
+            PushSubscriptionModel(TAP_PREFIX + stream).update(
+                actions=[PushSubscriptionModel.parallelism.set(lanes)],
+                condition=PushSubscriptionModel.name.exists(),
+            )
+        except UpdateError as exc:
+            if not _conditional_failed(exc):
+                raise ServerBusy("the push tap could not be changed; retry") from exc
 
     def leave_tap(self, stream: str, name: str) -> None:
         try:
@@ -546,8 +575,24 @@ class Queues:
         try:
             self.kinesis.delete_stream(StreamName=stream, EnforceConsumerDeletion=True)
         except ClientError as exc:
-            if _code(exc) not in ("ResourceNotFoundException", "ResourceInUseException"):
-                raise ServerBusy("the stream could not be deleted; retry") from exc
+            if _code(exc) == "ResourceNotFoundException":
+                return
+            if _code(exc) == "ResourceInUseException" and self._status(stream) in (
+                None,
+                "DELETING",
+            ):
+                return
+            # still being created (or resharded): a repeated delete finds it ready
+            raise ServerBusy("the stream could not be deleted yet; retry") from exc
+
+    def _status(self, stream: str) -> str | None:
+        try:
+            summary = self.kinesis.describe_stream_summary(StreamName=stream)
+        except ClientError as exc:
+            if _code(exc) == "ResourceNotFoundException":
+                return None
+            raise ServerBusy("the stream could not be described; retry") from exc
+        return str(summary["StreamDescriptionSummary"]["StreamStatus"])
 
     def shards(self, stream: str) -> list[str]:
         """Open shard ids in hash order (partition j is the j-th)."""

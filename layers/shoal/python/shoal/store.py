@@ -255,7 +255,8 @@ class PushSubscriptionModel(Model):
     topic, ``{"from": ms, "shards": {shard id: {"s": sequence number, "t": arrival ms}}}``. A
     tap item holds ``members`` (the subscriptions reading that stream) and a lease that
     serializes changes to the tap's event source mapping; its ``spec`` is the JSON of the
-    composite topic and storage topic index the stream belongs to.
+    composite topic and storage topic index the stream belongs to, its ``parallelism`` the
+    lanes its mapping may run (``shoal.push_store``).
     """
 
     class Meta:

@@ -1,0 +1,575 @@
+"""Ordered drain across storage topics: seals, drained shards, and the gates of the readers.
+
+After SwitchProduce from T(j-1) to T(j) a key's older messages sit in T(j-1) and its newer ones
+in T(j); the router consumes every storage shard on its own, so without a gate a reader could
+hand out a T(j) message of a key before that key's last T(j-1) message. The drain closes it:
+
+- **Seal.** Once the switch is in effect and every put that could still land in T(j-1) is over
+  (``effective_at_ms`` plus ``seal_grace_ms()``: the longest timeout of a function that
+  publishes, plus the clock-skew margin), the reaper puts a *seal record* into every shard of
+  T(j-1) (ExplicitHashKey = the shard's starting hash key), then records the shards as sealed.
+  A seal holds no message (``{"seal":...,"v":1,"m":[]}``): ``publishing.decode_record`` answers
+  no message for it, so the archive, the pipeline and push taps count nothing. A crash before
+  the record is written makes the next run seal again; a second seal in a shard is harmless.
+- **Drained.** The router, after it wrote the deliveries of a batch holding a seal (everything
+  before the seal in that shard is written by then: one batch at a time per shard), adds the
+  shard to the storage topic's drained set (an idempotent ``ADD``). A storage topic is *fully
+  drained* once it is sealed and every sealed shard is drained; readers cache that forever.
+  The marks live in the inboxes table (``drain#<stream>``), off the publishers' path.
+- **Sessions** (``SessionGate``): an inbox item of T(j) (the router labels items of storage
+  topics after the first with their stream) is handed out only once T(0..j-1) are fully
+  drained and the session has been handed every message of theirs; the session's delivery
+  state then remembers ``drained[topic] = j`` so the steady state reads nothing more.
+- **Shared groups** (``GroupGate``): a group stream of T(j) yields nothing until, for every
+  earlier storage topic, it is fully drained and each of the group's streams of it has handed
+  out its last message and has nothing in flight (all acked): another member may hold those.
+- **Push subscriptions** (``PushGate``): the T(j) tap takes nothing for an ordered subscription
+  until its own taps passed the seal of every shard of T(0..j-1) for it (``mark_passed``), or it
+  began reading T(i) after the sealer began; ``shoal.push_delivery`` holds the batch meanwhile.
+
+The router itself never waits: gating is on the read side, so no retry budget is spent on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shoal.clock import Clock, SystemClock
+from shoal.composite import (
+    EFFECTIVE_DELAY_MS,
+    TOPIC_CACHE_TTL_MS,
+    CompositeTopic,
+    stream_name,
+)
+from shoal.config import Config
+from shoal.declarations import DEPLOYMENT
+from shoal.delivery import INBOXES_TABLE, Dynamo, InboxItem, item_key, source_id, to_item
+from shoal.observability import logger
+
+if TYPE_CHECKING:
+    from shoal.delivery import DeliveryState
+    from shoal.group_streams import StreamProgress
+    from shoal.streams import Streams
+
+#: every seal record starts so: a router tells one by a prefix, without parsing
+SEAL_MARK = b'{"seal":'
+#: the drain record of a storage topic in the inboxes table
+DRAIN_PREFIX = "drain#"
+DRAIN_ITEM = "#drain"
+#: a push consumer's seal marks of a stream (same partition as its drain record)
+PASSED_ITEM = "#push#"
+#: sorts after every position of a source (positions are digits and dots)
+SOURCE_END = "~"
+#: a reader asks again at most this often whether a storage topic is drained (while it is not)
+RECHECK_MS = 1_000
+#: the environment may shorten the grace (``shoal dev`` and tests; never in a deployment)
+GRACE_ENV = "SHOAL_SEAL_GRACE_S"
+
+
+# --- seal records (no AWS here) ----------------------------------------------------------------
+
+
+def seal_record(stream: str, shard: str, at_ms: int) -> bytes:
+    """The data of the seal put into ``shard`` of ``stream``: a record with no message."""
+    header = {"seal": {"stream": stream, "shard": shard, "at": at_ms}, "v": 1, "m": []}
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n"
+
+
+def is_seal(data: bytes) -> bool:
+    return data.startswith(SEAL_MARK)
+
+
+def seal_grace_ms(env: Mapping[str, str] | None = None) -> int:
+    """How long after a switch is in effect a put routed before it may still land.
+
+    A put is made by a function that publishes (publish, and the reaper for wills, and push for
+    its queues) and cannot outlive that function's timeout; the margin covers clock skew (the
+    publishers switch by their own clocks, up to the delay's margin over the cache TTL).
+    """
+    env = os.environ if env is None else env
+    margin = EFFECTIVE_DELAY_MS - TOPIC_CACHE_TTL_MS
+    if env.get(GRACE_ENV):
+        return int(float(env[GRACE_ENV]) * 1000)
+    # those with the put grant (``read_write`` is stream management: admin, bootstrap, and
+    # push admin's redrive, whose 29 s are below the others anyway)
+    longest = max(
+        f.timeout_s
+        for f in DEPLOYMENT.functions
+        if any(g.kind == "streams" and g.access in ("write", "read_write") for g in f.grants)
+        and f.name not in ("admin", "bootstrap")
+    )
+    return longest * 1000 + margin
+
+
+def storage_of(stream: str, prefix: str) -> tuple[str, int] | None:
+    """(composite topic, storage topic index) of a stream named "<prefix>-<topic>-<index>"."""
+    if not stream.startswith(f"{prefix}-"):
+        return None
+    topic, _, index = stream[len(prefix) + 1 :].rpartition("-")
+    return (topic, int(index)) if topic and index.isdigit() else None
+
+
+def due(topic: CompositeTopic, now_ms: int, grace_ms: int) -> list[int]:
+    """The storage topics of ``topic`` that may be sealed at ``now_ms``: those before the
+    produce pointer, once the last switch is in effect and its grace is over (an earlier
+    switch was in effect before the last one was written)."""
+    if topic.produce_pointer < 1 or now_ms < topic.effective_at_ms + grace_ms:
+        return []
+    return list(range(topic.produce_pointer))
+
+
+# --- the drain records -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrainRecord:
+    #: the shards sealed (all of the stream's), None until the sealer finished
+    sealed: tuple[str, ...] | None = None
+    drained: frozenset[str] = frozenset()
+    #: the sealer's time just before it put the seals (None until sealed)
+    sealed_at: int | None = None
+
+    @property
+    def fully_drained(self) -> bool:
+        return self.sealed is not None and set(self.sealed) <= self.drained
+
+
+def drain_key(stream: str) -> dict[str, str]:
+    return {"inbox": DRAIN_PREFIX + stream, "position": DRAIN_ITEM}
+
+
+class DrainStore:
+    """Per storage topic: the shards sealed (by the sealer) and drained (by the router)."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> DrainStore:
+        return cls(Dynamo.from_config(config), config.table(INBOXES_TABLE))
+
+    def record(self, stream: str) -> DrainRecord:
+        raw = self.dynamo.get(self.table, drain_key(stream))
+        if raw is None:
+            return DrainRecord()
+        sealed = raw.get("sealed")
+        return DrainRecord(
+            sealed=tuple(str(s) for s in sealed) if sealed is not None else None,
+            drained=frozenset(str(s) for s in raw.get("drained") or ()),
+            sealed_at=int(raw["sealed_at"]) if raw.get("sealed_at") is not None else None,
+        )
+
+    def mark_sealed(self, stream: str, shards: Iterable[str], at_ms: int) -> None:
+        """Every shard of ``stream`` holds a seal (the first record of it stays)."""
+        self.dynamo.call(
+            "update_item",
+            TableName=self.table,
+            Key=to_item(drain_key(stream)),
+            UpdateExpression="SET #s = if_not_exists(#s, :s), #a = if_not_exists(#a, :a)",
+            ExpressionAttributeNames={"#s": "sealed", "#a": "sealed_at"},
+            ExpressionAttributeValues=to_item({":s": sorted(shards), ":a": at_ms}),
+        )
+
+    def mark_drained(self, stream: str, shard: str) -> None:
+        """The router routed ``shard``'s seal; idempotent (a set)."""
+        self.dynamo.call(
+            "update_item",
+            TableName=self.table,
+            Key=to_item(drain_key(stream)),
+            UpdateExpression="ADD #d :d",
+            ExpressionAttributeNames={"#d": "drained"},
+            ExpressionAttributeValues=to_item({":d": {shard}}),
+        )
+
+    def mark_passed(self, stream: str, consumer: str, shard: str) -> None:
+        """A push tap took ``shard``'s seal for ``consumer``; idempotent (a set)."""
+        self.dynamo.call(
+            "update_item",
+            TableName=self.table,
+            Key=to_item(passed_key(stream, consumer)),
+            UpdateExpression="ADD #p :p",
+            ExpressionAttributeNames={"#p": "passed"},
+            ExpressionAttributeValues=to_item({":p": {shard}}),
+        )
+
+    def passed(self, stream: str, consumer: str) -> frozenset[str]:
+        """The shards of ``stream`` whose seal a push tap took for ``consumer``."""
+        raw = self.dynamo.get(self.table, passed_key(stream, consumer))
+        return frozenset(str(s) for s in (raw or {}).get("passed") or ())
+
+
+def passed_key(stream: str, consumer: str) -> dict[str, str]:
+    """A push consumer's seal marks of ``stream``: beside the stream's drain record."""
+    return {"inbox": DRAIN_PREFIX + stream, "position": f"{PASSED_ITEM}{consumer}"}
+
+
+class DrainView:
+    """A container's cache of which storage topics are fully drained: true stays true forever
+    (nothing is routed into a drained storage topic), false is asked again after RECHECK_MS."""
+
+    def __init__(self, store: DrainStore, clock: Clock) -> None:
+        self.store = store
+        self.clock = clock
+        self._drained: dict[str, tuple[str, ...]] = {}
+        self._not_yet: dict[str, int] = {}
+        self.reads = 0
+
+    def sealed_shards(self, stream: str) -> tuple[str, ...] | None:
+        """The shards of ``stream`` if it is fully drained, else None."""
+        known = self._drained.get(stream)
+        if known is not None:
+            return known
+        now = self.clock.now_ms()
+        if now - self._not_yet.get(stream, -RECHECK_MS) < RECHECK_MS:
+            return None
+        self.reads += 1
+        record = self.store.record(stream)
+        if record.fully_drained and record.sealed is not None:
+            self._drained[stream] = record.sealed
+            self._not_yet.pop(stream, None)
+            return record.sealed
+        self._not_yet[stream] = now
+        return None
+
+
+# --- the sealer (the reaper runs it) -----------------------------------------------------------
+
+
+class Sealer:
+    """Puts seals into the storage topics before each topic's produce pointer once due."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        store: DrainStore,
+        topics: Callable[[], Iterable[CompositeTopic]],
+        clock: Clock | None = None,
+        grace_ms: int | None = None,
+    ) -> None:
+        self.streams = streams
+        self.store = store
+        self.topics = topics
+        self.clock = clock or SystemClock()
+        self.grace_ms = seal_grace_ms() if grace_ms is None else grace_ms
+        #: streams known sealed: never looked at again by this container
+        self._sealed: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Sealer:
+        from shoal import store
+        from shoal.composite import scan_topics
+        from shoal.streams import Streams
+
+        store.bind(config)
+        return cls(
+            Streams.from_config(config, clock), DrainStore.from_config(config), scan_topics, clock
+        )
+
+    def run(self) -> int:
+        """Seal what is due; how many storage topics were sealed by this run."""
+        sealed = 0
+        now = self.clock.now_ms()
+        for topic in self.topics():
+            if not topic.created:
+                continue
+            for index in due(topic, now, self.grace_ms):
+                storage = topic.storage_topics[index]
+                if storage.stream in self._sealed:
+                    continue
+                if self.store.record(storage.stream).sealed is not None:
+                    self._sealed.add(storage.stream)
+                    continue
+                if self.seal(storage.stream):
+                    sealed += 1
+        return sealed
+
+    def seal(self, stream: str) -> bool:
+        """A seal into every open shard, then the mark; False (try again later) if a put failed.
+
+        Repeating it is harmless: the router marks a shard drained once however many seals it
+        holds."""
+        from shoal.streams import OutRecord
+
+        now = self.clock.now_ms()
+        shards = _open_shards(self.streams, stream)
+        for shard_id, start in shards:
+            outcome = self.streams.put_record(
+                stream, OutRecord(seal_record(stream, shard_id, now), "seal", start)
+            )
+            if not outcome.ok:
+                logger.warning("seal not written", extra={"stream": stream, "shard": shard_id})
+                return False
+        self.store.mark_sealed(stream, [s for s, _ in shards], now)
+        self._sealed.add(stream)
+        logger.info("storage topic sealed", extra={"stream": stream, "shards": len(shards)})
+        return True
+
+
+def _open_shards(streams: Streams, stream: str) -> list[tuple[str, int]]:
+    shards: list[dict[str, Any]] = []
+    response: Any = streams.kinesis.list_shards(StreamName=stream)
+    shards += response["Shards"]
+    while response.get("NextToken"):
+        response = streams.kinesis.list_shards(NextToken=response["NextToken"])
+        shards += response["Shards"]
+    return sorted(
+        (
+            (str(s["ShardId"]), int(s["HashKeyRange"]["StartingHashKey"]))
+            for s in shards
+            if "EndingSequenceNumber" not in s.get("SequenceNumberRange", {})
+        ),
+        key=lambda s: s[1],
+    )
+
+
+# --- the router's side -------------------------------------------------------------------------
+
+
+class RouterDrain:
+    """What the router does for the drain: labels and drained marks."""
+
+    def __init__(self, store: DrainStore, stream_prefix: str) -> None:
+        self.store = store
+        self.stream_prefix = stream_prefix
+
+    @classmethod
+    def from_config(cls, config: Config) -> RouterDrain:
+        return cls(DrainStore.from_config(config), config.stream_prefix)
+
+    def label(self, stream: str) -> str | None:
+        """The label of inbox items from ``stream``: the stream, when readers must gate it
+        (a storage topic after the first); None otherwise (nothing stored)."""
+        storage = storage_of(stream, self.stream_prefix)
+        return stream if storage is not None and storage[1] > 0 else None
+
+    def after_batch(self, stream: str, shard: str, records: Iterable[tuple[str, bytes]]) -> bool:
+        """Called once a batch's deliveries are written: marks the shard drained if the batch
+        held a seal. True if it did."""
+        if not any(is_seal(data) for _, data in records):
+            return False
+        self.store.mark_drained(stream, shard)
+        logger.info("storage shard drained", extra={"stream": stream, "shard": shard})
+        return True
+
+
+# --- the readers' gates ------------------------------------------------------------------------
+
+
+class SessionGate:
+    """Whether a session's get may hand out an inbox item (``shoal.delivery``)."""
+
+    def __init__(self, view: DrainView, dynamo: Dynamo, table: str, stream_prefix: str) -> None:
+        self.view = view
+        self.dynamo = dynamo
+        self.table = table
+        self.stream_prefix = stream_prefix
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> SessionGate:
+        store = DrainStore.from_config(config)
+        return cls(
+            DrainView(store, clock or SystemClock()),
+            store.dynamo,
+            store.table,
+            config.stream_prefix,
+        )
+
+    def admits(self, session_id: str, state: DeliveryState, item: InboxItem) -> bool:
+        """True if the item's storage topic is open for the session. Moves ``state.drained``
+        (written with the state) when the session has passed a drained storage topic."""
+        if item.stream is None:
+            return True
+        storage = storage_of(item.stream, self.stream_prefix)
+        if storage is None:
+            return True
+        topic, index = storage
+        passed = state.drained.get(topic, 0)
+        while passed < index:
+            earlier = stream_name(self.stream_prefix, topic, passed)
+            shards = self.view.sealed_shards(earlier)
+            if shards is None or not self._handed_out(session_id, state, earlier, shards):
+                return False
+            passed += 1
+            state.drained[topic] = passed
+        return True
+
+    def _handed_out(
+        self, session_id: str, state: DeliveryState, stream: str, shards: Iterable[str]
+    ) -> bool:
+        """Whether every message of ``stream`` in the session's inbox was handed out."""
+        for shard in shards:
+            source = source_id(stream, shard)
+            if source in state.partial:
+                return False  # the cursor sits inside an item with more after it
+            rows = self.dynamo.query(
+                self.table,
+                KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+                ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+                ExpressionAttributeValues=to_item(
+                    {
+                        ":p": session_id,
+                        # after the cursor's item key: an item starting after the cursor
+                        ":a": item_key(source, state.cursors.get(source, "")) + "\x00",
+                        ":b": item_key(source, SOURCE_END),
+                    }
+                ),
+                ProjectionExpression="#k",
+                ConsistentRead=True,
+                Limit=1,
+            )
+            if rows:
+                return False
+        return True
+
+
+class GroupGate:
+    """Whether a shared group's stream of a later storage topic may be read yet."""
+
+    def __init__(
+        self,
+        view: DrainView,
+        dynamo: Dynamo,
+        table: str,
+        stream_prefix: str,
+        progress: Callable[[str, str], StreamProgress | None],
+    ) -> None:
+        self.view = view
+        self.dynamo = dynamo
+        self.table = table
+        self.stream_prefix = stream_prefix
+        self.progress = progress
+        #: (group partition, earlier stream) found passed: stays so
+        self._passed: set[tuple[str, str]] = set()
+        self._not_yet: dict[tuple[str, str], int] = {}
+
+    def admits(self, group_key: str, partition: str, item: InboxItem) -> bool:
+        if item.stream is None:
+            return True
+        storage = storage_of(item.stream, self.stream_prefix)
+        if storage is None:
+            return True
+        topic, index = storage
+        for earlier_index in range(index):
+            earlier = stream_name(self.stream_prefix, topic, earlier_index)
+            if (partition, earlier) in self._passed:
+                continue
+            shards = self.view.sealed_shards(earlier)
+            if shards is None or not self._passed_now(group_key, partition, earlier, shards):
+                return False
+            self._passed.add((partition, earlier))
+        return True
+
+    def _passed_now(
+        self, group_key: str, partition: str, stream: str, shards: Iterable[str]
+    ) -> bool:
+        """Every group stream of ``stream`` handed out its last message and has nothing in
+        flight (all acked: its committed progress is past the seal)."""
+        now = self.view.clock.now_ms()
+        key = (partition, stream)
+        if now - self._not_yet.get(key, -RECHECK_MS) < RECHECK_MS:
+            return False
+        for shard in shards:
+            source = source_id(stream, shard)
+            rows = self.dynamo.query(
+                self.table,
+                KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+                ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+                ExpressionAttributeValues=to_item(
+                    {":p": partition, ":a": f"{source}#", ":b": item_key(source, SOURCE_END)}
+                ),
+                ConsistentRead=True,
+                ScanIndexForward=False,
+                Limit=1,
+            )
+            if not rows:
+                continue  # nothing of this shard ever reached the group
+            messages = InboxItem.from_record(rows[0]).messages
+            last = messages[-1].position if messages else ""
+            progress = self.progress(group_key, source)
+            if progress is None or progress.cursor < last or progress.in_flight() > 0:
+                self._not_yet[key] = now
+                return False
+        self._not_yet.pop(key, None)
+        return True
+
+
+def group_gate(config: Config, clock: Clock, progress: Callable[[str, str], Any]) -> GroupGate:
+    store = DrainStore.from_config(config)
+    return GroupGate(
+        DrainView(store, clock), store.dynamo, store.table, config.stream_prefix, progress
+    )
+
+
+# --- push taps ---------------------------------------------------------------------------------
+
+#: a push subscription that began reading a storage topic less than this after its sealer began
+#: counts as having begun after the seal (clock skew between the reaper and the push admin)
+START_MARGIN_MS = 5_000
+
+
+def push_consumer(name: str, incarnation: str, generation: int) -> str:
+    """The drain's name of one reading of a push subscription: a seek (a new generation) takes
+    the earlier storage topics' seals again, and a subscription made again under its name
+    starts afresh."""
+    return f"{name}#{incarnation}#{generation}"
+
+
+class PushGate:
+    """Whether a push subscription may take records of a storage topic after the first.
+
+    A push tap reads its storage stream itself (not the router's inboxes), so the gate asks
+    about the subscription's own reading: T(j) is open for it once, for every earlier storage
+    topic T(i), its tap took the seal of every shard for it (``DrainStore.mark_passed``), or it
+    began reading T(i) after the sealer began (a subscription made, or moved by a seek, after
+    the seal reads nothing of T(i) it could put out of order, and may never see the seal).
+    True is cached forever per (consumer, storage topic); a seal, once recorded, never changes.
+    """
+
+    def __init__(self, store: DrainStore, clock: Clock, stream_prefix: str) -> None:
+        self.store = store
+        self.clock = clock
+        self.stream_prefix = stream_prefix
+        #: sealed storage topics: (shards, sealed_at)
+        self._sealed: dict[str, tuple[tuple[str, ...], int]] = {}
+        #: (consumer, earlier stream) found passed
+        self._passed: set[tuple[str, str]] = set()
+        self.reads = 0
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> PushGate:
+        return cls(DrainStore.from_config(config), clock or SystemClock(), config.stream_prefix)
+
+    def admits(self, consumer: str, stream: str, start_ms: Callable[[str], int]) -> bool:
+        """True if ``consumer`` may take records of ``stream``; ``start_ms(earlier)`` is when
+        it began reading an earlier storage stream (asked only while that is not known passed)."""
+        storage = storage_of(stream, self.stream_prefix)
+        if storage is None:
+            return True
+        topic, index = storage
+        for earlier_index in range(index):
+            earlier = stream_name(self.stream_prefix, topic, earlier_index)
+            if (consumer, earlier) in self._passed:
+                continue
+            if not self._passed_now(consumer, earlier, start_ms):
+                return False
+            self._passed.add((consumer, earlier))
+        return True
+
+    def _passed_now(self, consumer: str, stream: str, start_ms: Callable[[str], int]) -> bool:
+        sealed = self._sealed.get(stream)
+        if sealed is None:
+            self.reads += 1
+            record = self.store.record(stream)
+            if record.sealed is None:
+                return False
+            sealed = self._sealed[stream] = (record.sealed, record.sealed_at or 0)
+        shards, sealed_at = sealed
+        if sealed_at < start_ms(stream) + START_MARGIN_MS:
+            return True
+        self.reads += 1
+        return set(shards) <= self.store.passed(stream, consumer)

@@ -1,0 +1,175 @@
+"""Ordered drain for sessions over moto: a key's T1 messages wait for its T0 messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import boto3
+import pytest
+from shoal.composite import StorageTopic
+from shoal.delivery import source_id
+from shoal.drain import is_seal
+
+from tests.integration.test_delivery_support import World, texts
+from tests.integration.test_drain_support import GRACE_MS, Drain, Feed, switch
+
+T0, T1 = "shoal-orders-0", "shoal-orders-1"
+
+
+class Crash(BaseException):
+    """A process dying mid-call (not even ``except Exception`` runs)."""
+
+
+@pytest.fixture
+def world(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+    w = World(aws, monkeypatch)
+    w.topic("default", 1)
+    w.topic("orders", 4)
+    yield w
+
+
+def t1_sorts_first() -> str:
+    """An ordering key whose T1 inbox source sorts before its T0 one, so that a get reading
+    sources in key order alone would hand T1 out first (both storage topics have 4 partitions
+    and K=1, so the key is in the same partition of each; moto names shards by number)."""
+
+    def source(stream: str, key: str) -> str:
+        partition = StorageTopic(0, stream, 4, 1).partition_for(key)
+        return source_id(stream, f"shardId-{partition:012d}")
+
+    return next(k for k in (f"k{n}" for n in range(100)) if source(T1, k) < source(T0, k))
+
+
+KEY = t1_sorts_first()
+
+
+def publish(world: World, names: list[str]) -> None:
+    for name in names:
+        world.publish("orders/eu", name, qos=1, ordering_key=KEY)
+
+
+def switched(world: World) -> tuple[Drain, Feed, str]:
+    """A subscribed session, m0-m2 of one key in T0, a switch, m3-m5 of that key in T1."""
+    drain, feed = Drain(world), Feed(world)
+    channel = world.connect("alice-1")
+    world.subscribe("alice-1", channel, {"filter": "orders/#", "qos": 1})
+    publish(world, ["m0", "m1", "m2"])
+    switch("orders", 4)
+    publish(world, ["m3", "m4", "m5"])
+    assert [m.payload for _, m in world.harness.messages(T1)] == [b"m3", b"m4", b"m5"]
+    return drain, feed, channel
+
+
+def seal(world: World, drain: Drain) -> None:
+    world.clock.advance(GRACE_MS / 1000 + 1)
+    assert drain.sealer.run() == 1
+
+
+def test_t1_waits_until_t0_is_sealed_and_routed_then_all_in_publish_order(world: World) -> None:
+    # Given T1's batch routed before T0's
+    drain, feed, channel = switched(world)
+    feed.route(T1)
+    # Then get hands out nothing of T1 while T0 is not drained
+    assert world.get("alice-1", channel, 100) == []
+    # When T0 is routed (not sealed yet): its messages come, T1's still wait
+    feed.route(T0)
+    first = world.get("alice-1", channel, 100)
+    assert texts(first) == ["m0", "m1", "m2"]
+    world.clock.advance(2)
+    assert world.get("alice-1", channel, 100) == []
+    # When the sealer runs before the grace is over: nothing is sealed
+    assert drain.sealer.run() == 0
+    # When T0 is sealed and the seals routed
+    seal(world, drain)
+    assert feed.route(T0) == 4  # one seal per shard
+    # Then T1's messages follow, and the session saw the key in publish order
+    rest = world.get("alice-1", channel, 100)
+    assert texts(first + rest) == ["m0", "m1", "m2", "m3", "m4", "m5"]
+
+
+def test_one_get_hands_out_t0_before_t1_whatever_the_source_order(world: World) -> None:
+    # Given everything routed and sealed before the session reads, T1 routed first
+    drain, feed, channel = switched(world)
+    feed.route(T1)
+    feed.route(T0)
+    seal(world, drain)
+    feed.route(T0)
+    # When the session gets two messages at a time
+    seen: list[str] = []
+    for _ in range(4):
+        batch = world.get("alice-1", channel, 2)
+        seen += texts(batch)
+        world.ack("alice-1", channel, [m["id"] for m in batch])
+    # Then the key's messages come in publish order
+    assert seen == ["m0", "m1", "m2", "m3", "m4", "m5"]
+
+
+def test_the_steady_state_reads_no_drain_record(world: World) -> None:
+    # Given a session that passed T0 once
+    drain, feed, channel = switched(world)
+    feed.route(T0)
+    seal(world, drain)
+    feed.route(T0)
+    feed.route(T1)
+    assert len(world.drain("alice-1", channel)) == 6
+    reads = drain.session_gate.view.reads
+    # and remembers it in its delivery state
+    head = world.registry.repository.head("alice-1")
+    assert head is not None and head.session_id is not None
+    assert world.inbox.state(head.session_id).drained == {"orders": 1}
+    # When more T1 messages come
+    publish(world, ["m6", "m7"])
+    feed.route(T1)
+    # Then they go out without the gate reading the drain record again
+    assert texts(world.get("alice-1", channel, 100)) == ["m6", "m7"]
+    assert drain.session_gate.view.reads == reads
+
+
+def test_a_replayed_batch_holding_a_seal_changes_nothing_twice(world: World) -> None:
+    # Given T0 routed with its seals, T1 routed, the session served
+    drain, feed, channel = switched(world)
+    feed.route(T0)
+    seal(world, drain)
+    feed.route(T0)
+    feed.route(T1)
+    assert texts(world.drain("alice-1", channel)) == ["m0", "m1", "m2", "m3", "m4", "m5"]
+    record = drain.store.record(T0)
+    # When Lambda replays every batch of both storage topics
+    feed.replay(T0)
+    feed.replay(T1)
+    # Then the drain record is the same and the session gets nothing twice
+    assert drain.store.record(T0) == record
+    assert world.get("alice-1", channel, 100) == []
+
+
+def test_a_sealer_crash_between_the_seals_and_the_mark_is_completed_by_the_next_run(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given T0 routed, and a sealer that dies after putting the seals, before the mark
+    drain, feed, channel = switched(world)
+    feed.route(T0)
+    feed.route(T1)
+    world.clock.advance(GRACE_MS / 1000 + 1)
+
+    def die(*_: object, **__: object) -> None:
+        raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(drain.store, "mark_sealed", die)
+        with pytest.raises(Crash):
+            drain.sealer.run()
+    # When the router routes those seals
+    feed.route(T0)
+    # Then T0 is not fully drained (not marked sealed), so T1 still waits
+    assert drain.store.record(T0).sealed is None
+    assert texts(world.get("alice-1", channel, 100)) == ["m0", "m1", "m2"]
+    world.clock.advance(2)
+    assert world.get("alice-1", channel, 100) == []
+    # When the next run seals again (a second seal per shard) and the router routes them
+    assert drain.sealer.run() == 1
+    feed.route(T0)
+    seals = [r for _, r in world.harness.records(T0) if is_seal(r["Data"])]
+    assert len(seals) == 8
+    # Then T1 goes out
+    world.clock.advance(2)
+    assert texts(world.get("alice-1", channel, 100)) == ["m3", "m4", "m5"]

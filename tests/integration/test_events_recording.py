@@ -1,0 +1,237 @@
+"""What the services record for the audit (``shoal.delivery_events``): the router, session get
+and ack, shared-group get and ack, push attempts; one object per invocation, and a retried
+invocation rewrites its object instead of adding one."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from shoal.config import get_config
+from shoal.delivery_events import EVENTS_PREFIX, Recording
+from shoal.faults import ROUTER_STEPS, FaultPlan, InjectedFault
+
+import functions.router.app as router_app
+from tests.integration.test_delivery_support import World, world
+from tests.integration.test_groups_support import GroupWorld, gworld
+from tests.integration.test_push_harness import PushHarness
+from tests.unit.test_push_support import Switch
+
+__all__ = ["gworld", "world"]  # fixtures
+
+FAST = {"max_attempts": 2, "initial_backoff_s": 1, "max_backoff_s": 1}
+
+
+def objects(session: boto3.Session) -> dict[str, list[dict[str, Any]]]:
+    """Every delivery-event object: key -> its lines."""
+    s3 = session.client("s3")
+    bucket = get_config().buckets["archive"]
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=EVENTS_PREFIX + "/").get("Contents", [])
+    return {
+        o["Key"]: [
+            json.loads(line)
+            for line in s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read().splitlines()
+        ]
+        for o in listed
+    }
+
+
+def events(session: boto3.Session) -> list[dict[str, Any]]:
+    return [e for lines in objects(session).values() for e in lines]
+
+
+def kinds(session: boto3.Session, consumer_kind: str) -> Counter[str]:
+    return Counter(e["event"] for e in events(session) if e["consumer_kind"] == consumer_kind)
+
+
+@pytest.fixture
+def recording(world: World, aws: boto3.Session) -> Iterator[World]:
+    world.delivery.events = Recording(
+        get_config().buckets["archive"], world.clock, aws.client("s3")
+    )
+    yield world
+
+
+class OneFault:
+    """The router's fault switch failing its first invocation at one step, then never."""
+
+    def __init__(self, step: str) -> None:
+        self.step: str | None = step
+
+    def plan(self, steps: Any) -> FaultPlan:
+        step, self.step = self.step, None
+        return FaultPlan(step)
+
+
+def test_route_get_and_ack_record_routed_delivered_and_acked(
+    recording: World, aws: boto3.Session
+) -> None:
+    w = recording
+    # Given a subscribed session and three messages routed to it
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    ids = [w.publish("orders/a", f"m{n}") for n in range(3)]
+    w.route()
+    # When it gets and acks them
+    got = w.get("alice-1", channel)
+    status, _ = w.ack("alice-1", channel, [m["id"] for m in got])
+    assert status == 200
+    # Then one routed, one delivered and one acked event per message, all for its session
+    lines = events(aws)
+    session_ids = {e["consumer"] for e in lines}
+    assert len(session_ids) == 1
+    by_kind = {k: [e for e in lines if e["event"] == k] for k in ("routed", "delivered", "acked")}
+    assert [e["message_id"] for e in by_kind["routed"]] == ids
+    assert [e["message_id"] for e in by_kind["delivered"]] == ids
+    assert {e["label"] for e in by_kind["delivered"]} == {"alice-1"}
+    assert sorted(e["delivery_id"] for e in by_kind["acked"]) == sorted(m["id"] for m in got)
+    # And each invocation wrote one object (router, get, ack)
+    assert len(objects(aws)) == 3
+
+
+@pytest.mark.parametrize("step", ROUTER_STEPS)
+def test_a_router_failing_at_any_step_records_each_routed_message_once(
+    recording: World, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    w = recording
+    # Given a router whose first invocation fails at one step
+    switch = OneFault(step)
+    monkeypatch.setattr(router_app, "faults", lambda: switch)
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    ids = [w.publish("orders/a", f"m{n}") for n in range(3)]
+    # When the mapping retries the batch until it succeeds
+    w.route()
+    # Then the messages are delivered once and every one is recorded as routed
+    assert [m["message_id"] for m in w.drain("alice-1", channel)] == ids
+    routed = Counter(e["message_id"] for e in events(aws) if e["event"] == "routed")
+    assert set(routed) == set(ids)
+    assert switch.step is None and w.invocations >= 2
+    # And once only if the failed attempt wrote no object (after it, the mapping bisects the
+    # batch: its halves are other objects, whose lines the audit drops as held twice)
+    if ROUTER_STEPS.index(step) < ROUTER_STEPS.index("after_events"):
+        assert set(routed.values()) == {1}
+
+
+def test_the_fault_step_raises_only_at_its_step() -> None:
+    # Given a plan failing after the inbox writes
+    plan = FaultPlan("after_inbox")
+    # Then other steps pass and that one raises
+    plan.at("before_inbox")
+    with pytest.raises(InjectedFault):
+        plan.at("after_inbox")
+
+
+def test_a_redelivery_keeps_its_delivery_id_and_is_recorded_as_such(
+    recording: World, aws: boto3.Session
+) -> None:
+    w = recording
+    # Given a message handed out and never acked
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    w.publish("orders/a", "m")
+    w.route()
+    [first] = w.get("alice-1", channel)
+    # When the ack timeout passes and the session gets again
+    w.clock.advance(w.settings.ack_timeout_s + 1)
+    [again] = w.get("alice-1", channel)
+    # Then the second hand-out is recorded as redelivered, under the same delivery id
+    handed = [e for e in events(aws) if e["event"] in ("delivered", "redelivered")]
+    assert sorted((e["event"], e["delivery_id"]) for e in handed) == [
+        ("delivered", first["id"]),
+        ("redelivered", first["id"]),
+    ]
+    assert again["dup"] is True
+
+
+def test_a_retried_ack_rewrites_the_same_object(recording: World, aws: boto3.Session) -> None:
+    w = recording
+    # Given a delivered and acked message
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    w.publish("orders/a", "m")
+    w.route()
+    [got] = w.get("alice-1", channel)
+    w.ack("alice-1", channel, [got["id"]])
+    before = objects(aws)
+    # When the same ack comes again (a client retry after a lost answer)
+    status, answer = w.ack("alice-1", channel, [got["id"]])
+    # Then nothing is acked now, and the ack's events are the same object as before
+    assert (status, answer["acked"]) == (200, 0)
+    assert objects(aws).keys() == before.keys()
+
+
+def test_messages_of_a_dropped_subscription_are_recorded_as_dropped(
+    recording: World, aws: boto3.Session
+) -> None:
+    w = recording
+    # Given a message routed to a subscription the session then drops
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    message_id = w.publish("orders/a", "m")
+    w.route()
+    w.unsubscribe("alice-1", channel, "orders/#")
+    # When the session gets
+    assert w.get("alice-1", channel) == []
+    # Then the message is recorded as dropped, unsubscribed
+    [dropped] = [e for e in events(aws) if e["event"] == "dropped"]
+    assert (dropped["message_id"], dropped["reason"]) == (message_id, "unsubscribed")
+
+
+def test_shared_group_get_and_ack_record_under_the_group(
+    gworld: GroupWorld, aws: boto3.Session
+) -> None:
+    w = gworld
+    recording = Recording(get_config().buckets["archive"], w.clock, aws.client("s3"))
+    w.groups.events = recording
+    # Given the only member of a shared group and two messages routed to the group
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "$share/g/orders/#")
+    ids = [w.publish("orders/a", f"m{n}", ordering_key="k") for n in range(2)]
+    w.route()
+    # When the member gets and acks them
+    got = w.drain("alice-1", channel)
+    # Then routed, delivered and acked are recorded for the group, the member as label
+    assert [m["message_id"] for m in got] == ids
+    group = [e for e in events(aws) if e["consumer_kind"] == "group"]
+    assert Counter(e["event"] for e in group) == {"routed": 2, "delivered": 2, "acked": 2}
+    assert len({e["consumer"] for e in group}) == 1
+    member = w.session_id("alice-1")
+    assert {e["label"] for e in group if e["event"] != "routed"} == {member}
+    acked = sorted(e["delivery_id"] for e in group if e["event"] == "acked")
+    assert acked == sorted(m["id"] for m in got)
+
+
+@pytest.fixture
+def push(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[PushHarness]:
+    h = PushHarness(aws, monkeypatch)
+    h.consumer.events = Recording(get_config().buckets["archive"], h.clock, aws.client("s3"))
+    yield h
+
+
+def test_push_attempts_record_delivered_redelivered_acked_and_dead_lettered(
+    push: PushHarness, aws: boto3.Session
+) -> None:
+    # Given a push subscription whose endpoint fails key "bad" and takes key "good"
+    push.subscribe(retry=FAST)
+    push.endpoint.respond = Switch("bad")
+    good = push.publish("good", 1)
+    bad = push.publish("bad", 1)
+    # When the push function works until nothing moves
+    push.drain()
+    # Then the good one is delivered and acked, the bad one tried twice and dead-lettered
+    lines = [e for e in events(aws) if e["consumer_kind"] == "push"]
+    seen = sorted((e["message_id"] == good, e["event"], e.get("attempt")) for e in lines)
+    assert seen == [
+        (False, "dead_lettered", 2),
+        (False, "delivered", 1),
+        (False, "redelivered", 2),
+        (True, "acked", 1),
+        (True, "delivered", 1),
+    ]
+    [dead] = [e for e in lines if e["event"] == "dead_lettered"]
+    assert (dead["message_id"], dead["reason"], dead["consumer"]) == (bad, "http_503", "orders")

@@ -224,6 +224,29 @@ def test_acks_out_of_order_free_the_window(world: World) -> None:
     assert texts(world.get(CLIENT, channel, 10)) == ["0", "1", "3"]
 
 
+def test_the_session_document_counts_the_deliveries_in_flight(world: World) -> None:
+    # Given three QoS 1 deliveries and one QoS 0 handed out
+    channel = connected(world)
+    world.subscribe(CLIENT, channel, "f/#")
+    for n in range(3):
+        world.publish("f/x", str(n))
+    world.publish("f/x", "q0", qos=0)
+    world.route()
+    handed = world.get(CLIENT, channel, 10)
+    assert len(handed) == 4
+
+    def in_flight() -> int:
+        status, body = world.call(sessions_app.handler, "GET", CLIENT, channel=channel)
+        assert status == 200
+        return int(body["in_flight"])
+
+    # Then the three QoS 1 wait for their ack (QoS 0 is done as it goes out)
+    assert in_flight() == 3
+    # When one is acked, Then two are left
+    world.ack(CLIENT, channel, [handed[1]["id"]])
+    assert in_flight() == 2
+
+
 def test_get_answers_at_most_max_and_resumes_where_it_stopped(world: World) -> None:
     channel = connected(world)
     world.subscribe(CLIENT, channel, "p/#")

@@ -67,6 +67,7 @@ class World:
             on_session_end=SubscriptionRetirer(self.store, self.clock),
         )
         self.inbox = InboxStore(dynamo, config.table("inboxes"))
+        self.registry.deliveries = self.inbox
         payloads = PayloadStore(session.client("s3"), config.buckets["archive"])
         self.subscriptions = SubscriptionService(
             self.registry, self.store, self.inbox, self.settings, clock=self.clock

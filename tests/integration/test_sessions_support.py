@@ -143,9 +143,8 @@ class Sessions:
         return found
 
     def give_session(self, client_id: str, channel: str, subscriptions: dict[str, Any]) -> None:
-        """Subscriptions and an undelivered message, written as a live channel's call would."""
+        """Subscriptions, written as a live channel's call would."""
         expr = Expression().set("session.subscriptions", subscriptions)
-        expr.set("session.pending", ["m-1", "m-2"])
         version = Version.parse(channel)
         assert self.repository.update_live(client_id, version, "alice", expr, self.clock.now_ms())
 

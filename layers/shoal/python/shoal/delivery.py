@@ -55,8 +55,9 @@ later each time (at most every second), so a 20 s wait costs about 25 reads, not
 
 Order: within one source (a storage shard) deliveries are written and handed out in position
 order, so messages of one ordering key arrive in publish order. Sources are read one after the
-other; across storage topics of one composite topic (after SwitchProduce) nothing orders them
-yet: that is the ordered drain's job.
+other, earlier storage topics first; after SwitchProduce, a later storage topic's items are
+held until the earlier ones are drained and handed out (``shoal.drain``), so a key's order
+holds across storage topics too.
 
 Retained messages
 -----------------
@@ -1042,6 +1043,10 @@ class InboxStore:
     def state(self, session_id: str) -> DeliveryState:
         raw = self.dynamo.get(self.table, {"inbox": session_id, "position": STATE})
         return DeliveryState.from_record(raw) if raw else DeliveryState()
+
+    def in_flight(self, session_id: str) -> int:
+        """QoS 1/2 deliveries handed out and not acknowledged (``GET /v1/sessions/{id}``)."""
+        return self.state(session_id).in_flight()
 
     def state_part(
         self, session_id: str, state: DeliveryState, expected: int, expires_at: int

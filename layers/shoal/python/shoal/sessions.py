@@ -24,11 +24,11 @@ The table holds one partition per client id (``shoal.store.SessionItemModel``):
   ``rev`` (bumped by every lifecycle change: connect, disconnect, keepalive expiry),
   ``connected``, ``last_seen_ms``; ``conn``, the live channel's parameters (keepalive,
   ``grace_ms`` = 1.5 x keepalive, session expiry, the armed will); ``session``, the session
-  state (``id``, ``subscriptions``, ``pending``), and ``session_expires_at_ms`` once
-  disconnected. Keeping the registry head and the session in one item makes "the session has
-  exactly one owner" hold by construction, and lets every session-scoped write carry the
-  liveness check as its condition (``Expression.live``). Few top-level attributes keep the
-  connect's update short.
+  state (``id``, ``subscriptions``; its deliveries live in the inbox), and
+  ``session_expires_at_ms`` once disconnected. Keeping the registry head and the session in
+  one item makes "the session has exactly one owner" hold by construction, and lets every
+  session-scoped write carry the liveness check as its condition (``Expression.live``). Few
+  top-level attributes keep the connect's update short.
 - ``reg#<version>``: one registration, a bag entry per channel. Deregistration deletes exactly
   its own entry, whose key is its version, so it can never remove a newer registration. A
   connect also deletes the older entries it read (the "takeover end" of those channels).
@@ -54,7 +54,7 @@ import secrets
 import threading
 import uuid
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from enum import Enum
@@ -218,7 +218,6 @@ class Head:
     session_expiry_s: int
     session_expires_at_ms: int | None
     subscriptions: Mapping[str, Any]
-    pending: Sequence[Any]
     due_at_ms: int | None
 
     @property
@@ -410,6 +409,12 @@ class GroupLeases(Protocol):
     def describe(
         self, session_id: str, subscriptions: Mapping[str, Any]
     ) -> list[dict[str, Any]]: ...
+
+
+class InFlight(Protocol):
+    """The session's deliveries waiting for their ack (``shoal.delivery.InboxStore``)."""
+
+    def in_flight(self, session_id: str) -> int: ...
 
 
 class SessionEndHook(Protocol):
@@ -682,7 +687,7 @@ class SessionRepository:
             head.remove("due_shard", "due_at_ms")
         if plan.decision is not Decision.RESUME:
             fresh = {"id": plan.session_id, "started_at_ms": now_ms}
-            head.set("session", {**fresh, "subscriptions": {}, "pending": []})
+            head.set("session", {**fresh, "subscriptions": {}})
         if expected is None:
             condition = f"attribute_not_exists({head.n('client_id')})"
         else:
@@ -891,7 +896,6 @@ def _head(item: Mapping[str, Any]) -> Head:
         session_expiry_s=conn.get("session_expiry_s", 0),
         session_expires_at_ms=item.get("session_expires_at_ms"),
         subscriptions=session.get("subscriptions") or {},
-        pending=session.get("pending") or [],
         due_at_ms=item.get("due_at_ms"),
     )
 
@@ -957,6 +961,7 @@ class SessionRegistry:
         stats: RegistryStats | None = None,
         on_session_end: SessionEndHook | None = None,
         groups: GroupLeases | None = None,
+        deliveries: InFlight | None = None,
     ) -> None:
         self.repository = repository
         self.clock = clock or SystemClock()
@@ -965,10 +970,12 @@ class SessionRegistry:
         self.on_session_end = on_session_end
         #: a heartbeat renews the session's group leases too (``shoal.groups``)
         self.groups = groups
+        #: the session document counts the deliveries in flight
+        self.deliveries = deliveries
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SessionRegistry:
-        from shoal.delivery import SubscriptionRetirer
+        from shoal.delivery import InboxStore, SubscriptionRetirer
 
         retirer = SubscriptionRetirer.from_config(config, clock)
         return cls(
@@ -976,6 +983,7 @@ class SessionRegistry:
             clock,
             on_session_end=retirer,
             groups=retirer.groups,
+            deliveries=InboxStore.from_config(config),
         )
 
     # -- connect
@@ -1106,6 +1114,8 @@ class SessionRegistry:
         document = session_document(client_id, head)
         if self.groups is not None:
             document["groups"] = self.groups.describe(head.session_id or "", head.subscriptions)
+        if self.deliveries is not None and head.session_id:
+            document["in_flight"] = self.deliveries.in_flight(head.session_id)
         return document
 
 
@@ -1124,7 +1134,7 @@ def session_document(client_id: str, head: Head) -> dict[str, Any]:
             for name, options in sorted(head.subscriptions.items())
         ],
         "groups": [],
-        "pending": len(head.pending),
+        "in_flight": 0,
     }
 
 

@@ -206,6 +206,30 @@ def test_shared_group_get_and_ack_record_under_the_group(
     assert acked == sorted(m["id"] for m in got)
 
 
+def test_a_group_message_that_expires_before_any_member_gets_it_is_recorded_as_dropped(
+    gworld: GroupWorld, aws: boto3.Session
+) -> None:
+    w = gworld
+    w.groups.events = Recording(get_config().buckets["archive"], w.clock, aws.client("s3"))
+    # Given a group member and a short-lived message routed to the group, then a long-lived one
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "$share/g/orders/#")
+    short = w.publish("orders/a", "short", properties={"message_expiry_s": 5})
+    long = w.publish("orders/a", "long", properties={"message_expiry_s": 600})
+    w.route()
+    # When the member gets after the first expired (heartbeating, so it keeps its stream)
+    for _ in range(5):
+        w.clock.advance(2)
+        w.heartbeat("alice-1", channel)
+    got = w.get("alice-1", channel)
+    # Then only the long-lived one goes out, and the expired one is recorded as dropped
+    assert [m["message_id"] for m in got] == [long]
+    group = [e for e in events(aws) if e["consumer_kind"] == "group"]
+    [dropped] = [e for e in group if e["event"] == "dropped"]
+    assert (dropped["message_id"], dropped["reason"]) == (short, "expired")
+    assert [e["message_id"] for e in group if e["event"] == "delivered"] == [long]
+
+
 @pytest.fixture
 def push(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[PushHarness]:
     h = PushHarness(aws, monkeypatch)

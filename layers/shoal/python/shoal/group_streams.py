@@ -372,11 +372,14 @@ def serve(
     ack_timeout_ms: int,
     channel: str = "",
     admit: Callable[[InboxItem], bool] | None = None,
+    dropped: list[InboxMessage] | None = None,
 ) -> tuple[list[Handed], bool]:
     """Plan one get on one stream the caller holds: due runs again, then (while the stream is
     granted, not revoking) new messages after the cursor. Changes ``progress`` in place;
     answers what goes out and whether ``progress`` changed. ``admit`` holds back new messages
-    of an item it refuses (a later storage topic not drained yet: ``shoal.drain``)."""
+    of an item it refuses (a later storage topic not drained yet: ``shoal.drain``). New
+    messages that expired before going out are done at once and added to ``dropped`` (delivery
+    events: the audit must not count them lost)."""
     out: list[Handed] = []
     changed = False
     for run in sorted(progress.runs, key=lambda r: r.first):
@@ -458,6 +461,8 @@ def serve(
             changed = True
             if _expired(f, now_ms):
                 progress.done.add(ordinal)
+                if dropped is not None:
+                    dropped.append(f.message)
                 continue
             out.append(Handed(ordinal, f.message, False))
             if min(qos, f.message.qos) == 0:

@@ -85,7 +85,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
-from shoal.delivery import DeliverySettings, Dynamo, PayloadStore, to_item
+from shoal.delivery import DeliverySettings, Dynamo, InboxMessage, PayloadStore, to_item
 from shoal.delivery_events import Recording, record_answers
 from shoal.drain import GroupGate, group_gate
 from shoal.errors import ServerBusy
@@ -1289,6 +1289,7 @@ class GroupService:
                 return []
             expected = progress.pv
             work = progress
+            dropped: list[InboxMessage] = []
             handed, changed = serve(
                 work,
                 reader=self.reader,
@@ -1301,6 +1302,7 @@ class GroupService:
                 ack_timeout_ms=int(self.delivery.ack_timeout_s * 1000),
                 channel=channel,
                 admit=None if gate is None else partial(gate.admits, ref.key, partition),
+                dropped=dropped,
             )
             if not changed:
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
@@ -1324,9 +1326,21 @@ class GroupService:
                     )
                     for h in handed
                 ]
-                if self.events is not None and self.events.enabled and answers:
+                if self.events is not None and self.events.enabled and (answers or dropped):
                     events = self.events.new()
                     record_answers(events, "group", ref.key, answers, label=member_id)
+                    for message in dropped:
+                        events.add(
+                            "dropped",
+                            "group",
+                            ref.key,
+                            message_id=message.message_id,
+                            topic=message.topic,
+                            published_at=message.published_at_ms,
+                            qos=message.qos,
+                            reason="expired",
+                            label=member_id,
+                        )
                     events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
                 return answers
             progress = self.store.progress(ref.key, source)

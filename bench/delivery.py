@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from shoal.local.context import LambdaContext
+
 from bench.account import CallMeter, emulated_account, item_size
 
 SESSIONS = 200
@@ -58,15 +60,8 @@ CLAIMS = {
 }
 
 
-class _Context:
-    function_name = "shoal-router"
-    function_version = "$LATEST"
-    memory_limit_in_mb = 512
-    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:shoal-router"
-    aws_request_id = "bench"
-
-    def get_remaining_time_in_millis(self) -> int:
-        return 60_000
+def _context() -> LambdaContext:
+    return LambdaContext("shoal-router", memory_mb=512, timeout_s=60, request_id="bench")
 
 
 class WriteUnits:
@@ -207,7 +202,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         units.attach(fanout.inbox.dynamo.client)
         # warm-up: the container loads its subscription view once
         warm, *timed = events
-        router_app.handler(warm, _Context())
+        router_app.handler(warm, _context())
         meter.reset()
         units.units, units.by_operation = 0.0, {}
         deliveries_before = _count_deliveries(session, config)
@@ -216,7 +211,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         with _recorder_spent() as recorder:
             for event in timed:
                 started = time.perf_counter()
-                router_app.handler(copy.deepcopy(event), _Context())
+                router_app.handler(copy.deepcopy(event), _context())
                 took = time.perf_counter() - started
                 elapsed += took
                 invocations.append(took)

@@ -19,6 +19,7 @@ from typing import Any
 from shoal.clock import SystemClock
 from shoal.composite import TopicService
 from shoal.config import get_config
+from shoal.local.context import LambdaContext
 from shoal.store import PublisherModel, RetainedModel, TopicModel
 from shoal.streams import Streams
 
@@ -56,15 +57,8 @@ def _event(path: str, body: Any) -> dict[str, Any]:
     return event
 
 
-class _Context:
-    function_name = "shoal-publish"
-    function_version = "$LATEST"
-    memory_limit_in_mb = 1024
-    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:shoal-publish"
-    aws_request_id = "bench"
-
-    def get_remaining_time_in_millis(self) -> int:
-        return 29_000
+def _context() -> LambdaContext:
+    return LambdaContext("shoal-publish", memory_mb=1024, timeout_s=29, request_id="bench")
 
 
 def _message(name: str, n: int, exactly_once: bool, retained: bool, keys: int) -> dict[str, Any]:
@@ -92,7 +86,7 @@ def _scenario(
             if size == 1
             else _event("/v1/messages:batch", {"messages": messages})
         )
-        response = handler(event, _Context())
+        response = handler(event, _context())
         status = response["statusCode"]
         if status not in (200, 201) or '"error"' in response["body"]:
             raise RuntimeError(f"{name}: unexpected answer {status} {response['body'][:200]}")

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.local.context import LambdaContext
+
 from bench.account import emulated_account, item_size
 
 CLAIMS = {"sub": "bench", "shoal:clients": "[storm-*]"}
@@ -89,15 +91,8 @@ class _Connect:
 SAMPLE = Path(__file__).resolve().parent.parent / "events" / "sessions_connect.json"
 
 
-class _FakeContext:
-    function_name = "shoal-sessions"
-    function_version = "$LATEST"
-    memory_limit_in_mb = 512
-    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:shoal-sessions"
-    aws_request_id = "00000000-0000-0000-0000-000000000000"
-
-    def get_remaining_time_in_millis(self) -> int:
-        return 15_000
+def _context() -> LambdaContext:
+    return LambdaContext("shoal-sessions", memory_mb=512, timeout_s=15, request_id="bench")
 
 
 def _event(
@@ -125,7 +120,7 @@ def _event(
 
 
 def _invoke(handler: Handler, event: dict[str, Any]) -> tuple[int, Any]:
-    response = handler(event, _FakeContext())
+    response = handler(event, _context())
     body = response.get("body")
     return response["statusCode"], json.loads(body) if body else None
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from shoal.local.context import LambdaContext
+
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 
 
@@ -22,19 +24,9 @@ def load_event(name: str) -> dict[str, Any]:
     return copy.deepcopy(_load(name))
 
 
-class FakeContext:
-    """The parts of a LambdaContext that Powertools reads."""
-
-    function_name = "shoal-test"
-    function_version = "$LATEST"
-    memory_limit_in_mb = 512
-    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:shoal-test"
-    aws_request_id = "00000000-0000-0000-0000-000000000000"
-    log_group_name = "/aws/lambda/shoal-test"
-    log_stream_name = "test"
-
-    def get_remaining_time_in_millis(self) -> int:
-        return 30_000
+def FakeContext() -> LambdaContext:
+    """A Lambda context for handlers called directly in tests."""
+    return LambdaContext("shoal-test", log_stream="test")
 
 
 def http_event(

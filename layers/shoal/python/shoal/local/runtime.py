@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +35,12 @@ from shoal.local.authorizer import (
     mint_token,
 )
 from shoal.local.aws import EmbeddedAws
+from shoal.local.context import REGION, LambdaContext
 from shoal.local.gateway import Gateway, GatewayServer, RouteTable
-from shoal.local.provision import ACCOUNT_ID, LocalNames, provision
+from shoal.local.provision import LocalNames, provision
 
 log = logging.getLogger("shoal-dev.runtime")
 
-REGION = "us-east-1"
 RUNTIME_FILE = "runtime.json"
 LOCK_FILE = "lock"
 CHECKPOINTS_DIR = "checkpoints"
@@ -83,24 +82,6 @@ START_HOOKS: list[StartHook] = [
 
 
 # --- in-process Lambda -----------------------------------------------------------------------
-
-
-class LambdaContext:
-    """The parts of Lambda's context object a handler (and Powertools) reads."""
-
-    function_version = "$LATEST"
-
-    def __init__(self, fn: FunctionDef, function_name: str) -> None:
-        self.function_name = function_name
-        self.memory_limit_in_mb = fn.memory_mb
-        self.invoked_function_arn = f"arn:aws:lambda:{REGION}:{ACCOUNT_ID}:function:{function_name}"
-        self.aws_request_id = str(uuid.uuid4())
-        self.log_group_name = f"/aws/lambda/{function_name}"
-        self.log_stream_name = "shoal-dev"
-        self._deadline = time.monotonic() + fn.timeout_s
-
-    def get_remaining_time_in_millis(self) -> int:
-        return max(0, int((self._deadline - time.monotonic()) * 1000))
 
 
 Handler = Callable[[dict[str, Any], Any], Any]
@@ -170,7 +151,12 @@ class Functions:
         sandboxes = self._sandboxes[fn.name]
         handler = sandboxes.acquire()
         try:
-            return handler(event, LambdaContext(fn, self.names.functions[fn.name]))
+            return handler(
+                event,
+                LambdaContext(
+                    self.names.functions[fn.name], memory_mb=fn.memory_mb, timeout_s=fn.timeout_s
+                ),
+            )
         finally:
             sandboxes.release(handler)
 

@@ -18,9 +18,13 @@ writes the plan as JSON lines (what an EMR job does: injecting needs the service
 ``group:<share>/<filter>`` (or ``group:$share/<share>/<filter>``) writes into the shared
 group's partition as a group stream of the replay's own (the leader learns of it as of a storage
 shard's and hands it to one member; each message once to the group, in per-key order);
-``push:`` is not built (``TargetUnavailable``): a push subscription takes messages only from
-its tap and its own retry queue, whose per-key offsets live in its group states, and no entry
-point reserves outside messages there yet.
+``push:<subscription>`` reserves them in the push subscription's retry queue through
+``shoal.push_replay`` (the same service code locally and on EMR): each message the
+subscription's filter matches is an RQ entry due now, reserved in its key's group state like a
+redrive, so it goes out ahead of the key's newer messages and in plan order, with the original
+message id (``Shoal-Message-Id``) for the endpoint to deduplicate by; the key's mark of the
+replay (in the same conditional write) makes a second run, or a run after a crash, reserve
+nothing twice.
 """
 
 from __future__ import annotations
@@ -440,23 +444,106 @@ class GroupStreamTarget:
         return None
 
 
-def _unavailable(kind: str, reason: str) -> Callable[..., ReplayTarget]:
-    def make(*_: Any, **__: Any) -> ReplayTarget:
-        raise TargetUnavailable(f"replay into a {kind}: {reason}")
+class PushSubscriptionTarget:
+    """A push subscription: its retry queue, through ``shoal.push_replay`` (the same service
+    code locally and on EMR; see its docstring for reservation, order and idempotence).
 
-    return make
+    The endpoint gets the original message (``Shoal-Message-Id`` is the original id). A key
+    with too many replayed entries not yet delivered has the rest of its messages handed back;
+    they are passed again, first and in order, after a pause, until taken or ``patience_s``
+    passes without progress (the subscription is not delivering: the replay stops, and running
+    it again resumes it).
+    """
+
+    def __init__(
+        self, name: str, replay_id: str, *, service: Any, clock: Clock, patience_s: float = 600.0
+    ) -> None:
+        self.name = name
+        self.replay_id = replay_id
+        self.service = service
+        self.clock = clock
+        self.patience_s = patience_s
+        self.description = f"push subscription {name!r}"
+        self.unmatched = 0
+        self.already = 0
+
+    @classmethod
+    def from_config(
+        cls, config: Config, name: str, replay_id: str, clock: Clock | None = None
+    ) -> PushSubscriptionTarget:
+        from shoal.clock import SystemClock
+        from shoal.push_replay import PushReplay
+
+        clock = clock or SystemClock()
+        return cls(name, replay_id, service=PushReplay.from_config(config, clock), clock=clock)
+
+    def inject(self, messages: Sequence[ReplayMessage]) -> int:
+        from shoal.errors import SubscriptionNotFound
+
+        todo = [archived(m) for m in messages]
+        written = 0
+        waited = 0.0
+        while todo:
+            try:
+                report = self.service.replay(self.name, self.replay_id, todo)
+            except SubscriptionNotFound as exc:
+                raise TargetUnavailable(str(exc)) from None
+            written += report.injected
+            self.unmatched += report.unmatched
+            self.already += report.already
+            todo = list(report.deferred)
+            if report.injected:
+                waited = 0.0  # the subscription delivers: patience counts from here
+            if todo:
+                if waited >= self.patience_s:
+                    raise TargetUnavailable(
+                        f"push subscription {self.name!r} is not delivering the replay; "
+                        "run it again later (it resumes)"
+                    )
+                self.clock.sleep(1.0)
+                waited += 1.0
+        return written
+
+    def close(self) -> None:
+        return None
 
 
-#: target kind -> factory(name, replay_id, spark) for the kinds that need no service config
-UNAVAILABLE: dict[str, Callable[..., ReplayTarget]] = {
-    "push": _unavailable(
-        "push subscription",
-        "not built: a push subscription takes messages only from its push tap and its own "
-        "retry queue, whose per-key offsets live in its group states, and nothing reserves "
-        "outside messages there yet; replay into a session or shared group, or write a plan "
-        "(plan:<dir>) and publish it again",
-    ),
-}
+def archived(m: ReplayMessage) -> Any:
+    """A plan's message as ``shoal.push_replay`` takes it: the original message, its replay
+    position and, when the position names it, its main position."""
+    from shoal.publishing import Message
+    from shoal.push_replay import Archived
+
+    message = Message(
+        message_id=m.message_id,
+        topic=m.topic,
+        payload=m.payload,
+        qos=m.qos,
+        retain=m.retain,
+        ordering_key=m.ordering_key,
+        published_at_ms=m.published_at,
+        sub="",
+        properties=dict(m.properties),
+    )
+    return Archived(message, m.replay_position, main_of(m.replay_position))
+
+
+def main_of(replay_position: str) -> str:
+    """The main position (``shoal.push.main_position``) a plan's replay position names, or ""
+    (composite digest . storage topic . shard digest . digit count + sequence . index)."""
+    from shoal.push import main_position
+
+    parts = replay_position.split(".")
+    if len(parts) != 5 or not all(p.isdigit() for p in (parts[1], parts[3], parts[4])):
+        return ""
+    digits = parts[3][3:]
+    if not digits:
+        return ""
+    return main_position(int(parts[1]), digits, int(parts[4]))
+
+
+#: target kind -> factory(name, replay_id, spark) for kinds the design has and the service not
+UNAVAILABLE: dict[str, Callable[..., ReplayTarget]] = {}
 
 
 def make_target(
@@ -476,6 +563,10 @@ def make_target(
         from shoal.config import get_config
 
         return GroupStreamTarget.from_config(config or get_config(), name, replay_id)
+    if kind == "push":
+        from shoal.config import get_config
+
+        return PushSubscriptionTarget.from_config(config or get_config(), name, replay_id)
     if kind in UNAVAILABLE:
         return UNAVAILABLE[kind](name, replay_id)
     raise ValueError(f"unknown target kind {kind!r}: session, group, push or plan")
@@ -558,6 +649,9 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
     selected = plan.count()
     progress(f"{selected} messages selected (replay id {replay_id})")
     written = 0 if target is None else inject(plan, target, progress)
+    already = getattr(target, "already", 0)
+    if already:
+        progress(f"{already} messages were replayed into the target before: left out")
     unmatched = getattr(target, "unmatched", 0)
     if unmatched:
         progress(f"{unmatched} messages matched none of the target's subscriptions: left out")

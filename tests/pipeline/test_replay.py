@@ -20,7 +20,6 @@ from pipeline.replay import (
     SessionInboxTarget,
     TargetUnavailable,
     inject,
-    make_target,
     replay_message_id,
     select,
 )
@@ -163,9 +162,71 @@ def test_session_target_without_a_session_is_unavailable() -> None:
         target.inject([replayed(0)])
 
 
-def test_push_targets_are_not_built_and_say_why() -> None:
-    with pytest.raises(TargetUnavailable, match="retry queue"):
-        make_target("push:orders-hook", "r1")
+class FakePushReplay:
+    """``shoal.push_replay.PushReplay``: records calls; defers the first call's last message."""
+
+    def __init__(self, defer: int = 0, missing: bool = False) -> None:
+        self.calls: list[list[Any]] = []
+        self.defer = defer
+        self.missing = missing
+
+    def replay(self, name: str, replay_id: str, messages: list[Any]) -> Any:
+        from shoal.errors import SubscriptionNotFound
+        from shoal.push_replay import ReplayReport
+
+        if self.missing:
+            raise SubscriptionNotFound(f"no push subscription named {name}")
+        self.calls.append(list(messages))
+        deferred = messages[len(messages) - self.defer :] if self.defer else []
+        self.defer = 0
+        return ReplayReport(injected=len(messages) - len(deferred), deferred=list(deferred))
+
+
+def push_target(service: FakePushReplay, clock: ManualClock | None = None) -> Any:
+    from pipeline.replay import PushSubscriptionTarget
+
+    return PushSubscriptionTarget("hook", "r1", service=service, clock=clock or ManualClock(T0))
+
+
+def test_push_target_hands_the_original_messages_with_their_main_positions(
+    plan: list[dict[str, Any]],
+) -> None:
+    from shoal.push import main_position
+
+    # Given the plan m0 (0/10), m1 (0/20), m2 (storage topic 1, sequence 5)
+    service = FakePushReplay()
+    # When it is injected into a push subscription
+    written = push_target(service).inject([ReplayMessage.from_row(r) for r in plan])
+    # Then the service got the original messages (the endpoint dedups by their ids), in plan
+    # order, each with its replay position and the main position it names
+    assert written == 3
+    [call] = service.calls
+    assert [a.message.message_id for a in call] == ["m0", "m1", "m2"]
+    assert [a.position for a in call] == [r["replay_position"] for r in plan]
+    assert [a.main for a in call] == [
+        main_position(0, "10", 0),
+        main_position(0, "20", 0),
+        main_position(1, "5", 0),
+    ]
+
+
+def test_push_target_passes_deferred_messages_again_before_going_on() -> None:
+    # Given a subscription that defers the last message (its key has too many pending)
+    service, clock = FakePushReplay(defer=1), ManualClock(T0)
+    # When three messages are injected
+    written = push_target(service, clock).inject([replayed(n) for n in range(3)])
+    # Then the deferred one was passed again after a pause, and everything was written
+    assert written == 3
+    assert [[a.message.message_id for a in c] for c in service.calls] == [
+        ["m0", "m1", "m2"],
+        ["m2"],
+    ]
+    assert clock.now_ms() > T0
+
+
+def test_push_target_without_a_subscription_is_unavailable() -> None:
+    with pytest.raises(TargetUnavailable, match="no push subscription"):
+        push_target(FakePushReplay(missing=True)).inject([replayed(0)])
 
 
 class FakeGroups:

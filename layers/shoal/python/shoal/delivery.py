@@ -90,7 +90,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import boto3
 from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
@@ -571,6 +571,38 @@ def pack(
 # --- the delivery state --------------------------------------------------------------------------
 
 
+class OrdinalRun(Protocol):
+    """Ordinals ``first .. end - 1`` handed out together (a session's or a group stream's run)."""
+
+    @property
+    def first(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+R = TypeVar("R", bound=OrdinalRun)
+
+
+def settle(
+    runs: list[R], floor: int, next_ordinal: int, done: set[int]
+) -> tuple[int, set[int], list[R]]:
+    """Move the floor over done ordinals: the new floor (the first ordinal not done, or
+    ``next_ordinal``), the done ordinals above it, and the runs that still hold one not done.
+    ``runs`` is sorted in place by first ordinal."""
+    runs.sort(key=lambda r: r.first)
+    new_floor = next_ordinal
+    for run in runs:
+        pending = next((o for o in range(max(run.first, floor), run.end) if o not in done), None)
+        if pending is not None:
+            new_floor = pending
+            break
+    floor = max(floor, new_floor)
+    done = {o for o in done if o >= floor}
+    kept = [r for r in runs if any(o not in done for o in range(max(r.first, floor), r.end))]
+    return floor, done, kept
+
+
 @dataclass
 class Run:
     """Positions ``(after, upto]`` of one source, handed out by one get as ordinals
@@ -654,23 +686,9 @@ class DeliveryState:
 
     def normalize(self) -> None:
         """Move the floor over done ordinals; forget runs and acks below it."""
-        self.runs.sort(key=lambda r: r.first)
-        floor = self.next_ordinal
-        for run in self.runs:
-            pending = next(
-                (o for o in range(max(run.first, self.floor), run.end) if o not in self.acked),
-                None,
-            )
-            if pending is not None:
-                floor = pending
-                break
-        self.floor = max(self.floor, floor)
-        self.acked = {o for o in self.acked if o >= self.floor}
-        self.runs = [
-            r
-            for r in self.runs
-            if any(not self.done(o) for o in range(max(r.first, self.floor), r.end))
-        ]
+        self.floor, self.acked, self.runs = settle(
+            self.runs, self.floor, self.next_ordinal, self.acked
+        )
 
     def record(self, session_id: str, expires_at: int) -> dict[str, Any]:
         return {

@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from shoal.delivery import Dynamo, InboxItem, InboxMessage, PayloadStore, item_key, to_item
+from shoal.delivery import (
+    Dynamo,
+    InboxItem,
+    InboxMessage,
+    PayloadStore,
+    item_key,
+    settle,
+    to_item,
+)
 
 GROUP_PARTITION_PREFIX = "grp#"
 DELIVERY_PREFIX = "g-"
@@ -191,23 +199,7 @@ class StreamProgress:
 
     def normalize(self) -> None:
         """Move the floor over done ordinals; forget runs and done ordinals below it."""
-        self.runs.sort(key=lambda r: r.first)
-        floor = self.next
-        for run in self.runs:
-            pending = next(
-                (o for o in range(max(run.first, self.floor), run.end) if o not in self.done),
-                None,
-            )
-            if pending is not None:
-                floor = pending
-                break
-        self.floor = max(self.floor, floor)
-        self.done = {o for o in self.done if o >= self.floor}
-        self.runs = [
-            r
-            for r in self.runs
-            if any(not self.is_done(o) for o in range(max(r.first, self.floor), r.end))
-        ]
+        self.floor, self.done, self.runs = settle(self.runs, self.floor, self.next, self.done)
 
     def record(self, group_key: str) -> dict[str, Any]:
         """The item: the fence as attributes (conditions name them), the rest as one JSON

@@ -37,6 +37,8 @@ Flows
   exhaustion or a non-retryable answer moves the entry to DLQ.
 - **DLQ**: listed with reason and attempts; a redrive moves a key's oldest entries, in order,
   into RQ ahead of the key's newer messages; a key whose DLQ drains unblocks.
+- **Replay** (``shoal.push_replay``): archived messages reserved into RQ as a redrive reserves
+  (reason ``REPLAYED``), idempotently by a per-key mark of the replay.
 
 Attempt times are exponential backoff with jitter, bounded: after attempt ``a`` the next
 waits ``b/2 .. b`` with ``b = min(initial * multiplier**(a-1), max)``, the jitter a stable
@@ -93,6 +95,9 @@ DLQ: Queue = "dlq"
 
 #: reasons a message is in the DLQ without an attempt of its own
 BLOCKED = "ordering_key_blocked"
+#: the reason of an RQ entry a replay of archived messages put there (``shoal.push_replay``):
+#: a seek skips it by when it was replayed, not by when its message was published
+REPLAYED = "replayed"
 RETRY_CLASSES = frozenset({"4xx", "5xx", "timeout"})
 DEFAULT_RETRY_ON: tuple[int | str, ...] = (429, "5xx", "timeout")
 
@@ -548,8 +553,8 @@ class Reservation:
         )
 
 
-#: who made a reservation: the MQ consumer, the RQ consumer (moves to DLQ), a redrive
-Role = Literal["mq", "rq", "rd"]
+#: who made a reservation: the MQ consumer, the RQ consumer (moves to DLQ), a redrive, a replay
+Role = Literal["mq", "rq", "rd", "rp"]
 #: MQ reservations remembered: one suffices while the tap retries its batch (each put lands
 #: before the next reservation); a few more cover a batch a seek abandoned mid-way
 MQ_HISTORY = 8
@@ -582,6 +587,9 @@ class GroupState:
     #: several lanes (whose shard cursor cannot move: see ``shoal.push_delivery``)
     marks: Mapping[str, str] = field(default_factory=dict)
     pending: Mapping[str, tuple[Reservation, ...]] = field(default_factory=dict)
+    #: per replay (``shoal.push_replay``), the replay position of the key's last message it
+    #: reserved: its messages are reserved in that order, so this says which are in RQ already
+    replays: Mapping[str, str] = field(default_factory=dict)
     version: int = 0
 
     def queue(self, name: Queue) -> QueueState:
@@ -682,6 +690,7 @@ class GroupState:
                     role: [r.item() for r in rs] for role, rs in self.pending.items() if rs
                 },
                 **({"marks": dict(self.marks)} if self.marks else {}),
+                **({"replays": dict(self.replays)} if self.replays else {}),
             },
             separators=(",", ":"),
         )
@@ -709,6 +718,7 @@ class GroupState:
                 for role, rs in (raw.get("pending") or {}).items()
             },
             marks={str(k): str(v) for k, v in (raw.get("marks") or {}).items()},
+            replays={str(k): str(v) for k, v in (raw.get("replays") or {}).items()},
             version=version,
         )
 
@@ -801,7 +811,10 @@ def decide_retry(
         return RetryDecision(RetryAction.STALE)
     if entry.n > consumed + 1:
         return RetryDecision(RetryAction.GAP)
-    if entry.message.published_at_ms < skip_before_ms:
+    # a replayed entry counts as published when it was replayed: a seek before the replay
+    # must not skip what the replay was asked for
+    published = entry.at_ms if entry.reason == REPLAYED else entry.message.published_at_ms
+    if published < skip_before_ms:
         return RetryDecision(RetryAction.SKIP)
     if ordered and state.dlq.blocks(skip_before_ms) and entry.main > state.dlq.c.m:
         # DLQ holds an older message of the key (entries reach DLQ in key order, so one newer

@@ -14,7 +14,9 @@ This is how a consumer seeks past the storage streams' retention. Two steps:
 Targets (``--target KIND:NAME``): ``session:<client id>`` writes into the session's inbox (a
 source of its own, read by get like any other; each message carries the session's subscription
 that matches it, the one granting the highest QoS, or is left out when none does); ``plan:<dir>``
-writes the plan as JSON lines (what an EMR job does: injecting needs the service's tables);
+writes the plan as JSON lines (what an EMR job does: injecting needs the service's tables;
+``--plan <file or s3://bucket/key>`` then injects such a plan without Spark, wherever the
+service's tables are reachable: ``shoal pipeline replay --plan ... --target push:orders``);
 ``group:<share>/<filter>`` (or ``group:$share/<share>/<filter>``) writes into the shared
 group's partition as a group stream of the replay's own (the leader learns of it as of a storage
 shard's and hands it to one member; each message once to the group, in per-key order);
@@ -599,8 +601,12 @@ def inject(plan: DataFrame, target: ReplayTarget, progress: Progress | None = No
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="archive root: a folder or s3://bucket")
-    parser.add_argument("--filter", required=True, help="MQTT topic filter of what to replay")
+    parser.add_argument("--input", help="archive root: a folder or s3://bucket")
+    parser.add_argument(
+        "--plan",
+        help="instead of --input/--filter: inject a plan a plan: target wrote (file or s3://)",
+    )
+    parser.add_argument("--filter", help="MQTT topic filter of what to replay (with --input)")
     parser.add_argument("--since", help="publish time from (ISO 8601 or epoch ms), inclusive")
     parser.add_argument("--until", help="publish time until (ISO 8601 or epoch ms), exclusive")
     parser.add_argument(
@@ -633,8 +639,49 @@ def use_local_runtime(state_dir: Path) -> None:
     get_config.cache_clear()
 
 
+def read_plan(location: str) -> Iterator[dict[str, Any]]:
+    """The rows of a plan file (``plan.jsonl``, local or ``s3://bucket/key``), in order."""
+    if location.startswith("s3://"):
+        import boto3
+
+        bucket, _, key = location[len("s3://") :].partition("/")
+        body = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"]
+        lines: Iterable[bytes] = body.iter_lines()
+    else:
+        path = Path(location)
+        lines = (path / "plan.jsonl" if path.is_dir() else path).read_bytes().splitlines()
+    for line in lines:
+        if line.strip():
+            yield json.loads(line)
+
+
+def run_plan(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """Inject a written plan: no Spark, the plan's ids and positions as they are."""
+    if args.target.startswith("plan:"):
+        raise ValueError("--plan injects into a session, group or push target, not another plan")
+    replay_id = args.replay_id or replay_id_for(Selection(args.plan), args.target)
+    if args.state_dir is not None:
+        use_local_runtime(args.state_dir)
+    messages = list(read_plan(args.plan))
+    progress(f"{len(messages)} messages in the plan {args.plan} (replay id {replay_id})")
+    written = 0
+    if not args.dry_run:
+        target = make_target(args.target, replay_id)
+        for batch in batches(messages):
+            written += target.inject(batch)
+            progress(f"{written} messages into {target.description}")
+        target.close()
+    return {"replay_id": replay_id, "selected": len(messages), "written": written}
+
+
 def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str, Any]:
     progress = Progress("replay", quiet=args.quiet)
+    if args.plan is not None:
+        if args.input is not None or args.filter is not None:
+            raise ValueError("--plan replaces --input and --filter")
+        return run_plan(args, progress)
+    if args.input is None or args.filter is None:
+        raise ValueError("--input and --filter are required (or --plan)")
     selection = Selection(args.filter, parse_time(args.since), parse_time(args.until))
     replay_id = args.replay_id or replay_id_for(selection, args.target)
     if args.state_dir is not None:
@@ -662,6 +709,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal pipeline replay", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.plan is not None and (args.input is not None or args.filter is not None):
+        parser.error("--plan replaces --input and --filter")
+    if args.plan is None and (args.input is None or args.filter is None):
+        parser.error("--input and --filter are required (or --plan)")
+    if args.plan is not None and args.target.startswith("plan:"):
+        parser.error("--plan injects into a session, group or push target, not another plan")
     try:
         result = run(args)
     except TargetUnavailable as exc:

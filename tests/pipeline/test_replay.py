@@ -12,6 +12,7 @@ import pytest
 from pyspark.sql import DataFrame, SparkSession
 from shoal.clock import ManualClock
 
+from pipeline import replay
 from pipeline.common import Output
 from pipeline.replay import (
     PlanTarget,
@@ -305,3 +306,53 @@ def test_inject_streams_the_plan_into_a_plan_file(archive: DataFrame, tmp_path: 
     lines = (tmp_path / "plan.jsonl").read_text().splitlines()
     assert written == len(lines) == 3
     assert base64.b64decode(__import__("json").loads(lines[0])["payload"]) == b"hello"
+
+
+def test_a_written_plan_is_injected_without_spark_in_order(
+    archive: DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a plan an EMR job wrote (a plan: target), and a session target that records
+    plan = select(archive, Selection("orders/#"), "r3")
+    inject(plan, PlanTarget(Output(str(tmp_path))))
+    expected = [row["replay_message_id"] for row in plan.collect()]
+    taken: list[list[str]] = []
+
+    class Recorder:
+        description = "recorder"
+
+        def inject(self, messages: Any) -> int:
+            taken.append([m.replay_message_id for m in messages])
+            return len(messages)
+
+        def close(self) -> None:
+            taken.append(["closed"])
+
+    made: list[tuple[str, str]] = []
+
+    def make(spec: str, replay_id: str, *_: Any, **__: Any) -> Recorder:
+        made.append((spec, replay_id))
+        return Recorder()
+
+    monkeypatch.setattr(replay, "make_target", make)
+    monkeypatch.setattr(replay, "spark_session", lambda *_: pytest.fail("no Spark for a plan"))
+    # When `shoal pipeline replay --plan <folder> --target session:c1` runs, twice
+    argv = ["--plan", str(tmp_path), "--target", "session:c1", "--quiet"]
+    assert replay.main(argv) == 0
+    assert replay.main(argv) == 0
+    # Then the target took the plan's messages in plan order, under one replay id both times
+    assert taken[0] == expected and taken[1] == ["closed"]
+    assert made[0] == made[1] and made[0][0] == "session:c1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--plan", "p", "--input", "a", "--target", "session:c1"],
+        ["--input", "a", "--target", "session:c1"],
+        ["--plan", "p", "--target", "plan:out"],
+    ],
+)
+def test_replay_refuses_mixed_or_missing_sources(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        replay.main(argv)
+    assert exited.value.code == 2

@@ -648,13 +648,22 @@ class Run:
         )
 
 
-def _ranges(numbers: Iterable[int]) -> list[list[int]]:
+def ordinal_ranges(numbers: Iterable[int]) -> list[list[int]]:
+    """Ordinals as ``[first, last]`` ranges (how progress items store done ordinals)."""
     out: list[list[int]] = []
     for n in sorted(numbers):
         if out and out[-1][1] == n - 1:
             out[-1][1] = n
         else:
             out.append([n, n])
+    return out
+
+
+def from_ranges(ranges: Iterable[Sequence[Any]]) -> set[int]:
+    """The ordinals of ``ordinal_ranges``' answer."""
+    out: set[int] = set()
+    for lo, hi in ranges:
+        out.update(range(int(lo), int(hi) + 1))
     return out
 
 
@@ -697,7 +706,7 @@ class DeliveryState:
             "v": self.version,
             "n": self.next_ordinal,
             "fl": self.floor,
-            "ak": _ranges(self.acked),
+            "ak": ordinal_ranges(self.acked),
             "cu": dict(self.cursors),
             "pa": dict(self.partial),
             "ru": [r.data() for r in self.runs],
@@ -707,9 +716,7 @@ class DeliveryState:
 
     @classmethod
     def from_record(cls, raw: Mapping[str, Any]) -> DeliveryState:
-        acked: set[int] = set()
-        for lo, hi in raw.get("ak") or []:
-            acked.update(range(int(lo), int(hi) + 1))
+        acked = from_ranges(raw.get("ak") or [])
         return cls(
             version=int(raw.get("v", 0)),
             next_ordinal=int(raw.get("n", 0)),

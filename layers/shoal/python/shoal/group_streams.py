@@ -40,7 +40,9 @@ from shoal.delivery import (
     InboxItem,
     InboxMessage,
     PayloadStore,
+    from_ranges,
     item_key,
+    ordinal_ranges,
     settle,
     to_item,
 )
@@ -145,16 +147,6 @@ class Run:
         )
 
 
-def _ranges(numbers: Iterable[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for n in sorted(numbers):
-        if out and out[-1][1] == n - 1:
-            out[-1][1] = n
-        else:
-            out.append([n, n])
-    return out
-
-
 @dataclass
 class StreamProgress:
     """One group stream's progress and fence (the ``s#<source>`` item)."""
@@ -207,7 +199,7 @@ class StreamProgress:
         body = {
             "n": self.next,
             "fl": self.floor,
-            "dn": _ranges(self.done),
+            "dn": ordinal_ranges(self.done),
             "cu": self.cursor,
             "ai": self.at_item,
             "ru": [r.data() for r in self.runs],
@@ -230,9 +222,7 @@ class StreamProgress:
     @classmethod
     def from_record(cls, raw: Mapping[str, Any]) -> StreamProgress:
         body = json.loads(raw["p"]) if raw.get("p") else {}
-        done: set[int] = set()
-        for lo, hi in body.get("dn") or []:
-            done.update(range(int(lo), int(hi) + 1))
+        done = from_ranges(body.get("dn") or [])
         return cls(
             source=str(raw["item"])[len(STREAM_PREFIX) :],
             incarnation=str(raw.get("inc", "")),

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.local.context import LambdaContext
+from shoal.local.esm import event_of
 
 from bench.account import CallMeter, emulated_account, item_size
 
@@ -108,35 +109,10 @@ def _kinesis_events(session: Any, stream: str) -> list[dict[str, Any]]:
             break
         records += response["Records"]
         iterator = response["NextShardIterator"]
-    arn = f"arn:aws:kinesis:us-east-1:123456789012:stream/{stream}"
-    events = []
-    for start in range(0, len(records), BATCH):
-        events.append(
-            {
-                "Records": [
-                    {
-                        "kinesis": {
-                            "kinesisSchemaVersion": "1.0",
-                            "partitionKey": r["PartitionKey"],
-                            "sequenceNumber": r["SequenceNumber"],
-                            "data": base64.b64encode(r["Data"]).decode(),
-                            "approximateArrivalTimestamp": r[
-                                "ApproximateArrivalTimestamp"
-                            ].timestamp(),
-                        },
-                        "eventSource": "aws:kinesis",
-                        "eventVersion": "1.0",
-                        "eventID": f"{shard}:{r['SequenceNumber']}",
-                        "eventName": "aws:kinesis:record",
-                        "invokeIdentityArn": "arn:aws:iam::123456789012:role/bench",
-                        "awsRegion": "us-east-1",
-                        "eventSourceARN": arn,
-                    }
-                    for r in records[start : start + BATCH]
-                ]
-            }
-        )
-    return events
+    return [
+        event_of(records[start : start + BATCH], stream=stream, shard_id=shard)
+        for start in range(0, len(records), BATCH)
+    ]
 
 
 def _filters(s: int) -> list[str]:

@@ -9,13 +9,13 @@ clock.
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 from shoal.composite import scan_topics
 from shoal.config import get_config
 from shoal.delivery import Dynamo
 from shoal.drain import DrainStore, DrainView, GroupGate, RouterDrain, Sealer, SessionGate
+from shoal.local.esm import event_of
 
 from tests.helpers import FakeContext
 from tests.integration.test_delivery_support import World
@@ -64,27 +64,7 @@ class Feed:
             iterator = response["NextShardIterator"]
 
     def _invoke(self, stream: str, shard_id: str, records: list[Any]) -> None:
-        event = {
-            "Records": [
-                {
-                    "kinesis": {
-                        "kinesisSchemaVersion": "1.0",
-                        "partitionKey": r["PartitionKey"],
-                        "sequenceNumber": r["SequenceNumber"],
-                        "data": base64.b64encode(r["Data"]).decode(),
-                        "approximateArrivalTimestamp": r["ApproximateArrivalTimestamp"].timestamp(),
-                    },
-                    "eventSource": "aws:kinesis",
-                    "eventVersion": "1.0",
-                    "eventID": f"{shard_id}:{r['SequenceNumber']}",
-                    "eventName": "aws:kinesis:record",
-                    "invokeIdentityArn": "arn:aws:iam::123456789012:role/shoal-local-lambda",
-                    "awsRegion": "us-east-1",
-                    "eventSourceARN": f"arn:aws:kinesis:us-east-1:123456789012:stream/{stream}",
-                }
-                for r in records
-            ]
-        }
+        event = event_of(records, stream=stream, shard_id=shard_id)
         response = self.world.router(event, FakeContext())
         assert not response.get("batchItemFailures"), response
 

@@ -10,6 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.config import get_config
+from shoal.local.esm import event_of
 
 from functions.router.app import handler
 from tests.helpers import FakeContext, load_event
@@ -41,28 +42,7 @@ def kinesis_event(harness: Harness, stream: str) -> dict[str, Any]:
     records = harness.records(stream)
     partition = records[0][0]
     shard = harness.shards(stream)[partition]["ShardId"]
-    return {
-        "Records": [
-            {
-                "kinesis": {
-                    "kinesisSchemaVersion": "1.0",
-                    "partitionKey": r["PartitionKey"],
-                    "sequenceNumber": r["SequenceNumber"],
-                    "data": base64.b64encode(r["Data"]).decode(),
-                    "approximateArrivalTimestamp": r["ApproximateArrivalTimestamp"].timestamp(),
-                },
-                "eventSource": "aws:kinesis",
-                "eventVersion": "1.0",
-                "eventID": f"{shard}:{r['SequenceNumber']}",
-                "eventName": "aws:kinesis:record",
-                "invokeIdentityArn": "arn:aws:iam::123456789012:role/shoal-local-lambda",
-                "awsRegion": "us-east-1",
-                "eventSourceARN": f"arn:aws:kinesis:us-east-1:123456789012:stream/{stream}",
-            }
-            for p, r in records
-            if p == partition
-        ]
-    }
+    return event_of([r for p, r in records if p == partition], stream=stream, shard_id=shard)
 
 
 def test_a_consumed_batch_is_archived_by_topic_date_and_hour(

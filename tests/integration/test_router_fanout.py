@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 from collections import Counter
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 from shoal.config import get_config
 from shoal.delivery import Subscription
 from shoal.fanout import Fanout
+from shoal.local.esm import event_of
 from shoal.publishing import Message
 
 from tests.helpers import FakeContext
@@ -30,27 +30,7 @@ def event_for(world: World, stream: str, first: int = 0, last: int | None = None
     records = [r for _, r in world.harness.records(stream)]
     shard = world.harness.shards(stream)[0]["ShardId"]
     chosen = records[first : None if last is None else last + 1]
-    return {
-        "Records": [
-            {
-                "kinesis": {
-                    "kinesisSchemaVersion": "1.0",
-                    "partitionKey": r["PartitionKey"],
-                    "sequenceNumber": r["SequenceNumber"],
-                    "data": base64.b64encode(r["Data"]).decode(),
-                    "approximateArrivalTimestamp": r["ApproximateArrivalTimestamp"].timestamp(),
-                },
-                "eventSource": "aws:kinesis",
-                "eventVersion": "1.0",
-                "eventID": f"{shard}:{r['SequenceNumber']}",
-                "eventName": "aws:kinesis:record",
-                "invokeIdentityArn": "arn:aws:iam::123456789012:role/shoal-local-lambda",
-                "awsRegion": "us-east-1",
-                "eventSourceARN": f"arn:aws:kinesis:us-east-1:123456789012:stream/{stream}",
-            }
-            for r in chosen
-        ]
-    }
+    return event_of(chosen, stream=stream, shard_id=shard)
 
 
 def inbox_items(session: boto3.Session) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ import json
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -272,6 +272,23 @@ def kinesis_event(
             for r in records
         ]
     }
+
+
+def event_of(
+    raw_records: Sequence[Mapping[str, Any]], *, stream: str, shard_id: str
+) -> dict[str, Any]:
+    """The event for records as GetRecords answers them, from a stream of the emulated account
+    (tests and benchmarks that invoke a stream consumer directly)."""
+    from shoal.local.context import REGION
+    from shoal.local.provision import ACCOUNT_ID
+
+    return kinesis_event(
+        [StreamRecord.from_get_records(dict(r)) for r in raw_records],
+        shard_id=shard_id,
+        stream_arn=f"arn:aws:kinesis:{REGION}:{ACCOUNT_ID}:stream/{stream}",
+        region=REGION,
+        role_arn=f"arn:aws:iam::{ACCOUNT_ID}:role/shoal-local-lambda",
+    )
 
 
 def _iso(seconds: float) -> str:

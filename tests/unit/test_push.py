@@ -173,6 +173,30 @@ def test_a_seek_generation_voids_the_routed_mark() -> None:
     assert action is MainAction.FOLLOW_DLQ
 
 
+def test_routing_from_a_later_storage_topic_never_skips_an_earlier_ones_messages() -> None:
+    # Given key k's message of storage topic 1 routed to RQ first (its tap ran ahead)
+    later = main_position(1, "5", 0)
+    state = GroupState().reserve("mq", [reservation(RQ, 1, later, message_id="t1")], generation=0)
+    # When the tap of storage topic 0 comes to an older message of k
+    action = decide_main(
+        state, main=pos(10), message_id="t0", generation=0, skip_before_ms=0, ordered=False
+    )
+    # Then it is delivered, not skipped (positions of two storage topics do not compare)
+    assert action is MainAction.DELIVER
+
+
+def test_a_message_routed_before_a_later_storage_topic_routed_is_still_skipped() -> None:
+    # Given m1 of storage topic 0 routed, then a message of storage topic 1 routed
+    state = blocked_in_rq().reserve(
+        "mq", [reservation(RQ, 2, main_position(1, "5", 0), message_id="t1")], generation=0
+    )
+    # When storage topic 0's batch comes again with m1 / Then m1 is skipped: RQ holds it
+    action = decide_main(
+        state, main=pos(10), message_id="m", generation=0, skip_before_ms=0, ordered=True
+    )
+    assert action is MainAction.SKIP
+
+
 def test_a_key_marked_finished_skips_what_it_finished_in_that_storage_topic() -> None:
     # Given a key marked finished up to main 10 of storage topic 0 in generation 2
     state = GroupState().mark(pos(10), 2)
@@ -202,11 +226,12 @@ def test_a_mark_only_moves_forward_and_a_stale_generation_leaves_it() -> None:
 
 
 def test_routing_in_a_new_generation_voids_the_marks() -> None:
-    # Given a mark of generation 1 / When a message is routed in generation 2
-    state = GroupState().mark(pos(10), 1)
+    # Given a mark of generation 1 up to main 30 / When main 20 is routed in generation 2
+    state = GroupState().mark(pos(30), 1)
     routed = state.reserve("mq", [reservation(RQ, 1, pos(20))], generation=2)
-    # Then the old mark no longer skips anything
-    assert not routed.finished(pos(10), 2)
+    # Then the old mark no longer skips anything: only what generation 2 routed is finished
+    assert not routed.finished(pos(25), 2)
+    assert routed.finished(pos(20), 2)
 
 
 def test_entries_older_than_a_seek_time_do_not_block() -> None:

@@ -28,7 +28,8 @@ about), and a reserved one is never lost.
 Flows
 -----
 - **MQ** (``shoal.push_delivery``): a non-matching message is skipped; an already routed one
-  (main position at or below the key's ``routed`` mark of the same seek generation) is
+  (main position at or below the key's mark for that storage topic in the same seek
+  generation: positions of two storage topics never compare, their taps run side by side) is
   skipped; a blocked key's message follows into RQ (or DLQ, when only DLQ holds the key);
   otherwise it is POSTed: 2xx done; a ``retry_on`` outcome goes to RQ with its attempt time;
   anything else (or ``max_attempts`` 1) to DLQ with the reason.
@@ -633,7 +634,12 @@ class GroupState:
         )
         state = replace(state, pending={**self.pending, role: kept})
         if role == "mq" and generation is not None and reservations:
-            marks = state.marks if generation == state.generation else {}
+            marks = dict(state.marks) if generation == state.generation else {}
+            # routed is handled: the mark of its storage topic moves with it, so routing a
+            # later storage topic's message (taps run side by side) forgets nothing of this one
+            for r in reservations:
+                topic = _topic_of(r.main)
+                marks[topic] = max(marks.get(topic, ""), r.main)
             state = replace(state, routed=reservations[-1].main, generation=generation, marks=marks)
         return state
 
@@ -747,11 +753,12 @@ def decide_main(
     ordered: bool,
 ) -> MainAction:
     """What the MQ consumer does with a matching message of a key in ``state``."""
-    if state.generation == generation and state.routed and main <= state.routed:
+    if state.generation == generation:
         mine = state.reserved("mq")
         if mine and mine[-1].message_id == message_id and mine[-1].main == main:
             return MainAction.REPUT
-        return MainAction.SKIP
+    # positions compare within one storage topic only: the taps of a topic's storage topics
+    # run side by side, so a key's later storage topic may route before its earlier one
     if state.finished(main, generation):
         return MainAction.SKIP
     if ordered:

@@ -14,6 +14,7 @@ import pytest
 from shoal.composite import scan_topics
 from shoal.delivery import Dynamo
 from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
+from shoal.push_admin import UpdateRequest
 
 from tests.integration.test_push_harness import PushHarness
 
@@ -138,3 +139,167 @@ def test_an_unordered_subscription_is_not_held(harness: PushHarness) -> None:
     assert failures == []
     assert posted(harness) == [late]
     assert drain.store.record(T0).sealed is None
+
+
+# -- a tap of several lanes and the seals --------------------------------------------------
+
+
+def mapping_of(h: PushHarness, stream: str) -> dict[str, Any]:
+    kinesis = h.session.client("kinesis")
+    arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"
+    ]
+    (mapping,) = h.session.client("lambda").list_event_source_mappings(
+        EventSourceArn=arn, FunctionName=h.config.functions["push"]
+    )["EventSourceMappings"]
+    return dict(mapping)
+
+
+def lanes_of(h: PushHarness, stream: str) -> tuple[int, int]:
+    """(the tap mapping's ParallelizationFactor, the tap item's lanes)."""
+    item = h.admin.subscriptions.tap(stream)
+    assert item is not None
+    return int(mapping_of(h, stream)["ParallelizationFactor"]), item.lanes
+
+
+def refit_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SwitchProduce's refit of the taps left behind fails (as a crash right after the switch)."""
+
+    def crash(*_args: Any) -> None:
+        raise RuntimeError("crashed before the refit")
+
+    monkeypatch.setattr("shoal.push_admin.refit_storage_topics", crash)
+
+
+def passed(h: PushHarness, drain: Drain, stream: str = T0) -> frozenset[str]:
+    sub = h.admin.subscriptions.load("orders")
+    assert sub is not None
+    return drain.store.passed(stream, push_consumer(sub.name, sub.spec.incarnation, 0))
+
+
+def lane(event: dict[str, Any], *partition_keys: str) -> dict[str, Any]:
+    """The part of a shard's event that the lane of these partition keys takes."""
+    return {
+        "Records": [r for r in event["Records"] if r["kinesis"]["partitionKey"] in partition_keys]
+    }
+
+
+def seal_sequence(event: dict[str, Any]) -> str:
+    (record,) = lane(event, "seal")["Records"]
+    return str(record["kinesis"]["sequenceNumber"])
+
+
+def test_switch_produce_drains_the_storage_topic_left_behind_with_one_lane(
+    harness: PushHarness,
+) -> None:
+    # Given a push subscription of parallelism 4 and a second storage topic
+    harness.subscribe(parallelism=4)
+    harness.topics.add_storage_topic("default", 1)
+    assert lanes_of(harness, T0) == (4, 4)
+    # When produce switches to T1
+    harness.topics.switch_produce("default")
+    # Then T0's tap runs one lane, T1's keeps four
+    assert lanes_of(harness, T0) == (1, 1)
+    assert lanes_of(harness, T1) == (4, 4)
+    # And a PATCH keeps T0's tap at one lane while it changes T1's
+    harness.admin.update("orders", UpdateRequest(parallelism=6))
+    assert lanes_of(harness, T0) == (1, 1)
+    assert lanes_of(harness, T1) == (6, 6)
+
+
+def test_a_patch_after_a_crash_between_the_switch_and_the_refit_repairs_the_lanes(
+    harness: PushHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a switch whose refit of T0's tap crashed: the switch stands, the tap runs 4 lanes
+    harness.subscribe(parallelism=4)
+    harness.topics.add_storage_topic("default", 1)
+    refit_crashes(monkeypatch)
+    assert harness.topics.switch_produce("default").produce_pointer == 1
+    assert lanes_of(harness, T0) == (4, 4)
+    # When the subscription is PATCHed (same parallelism)
+    harness.admin.update("orders", UpdateRequest(parallelism=4))
+    # Then T0's tap runs one lane, T1's still four
+    assert lanes_of(harness, T0) == (1, 1)
+    assert lanes_of(harness, T1) == (4, 4)
+
+
+def test_a_tap_of_several_lanes_gives_the_seal_back_and_takes_the_records_before_it(
+    harness: PushHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given T0 holds a message of "a" and one of "b", then its seal, and its tap runs 4 lanes
+    drain = Drain(harness)
+    harness.subscribe(parallelism=4)
+    ids = [harness.publish("a", 0), harness.publish("b", 1)]
+    refit_crashes(monkeypatch)
+    switch(harness)
+    seal(harness, drain)
+    event = harness.main_event(T0)
+    # When the tap takes the whole shard
+    failures = harness.consumer.handle(event, 60_000)["batchItemFailures"]
+    # Then the messages before the seal are posted, the seal is not passed, and the batch is
+    # given back from the seal
+    assert posted(harness) == ids
+    assert passed(harness, drain) == frozenset()
+    assert failures == [{"itemIdentifier": seal_sequence(event)}]
+
+
+def test_a_seal_taken_by_one_lane_waits_for_the_others_then_t1_follows_in_key_order(
+    harness: PushHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given m0 of "a" in T0, a switch whose refit crashed (T0's tap runs 4 lanes), m1 of "a"
+    # in T1, and T0 sealed
+    drain = Drain(harness)
+    harness.subscribe(parallelism=4)
+    ids = [harness.publish("a", 0)]
+    refit_crashes(monkeypatch)
+    switch(harness)
+    ids.append(harness.publish("a", 1))
+    seal(harness, drain)
+    event = harness.main_event(T0)
+    # When the seal's lane runs before the lane of "a"
+    failures = harness.consumer.handle(lane(event, "seal"), 60_000)["batchItemFailures"]
+    # Then the seal is given back, not passed, and T1 stays held (m1 would overtake m0)
+    assert failures == [{"itemIdentifier": seal_sequence(event)}]
+    assert passed(harness, drain) == frozenset()
+    assert tap(harness, T1) != []
+    assert posted(harness) == []
+    # When the lane of "a" runs: m0 is posted, T1 still waits for the seal
+    assert harness.consumer.handle(lane(event, "a"), 60_000) == {"batchItemFailures": []}
+    assert tap(harness, T1) != []
+    assert posted(harness) == ids[:1]
+    # When a PATCH refits T0's tap to one lane and the retried shard comes from its checkpoint
+    harness.admin.update("orders", UpdateRequest(parallelism=4))
+    assert lanes_of(harness, T0) == (1, 1)
+    assert tap(harness, T0) == []
+    # Then the seal is passed and T1 follows: every message once, in key order
+    assert len(passed(harness, drain)) == 1
+    assert tap(harness, T1) == []
+    assert posted(harness) == ids
+
+
+def test_under_the_mapping_emulator_a_refitted_tap_posts_every_key_in_order(
+    harness: PushHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given 4 lanes, two messages of each of 8 keys in T0, a switch whose refit crashed, one
+    # more message of each key in T1, and T0 sealed
+    drain = Drain(harness)
+    harness.subscribe(parallelism=4)
+    keys = list("abcdefgh")
+    ids = {key: [harness.publish(key, n) for n in range(2)] for key in keys}
+    refit_crashes(monkeypatch)
+    switch(harness)
+    for key in keys:
+        ids[key].append(harness.publish(key, 2))
+    seal(harness, drain)
+    # When the mappings run while T0's tap still runs 4 lanes
+    harness.drain_for(30)
+    # Then T0's messages are posted, the seal is not passed, and T1 is held
+    assert sorted(posted(harness)) == sorted(i for key in keys for i in ids[key][:2])
+    assert passed(harness, drain) == frozenset()
+    # When a PATCH refits T0's tap and the mappings run on
+    harness.admin.update("orders", UpdateRequest(parallelism=4))
+    harness.drain()
+    # Then every message is posted once, each key in publish order
+    assert len(posted(harness)) == len(set(posted(harness))) == 3 * len(keys)
+    by_key = {key: [i for k, i in harness.endpoint.delivered() if k == key] for key in keys}
+    assert by_key == ids

@@ -49,7 +49,6 @@ def head(**changes: Any) -> Head:
         session_expiry_s=300,
         session_expires_at_ms=None,
         subscriptions={"a/+": {"qos": 1}},
-        pending=["m-1"],
         due_at_ms=NOW + 80_000,
     )
     return replace(base, **changes)

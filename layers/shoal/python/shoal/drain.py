@@ -26,6 +26,8 @@ hand out a T(j) message of a key before that key's last T(j-1) message. The drai
 - **Push subscriptions** (``PushGate``): the T(j) tap takes nothing for an ordered subscription
   until its own taps passed the seal of every shard of T(0..j-1) for it (``mark_passed``), or it
   began reading T(i) after the sealer began; ``shoal.push_delivery`` holds the batch meanwhile.
+  A tap passes a seal only while it runs one lane (another lane may hold earlier records), as
+  the tap of a storage topic behind the produce pointer is made to (``shoal.push_admin``).
 
 The router itself never waits: gating is on the read side, so no retry budget is spent on it.
 """

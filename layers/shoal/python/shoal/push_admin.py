@@ -14,6 +14,12 @@ A storage topic added to the composite topic later is followed without a PATCH: 
 (``shoal.composite``) calls ``follow_storage_topic``, which adds it to every subscription of
 the topic and places its tap, before the storage topic becomes part of the topic.
 
+A tap runs as many lanes per shard as its most parallel member asks, except the tap of a
+storage topic behind the produce pointer, which runs one (``tap_lanes``: only a single-lane tap
+passes the ordered drain's seals, ``shoal.push_delivery``). SwitchProduce refits the taps it
+leaves behind (``refit_storage_topics``); if that fails after the switch, the seals wait (late,
+never out of order) until a PATCH of any subscription of the topic refits its taps.
+
 Seek: a subscription's MQ position moves to a time, to the earliest record or to the latest.
 Each cursor starts again at that time under a new generation (so an invocation that read the
 batch before the seek cannot move it back); a rewind also replaces the push tap's mapping by
@@ -36,6 +42,7 @@ import base64
 import binascii
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -172,6 +179,21 @@ class RedriveReport:
         }
 
 
+def tap_lanes(parallelisms: Iterable[int], storage_index: int, produce_pointer: int) -> int:
+    """Lanes per shard of the tap of storage topic ``storage_index``: the largest parallelism
+    of its live members, but one once the produce pointer is past it.
+
+    A storage topic behind the pointer is drained with one lane: its seals (``shoal.drain``)
+    are passed only by a single-lane tap, as a seal taken by one lane says nothing about the
+    records of other keys that another lane of its shard may still hold. The pointer is read
+    as written, before the switch is in effect: fewer lanes are never wrong, only slower, and
+    only for the switch's effective delay.
+    """
+    if storage_index < produce_pointer:
+        return 1
+    return max(parallelisms, default=1)
+
+
 @dataclass(frozen=True)
 class _Found:
     entry: Entry
@@ -300,7 +322,8 @@ class PushAdmin:
 
     def _settle_tap(self, stream: str, *, restart_at: int | None = None) -> None:
         """Make the tap's mapping fit its members: none without members, else one that starts
-        no later than any member's position; ``restart_at`` replaces it (a rewind)."""
+        no later than any member's position and runs ``tap_lanes`` lanes; ``restart_at``
+        replaces it (a rewind)."""
         token = self.subscriptions.acquire_tap_lease(stream)
         if token is None:
             raise ServerBusy("the push tap is being changed; retry")
@@ -317,7 +340,12 @@ class PushAdmin:
                 for uuid in existing:
                     self.queues.delete_mapping(uuid)
                 return
-            lanes = max(s.parallelism for s in live)
+            topic = load_topic(tap.topic) if tap.topic else None
+            lanes = tap_lanes(
+                [s.parallelism for s in live],
+                tap.storage_index,
+                topic.produce_pointer if topic is not None else 0,
+            )
             if existing and restart_at is None:
                 for uuid in existing[1:]:
                     self.queues.delete_mapping(uuid)
@@ -366,6 +394,15 @@ class PushAdmin:
             logger.info("push tap lanes changed", extra={"stream": tap.stream, "lanes": lanes})
         if lanes < tap.lanes:
             self.subscriptions.set_tap_lanes(tap.stream, lanes)
+
+    def refit_behind(self, topic: CompositeTopic) -> None:
+        """Fit the taps of ``topic``'s storage topics behind its produce pointer (one lane each:
+        ``tap_lanes``); SwitchProduce calls it through ``refit_storage_topics``."""
+        for storage in topic.storage_topics[: topic.produce_pointer]:
+            # settled even at one lane: a settle that read the pointer before the switch may
+            # still be raising the lanes under the tap's lease, and this one waits for it
+            if self.subscriptions.tap(storage.stream) is not None:
+                self._settle_tap(storage.stream)
 
     # -- describe, update, delete ------------------------------------------------------------
 
@@ -845,3 +882,17 @@ def follow_storage_topic(
         config, SubscriptionStore(clock), GroupStore(), Queues(streams, clock), clock=clock
     )
     admin.follow_storage_topic(topic, storage)
+
+
+def refit_storage_topics(
+    config: Config, streams: Streams, clock: Clock, topic: CompositeTopic
+) -> None:
+    """The push taps of the storage topics behind ``topic``'s produce pointer drain with one
+    lane: ``shoal.composite`` calls this once SwitchProduce moved the pointer. Idempotent;
+    a PATCH of any push subscription of the topic does the same for its taps."""
+    if "push" not in config.functions:
+        return  # no push function deployed: no taps
+    admin = PushAdmin(
+        config, SubscriptionStore(clock), GroupStore(), Queues(streams, clock), clock=clock
+    )
+    admin.refit_behind(topic)

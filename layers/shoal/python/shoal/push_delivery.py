@@ -19,6 +19,16 @@ so a held key costs an invocation per ``MAX_HOLD_S``, not a busy loop, and never
 shard for longer than its own backoff (bounded by ``max_backoff_s``). With parallelism above 1
 the RQ mapping's lanes split keys by partition key (the ordering key), so a held key holds only
 the keys of its own lane.
+
+Seals
+-----
+A tap passes the ordered drain's seal of a shard (``shoal.drain``) for its members only when it
+runs one lane: a seal has a partition key of its own, so with several lanes it reaches one lane
+while another may still hold earlier records of other keys. A tap of several lanes gives its
+batch back from the seal (paced as a hold) until the tap runs one lane, as every tap behind the
+produce pointer is made to (``shoal.push_admin.tap_lanes``); the single lane then starts from
+the shard's checkpoint, which no unfinished record is past, and reaches the seal only after
+every record before it.
 """
 
 from __future__ import annotations
@@ -97,6 +107,10 @@ class InRecord:
     sequence_number: str
     arrival_ms: int
     data: bytes
+
+
+def _lowest(*stops: int | None) -> int | None:
+    return min((s for s in stops if s is not None), default=None)
 
 
 def parse_event(event: dict[str, Any]) -> tuple[str, list[InRecord]]:
@@ -265,21 +279,53 @@ class PushConsumer:
             logger.warning("push tap unreadable", extra={"stream": stream})
             return 0
         decoded = [self._decode(r) for r in records]
+        # Only a single-lane tap passes a seal: another lane of the shard may still hold
+        # earlier records of other keys. A tap behind the produce pointer is refitted to one
+        # lane (shoal.push_admin.tap_lanes); until then the batch goes back from the seal, and
+        # the members take the records before it as usual.
+        unsealed = self._first_seal(records) if tap.lanes > 1 and self.gate is not None else None
         # a member still being created takes the seals too: it may be active before the tap
         # reads on (shoal.drain, push taps)
         creating = [s for s in loaded if s.state == CREATING and stream in s.cursors]
-        unmarked = [self._pass_seals(s, stream, records, None) for s in creating]
+        unmarked = [self._pass_seals(s, stream, records, unsealed) for s in creating]
 
         def one(sub: Subscription) -> int | None:
             stop = self._main_for(sub, tap, stream, records, decoded, budget=budget)
-            return self._pass_seals(sub, stream, records, stop)
+            return self._pass_seals(sub, stream, records, _lowest(stop, unsealed))
 
         if len(subs) <= 1:
             stops = [one(s) for s in subs]
         else:
             with ThreadPoolExecutor(min(len(subs), 16)) as pool:
                 stops = list(pool.map(one, subs))
-        return min((s for s in [*stops, *unmarked] if s is not None), default=None)
+        if unsealed is not None:
+            self._hold_seal(stream, budget)
+        return min((s for s in [*stops, *unmarked, unsealed] if s is not None), default=None)
+
+    @staticmethod
+    def _first_seal(records: list[InRecord]) -> int | None:
+        return next((r.index for r in records if is_seal(r.data)), None)
+
+    def _hold_seal(self, stream: str, budget: Budget) -> None:
+        """Pace a seal given back by a tap of several lanes (the mapping retries at once):
+        wait up to the hold budget, asking about once a second whether the tap runs one lane
+        now (then the retry should come from that lane without delay)."""
+        logger.warning(
+            "push seal held: the tap still runs several lanes (a PATCH of any subscription of "
+            "the topic refits it)",
+            extra={"stream": stream},
+        )
+        while True:
+            now = self.clock.now_ms()
+            if now >= budget.hold_until_ms:
+                return
+            self.clock.sleep(min(RECHECK_MS, budget.hold_until_ms - now) / 1000)
+            try:
+                tap = self.subscriptions.tap(stream)
+            except INFRASTRUCTURE_ERRORS:
+                return
+            if tap is None or tap.lanes <= 1:
+                return
 
     def _decode(self, record: InRecord) -> list[Message]:
         try:
@@ -393,7 +439,8 @@ class PushConsumer:
         self, sub: Subscription, stream: str, records: list[InRecord], stop: int | None
     ) -> int | None:
         """Record the seals the subscription passed in this batch (those before ``stop``), so
-        later storage topics open for it; returns ``stop``, or the seal it could not record."""
+        later storage topics open for it; returns ``stop``, or the seal it could not record.
+        A tap of several lanes passes none: ``consume_main`` stops it at the first seal."""
         if self.gate is None:
             return stop
         consumer = push_consumer(sub.name, sub.spec.incarnation, sub.generation)

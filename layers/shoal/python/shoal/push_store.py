@@ -16,12 +16,14 @@ what they processed already. A tap also reads each shard once for all its member
 mapping per subscription would share Kinesis' five reads per second per shard among them.
 
 A tap's mapping runs ``lanes`` lanes per shard (its ParallelizationFactor): the largest
-``parallelism`` of its members. Lanes split a shard by partition key, which is the ordering key
-(``shoal.publishing``), so each key stays in order in its lane, but one lane may run ahead of
-another: a shard cursor moved by one lane would pass records another lane still holds. So
-while ``lanes`` > 1 the cursors stay where they are and each key's progress is marked in its
-group state instead (``GroupState.marks``). ``lanes`` is raised before the mapping runs more
-lanes and lowered only after it runs fewer, so it never says fewer lanes than may be running.
+``parallelism`` of its members, or one behind the produce pointer (only a single-lane tap
+passes the ordered drain's seals: ``shoal.push_admin.tap_lanes``). Lanes split a shard by
+partition key, which is the ordering key (``shoal.publishing``), so each key stays in order in
+its lane, but one lane may run ahead of another: a shard cursor moved by one lane would pass
+records another lane still holds. So while ``lanes`` > 1 the cursors stay where they are and
+each key's progress is marked in its group state instead (``GroupState.marks``). ``lanes`` is
+raised before the mapping runs more lanes and lowered only after it runs fewer, so it never
+says fewer lanes than may be running.
 
 Retry queues have a mapping each (the stream names its subscription).
 """

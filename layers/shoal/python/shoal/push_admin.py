@@ -49,7 +49,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from shoal import store
 from shoal.clock import Clock, SystemClock
 from shoal.composite import (
     DEFAULT_TOPIC,
@@ -98,6 +97,7 @@ from shoal.push_store import (
     Subscription,
     SubscriptionStore,
     Tap,
+    push_parts,
 )
 from shoal.streams import Streams
 from shoal.topics import MULTI_LEVEL, SINGLE_LEVEL, first_level
@@ -224,13 +224,10 @@ class PushAdmin:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushAdmin:
-        store.bind(config)
         clock = clock or SystemClock()
         return cls(
             config,
-            SubscriptionStore(clock),
-            GroupStore(),
-            Queues(Streams.from_config(config, clock), clock),
+            *push_parts(config, clock),
             clock=clock,
             endpoints=EndpointPolicy.from_env(os.environ),
         )

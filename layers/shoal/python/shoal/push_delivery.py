@@ -42,7 +42,6 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.data_classes import KinesisStreamEvent
 
-from shoal import store
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 from shoal.delivery_events import EventKind, PerConsumer, Recording
@@ -85,8 +84,8 @@ from shoal.push_store import (
     SubscriptionStore,
     Tap,
     parse_queue_stream,
+    push_parts,
 )
-from shoal.streams import Streams
 from shoal.topics import matches
 
 #: an invocation stops starting deliveries this long before Lambda would end it (a delivery
@@ -205,13 +204,13 @@ class PushConsumer:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushConsumer:
-        store.bind(config)
         clock = clock or SystemClock()
+        subscriptions, groups, queues = push_parts(config, clock)
         return cls(
             config,
-            SubscriptionStore(clock),
-            GroupStore(),
-            Queues(Streams.from_config(config, clock), clock),
+            subscriptions,
+            groups,
+            queues,
             HttpDeliverer(EndpointPolicy.from_env(os.environ)),
             clock=clock,
             events=Recording.from_config(config, clock),

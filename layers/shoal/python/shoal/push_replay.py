@@ -49,7 +49,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shoal import store
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 from shoal.errors import ServerBusy, SubscriptionNotFound
@@ -64,8 +63,8 @@ from shoal.push import (
     Source,
     partition_key,
 )
-from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore
-from shoal.streams import OutRecord, Streams
+from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
+from shoal.streams import OutRecord
 from shoal.topics import matches
 
 #: messages one call takes at most; the caller passes the rest in later calls
@@ -136,15 +135,8 @@ class PushReplay:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushReplay:
-        store.bind(config)
         clock = clock or SystemClock()
-        return cls(
-            config,
-            SubscriptionStore(clock),
-            GroupStore(),
-            Queues(Streams.from_config(config, clock), clock),
-            clock=clock,
-        )
+        return cls(config, *push_parts(config, clock), clock=clock)
 
     def replay(self, name: str, replay_id: str, messages: Sequence[Archived]) -> ReplayReport:
         """Reserve and put ``messages`` (in per-key archive order) in the subscription's RQ."""

@@ -42,6 +42,7 @@ from pynamodb.exceptions import DeleteError, PutError, PynamoDBException, Update
 
 from shoal.clock import Clock
 from shoal.composite import StorageTopic, stream_name
+from shoal.config import Config
 from shoal.errors import ServerBusy
 from shoal.observability import logger
 from shoal.push import (
@@ -542,6 +543,14 @@ class StreamRecord:
 
 
 StartingPosition = Literal["TRIM_HORIZON", "LATEST", "AT_TIMESTAMP"]
+
+
+def push_parts(config: Config, clock: Clock) -> tuple[SubscriptionStore, GroupStore, Queues]:
+    """The stores every push service works on (admin, delivery, replay), bound to ``config``."""
+    from shoal import store
+
+    store.bind(config)
+    return SubscriptionStore(clock), GroupStore(), Queues(Streams.from_config(config, clock), clock)
 
 
 class Queues:

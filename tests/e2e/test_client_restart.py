@@ -138,7 +138,7 @@ def _missing_route(dev: DevServer, token: str) -> str | None:
     )
     assert status == 200, connected
     headers = {"Shoal-Channel": connected["channel"]}
-    probes = [
+    probes: list[tuple[str, str, Any]] = [
         ("POST", "/v1/sessions/relay-probe/subscriptions", {"subscriptions": []}),
         ("GET", "/v1/sessions/relay-probe/messages?max=1", None),
         ("POST", "/v1/sessions/relay-probe/acks", {"ids": []}),

@@ -53,7 +53,7 @@ def test_connect_resume_and_stale_channel(shared_dev: DevServer) -> None:
 def test_keepalive_expiry_publishes_the_will_to_the_stream(dev_factory: DevFactory) -> None:
     shared_dev = dev_factory(extra_args=["--schedule", "reaper=1"])
     token = shared_dev.token("erin", clients=["erin-*"], publish=["devices/#"])
-    will = {"topic": "devices/erin-1/status", "text": "offline", "delay_s": 0}
+    will: dict[str, Any] = {"topic": "devices/erin-1/status", "text": "offline", "delay_s": 0}
     body = {"keepalive_s": 1, "session_expiry_s": 60, "will": will}
     status, connected = session_call(shared_dev, "PUT", "erin-1", token, json=body)
     assert status == 200

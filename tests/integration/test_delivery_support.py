@@ -108,7 +108,7 @@ class World:
             )
             assert status == 201, body
 
-    def publish(self, topic: str, text: str = "m", **body: Any) -> str:
+    def publish(self, topic: str, text: str | None = "m", **body: Any) -> str:
         claims = body.pop("claims", ALICE)
         status, answer = publish_call({"topic": topic, "text": text, **body}, claims=claims)
         assert status in (200, 201), answer

@@ -94,7 +94,7 @@ def test_a_join_revokes_a_stream_and_hands_it_over_after_the_final_ack(
         publish(gworld, 1, key=f"k{key}")
     gworld.heartbeat("alice-a", a)
     held = gworld.get("alice-a", a, 100)
-    sources = {parse_delivery_id(m["id"]).source for m in held}  # type: ignore[union-attr]
+    sources = {parse_delivery_id(m["id"]).source for m in held}
     assert len(sources) == 2
     # When a second member joins
     b = member(gworld, "alice-b")
@@ -188,7 +188,7 @@ def test_the_reaper_ends_the_last_members_session_and_the_group_goes(
     gworld.clock.advance(61)
     reaper = reaper_app.Reaper(
         gworld.registry.repository,
-        publisher=None,  # type: ignore[arg-type]
+        publisher=None,
         clock=gworld.clock,
         on_session_end=gworld.retirer,
     )
@@ -231,7 +231,7 @@ def test_the_reaper_hands_a_dead_channels_streams_to_live_members(
     gworld.clock.advance(2)
     reaper = reaper_app.Reaper(
         gworld.registry.repository,
-        publisher=None,  # type: ignore[arg-type]
+        publisher=None,
         clock=gworld.clock,
         on_session_end=gworld.retirer,
         on_channel_expired=gworld.groups.channel_expired,

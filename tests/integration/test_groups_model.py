@@ -60,7 +60,7 @@ class GroupMachine(RuleBasedStateMachine):
         return f"{self.prefix}-{client}"
 
     def _connect(self, client: str) -> None:
-        body = {"clean_start": False, "session_expiry_s": 3600, "keepalive_s": 0}
+        body: dict[str, Any] = {"clean_start": False, "session_expiry_s": 3600, "keepalive_s": 0}
         # a reconnect is a newer channel: versions order by connect time
         self.world.clock.advance(0.001)
         self.channels[client] = self.world.connect(self.cid(client), **body)

@@ -202,8 +202,8 @@ def test_a_join_hands_a_stream_over_only_after_the_holders_final_ack(groups: Gro
     groups.publish(inc, "src1", 1)
     groups.publish(inc, "src2", 1)
     got = groups.service.get("a", groups.subs(inc), 10)
-    src1 = [m for m in got if parse_delivery_id(m["id"]).source == "src1"]  # type: ignore[union-attr]
-    src2 = [m for m in got if parse_delivery_id(m["id"]).source == "src2"]  # type: ignore[union-attr]
+    src1 = [m for m in got if parse_delivery_id(m["id"]).source == "src1"]
+    src2 = [m for m in got if parse_delivery_id(m["id"]).source == "src2"]
     assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in src1]) == 1
     # When b joins and the leader advances
     groups.join("b")

@@ -144,11 +144,11 @@ def test_the_tap_runs_as_many_lanes_as_its_most_parallel_member(
     harness.subscribe(name="audit", parallelism=1)
     # Then the tap's mapping runs 3 lanes per shard, and the tap says so
     assert tap_mapping(harness, aws)["ParallelizationFactor"] == 3
-    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 3  # type: ignore[union-attr]
+    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 3
     # When the first drops to 1 / Then so does the tap
     harness.admin.update("orders", UpdateRequest(parallelism=1))
     assert tap_mapping(harness, aws)["ParallelizationFactor"] == 1
-    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 1  # type: ignore[union-attr]
+    assert harness.admin.subscriptions.tap("shoal-default-0").lanes == 1
     # When the other rises to 6 / Then the tap follows it
     harness.admin.update("audit", UpdateRequest(parallelism=6))
     assert tap_mapping(harness, aws)["ParallelizationFactor"] == 6
@@ -477,7 +477,12 @@ def test_redrive_skips_a_key_still_retrying(harness: PushHarness) -> None:
 
 def test_a_redrive_names_exactly_one_selector(harness: PushHarness) -> None:
     harness.subscribe()
-    for selector in ({}, {"ordering_keys": ["a"], "failed_after": 0}, {"message_ids": []}):
+    selectors: list[dict[str, Any]] = [
+        {},
+        {"ordering_keys": ["a"], "failed_after": 0},
+        {"message_ids": []},
+    ]
+    for selector in selectors:
         with pytest.raises(InvalidRedrive):
             redrive(harness, **selector)
     with pytest.raises(InvalidRedrive):

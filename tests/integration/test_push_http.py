@@ -17,10 +17,15 @@ from tests.unit.test_push_support import message
 Behaviour = Callable[[BaseHTTPRequestHandler], None]
 
 
+def _ok(handler: BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.end_headers()
+
+
 class Server:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
-        self.behaviour: Behaviour = lambda h: h.send_response(200) or h.end_headers()
+        self.behaviour: Behaviour = _ok
         server = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -165,7 +165,8 @@ def written(world: World) -> Counter[tuple[str, str, str]]:
     found: Counter[tuple[str, str, str]] = Counter()
     for item in table.scan(ConsistentRead=True)["Items"]:
         source = str(item["position"]).partition("#")[0]
-        for message in item.get("m", []):
+        messages: list[Any] = item.get("m", [])  # type: ignore[assignment]
+        for message in messages:
             found[(str(item["inbox"]), source, str(message["o"]))] += 1
     return found
 

@@ -219,7 +219,7 @@ class Interleaved(SessionRepository):
 
     def __init__(self, base: SessionRepository) -> None:
         super().__init__(base.client, base.table)
-        self.on_read: Callable[[bool], None] | None = None
+        self.on_read: Callable[[bool], object] | None = None
         self.on_register: Callable[[], None] | None = None
         self.stale_reads = False
         self.lose_own_commit = False

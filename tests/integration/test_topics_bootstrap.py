@@ -30,7 +30,7 @@ def test_create_and_update_are_idempotent(aws: boto3.Session) -> None:
     response = handler(update, FakeContext())
     # an existing topic is kept as it is (grow it with a storage topic instead)
     assert response["PhysicalResourceId"] == "shoal-topic-default"
-    assert load_topic("default").storage_topics[0].partitions == 2  # type: ignore[union-attr]
+    assert load_topic("default").storage_topics[0].partitions == 2
     assert len(aws.client("lambda").list_event_source_mappings()["EventSourceMappings"]) == 1
 
 

@@ -111,4 +111,4 @@ def test_without_a_bucket_the_recorder_does_nothing() -> None:
 def test_a_malformed_event_is_refused(event: str, kind: str, ids: dict[str, str]) -> None:
     recorder = DeliveryEvents(None, ManualClock(T0))
     with pytest.raises(ValueError):
-        recorder.add(event, kind, "c", **ids)  # type: ignore[arg-type]
+        recorder.add(event, kind, "c", **ids)

@@ -120,7 +120,7 @@ class FakeShoal:
         message_id = f"m{len(self.published) + 1}"
         seqs[seq] = message_id
         text = body.get("text")
-        payload = body.get("payload") or base64.b64encode(text.encode()).decode()
+        payload = body.get("payload") or base64.b64encode(str(text).encode()).decode()
         if text is None:
             text = base64.b64decode(payload).decode(errors="replace")
         message = {"id": message_id, "topic": topic, "text": text, "qos": body.get("qos", 1)}
@@ -180,7 +180,7 @@ class FakeShoal:
                 session.subscriptions.pop(item, None)
             return 200, {}
         if (method, action) == ("GET", "messages"):
-            batch = []
+            batch: list[Any] = []
             while session.inbox and len(batch) < int(query.get("max", 10)):
                 message = session.inbox.pop(0)
                 if message["id"] in session.acked:

@@ -88,7 +88,7 @@ class FakeStore:
 def test_the_view_caches_drained_forever_and_asks_again_for_not_yet() -> None:
     # Given a storage topic not drained yet
     store, clock = FakeStore(), ManualClock(0)
-    view = DrainView(store, clock)  # type: ignore[arg-type]
+    view = DrainView(store, clock)
     assert view.sealed_shards("s") is None
     # Then a second question within RECHECK_MS reads nothing
     assert view.sealed_shards("s") is None
@@ -135,7 +135,7 @@ def sealer_of(
     topics: list[CompositeTopic], streams: FakeStreams, clock: ManualClock
 ) -> tuple[Sealer, FakeStore]:
     store = FakeStore()
-    return Sealer(streams, store, lambda: topics, clock, grace_ms=GRACE), store  # type: ignore[arg-type]
+    return Sealer(streams, store, lambda: topics, clock, grace_ms=GRACE), store
 
 
 def test_the_sealer_puts_one_seal_per_open_shard_at_its_starting_key_then_marks() -> None:

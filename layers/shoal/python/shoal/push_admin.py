@@ -70,7 +70,7 @@ from shoal.errors import (
     TopicNotFound,
 )
 from shoal.observability import logger
-from shoal.publishing import MalformedRecord, Message, decode_record
+from shoal.publishing import MalformedRecord
 from shoal.push import (
     DLQ,
     RQ,
@@ -784,7 +784,7 @@ class PushAdmin:
         rq = sub.queue(RQ, self.prefix)
         for reservation in state.reserved("rd"):
             if reservation.n > state.rq.c.n:
-                message = self._fetch(reservation.source)
+                message = self.queues.read_message(reservation.source)
                 if message is not None:
                     self.queues.put(rq, reservation.entry(message))
 
@@ -793,21 +793,10 @@ class PushAdmin:
         reservation = state.reservation_for(DLQ, n)
         if reservation is None:
             return None
-        message = self._fetch(reservation.source)
+        message = self.queues.read_message(reservation.source)
         if message is None:
             return None
         return _Found(reservation.entry(message), reservation.source)
-
-    def _fetch(self, source: Source) -> Message | None:
-        data = self.queues.read_at(source.stream, source.shard, source.sequence_number)
-        if data is None:
-            return None
-        try:
-            if source.kind == "queue":
-                return decode_entry(data).message
-            return decode_record(data)[source.index]
-        except (MalformedRecord, IndexError):
-            return None
 
 
 def _dead(state: GroupState, entry: Entry, skip_before_ms: int) -> bool:

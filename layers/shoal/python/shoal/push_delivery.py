@@ -736,7 +736,9 @@ class PushConsumer:
         died between its reservation and its put) from where their messages are."""
         for n in range(state.rq.c.n + 1, entry.n):
             reservation = state.reservation_for(RQ, n)
-            message = self._fetch(reservation.source) if reservation is not None else None
+            message = (
+                self.queues.read_message(reservation.source) if reservation is not None else None
+            )
             if reservation is None or message is None:
                 logger.error(
                     "retry queue entry missing and not repairable",
@@ -860,15 +862,3 @@ class PushConsumer:
                 },
             )
         return result
-
-    def _fetch(self, source: Source) -> Message | None:
-        """A message read again from where a reservation says it is."""
-        data = self.queues.read_at(source.stream, source.shard, source.sequence_number)
-        if data is None:
-            return None
-        try:
-            if source.kind == "queue":
-                return decode_entry(data).message
-            return decode_record(data)[source.index]
-        except (MalformedRecord, IndexError):
-            return None

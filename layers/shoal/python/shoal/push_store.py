@@ -45,13 +45,16 @@ from shoal.composite import StorageTopic, stream_name
 from shoal.config import Config
 from shoal.errors import ServerBusy
 from shoal.observability import logger
+from shoal.publishing import MalformedRecord, Message, decode_record
 from shoal.push import (
     DLQ,
     RQ,
     Entry,
     GroupState,
     Queue,
+    Source,
     Spec,
+    decode_entry,
     encode_entry,
     ordering_digest,
     partition_key,
@@ -574,13 +577,8 @@ class Queues:
         return self.streams.ensure_stream(storage.stream, storage.partitions, wait_s=wait_s)
 
     def stream_arn(self, stream: str) -> str | None:
-        try:
-            summary = self.kinesis.describe_stream_summary(StreamName=stream)
-        except ClientError as exc:
-            if _code(exc) == "ResourceNotFoundException":
-                return None
-            raise ServerBusy("the stream could not be described; retry") from exc
-        return str(summary["StreamDescriptionSummary"]["StreamARN"])
+        summary = self._summary(stream)
+        return None if summary is None else str(summary["StreamARN"])
 
     def delete_stream(self, stream: str) -> None:
         try:
@@ -597,13 +595,18 @@ class Queues:
             raise ServerBusy("the stream could not be deleted yet; retry") from exc
 
     def _status(self, stream: str) -> str | None:
+        summary = self._summary(stream)
+        return None if summary is None else str(summary["StreamStatus"])
+
+    def _summary(self, stream: str) -> Mapping[str, Any] | None:
+        """The stream's description summary; None when it does not exist."""
         try:
-            summary = self.kinesis.describe_stream_summary(StreamName=stream)
+            answer = self.kinesis.describe_stream_summary(StreamName=stream)
         except ClientError as exc:
             if _code(exc) == "ResourceNotFoundException":
                 return None
             raise ServerBusy("the stream could not be described; retry") from exc
-        return str(summary["StreamDescriptionSummary"]["StreamStatus"])
+        return answer["StreamDescriptionSummary"]
 
     def shards(self, stream: str) -> list[str]:
         """Open shard ids in hash order (partition j is the j-th)."""
@@ -660,6 +663,18 @@ class Queues:
         if not records or str(records[0]["SequenceNumber"]) != sequence_number:
             return None
         return bytes(records[0]["Data"])
+
+    def read_message(self, source: Source) -> Message | None:
+        """A message read again from where a reservation says it is (None: gone or unreadable)."""
+        data = self.read_at(source.stream, source.shard, source.sequence_number)
+        if data is None:
+            return None
+        try:
+            if source.kind == "queue":
+                return decode_entry(data).message
+            return decode_record(data)[source.index]
+        except (MalformedRecord, IndexError):
+            return None
 
     def scan(
         self,

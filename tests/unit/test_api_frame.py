@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict
-from shoal.api import lambda_handler, make_resolver, parse_body, principal
-from shoal.errors import TopicNotFound
+from shoal.api import MAX_JSON_DEPTH, lambda_handler, make_resolver, parse_body, principal
+from shoal.errors import ServerBusy, TopicNotFound
 
-from tests.helpers import FakeContext, http_event, response_json
+from tests.helpers import FakeContext, binary_body, http_event, response_json
 
 app = make_resolver()
 
@@ -29,6 +29,22 @@ def echo() -> dict[str, Any]:
 @app.get("/v1/missing")
 def missing() -> dict[str, Any]:
     raise TopicNotFound("no topic named x")
+
+
+class Tree(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = ""
+    tree: Any = None
+
+
+@app.post("/v1/tree")
+def tree() -> dict[str, Any]:
+    return {"ok": parse_body(app, Tree).name}
+
+
+@app.get("/v1/busy")
+def busy() -> dict[str, Any]:
+    raise ServerBusy("in flight elsewhere", retry_after_s=4)
 
 
 @app.get("/v1/boom")
@@ -118,3 +134,64 @@ def test_unexpected_exception_is_coded_500_without_its_message() -> None:
 def test_missing_claims_are_401() -> None:
     status, body = call(http_event("POST", "/v1/echo", body={"name": "x"}, claims=None))
     assert (status, body["error"]["code"]) == (401, "unauthorized")
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        # Given bodies that are broken below the schema: deep enough to exhaust a parser,
+        (nested(10_000), "nests deeper"),
+        ('{"tree": ' + '{"a": ' * 5_000 + "1" + "}" * 5_000 + "}", "nests deeper"),
+        ('{"tree": ' + nested(MAX_JSON_DEPTH) + "}", "nests deeper"),
+        # not JSON although Python's parser takes it,
+        ('{"tree": NaN}', "not valid JSON"),
+        ('{"tree": -Infinity}', "not valid JSON"),
+        ('{"tree": ' + "9" * 5_000 + "}", "not valid JSON"),
+        # strings no UTF-8 can carry, in a value, a key, or deep in a list
+        ('{"name": "\\ud800"}', "lone surrogate"),
+        ('{"tree": {"\\udfff": 1}}', "lone surrogate"),
+        ('{"tree": [1, ["a", "x\\uDBFFy"]]}', "lone surrogate"),
+    ],
+)
+def test_bodies_broken_below_the_schema_are_malformed_json(raw: str, problem: str) -> None:
+    # When one is sent
+    status, body = call(http_event("POST", "/v1/tree", raw_body=raw, claims=CLAIMS))
+    # Then it is a coded 400 that says what is wrong, never a 500
+    assert (status, body["error"]["code"]) == (400, "malformed_json")
+    assert problem in body["error"]["message"]
+
+
+def test_a_lone_surrogate_is_named_by_its_field() -> None:
+    raw = '{"tree": {"will": {"text": "\\ud83d"}}}'
+    status, body = call(http_event("POST", "/v1/tree", raw_body=raw, claims=CLAIMS))
+    assert (status, body["error"]["field"]) == (400, "tree.will.text")
+
+
+def test_nesting_up_to_the_limit_and_surrogate_pairs_are_accepted() -> None:
+    # Given JSON nested just to the limit, and an escaped pair that is one real code point
+    raw = '{"name": "\\ud83d\\ude00", "tree": ' + nested(MAX_JSON_DEPTH - 1) + "}"
+    # Then it reaches the route
+    status, body = call(http_event("POST", "/v1/tree", raw_body=raw, claims=CLAIMS))
+    assert (status, body) == (200, {"ok": "\U0001f600"})
+
+
+@pytest.mark.parametrize(
+    "data", [b'{"name": "\xff\xfe"}', b"\xc0\xaf", b'{"name": "\xed\xa0\x80"}']
+)
+def test_a_body_that_is_not_utf8_is_malformed_json(data: bytes) -> None:
+    # Given bytes API Gateway passes base64-encoded because they are not UTF-8 text
+    event = binary_body(http_event("POST", "/v1/tree", claims=CLAIMS), data)
+    status, body = call(event)
+    assert (status, body["error"]["code"]) == (400, "malformed_json")
+    assert "UTF-8" in body["error"]["message"]
+
+
+def test_server_busy_says_when_to_come_back() -> None:
+    response = handler(http_event("GET", "/v1/busy", claims=CLAIMS), FakeContext())
+    assert response["statusCode"] == 503
+    assert response["headers"]["Retry-After"] == "4"
+    assert response_json(response)["error"]["retry_after_s"] == 4

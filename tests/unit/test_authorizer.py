@@ -18,7 +18,7 @@ from shoal.local.authorizer import (
     SigningKey,
     mint_token,
     stringify_claims,
-    unauthorized_body,
+    unauthorized_header,
 )
 
 ISSUER = "http://127.0.0.1:8080"
@@ -253,10 +253,11 @@ def test_minted_token_defaults_clients_to_sub(key: SigningKey, authorizer: JwtAu
     assert (principal.clients, principal.admin, principal.publish) == (("carol",), False, ())
 
 
-def test_unauthorized_body_carries_both_frames() -> None:
-    body = unauthorized_body("the token has expired")
-    assert body["message"] == "Unauthorized"
-    assert body["error"] == {"code": "unauthorized", "message": "the token has expired"}
+def test_unauthorized_header_is_api_gateways() -> None:
+    # the reason goes where API Gateway's JWT authorizer puts it; quotes cannot break it
+    assert unauthorized_header('the token has "expired"') == (
+        'Bearer scope="" error="invalid_token" error_description="the token has expired"'
+    )
 
 
 def test_refusal_reasons_never_quote_the_token(key: SigningKey, authorizer: JwtAuthorizer) -> None:

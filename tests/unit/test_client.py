@@ -169,6 +169,29 @@ def test_retry_after_is_honoured_up_to_the_largest_backoff(clients: Clients) -> 
     assert clients.clock.sleeps[1] == POLICY.max_backoff_s
 
 
+def test_api_gateways_own_401_is_read_with_its_reason(clients: Clients) -> None:
+    # Given API Gateway's JWT authorizer refusing the token, in its own shape
+    header = 'Bearer scope="" error="invalid_token" error_description="the token has expired"'
+    clients.fake.fail(
+        "POST /v1/messages",
+        401,
+        body={"message": "Unauthorized"},
+        headers={"www-authenticate": header},
+    )
+    # Then the client raises a coded error that says why, without retrying
+    with pytest.raises(ApiError) as raised:
+        clients.new().publish("a/b", text="x")
+    assert (raised.value.status, raised.value.code) == (401, "unauthorized")
+    assert "the token has expired" in raised.value.message
+    assert clients.fake.requests.count("POST /v1/messages") == 1
+
+
+def test_api_gateways_own_503_is_retried_like_a_busy_function(clients: Clients) -> None:
+    clients.fake.fail("POST /v1/messages", 503, body={"message": "Service Unavailable"})
+    assert clients.new().publish("a/b", text="x").publisher_seq == 1
+    assert clients.fake.requests.count("POST /v1/messages") == 2
+
+
 def test_connection_errors_are_retried(clients: Clients) -> None:
     clients.fake.fail("POST /v1/messages", "refuse", times=2)
     result = clients.new().publish("a/b", text="x")

@@ -41,6 +41,8 @@ class Fault:
     kind: str | int
     code: str = "server_busy"
     headers: dict[str, str] = field(default_factory=dict)
+    #: the answer's body as it is, instead of Shoal's error frame (API Gateway's own answers)
+    body: Any = None
 
 
 @dataclass
@@ -226,6 +228,8 @@ class FakeAdapter(BaseAdapter):
             raise Crash(route)
         if fault is not None and isinstance(fault.kind, int):
             status, answer = _error(fault.kind, fault.code)
+            if fault.body is not None:
+                answer = fault.body
             return self._response(request, status, answer, fault.headers)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         status, answer = self.fake.handle(

@@ -420,7 +420,7 @@ class ShoalClient:
             answer = _json(response)
             if 200 <= response.status_code < 300:
                 return answer, uncertain
-            error = _error(response.status_code, answer)
+            error = _error(response.status_code, answer, response.headers)
             if response.status_code in self.policy.retry_statuses:
                 uncertain = uncertain or response.status_code != 429
                 error.details.setdefault("retry_after", response.headers.get("Retry-After"))
@@ -750,14 +750,46 @@ def _json(response: requests.Response) -> Any:
         return None
 
 
-def _error(status: int, answer: Any) -> ApiError:
+#: codes for the answers API Gateway gives itself (``{"message": ...}``): its JWT authorizer's
+#: 401, its payload limit's 413, throttling's 429, a function's crash or timeout
+GATEWAY_CODES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "route_not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "body_too_large",
+    429: "too_many_requests",
+    431: "headers_too_large",
+    500: "internal_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+
+def _error(status: int, answer: Any, headers: Mapping[str, str] | None = None) -> ApiError:
+    """An error answer in either shape: Shoal's ``{"error": {"code", "message"}}`` from the
+    functions, or API Gateway's own ``{"message": ...}`` (the 401's reason in a header)."""
     error = answer.get("error") if isinstance(answer, dict) else None
     if isinstance(error, dict):
         details = {k: v for k, v in error.items() if k not in ("code", "message")}
         return ApiError(
             status, str(error.get("code", "error")), str(error.get("message", "")), details
         )
-    return ApiError(status, f"http_{status}", "an answer without a Shoal error body", {})
+    code = GATEWAY_CODES.get(status, f"http_{status}")
+    message = answer.get("message") if isinstance(answer, dict) else None
+    reason = _auth_reason((headers or {}).get("www-authenticate", ""))
+    if reason:
+        message = f"{message}: {reason}" if message else reason
+    return ApiError(status, code, str(message or "an answer without a Shoal error body"), {})
+
+
+def _auth_reason(header: str) -> str:
+    """``error_description`` of a ``WWW-Authenticate: Bearer ...`` header, if any."""
+    _, found, rest = header.partition('error_description="')
+    return rest.split('"', 1)[0] if found else ""
 
 
 def _retry_after(error: ApiError | None) -> float | None:

@@ -23,6 +23,10 @@ class ShoalError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, **self.details}}
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries besides its body."""
+        return {}
+
 
 class BadRequest(ShoalError):
     status = 400
@@ -130,8 +134,19 @@ class UnsupportedMediaType(ShoalError):
 
 
 class ServerBusy(ShoalError):
+    """Retry later; ``retry_after_s``, when given, says when (also as ``Retry-After``)."""
+
     status = 503
     code = "server_busy"
+
+    def __init__(self, message: str = "", *, retry_after_s: int | None = None, **details: Any):
+        if retry_after_s is not None:
+            details["retry_after_s"] = max(1, retry_after_s)
+        super().__init__(message, **details)
+
+    def headers(self) -> dict[str, str]:
+        after = self.details.get("retry_after_s")
+        return {"Retry-After": str(after)} if after is not None else {}
 
 
 class SessionNotFound(NotFound):

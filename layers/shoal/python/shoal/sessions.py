@@ -60,12 +60,12 @@ from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-import boto3
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shoal.auth import Principal
+from shoal.aws import clients
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 from shoal.errors import (
@@ -557,7 +557,7 @@ class SessionRepository:
 
     @classmethod
     def from_config(cls, config: Config) -> SessionRepository:
-        return cls(boto3.client("dynamodb", region_name=config.region), config.table(TABLE))
+        return cls(clients.client("dynamodb", config.region), config.table(TABLE))
 
     def _key(self, client_id: str, item: str) -> dict[str, Any]:
         return {"client_id": {"S": client_id}, "item": {"S": item}}
@@ -995,8 +995,8 @@ class SessionRegistry:
         request: ConnectRequest,
         requested_at_ms: int | None = None,
     ) -> Connected:
-        check_client_id(client_id)
         who.require_client(client_id)
+        check_client_id(client_id)
         now = self.clock.now_ms()
         if request.will is not None:
             _check_will(who, request.will)
@@ -1060,10 +1060,27 @@ class SessionRegistry:
     # -- session-scoped calls
 
     def _scope(self, who: Principal, client_id: str, channel: str | None) -> Version:
-        check_client_id(client_id)
-        version = parse_channel(channel)
+        # the principal before the request's shape (``shoal.api.session_call``)
         who.require_client(client_id)
-        return version
+        check_client_id(client_id)
+        try:
+            return parse_channel(channel)
+        except BadRequest:
+            self.require_owner(who, client_id)
+            raise
+
+    def require_owner(self, who: Principal, client_id: str, *, connecting: bool = False) -> None:
+        """403 when another principal holds the client id's session; one read.
+
+        A connect may take over a session that has ended, whoever held it, so for a connect
+        only a live session of another principal counts (``plan_connect``).
+        """
+        head = self.repository.head(client_id)
+        if head is None or head.sub == who.sub:
+            return
+        if connecting and not head.session_alive(self.clock.now_ms()):
+            return
+        raise Forbidden("the client id's session belongs to another principal")
 
     def _refuse(self, who: Principal, head: Head | None) -> ShoalError:
         """Why a channel may not act: no session, another principal's, or not the live one."""

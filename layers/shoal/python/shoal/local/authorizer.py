@@ -45,9 +45,15 @@ class AuthorizationFailed(Exception):
         self.reason = reason
 
 
-def unauthorized_body(reason: str) -> dict[str, Any]:
-    """API Gateway's own 401 body plus Shoal's error frame (API.md), so either client parses it."""
-    return {"message": "Unauthorized", "error": {"code": "unauthorized", "message": reason}}
+#: API Gateway's own 401 body; the reason goes in ``WWW-Authenticate`` (``unauthorized_header``)
+UNAUTHORIZED_BODY = {"message": "Unauthorized"}
+
+
+def unauthorized_header(reason: str) -> str:
+    """The ``www-authenticate`` value API Gateway's JWT authorizer sends with its 401."""
+    # the reason is this module's own text; keep the quoted-string well formed all the same
+    safe = "".join(c for c in reason if c.isprintable() and c not in '"\\')
+    return f'Bearer scope="" error="invalid_token" error_description="{safe}"'
 
 
 # --- claims as API Gateway passes them -------------------------------------------------------

@@ -6,8 +6,11 @@ prefix, then ``$default``; a route with an explicit method before ``ANY``), chec
 authorizer when the route is authorized, turned into a payload format 2.0 event and handed to
 the route's function; the function's answer is turned back into HTTP by the 2.0 rules.
 
-Where API Gateway answers by itself the bodies are its own (``{"message": ...}``), except the
-401, which also carries Shoal's error frame (see ``authorizer.unauthorized_body``).
+Where API Gateway answers by itself the bodies are its own (``{"message": ...}``), the 401 of
+the JWT authorizer included (its reason in ``www-authenticate``). The HTTP server in front
+answers every request, however broken, with JSON: a framing error 400, a body over API
+Gateway's limit 413 (read and discarded, so the client sees the answer), a header over the
+line limit 431, a stalled body 408, a method no HTTP API route can have 405.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
-from shoal.local.authorizer import AuthorizationFailed, Authorized, JwtAuthorizer, unauthorized_body
+from shoal.local.authorizer import (
+    UNAUTHORIZED_BODY,
+    AuthorizationFailed,
+    Authorized,
+    JwtAuthorizer,
+    unauthorized_header,
+)
 from shoal.local.provision import ACCOUNT_ID
 
 log = logging.getLogger("shoal-dev.gateway")
@@ -37,6 +47,16 @@ log = logging.getLogger("shoal-dev.gateway")
 MAX_REQUEST_BYTES = 10 * 1024 * 1024
 #: Lambda refuses a synchronous invocation whose event is larger
 MAX_INVOKE_PAYLOAD_BYTES = 6 * 1024 * 1024
+#: an oversized body up to this size is read and discarded, so its 413 reaches the client on a
+#: connection that stays usable; a larger one is answered at once and the connection closed
+MAX_DISCARD_BYTES = 64 * 1024 * 1024
+#: a connection idle this long between requests, or a body stalled this long, is given up
+IDLE_TIMEOUT_S = 60
+#: connections the kernel queues before the server accepts them: a burst of clients must
+#: queue, not be reset (``socketserver``'s default of 5 reset 147 of 128 x 3 requests)
+LISTEN_BACKLOG = 1024
+#: the methods an HTTP API route can have; any other is 405
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 API_ID = "local"
 JWKS_PATH = "/.well-known/jwks.json"
 DISCOVERY_PATH = "/.well-known/openid-configuration"
@@ -177,9 +197,9 @@ class HttpResponse:
 
     @classmethod
     def json(cls, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> HttpResponse:
-        return cls(
-            status, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
-        )
+        # compact, as API Gateway writes its own answers ({"message":"Unauthorized"})
+        data = json.dumps(body, separators=(",", ":")).encode()
+        return cls(status, [("Content-Type", "application/json"), *headers], data)
 
 
 def _request_id() -> str:
@@ -335,9 +355,7 @@ class Gateway:
                 authorized = self.authorizer.authorize(request.header("authorization"))
             except AuthorizationFailed as exc:
                 return HttpResponse.json(
-                    401,
-                    unauthorized_body(exc.reason),
-                    [("WWW-Authenticate", 'Bearer error="invalid_token"')],
+                    401, UNAUTHORIZED_BODY, [("www-authenticate", unauthorized_header(exc.reason))]
                 )
         request_id = _request_id()
         event = build_event(request, match, authorized=authorized, request_id=request_id)
@@ -374,20 +392,62 @@ class Gateway:
 # --- the HTTP server -------------------------------------------------------------------------
 
 
+class _Refused(Exception):
+    """A request the server answers itself, before the gateway: framing, size, timeouts."""
+
+    def __init__(self, status: int, message: str, *, close: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.close = close
+
+
+class _ClientGone(Exception):
+    """The client closed its side mid-request: there is nobody to answer."""
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+#: headers the server writes itself, whatever a function's answer says
+_SERVER_HEADERS = frozenset({"content-length", "connection", "transfer-encoding", "date"})
+#: a chunk-size line, its extensions included, is at most this long
+_MAX_CHUNK_LINE = 4096
+_MAX_TRAILERS = 100
+
+
+def _chunk_size(line: bytes) -> int:
+    text = line.split(b";", 1)[0].strip().decode("latin-1")
+    if not text or len(text) > 16 or not set(text) <= _HEX:
+        raise _Refused(400, "Bad Request: malformed chunk size")
+    return int(text, 16)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "shoal-dev"
     sys_version = ""
+    #: a request line too broken to name its version is answered as HTTP/1.1, with a status line
+    default_request_version = "HTTP/1.1"
+    #: socket timeout for every read and write of a connection (idle keep-alive, stalled body)
+    timeout = IDLE_TIMEOUT_S
+    #: headers and body go out in two writes; with Nagle's algorithm the second waits for the
+    #: client's delayed ACK, ~40 ms on every answer of a keep-alive connection
+    disable_nagle_algorithm = True
     server: _Server
+    #: the request was refused with bytes of it possibly unread: close gracefully
+    _unread = False
 
     def _serve(self) -> None:
         started = time.perf_counter()
         path, _, query = self.path.partition("?")
-        body = self._read_body()
-        if body is None:
-            # refused before reading it all; the unread rest makes the connection unusable
+        try:
+            body = self._read_body()
+        except _ClientGone:
             self.close_connection = True
-            response = HttpResponse.json(413, {"message": "Request Entity Too Large"})
+            return
+        except _Refused as refused:
+            if refused.close:
+                self.close_connection = self._unread = True
+            response = HttpResponse.json(refused.status, {"message": refused.message})
         else:
             request = HttpRequest(
                 method=self.command,
@@ -403,16 +463,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as exc:
                 log.error("gateway failed: %s\n%s", type(exc).__name__, frames(exc))
                 response = internal_server_error()
-        self.send_response(response.status)  # with Date
-        for name, value in response.headers:
-            if name.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(response.body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(response.body)
+        self._respond(response)
         # method, path and status only: never the query string, headers or bodies
         log.info(
             "%s %s %d %.1fms",
@@ -422,28 +473,139 @@ class _Handler(BaseHTTPRequestHandler):
             (time.perf_counter() - started) * 1000,
         )
 
-    def _read_body(self) -> bytes | None:
-        """The request body, or None when it exceeds what API Gateway accepts."""
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            chunks: list[bytes] = []
-            total = 0
-            while True:
-                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    return b"".join(chunks)
-                total += size
-                if total > MAX_REQUEST_BYTES:
-                    return None
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-        length = int(self.headers.get("Content-Length") or 0)
+    def _respond(self, response: HttpResponse) -> None:
+        try:
+            self.send_response(response.status)  # with Date
+            for name, value in response.headers:
+                if name.lower() not in (
+                    "content-length",
+                    "connection",
+                    "transfer-encoding",
+                    "date",
+                ):
+                    self.send_header(name, value)
+            self.send_header("Content-Length", str(len(response.body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(response.body)
+            self.wfile.flush()
+        except OSError as exc:
+            # the client left (a long poll it gave up on): nothing to answer, nothing to log
+            log.debug("client went away: %s", type(exc).__name__)
+            self.close_connection = True
+            return
+        if self._unread:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close gracefully: unread request bytes would make the kernel reset the connection,
+        and a reset can destroy the answer before the client has read it."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(1.0)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and self.connection.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    def _read_body(self) -> bytes:
+        """The request body; ``_Refused`` for what API Gateway would refuse or cannot frame."""
+        encoding = self.headers.get_all("Transfer-Encoding") or []
+        lengths = self.headers.get_all("Content-Length") or []
+        if encoding and lengths:
+            # both framings at once is how requests are smuggled (RFC 9112, section 6.3)
+            raise _Refused(400, "Bad Request: both Transfer-Encoding and Content-Length")
+        try:
+            if encoding:
+                if ",".join(encoding).strip().lower() != "chunked":
+                    raise _Refused(400, "Bad Request: only chunked Transfer-Encoding is accepted")
+                return self._read_chunked()
+            return self._read_sized(lengths)
+        except TimeoutError as exc:
+            raise _Refused(408, "Request Timeout") from exc
+        except ConnectionError as exc:
+            raise _ClientGone from exc
+
+    def _read_sized(self, lengths: list[str]) -> bytes:
+        values = {v.strip() for v in lengths}
+        if not values:
+            return b""
+        if len(values) > 1:
+            raise _Refused(400, "Bad Request: conflicting Content-Length headers")
+        (text,) = values
+        if not text.isascii() or not text.isdigit() or len(text) > 18:
+            raise _Refused(400, "Bad Request: malformed Content-Length")
+        length = int(text)
         if length > MAX_REQUEST_BYTES:
-            return None
-        return self.rfile.read(length) if length else b""
+            if length > MAX_DISCARD_BYTES:
+                raise _Refused(413, "Request Entity Too Large")
+            self._discard(length)
+            raise _Refused(413, "Request Entity Too Large", close=False)
+        body = self.rfile.read(length) if length else b""
+        if len(body) < length:
+            raise _ClientGone
+        return body
+
+    def _discard(self, length: int) -> None:
+        while length > 0:
+            got = self.rfile.read(min(length, 1 << 20))
+            if not got:
+                raise _ClientGone
+            length -= len(got)
+
+    def _read_chunked(self) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(_MAX_CHUNK_LINE + 1)
+            if not line:
+                raise _ClientGone
+            if len(line) > _MAX_CHUNK_LINE:
+                raise _Refused(400, "Bad Request: chunk size line too long")
+            size = _chunk_size(line)
+            if size == 0:
+                break
+            total += size
+            if total > MAX_DISCARD_BYTES:
+                raise _Refused(413, "Request Entity Too Large")
+            if total > MAX_REQUEST_BYTES:
+                self._discard(size)
+                chunks.clear()
+            else:
+                chunk = self.rfile.read(size)
+                if len(chunk) < size:
+                    raise _ClientGone
+                chunks.append(chunk)
+            if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise _Refused(400, "Bad Request: a chunk does not end where its size says")
+        for _ in range(_MAX_TRAILERS):
+            trailer = self.rfile.readline(65537)
+            if trailer in (b"\r\n", b"\n"):
+                break
+            if not trailer:
+                raise _ClientGone
+        else:
+            raise _Refused(400, "Bad Request: too many trailers")
+        if total > MAX_REQUEST_BYTES:
+            raise _Refused(413, "Request Entity Too Large", close=False)
+        return b"".join(chunks)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _serve
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (request line, headers, method) as JSON, not HTML."""
+        headers: list[tuple[str, str]] = []
+        if code == HTTPStatus.NOT_IMPLEMENTED:
+            # no do_<METHOD>: a method no HTTP API route can have
+            code = HTTPStatus.METHOD_NOT_ALLOWED
+            headers.append(("Allow", ", ".join(METHODS)))
+        phrase = HTTPStatus(code).phrase
+        self.close_connection = self._unread = True
+        self._respond(HttpResponse.json(code, {"message": phrase}, headers))
+        log.info("%s %d (refused by the server)", self.command or "-", code)
 
     def log_message(self, format: str, *args: Any) -> None:
         # http.server's own lines quote the full request line, query string included
@@ -452,6 +614,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
     gateway: Gateway
 
 

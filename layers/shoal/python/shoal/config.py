@@ -36,6 +36,9 @@ class Config(BaseModel):
     #: fault injection for tests (``SHOAL_FAULTS=router=0.25[,seed=N]``): function -> the
     #: probability that an invocation fails at a random step (``shoal.faults``); empty: never
     faults: dict[str, float] = Field(default_factory=dict)
+    #: crash tests (``SHOAL_CRASH_AT=publish:after_reserve``): the process exits at once, as
+    #: under kill -9, when the named function reaches the named step (``shoal.faults``)
+    crash_at: str = ""
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -54,6 +57,7 @@ class Config(BaseModel):
             default_partitions=int(env.get("SHOAL_DEFAULT_PARTITIONS", "1")),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),
             faults=parse_faults(env.get("SHOAL_FAULTS", "")),
+            crash_at=env.get("SHOAL_CRASH_AT", ""),
         )
 
 

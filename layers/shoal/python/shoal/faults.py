@@ -6,10 +6,15 @@ Each failing invocation picks one of its steps at random and raises ``InjectedFa
 so every crash point a real failure can hit (before or after the inbox writes, the event
 flush, the archive) is exercised: the retried invocation must then repair it. Never set in a
 deployment; ``shoal dev`` passes its environment through.
+
+``SHOAL_CRASH_AT=<function>:<step>`` (``Config.crash_at``) is harder: the whole process exits
+at that step, as under kill -9 (no exception handler, no flush), so an end-to-end test can
+restart ``shoal dev`` and time how long a client's retry takes to be answered.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Sequence
@@ -25,6 +30,12 @@ ROUTER_STEPS = (
     "before_archive",
     "after_archive",
 )
+
+
+#: the publish path's steps a crash test can stop the process at
+PUBLISH_STEPS = ("after_reserve", "after_put")
+#: the exit status of a process killed by SIGKILL, as a shell reports it
+KILLED = 137
 
 
 class InjectedFault(RuntimeError):
@@ -63,3 +74,19 @@ class Faults:
             if self._rng.random() >= self.probability:
                 return FaultPlan(None)
             return FaultPlan(self._rng.choice(list(steps)))
+
+
+class CrashPoint:
+    """The step of one function where the process dies on purpose (``SHOAL_CRASH_AT``)."""
+
+    def __init__(self, step: str | None = None) -> None:
+        self.step = step
+
+    @classmethod
+    def from_config(cls, config: Config, function: str) -> CrashPoint:
+        name, _, step = config.crash_at.partition(":")
+        return cls(step if name == function and step else None)
+
+    def at(self, step: str) -> None:
+        if step == self.step:
+            os._exit(KILLED)

@@ -58,7 +58,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from pydantic import model_validator as _model_validator
@@ -66,6 +66,7 @@ from pynamodb.exceptions import DeleteError, PutError, UpdateError
 
 from shoal import store
 from shoal.auth import Principal
+from shoal.aws.clients import PUT_CALL_BOUND_MS
 from shoal.clock import Clock, SystemClock
 from shoal.composite import (
     DEFAULT_TOPIC,
@@ -85,6 +86,7 @@ from shoal.errors import (
     ServerBusy,
     ShoalError,
 )
+from shoal.faults import CrashPoint
 from shoal.observability import logger
 from shoal.store import PublisherModel, RetainedModel
 from shoal.streams import (
@@ -98,10 +100,13 @@ from shoal.streams import (
 from shoal.topics import any_matches, first_level, is_publishable_topic
 
 MAX_BATCH = 500
-#: a reservation's holder may put only while it holds the lease; a retry takes over after it
-PUBLISH_LEASE_MS = 60_000
-#: a holder starts a put only while this much of its lease is left (puts time out well before)
-PUT_DEADLINE_MS = 30_000
+#: a holder starts a Kinesis call only while this much of its lease is left: one call ends
+#: (answered or timed out) within ``PUT_CALL_BOUND_MS``, plus a second for the clocks
+PUT_DEADLINE_MS = PUT_CALL_BOUND_MS + 1_000
+#: a reservation's holder may put only while it holds the lease; a retry takes over after it.
+#: Sized from the put's bound, not the function's timeout: a publisher whose request died
+#: with its process (a crash, a kill, a Lambda timeout) is answered this long after, at most.
+PUBLISH_LEASE_MS = 10_000
 #: a duplicate of a publish in flight waits this long for it before answering 503
 INFLIGHT_WAIT_MS = 2_000
 INFLIGHT_POLL_S = 0.1
@@ -131,7 +136,9 @@ class Properties(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     content_type: str | None = Field(default=None, max_length=1024)
-    user_properties: dict[str, str] = Field(default_factory=dict)
+    #: a name is never empty: moto (DynamoDB under shoal dev) garbles a map key "", and the
+    #: inbox of every session the message went to could not be read any more
+    user_properties: dict[Annotated[str, Field(min_length=1)], str] = Field(default_factory=dict)
     message_expiry_s: StrictInt | None = Field(default=None, ge=0, le=2**32 - 1)
 
 
@@ -591,18 +598,26 @@ class PublishService:
         clock: Clock | None = None,
         sequences: Sequences | None = None,
         retained: RetainedStore | None = None,
+        *,
+        crash: CrashPoint | None = None,
     ) -> None:
         self.streams = streams
         self.directory = directory
         self.clock = clock or SystemClock()
         self.sequences = sequences or Sequences()
         self.retained = retained or RetainedStore()
+        self.crash = crash or CrashPoint()
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PublishService:
         store.bind(config)
         clock = clock or SystemClock()
-        return cls(Streams.from_config(config, clock), TopicDirectory(clock), clock)
+        return cls(
+            Streams.from_config(config, clock),
+            TopicDirectory(clock),
+            clock,
+            crash=CrashPoint.from_config(config, "publish"),
+        )
 
     # -- entry points ------------------------------------------------------------------
 
@@ -644,6 +659,8 @@ class PublishService:
         tickets: list[_Ticket] = []
         for key, group in by_publisher.items():
             tickets += self._admit(key, group)
+        if tickets:
+            self.crash.at("after_reserve")
         for ticket in tickets:
             if ticket.recovery:
                 self._read_back(ticket)
@@ -653,6 +670,8 @@ class PublishService:
             if i.error is None and i.mirror_of is None and i.answer is None and not i.found
         ]
         self._put(self._within_lease(to_put))
+        if to_put:
+            self.crash.at("after_put")
         for item in valid:
             if (item.put_ok or item.found) and item.request is not None and item.request.retain:
                 try:
@@ -854,9 +873,14 @@ class PublishService:
                 )
             if waiting:
                 if waited_ms >= INFLIGHT_WAIT_MS:
+                    assert state is not None
                     for item in waiting:
+                        # by the lease's end the holder has confirmed, or a retry takes over
+                        held = state.reservation_for(item.seq)  # type: ignore[arg-type]
+                        left_ms = held.lease_until - self.clock.now_ms() if held is not None else 0
                         item.error = ServerBusy(
-                            "this publish is in flight in another request; retry shortly"
+                            "this publish is in flight in another request; retry shortly",
+                            retry_after_s=-(-left_ms // 1000),
                         )
                     return tickets
                 self.clock.sleep(INFLIGHT_POLL_S)
@@ -991,7 +1015,8 @@ class PublishService:
                 if index < len(records) and lane not in failed
             ]
             outcomes = self._put_round(
-                [(lane[0], self._record(group)) for lane, group in round_], single
+                [(lane[0], self._record(group), _put_deadline(group)) for lane, group in round_],
+                single,
             )
             for (lane, group), outcome in zip(round_, outcomes, strict=True):
                 for item in group:
@@ -1013,8 +1038,15 @@ class PublishService:
             explicit_hash_key=first.storage.starting_key(first.partition),
         )
 
-    def _put_round(self, records: list[tuple[str, OutRecord]], single: bool) -> list[PutOutcome]:
-        """Put records (of distinct keys), retrying only the failed ones, bounded."""
+    def _put_round(
+        self, records: list[tuple[str, OutRecord, int | None]], single: bool
+    ) -> list[PutOutcome]:
+        """Put records (of distinct keys), retrying only the failed ones, bounded.
+
+        No call starts for a record past its deadline (its reservation's lease, less what a
+        call can take): a put of a sequenced message must end before a retry may take its
+        reservation over and read the stream back.
+        """
         outcomes: list[PutOutcome] = [PutOutcome(error_code="NotAttempted")] * len(records)
         todo = list(range(len(records)))
         for attempt in range(PUT_ATTEMPTS):
@@ -1026,18 +1058,29 @@ class PublishService:
             for stream, indexes in by_stream.items():
                 if single:
                     n = indexes[0]
-                    outcomes[n] = self.streams.put_record(stream, records[n][1])
+                    if self._in_time(records[n][2]):
+                        outcomes[n] = self.streams.put_record(stream, records[n][1])
                     continue
                 for chunk in _chunks(indexes, [records[n][1].size for n in indexes]):
-                    results = self.streams.put_records(stream, [records[n][1] for n in chunk])
-                    for n, result in zip(chunk, results, strict=True):
+                    timely = [n for n in chunk if self._in_time(records[n][2])]
+                    if not timely:
+                        continue
+                    results = self.streams.put_records(stream, [records[n][1] for n in timely])
+                    for n, result in zip(timely, results, strict=True):
                         outcomes[n] = result
             # an ambiguous failure is not retried here: the record may be in the stream, and
             # only a read-back (the client's retry of a sequenced publish) can tell
-            todo = [n for n in todo if not outcomes[n].ok and not outcomes[n].ambiguous]
+            todo = [
+                n
+                for n in todo
+                if not outcomes[n].ok and not outcomes[n].ambiguous and self._in_time(records[n][2])
+            ]
             if not todo:
                 break
         return outcomes
+
+    def _in_time(self, deadline_ms: int | None) -> bool:
+        return deadline_ms is None or self.clock.now_ms() < deadline_ms
 
     # -- confirmation ------------------------------------------------------------------
 
@@ -1076,6 +1119,12 @@ class PublishService:
             "duplicate": duplicate,
         }
         return (200 if duplicate else 201), body
+
+
+def _put_deadline(group: list[_Item]) -> int | None:
+    """The last instant a call may start to put ``group``: its leases' end less a call's bound."""
+    leases = [i.ticket.run.lease_until for i in group if i.ticket is not None]
+    return min(leases) - PUT_DEADLINE_MS if leases else None
 
 
 def _utf8(text: str) -> bool:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import boto3
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from shoal.aws import clients
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 from shoal.errors import ServerBusy, StreamConflict
@@ -134,19 +133,13 @@ class Streams:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Streams:
-        session = boto3.session.Session(region_name=config.region)
-        # Short timeouts bound how long a put can take; the publish lease depends on it.
-        boto = BotoConfig(connect_timeout=2, read_timeout=5, retries={"mode": "standard"})
-        once = BotoConfig(
-            connect_timeout=2,
-            read_timeout=5,
-            retries={"mode": "standard", "total_max_attempts": 1},
-        )
+        # the writer's bounded timeouts size the publish lease (``PUT_CALL_BOUND_MS``), so a
+        # retry after a crash waits seconds, not a minute
         return cls(
-            session.client("kinesis", config=boto),
-            session.client("lambda", config=boto),
+            clients.client("kinesis", config.region, "streams"),
+            clients.client("lambda", config.region, "streams"),
             clock,
-            writer=session.client("kinesis", config=once),
+            writer=clients.client("kinesis", config.region, "kinesis_writer"),
         )
 
     # -- storage streams -----------------------------------------------------------------

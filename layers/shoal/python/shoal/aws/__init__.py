@@ -1,0 +1,1 @@
+"""Adapters to AWS services: the only code that makes SDK clients."""

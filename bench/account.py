@@ -16,8 +16,9 @@ from typing import Any
 import boto3
 from moto import mock_aws
 from shoal import store
+from shoal.aws import clients
 from shoal.config import get_config
-from shoal.local.aws import detach_moto_lambda_triggers
+from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto
 
@@ -41,9 +42,10 @@ def emulated_account(default_partitions: int = 4) -> Iterator[boto3.Session]:
     os.environ.pop("AWS_ENDPOINT_URL", None)
     os.environ.update(FAKE_ENV | names.environment())
     get_config.cache_clear()
-    detach_moto_lambda_triggers()
+    adapt_moto()
     try:
         with mock_aws(), serialized_moto():
+            clients.reset()
             session = boto3.Session(region_name="us-east-1")
             provision(session, names)
             store.bind(get_config())

@@ -9,8 +9,9 @@ import boto3
 import pytest
 from moto import mock_aws
 from shoal import store
+from shoal.aws import clients
 from shoal.config import get_config
-from shoal.local.aws import detach_moto_lambda_triggers
+from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto
 
@@ -51,8 +52,10 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[boto3.Session]:
         monkeypatch.setenv(key, value)
     get_config.cache_clear()
     # the emulators deliver stream records themselves; moto's own delivery needs Docker
-    detach_moto_lambda_triggers()
+    adapt_moto()
     with mock_aws(), serialized_moto():
+        # clients are shared per process; a fresh account gets fresh ones
+        clients.reset()
         session = boto3.Session(region_name="us-east-1")
         provision(session, names)
         store.bind(get_config())

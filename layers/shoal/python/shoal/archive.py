@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import boto3
-
+from shoal.aws import clients
 from shoal.config import Config
 from shoal.publishing import MalformedRecord, decode_record
 
@@ -146,8 +145,8 @@ class ArchiveWriter:
 
     @classmethod
     def from_config(cls, config: Config) -> ArchiveWriter:
-        session = boto3.session.Session(region_name=config.region)
-        return cls(session.client("s3"), config.buckets["archive"], config.stream_prefix)
+        s3 = clients.client("s3", config.region)
+        return cls(s3, config.buckets["archive"], config.stream_prefix)
 
     def batch(self) -> ArchiveBatch:
         return ArchiveBatch(self.stream_prefix)

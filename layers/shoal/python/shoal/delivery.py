@@ -92,15 +92,15 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import boto3
 from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from shoal import store
 from shoal.auth import Principal
+from shoal.aws import clients
 from shoal.clock import Clock, SystemClock
-from shoal.composite import DEFAULT_TOPIC
+from shoal.composite import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.config import Config
 from shoal.errors import BadRequest, InvalidFilter, ServerBusy
 from shoal.observability import logger
@@ -777,7 +777,7 @@ class Dynamo:
 
     @classmethod
     def from_config(cls, config: Config) -> Dynamo:
-        return cls(boto3.session.Session(region_name=config.region).client("dynamodb"))
+        return cls(clients.client("dynamodb", config.region))
 
     def call(self, operation: str, **request: Any) -> dict[str, Any]:
         try:
@@ -1110,8 +1110,7 @@ class PayloadStore:
 
     @classmethod
     def from_config(cls, config: Config) -> PayloadStore:
-        session = boto3.session.Session(region_name=config.region)
-        return cls(session.client("s3"), config.buckets["archive"])
+        return cls(clients.client("s3", config.region), config.buckets["archive"])
 
     @staticmethod
     def key(message_id: str) -> str:
@@ -1382,10 +1381,13 @@ class SubscriptionService:
                         {t.name for t in TopicModel.scan(attributes_to_get=["name"])}
                     )
                 composites = [*topics_cache, DEFAULT_TOPIC]
-            else:
+            elif is_valid_topic_name(level):
                 # the topic's own composite topic, or `default` (it may have been published
                 # before its composite topic existed)
                 composites = [level, DEFAULT_TOPIC]
+            else:
+                # no composite topic has this name ("" of "/a", over 64 characters): `default`
+                composites = [DEFAULT_TOPIC]
             keys: list[str] = []
             scanned = 0
             for composite in dict.fromkeys(composites):

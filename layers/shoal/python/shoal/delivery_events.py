@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from shoal.aws import clients
 from shoal.clock import Clock, SystemClock
 from shoal.config import Config
 
@@ -140,7 +141,10 @@ class DeliveryEvents:
     def from_config(
         cls, config: Config, clock: Clock | None = None, s3: S3Client | None = None
     ) -> DeliveryEvents:
-        return cls(config.buckets.get(ARCHIVE_BUCKET), clock, s3)
+        bucket = config.buckets.get(ARCHIVE_BUCKET)
+        if s3 is None and bucket:
+            s3 = clients.client("s3", config.region)
+        return cls(bucket, clock, s3)
 
     @property
     def enabled(self) -> bool:
@@ -232,9 +236,7 @@ class DeliveryEvents:
 
     def _client(self) -> S3Client:
         if self._s3 is None:
-            import boto3
-
-            self._s3 = boto3.session.Session().client("s3")
+            raise RuntimeError("a recorder with a bucket needs an S3 client (from_config)")
         return self._s3
 
 
@@ -243,16 +245,21 @@ class Recording:
     recorders it hands out (``new``: one per invocation). Thread-safe."""
 
     def __init__(
-        self, bucket: str | None, clock: Clock | None = None, s3: S3Client | None = None
+        self,
+        bucket: str | None,
+        clock: Clock | None = None,
+        s3: S3Client | None = None,
+        region: str = "us-east-1",
     ) -> None:
         self.bucket = bucket
         self.clock = clock or SystemClock()
+        self.region = region
         self._s3 = s3
         self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Recording:
-        return cls(config.buckets.get(ARCHIVE_BUCKET), clock)
+        return cls(config.buckets.get(ARCHIVE_BUCKET), clock, region=config.region)
 
     @property
     def enabled(self) -> bool:
@@ -264,10 +271,7 @@ class Recording:
     def _client(self) -> S3Client:
         with self._lock:
             if self._s3 is None:
-                import boto3
-
-                # a client is thread-safe; making one costs tens of milliseconds
-                self._s3 = boto3.session.Session().client("s3")
+                self._s3 = clients.client("s3", self.region)
             return self._s3
 
 

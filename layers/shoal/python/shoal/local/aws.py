@@ -140,6 +140,72 @@ class _Pinned:
         _MotoClock.frozen_at = None
 
 
+def adapt_moto() -> None:
+    """What the emulator changes in moto, process-wide and idempotent (server and tests)."""
+    detach_moto_lambda_triggers()
+    roll_back_transactions_by_partition()
+
+
+def roll_back_transactions_by_partition() -> None:
+    """Make a failed TransactWriteItems undo only the partitions it touched.
+
+    moto deep-copies every table a transaction names before applying it, to restore the copy if
+    the transaction fails, so each transaction costs time in proportion to the whole table:
+    under ``shoal dev`` with a few hundred sessions a connect took seconds, and most of the
+    emulator's CPU went into ``copy.deepcopy`` (measured with py-spy, 128 clients). This keeps
+    the same all-or-nothing outcome by saving and restoring only the partitions (hash keys) the
+    transaction touches. Requests run one at a time under ``BACKEND_LOCK``, so nothing else can
+    see the partial writes before they are undone.
+    """
+    import copy
+
+    from moto.dynamodb import models
+    from moto.dynamodb.models.dynamo_type import DynamoType
+
+    backend_class = models.DynamoDBBackend
+    if getattr(backend_class.transact_write_items, "_by_partition", False):
+        return
+    original = backend_class.transact_write_items
+
+    class _NoTableCopies:
+        """``copy`` as moto's transaction sees it: tables are not copied, the rest is."""
+
+        @staticmethod
+        def deepcopy(value: Any, memo: Any = None) -> Any:
+            return value if isinstance(value, models.Table) else copy.deepcopy(value, memo)
+
+    def transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
+        saved: dict[tuple[str, Any], Any] = {}
+        for entry in transact_items:
+            op: dict[str, Any] = next(iter(entry.values()), {})
+            name = str(op.get("TableName"))
+            table = self.tables.get(name)
+            if table is None:
+                continue
+            key = op.get("Key") or op.get("Item") or {}
+            if table.hash_key_attr not in key:
+                continue
+            hash_value = DynamoType(key[table.hash_key_attr])
+            if (name, hash_value) not in saved:
+                saved[(name, hash_value)] = copy.deepcopy(table.items.get(hash_value))
+        models.copy = _NoTableCopies
+        try:
+            original(self, transact_items)
+        except Exception:
+            for (name, hash_value), partition in saved.items():
+                table = self.tables[name]
+                if partition is None:
+                    table.items.pop(hash_value, None)
+                else:
+                    table.items[hash_value] = partition
+            raise
+        finally:
+            models.copy = copy
+
+    transact_write_items._by_partition = True  # type: ignore[attr-defined]
+    backend_class.transact_write_items = transact_write_items
+
+
 def detach_moto_lambda_triggers() -> None:
     """Stop moto from running functions for stream records itself (process-wide, idempotent).
 
@@ -321,6 +387,14 @@ class ReplayStats:
     dropped_tail_bytes: int
 
 
+#: how long a DynamoDB or Kinesis call waits for the emulator; below the shortest read timeout
+#: of Shoal's clients (the publish path's writer: ``shoal.aws.clients.PUT_READ_TIMEOUT_S``)
+LOCK_WAIT_BUDGET_S = 2.0
+_UNAVAILABLE = json.dumps(
+    {"__type": "ServiceUnavailable", "message": "the emulator is busy; retry"}
+).encode()
+
+
 class SerializedApp:
     """WSGI middleware: one request at a time, successful mutations journaled before replying."""
 
@@ -335,6 +409,25 @@ class SerializedApp:
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("wsgi.input_terminated", None)
+        # DynamoDB and Kinesis calls (JSON protocols, named by X-Amz-Target) wait a bounded
+        # time for their turn; past it they are refused unapplied, as AWS throttles. Without
+        # the bound, a call queued behind a burst could be applied after its caller timed out,
+        # and a put the publisher was told failed would land in the stream after all.
+        target = environ.get("HTTP_X_AMZ_TARGET")
+        if target and not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S):
+            start_response(
+                "503 Service Unavailable", [("Content-Type", "application/x-amz-json-1.1")]
+            )
+            return [_UNAVAILABLE]
+        try:
+            return self._serve(environ, start_response, body)
+        finally:
+            if target:
+                BACKEND_LOCK.release()
+
+    def _serve(
+        self, environ: dict[str, Any], start_response: Callable[..., Any], body: bytes
+    ) -> list[bytes]:
         with BACKEND_LOCK:
             if self.failed:
                 start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
@@ -467,7 +560,7 @@ class EmbeddedAws:
 
     def start(self) -> None:
         _MotoClock.install()
-        detach_moto_lambda_triggers()
+        adapt_moto()
         from moto.moto_server.werkzeug_app import (
             DomainDispatcherApplication,
             MotoRequestHandler,

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,17 @@ START_HOOKS: list[StartHook] = [
 Handler = Callable[[dict[str, Any], Any], Any]
 
 
+_IMPORT_LOCK = threading.RLock()
+#: Invocations of one function running at once; more wait for a sandbox (Lambda would scale
+#: out). Every sandbox shares the process's GIL and the emulator's one lock: 128 clients on
+#: 32 sandboxes per function spent their time switching threads, so that the thread holding
+#: the emulator's lock ran slowly and calls behind it timed out (8: 128 clients served in
+#: about half the time, without a 5xx, on 2 cores).
+MAX_CONCURRENCY = 8
+#: a long poll sleeps in its sandbox for up to 20 s, costing no CPU: room for many pollers
+CONCURRENCY = {"messages": 64}
+
+
 class _Sandboxes:
     """One function's execution environments: each runs one invocation at a time.
 
@@ -103,6 +114,12 @@ class _Sandboxes:
         self._available = threading.Condition()
 
     def _load(self) -> Handler:
+        # one import at a time in the process: two functions' first imports racing each other
+        # see each other's half-initialized modules (ImportError, KeyError in sys.modules)
+        with _IMPORT_LOCK:
+            return self._load_unlocked()
+
+    def _load_unlocked(self) -> Handler:
         if self.created == 0:
             module = importlib.import_module(self.fn.module)
         else:
@@ -134,11 +151,25 @@ class Functions:
     """The declared functions, invoked in-process with the event Lambda would pass."""
 
     def __init__(
-        self, deployment: Deployment, names: LocalNames, *, max_concurrency: int = 32
+        self,
+        deployment: Deployment,
+        names: LocalNames,
+        *,
+        max_concurrency: int = MAX_CONCURRENCY,
+        concurrency: Mapping[str, int] = CONCURRENCY,
     ) -> None:
         self.names = names
         self._by_name = {names.functions[fn.name]: fn for fn in deployment.functions}
-        self._sandboxes = {fn.name: _Sandboxes(fn, max_concurrency) for fn in deployment.functions}
+        self._sandboxes = {
+            fn.name: _Sandboxes(fn, concurrency.get(fn.name, max_concurrency))
+            for fn in deployment.functions
+        }
+
+    def warm(self) -> None:
+        """Import every function once, before anything is served: the first requests after a
+        start then make only copies of loaded modules, one at a time, not racing imports."""
+        for sandboxes in self._sandboxes.values():
+            sandboxes.release(sandboxes.acquire())
 
     def invoke(self, function_name: str, event: dict[str, Any]) -> Any:
         """Invoke by deployed name (e.g. "shoal-health"), as triggers name their target."""
@@ -271,6 +302,7 @@ class LocalRuntime:
         )
         IssuerSettings(self.issuer, options.audience).save(state)
 
+        self.functions.warm()
         if options.triggers:
             self._start_triggers(state)
         server.start()

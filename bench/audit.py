@@ -318,7 +318,7 @@ def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> di
     round trip instead (typically tens of milliseconds), paid once per invocation."""
     import boto3
     from moto import mock_aws
-    from shoal.clock import SystemClock
+    from shoal.core.clock import SystemClock
     from shoal.delivery_events import DeliveryEvents
 
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

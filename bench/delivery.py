@@ -126,10 +126,10 @@ def _filters(s: int) -> list[str]:
 
 
 def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]:
-    from shoal.auth import Principal
-    from shoal.clock import SystemClock
     from shoal.composite import ensure_default_topic
-    from shoal.config import get_config
+    from shoal.core.auth import Principal
+    from shoal.core.clock import SystemClock
+    from shoal.core.config import get_config
     from shoal.delivery import AckRequest, DeliveryService, SubscribeRequest, SubscriptionService
     from shoal.publishing import BatchRequest, PublishRequest, PublishService
     from shoal.sessions import ConnectRequest

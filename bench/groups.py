@@ -46,7 +46,7 @@ class _FrozenClock:
 
 
 def _world(session: Any, share: str, lease_s: float, clock: Any) -> Any:
-    from shoal.config import get_config
+    from shoal.core.config import get_config
     from shoal.delivery import DeliverySettings, Dynamo, InboxStore
     from shoal.group_streams import StreamReader
     from shoal.groups import GroupService, GroupSettings, GroupStore
@@ -147,7 +147,7 @@ class _Group:
 
 
 def _reassignment(session: Any, lease_s: float) -> dict[str, Any]:
-    from shoal.clock import ManualClock
+    from shoal.core.clock import ManualClock
 
     clock = ManualClock()
     group = _world(session, f"dead{int(lease_s)}", lease_s, clock)

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shoal.clock import SystemClock
 from shoal.composite import TopicService
-from shoal.config import get_config
+from shoal.core.clock import SystemClock
+from shoal.core.config import get_config
 from shoal.local.context import LambdaContext
 from shoal.store import PublisherModel, RetainedModel, TopicModel
 from shoal.streams import Streams

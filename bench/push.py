@@ -31,10 +31,10 @@ from typing import Any
 from unittest import mock
 
 import boto3
-from shoal.auth import Principal
-from shoal.clock import Clock, ManualClock, SystemClock
 from shoal.composite import TopicDirectory, ensure_default_topic
-from shoal.config import get_config
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, ManualClock, SystemClock
+from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy

@@ -126,8 +126,8 @@ def _invoke(handler: Handler, event: dict[str, Any]) -> tuple[int, Any]:
 
 
 def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, Any]:
-    from shoal.clock import SystemClock
-    from shoal.config import get_config
+    from shoal.core.clock import SystemClock
+    from shoal.core.config import get_config
     from shoal.sessions import RegistryStats, SessionRegistry, Version
 
     with emulated_account():

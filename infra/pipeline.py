@@ -35,7 +35,7 @@ RESULTS_PREFIX = "pipeline-results"
 #: what the jobs read in the archive bucket (shoal.archive, shoal.delivery_events)
 ARCHIVE_PREFIXES = ("messages", "events")
 #: the part of the shoal package the jobs import: no third-party dependency
-SHOAL_MODULES = ("__init__.py", "errors.py", "topics.py")
+SHOAL_MODULES = ("__init__.py", "core/__init__.py", "core/errors.py", "topics.py")
 CODE_EXCLUDE = ["**/__pycache__", "**/*.pyc"]
 
 
@@ -45,9 +45,9 @@ def stage_code(root: Path = ROOT) -> Path:
     shutil.copytree(
         root / "pipeline", staged / "pipeline", ignore=shutil.ignore_patterns("__pycache__")
     )
-    (staged / "shoal").mkdir()
     for name in SHOAL_MODULES:
-        shutil.copy2(root / "layers" / "shoal" / "python" / "shoal" / name, staged / "shoal")
+        (staged / "shoal" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / "layers" / "shoal" / "python" / "shoal" / name, staged / "shoal" / name)
     return staged
 
 

@@ -54,8 +54,8 @@ from pipeline.common import (
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-    from shoal.clock import Clock
-    from shoal.config import Config
+    from shoal.core.clock import Clock
+    from shoal.core.config import Config
 
 #: messages handed to a target at once (one inbox write per session per batch)
 BATCH = 200
@@ -247,7 +247,7 @@ class SessionInboxTarget:
     def from_config(
         cls, config: Config, client_id: str, replay_id: str, clock: Clock | None = None
     ) -> SessionInboxTarget:
-        from shoal.clock import SystemClock
+        from shoal.core.clock import SystemClock
         from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
         from shoal.sessions import SessionRepository
 
@@ -367,7 +367,7 @@ class GroupStreamTarget:
     def from_config(
         cls, config: Config, text: str, replay_id: str, clock: Clock | None = None
     ) -> GroupStreamTarget:
-        from shoal.clock import SystemClock
+        from shoal.core.clock import SystemClock
         from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
         from shoal.groups import GroupStore
 
@@ -473,14 +473,14 @@ class PushSubscriptionTarget:
     def from_config(
         cls, config: Config, name: str, replay_id: str, clock: Clock | None = None
     ) -> PushSubscriptionTarget:
-        from shoal.clock import SystemClock
+        from shoal.core.clock import SystemClock
         from shoal.push_replay import PushReplay
 
         clock = clock or SystemClock()
         return cls(name, replay_id, service=PushReplay.from_config(config, clock), clock=clock)
 
     def inject(self, messages: Sequence[ReplayMessage]) -> int:
-        from shoal.errors import SubscriptionNotFound
+        from shoal.core.errors import SubscriptionNotFound
 
         todo = [archived(m) for m in messages]
         written = 0
@@ -558,15 +558,15 @@ def make_target(
     if kind == "plan":
         return PlanTarget(Output(name, spark))
     if kind == "session":
-        from shoal.config import get_config
+        from shoal.core.config import get_config
 
         return SessionInboxTarget.from_config(config or get_config(), name, replay_id)
     if kind == "group":
-        from shoal.config import get_config
+        from shoal.core.config import get_config
 
         return GroupStreamTarget.from_config(config or get_config(), name, replay_id)
     if kind == "push":
-        from shoal.config import get_config
+        from shoal.core.config import get_config
 
         return PushSubscriptionTarget.from_config(config or get_config(), name, replay_id)
     if kind in UNAVAILABLE:
@@ -628,7 +628,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def use_local_runtime(state_dir: Path) -> None:
     """Point this process at the emulated account of the shoal dev on ``state_dir``."""
-    from shoal.config import get_config
+    from shoal.core.config import get_config
     from shoal.local.provision import LocalNames
     from shoal.local.runtime import BASE_ENVIRONMENT, RUNTIME_FILE
 

@@ -10,7 +10,7 @@ import pytest
 from moto import mock_aws
 from shoal import store
 from shoal.aws import clients
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto

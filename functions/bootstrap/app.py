@@ -9,7 +9,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.composite import DEFAULT_TOPIC, ensure_default_topic
-from shoal.observability import logger
+from shoal.core.observability import logger
 
 
 @logger.inject_lambda_context(clear_state=True)

@@ -7,7 +7,7 @@ one per storage stream that push subscriptions read, one per retry queue.
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from shoal.observability import logger
+from shoal.core.observability import logger
 from shoal.push_delivery import PushConsumer
 from shoal.streams import PerConfig
 

@@ -7,10 +7,10 @@ from functools import cache
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from shoal.config import get_config
+from shoal.core.config import get_config
+from shoal.core.observability import logger
 from shoal.delivery import SubscriptionRetirer
 from shoal.drain import Sealer
-from shoal.observability import logger
 from shoal.publishing import PublishService
 from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
 

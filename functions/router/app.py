@@ -22,10 +22,10 @@ from aws_lambda_powertools.utilities.batch import (
 from aws_lambda_powertools.utilities.parser.models import KinesisDataStreamRecord
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.archive import ArchiveWriter
+from shoal.core.faults import ROUTER_STEPS, Faults
+from shoal.core.observability import logger
 from shoal.delivery_events import Recording
 from shoal.fanout import Fanout
-from shoal.faults import ROUTER_STEPS, Faults
-from shoal.observability import logger
 from shoal.streams import PerConfig
 
 service = PerConfig(ArchiveWriter.from_config)

@@ -7,7 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from shoal.api import lambda_handler, make_resolver, owner_first, parse_body, session_call
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.sessions import ConnectRequest, SessionRegistry
 
 app = make_resolver()

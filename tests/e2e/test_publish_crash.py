@@ -14,7 +14,7 @@ import urllib.error
 from typing import Any
 
 import pytest
-from shoal.faults import KILLED, PUBLISH_STEPS
+from shoal.core.faults import KILLED, PUBLISH_STEPS
 from shoal.publishing import PUBLISH_LEASE_MS, publisher_key, sequenced_message_id
 
 from tests.e2e.conftest import DevFactory, DevServer

@@ -106,4 +106,5 @@ def test_the_staged_code_holds_the_pipeline_and_only_stdlib_shoal(tmp_path: Any)
     staged = stage_code()
     assert (staged / "pipeline" / "entry.py").is_file()
     assert (staged / "pipeline" / "audit.py").is_file()
-    assert sorted(p.name for p in (staged / "shoal").iterdir()) == sorted(SHOAL_MODULES)
+    shipped = [p.relative_to(staged / "shoal").as_posix() for p in (staged / "shoal").rglob("*.py")]
+    assert sorted(shipped) == sorted(SHOAL_MODULES)

@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.delivery import MAX_INLINE_PAYLOAD, SubscriptionRetirer
 from shoal.sessions import Reaper
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 from shoal.local.checkpoints import FileCheckpoints, Position
 from shoal.local.esm import EventSourceMappings, lane_of
 from shoal.local.provision import LAMBDA_ROLE, LocalNames

@@ -11,9 +11,9 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.config import get_config
+from shoal.core.config import get_config
+from shoal.core.faults import ROUTER_STEPS, FaultPlan, InjectedFault
 from shoal.delivery_events import EVENTS_PREFIX, Recording
-from shoal.faults import ROUTER_STEPS, FaultPlan, InjectedFault
 
 import functions.router.app as router_app
 from tests.integration.test_delivery_support import World, world

@@ -4,7 +4,7 @@ the group's member gets the replayed messages once, in order, through get like a
 from __future__ import annotations
 
 import boto3
-from shoal.config import get_config
+from shoal.core.config import get_config
 
 from pipeline.replay import GroupStreamTarget, ReplayMessage
 from tests.integration.test_groups_support import GroupWorld, gworld

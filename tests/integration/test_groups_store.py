@@ -12,8 +12,8 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import ManualClock
-from shoal.config import get_config
+from shoal.core.clock import ManualClock
+from shoal.core.config import get_config
 from shoal.delivery import (
     DeliverySettings,
     Dynamo,

@@ -12,7 +12,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.delivery import Dynamo
 from shoal.group_streams import StreamReader
 from shoal.groups import (

@@ -8,8 +8,8 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.auth import Principal
-from shoal.errors import PublisherSeqGap, ServerBusy
+from shoal.core.auth import Principal
+from shoal.core.errors import PublisherSeqGap, ServerBusy
 from shoal.publishing import (
     PUBLISH_LEASE_MS,
     PublishRequest,

@@ -14,9 +14,9 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import ManualClock, SystemClock
 from shoal.composite import CompositeTopic, TopicDirectory, TopicService, ensure_default_topic
-from shoal.config import get_config
+from shoal.core.clock import ManualClock, SystemClock
+from shoal.core.config import get_config
 from shoal.publishing import Message, PublishService, decode_record
 from shoal.store import TABLES
 from shoal.streams import Streams

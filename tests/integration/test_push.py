@@ -11,7 +11,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.errors import (
+from shoal.core.errors import (
     InvalidEndpoint,
     InvalidRedrive,
     InvalidSeek,

@@ -14,9 +14,9 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import ManualClock, SystemClock
 from shoal.composite import TopicDirectory, TopicService, ensure_default_topic
-from shoal.config import get_config
+from shoal.core.clock import ManualClock, SystemClock
+from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
@@ -101,7 +101,7 @@ class PushHarness:
 
     def publish(self, key: str, n: int, topic: str = "orders/1") -> str:
         """Publish one message (text ``n``) with ordering key ``key``; its message id."""
-        from shoal.auth import Principal
+        from shoal.core.auth import Principal
 
         _, body = self.publisher.publish(
             Principal.from_claims(ALICE),

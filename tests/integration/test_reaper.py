@@ -7,9 +7,9 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import SystemClock
-from shoal.config import get_config
-from shoal.errors import TopicNotFound
+from shoal.core.clock import SystemClock
+from shoal.core.config import get_config
+from shoal.core.errors import TopicNotFound
 from shoal.sessions import (
     WILL_RETRY_MS,
     Reaper,

@@ -11,7 +11,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.errors import ServerBusy
+from shoal.core.errors import ServerBusy
 from shoal.push import REPLAYED
 from shoal.push_admin import SeekRequest
 from shoal.push_replay import PushReplay

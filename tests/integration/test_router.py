@@ -9,7 +9,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.local.esm import event_of
 
 from functions.router.app import handler

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from shoal.archive import ArchiveBatch, ArchiveWriter
-from shoal.config import get_config
+from shoal.core.config import get_config
 
 import functions.router.app as router_app
 from tests.integration.test_delivery_support import ALICE, BOB, World, world

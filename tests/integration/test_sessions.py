@@ -6,7 +6,7 @@ import base64
 from typing import Any
 
 import pytest
-from shoal.config import get_config
+from shoal.core.config import get_config
 from shoal.sessions import (
     MAX_WILL_PAYLOAD_BYTES,
     SessionRegistry,

@@ -17,8 +17,8 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.clock import ManualClock
-from shoal.config import get_config
+from shoal.core.clock import ManualClock
+from shoal.core.config import get_config
 from shoal.sessions import SessionRegistry, Version
 
 import functions.sessions.app as sessions_app

@@ -15,9 +15,9 @@ import boto3
 import pytest
 from moto import mock_aws
 from shoal import store
-from shoal.clock import ManualClock
-from shoal.config import get_config
-from shoal.errors import ShoalError
+from shoal.core.clock import ManualClock
+from shoal.core.config import get_config
+from shoal.core.errors import ShoalError
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto
 from shoal.sessions import (

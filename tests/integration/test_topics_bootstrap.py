@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import boto3
 from shoal.composite import ensure_default_topic, load_topic
-from shoal.config import get_config
+from shoal.core.config import get_config
 
 from functions.bootstrap.app import handler
 from tests.helpers import FakeContext, load_event

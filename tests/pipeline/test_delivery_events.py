@@ -9,7 +9,7 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 from shoal.delivery_events import DeliveryEvents, hint_digest
 
 BUCKET = "archive"

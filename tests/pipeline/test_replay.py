@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 
 from pipeline import replay
 from pipeline.common import Output
@@ -172,7 +172,7 @@ class FakePushReplay:
         self.missing = missing
 
     def replay(self, name: str, replay_id: str, messages: list[Any]) -> Any:
-        from shoal.errors import SubscriptionNotFound
+        from shoal.core.errors import SubscriptionNotFound
         from shoal.push_replay import ReplayReport
 
         if self.missing:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 from shoal.api import MAX_JSON_DEPTH, lambda_handler, make_resolver, parse_body, principal
-from shoal.errors import ServerBusy, TopicNotFound
+from shoal.core.errors import ServerBusy, TopicNotFound
 
 from tests.helpers import FakeContext, binary_body, http_event, response_json
 
@@ -96,7 +96,7 @@ def test_schema_errors_name_the_field_but_not_the_value() -> None:
 
 
 def test_oversize_body_is_413(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.config import get_config
+    from shoal.core.config import get_config
 
     monkeypatch.setenv("SHOAL_MAX_BODY_BYTES", "64")
     get_config.cache_clear()

@@ -10,8 +10,8 @@ from typing import Any
 
 import jwt
 import pytest
-from shoal.auth import Principal
-from shoal.clock import ManualClock
+from shoal.core.auth import Principal
+from shoal.core.clock import ManualClock
 from shoal.local.authorizer import (
     AuthorizationFailed,
     JwtAuthorizer,

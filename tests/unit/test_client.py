@@ -19,7 +19,7 @@ from shoal.client import (
     StateInUse,
     Unavailable,
 )
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 
 from tests.unit.test_client_support import Crash, FakeAdapter, FakeShoal, serve, transport
 

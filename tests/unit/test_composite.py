@@ -20,7 +20,7 @@ from shoal.composite import (
     validate_partitions,
     validate_topic_name,
 )
-from shoal.errors import InvalidPartitions, InvalidTopicName
+from shoal.core.errors import InvalidPartitions, InvalidTopicName
 from shoal.streams import HASH_SPACE, even_starting_keys
 
 ALLOWED = [p for p in range(1, MAX_PARTITIONS + 1) if is_valid_partitions(p)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.clock import ManualClock
 from shoal.composite import CompositeTopic, StorageTopic
+from shoal.core.clock import ManualClock
 from shoal.delivery import DeliveryState, InboxItem
 from shoal.drain import (
     RECHECK_MS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from shoal.config import Config, parse_faults
-from shoal.faults import ROUTER_STEPS, Faults
+from shoal.core.config import Config, parse_faults
+from shoal.core.faults import ROUTER_STEPS, Faults
 
 
 def test_faults_are_off_unless_set() -> None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 from shoal import topics
-from shoal.errors import InvalidFilter
+from shoal.core.errors import InvalidFilter
 from shoal.filter_index import FilterIndex
 
 # Few distinct level names, so that random filters and topics overlap often; '' and '$x' keep

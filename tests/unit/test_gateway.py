@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
 from shoal.local.authorizer import JwtAuthorizer, SigningKey
 from shoal.local.gateway import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 from shoal.groups import (
     AgentState,
     AgentView,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from shoal.auth import Principal
-from shoal.errors import Forbidden, Unauthorized
+from shoal.core.auth import Principal
+from shoal.core.errors import Forbidden, Unauthorized
 
 from tests.helpers import load_event
 

@@ -7,8 +7,8 @@ from typing import Any
 from urllib.parse import unquote
 
 import pytest
-from shoal.clock import ManualClock
-from shoal.errors import (
+from shoal.core.clock import ManualClock
+from shoal.core.errors import (
     InvalidEndpoint,
     InvalidFilter,
     InvalidParallelism,

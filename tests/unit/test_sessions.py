@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from shoal.errors import BadRequest, Forbidden
+from shoal.core.errors import BadRequest, Forbidden
 from shoal.sessions import (
     DUE_SHARDS,
     ConflictStep,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from shoal.errors import InvalidFilter
+from shoal.core import errors
+from shoal.core.errors import InvalidFilter
 from shoal.topics import (
     MAX_TOPIC_BYTES,
     is_publishable_topic,
@@ -228,10 +229,9 @@ def test_malformed_shared_filters_raise(text: str) -> None:
 
 def test_invalid_filter_is_the_documented_bad_request() -> None:
     # the error embedders catch is the one the API maps to 400 invalid_filter
-    from shoal import errors, topics
-
-    assert topics.InvalidFilter is errors.InvalidFilter
-    assert (InvalidFilter.status, InvalidFilter.code) == (400, "invalid_filter")
+    with pytest.raises(errors.InvalidFilter) as raised:
+        parse_shared("$share//x")
+    assert (raised.value.status, raised.value.code) == (400, "invalid_filter")
 
 
 @given(levels)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shoal.clock import ManualClock
+from shoal.core.clock import ManualClock
 from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef
 from shoal.local.provision import LocalNames
 from shoal.local.scheduler import Scheduler, schedules_for

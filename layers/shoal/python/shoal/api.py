@@ -21,9 +21,9 @@ from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ValidationError
 
-from shoal.auth import Principal
-from shoal.config import get_config
-from shoal.errors import (
+from shoal.core.auth import Principal
+from shoal.core.config import get_config
+from shoal.core.errors import (
     BadRequest,
     BodyTooLarge,
     MalformedJson,
@@ -31,7 +31,7 @@ from shoal.errors import (
     ShoalError,
     UnsupportedMediaType,
 )
-from shoal.observability import logger
+from shoal.core.observability import logger
 
 M = TypeVar("M", bound=BaseModel)
 

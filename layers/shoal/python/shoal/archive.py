@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from shoal.aws import clients
-from shoal.config import Config
+from shoal.core.config import Config
 from shoal.publishing import MalformedRecord, decode_record
 
 if TYPE_CHECKING:

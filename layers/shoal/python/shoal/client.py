@@ -55,7 +55,7 @@ from urllib.parse import quote
 import requests
 
 from shoal import __version__
-from shoal.clock import Clock, SystemClock
+from shoal.core.clock import Clock, SystemClock
 
 CHANNEL_HEADER = "Shoal-Channel"
 #: processed message ids kept per client id; acks reach the server within a batch or two

@@ -38,10 +38,9 @@ from typing import Any
 from pynamodb.exceptions import PutError, UpdateError
 
 from shoal import store
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config, get_config
-from shoal.declarations import DEPLOYMENT
-from shoal.errors import (
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config, get_config
+from shoal.core.errors import (
     InvalidPartitions,
     InvalidTopicName,
     NoNextStorageTopic,
@@ -50,7 +49,8 @@ from shoal.errors import (
     TopicExists,
     TopicNotFound,
 )
-from shoal.observability import logger
+from shoal.core.observability import logger
+from shoal.declarations import DEPLOYMENT
 from shoal.store import StorageTopicAttr, TopicModel
 from shoal.streams import Streams, even_starting_keys
 from shoal.topics import first_level

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.config import BUCKET_ENV_PREFIX, FUNCTION_ENV_PREFIX, TABLE_ENV_PREFIX
+from shoal.core.config import BUCKET_ENV_PREFIX, FUNCTION_ENV_PREFIX, TABLE_ENV_PREFIX
 from shoal.store import TABLES, TableDef
 
 Access = Literal["read", "write", "read_write"]

@@ -97,13 +97,13 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from shoal import store
-from shoal.auth import Principal
 from shoal.aws import clients
-from shoal.clock import Clock, SystemClock
 from shoal.composite import DEFAULT_TOPIC, is_valid_topic_name
-from shoal.config import Config
-from shoal.errors import BadRequest, InvalidFilter, ServerBusy
-from shoal.observability import logger
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import BadRequest, InvalidFilter, ServerBusy
+from shoal.core.observability import logger
 from shoal.sessions import Head, SessionRegistry
 from shoal.store import RetainedModel, TopicModel
 from shoal.topics import (

@@ -54,8 +54,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shoal.aws import clients
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -40,17 +40,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shoal.clock import Clock, SystemClock
 from shoal.composite import (
     EFFECTIVE_DELAY_MS,
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
     stream_name,
 )
-from shoal.config import Config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
 from shoal.delivery import INBOXES_TABLE, Dynamo, InboxItem, item_key, source_id, to_item
-from shoal.observability import logger
 
 if TYPE_CHECKING:
     from shoal.delivery import DeliveryState

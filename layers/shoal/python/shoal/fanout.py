@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shoal import store
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import InvalidFilter
+from shoal.core.observability import logger
 from shoal.delivery import (
     MAX_INLINE_PAYLOAD,
     WILDCARD_BUCKET,
@@ -54,11 +56,9 @@ from shoal.delivery import (
 )
 from shoal.delivery_events import DeliveryEvents, record_routed
 from shoal.drain import RouterDrain
-from shoal.errors import InvalidFilter
 from shoal.filter_index import FilterIndex
 from shoal.group_streams import group_partition
 from shoal.groups import GroupStore, StreamRegistrar, group_key
-from shoal.observability import logger
 from shoal.publishing import MalformedRecord, Message, decode_record
 
 #: a bucket further behind than this many versions is reloaded rather than replayed

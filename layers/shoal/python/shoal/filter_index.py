@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-from shoal.errors import InvalidFilter
+from shoal.core.errors import InvalidFilter
 from shoal.topics import MULTI_LEVEL, SEPARATOR, SINGLE_LEVEL, is_valid_filter, is_valid_topic
 
 V = TypeVar("V", bound=Hashable)

@@ -83,12 +83,13 @@ from typing import Any
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field
 
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.core.observability import logger
 from shoal.delivery import DeliverySettings, Dynamo, InboxMessage, PayloadStore, to_item
 from shoal.delivery_events import Recording, record_answers
 from shoal.drain import GroupGate, group_gate
-from shoal.errors import ServerBusy
 from shoal.group_streams import (
     FENCE_ATTRIBUTES,
     STREAM_PREFIX,
@@ -104,7 +105,6 @@ from shoal.group_streams import (
     stream_item,
 )
 from shoal.group_streams import delivery_id as stream_delivery_id
-from shoal.observability import logger
 from shoal.topics import parse_shared
 
 #: streams one transition grants or takes at most: each is a write of the stream's item in the

@@ -65,9 +65,7 @@ from pydantic import model_validator as _model_validator
 from pynamodb.exceptions import DeleteError, PutError, UpdateError
 
 from shoal import store
-from shoal.auth import Principal
 from shoal.aws.clients import PUT_CALL_BOUND_MS
-from shoal.clock import Clock, SystemClock
 from shoal.composite import (
     DEFAULT_TOPIC,
     Destination,
@@ -75,8 +73,10 @@ from shoal.composite import (
     TopicDirectory,
     is_valid_topic_name,
 )
-from shoal.config import Config
-from shoal.errors import (
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import (
     BadRequest,
     Forbidden,
     InvalidPayload,
@@ -86,8 +86,8 @@ from shoal.errors import (
     ServerBusy,
     ShoalError,
 )
-from shoal.faults import CrashPoint
-from shoal.observability import logger
+from shoal.core.faults import CrashPoint
+from shoal.core.observability import logger
 from shoal.store import PublisherModel, RetainedModel
 from shoal.streams import (
     MAX_PUT_RECORDS,

@@ -62,7 +62,7 @@ from urllib.parse import quote, urlsplit
 import requests
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from shoal.errors import (
+from shoal.core.errors import (
     InvalidEndpoint,
     InvalidFilter,
     InvalidParallelism,

@@ -49,7 +49,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from shoal.clock import Clock, SystemClock
 from shoal.composite import (
     DEFAULT_TOPIC,
     CompositeTopic,
@@ -57,8 +56,9 @@ from shoal.composite import (
     is_valid_topic_name,
     load_topic,
 )
-from shoal.config import Config
-from shoal.errors import (
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import (
     BadRequest,
     InvalidCursor,
     InvalidRedrive,
@@ -69,7 +69,7 @@ from shoal.errors import (
     SubscriptionNotFound,
     TopicNotFound,
 )
-from shoal.observability import logger
+from shoal.core.observability import logger
 from shoal.publishing import MalformedRecord
 from shoal.push import (
     DLQ,

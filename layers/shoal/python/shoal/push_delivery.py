@@ -42,12 +42,12 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.data_classes import KinesisStreamEvent
 
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.core.observability import logger
 from shoal.delivery_events import EventKind, PerConsumer, Recording
 from shoal.drain import RECHECK_MS, PushGate, is_seal, push_consumer
-from shoal.errors import ServerBusy
-from shoal.observability import logger
 from shoal.publishing import MalformedRecord, Message, decode_record
 from shoal.push import (
     BLOCKED,

@@ -49,10 +49,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
-from shoal.errors import ServerBusy, SubscriptionNotFound
-from shoal.observability import logger
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy, SubscriptionNotFound
+from shoal.core.observability import logger
 from shoal.publishing import Message, encode_record, record_size
 from shoal.push import (
     DLQ,

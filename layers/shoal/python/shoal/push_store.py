@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from botocore.exceptions import BotoCoreError, ClientError
 from pynamodb.exceptions import DeleteError, PutError, PynamoDBException, UpdateError
 
-from shoal.clock import Clock
 from shoal.composite import StorageTopic, stream_name
-from shoal.config import Config
-from shoal.errors import ServerBusy
-from shoal.observability import logger
+from shoal.core.clock import Clock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.core.observability import logger
 from shoal.publishing import MalformedRecord, Message, decode_record
 from shoal.push import (
     DLQ,

@@ -64,11 +64,11 @@ from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shoal.auth import Principal
 from shoal.aws import clients
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
-from shoal.errors import (
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import (
     BadRequest,
     ChannelOutdated,
     Forbidden,
@@ -79,7 +79,7 @@ from shoal.errors import (
     SessionTakenOver,
     ShoalError,
 )
-from shoal.observability import logger
+from shoal.core.observability import logger
 from shoal.topics import any_matches, is_publishable_topic
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from pynamodb.attributes import (
 from pynamodb.indexes import GlobalSecondaryIndex, IncludeProjection, KeysOnlyProjection
 from pynamodb.models import Model
 
-from shoal.config import Config
+from shoal.core.config import Config
 
 
 class StorageTopicAttr(MapAttribute[str, Any]):

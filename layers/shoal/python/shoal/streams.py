@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from shoal.aws import clients
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config
-from shoal.errors import ServerBusy, StreamConflict
-from shoal.observability import logger
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy, StreamConflict
+from shoal.core.observability import logger
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -342,7 +342,7 @@ class PerConfig(Generic[T]):
         self._held: tuple[Config, T] | None = None
 
     def __call__(self) -> T:
-        from shoal.config import get_config
+        from shoal.core.config import get_config
 
         config = get_config()
         with self._lock:

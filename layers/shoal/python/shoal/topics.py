@@ -14,7 +14,7 @@ Public for embedders and conformance checks: ``matches(filter, topic)``, ``is_va
 
 from __future__ import annotations
 
-from shoal.errors import InvalidFilter
+from shoal.core.errors import InvalidFilter
 
 #: MQTT's UTF-8 string length prefix is two bytes
 MAX_TOPIC_BYTES = 65_535

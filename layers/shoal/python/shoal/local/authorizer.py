@@ -27,8 +27,8 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from shoal.auth import CLAIM_ADMIN, CLAIM_CLIENTS, CLAIM_PUBLISH, CLAIM_SUBSCRIBE
-from shoal.clock import Clock, SystemClock
+from shoal.core.auth import CLAIM_ADMIN, CLAIM_CLIENTS, CLAIM_PUBLISH, CLAIM_SUBSCRIBE
+from shoal.core.clock import Clock, SystemClock
 
 KEY_FILE = "jwt-signing-key.pem"
 #: issuer and audience of the running ``shoal dev``, so ``shoal token`` mints matching tokens

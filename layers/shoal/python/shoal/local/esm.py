@@ -56,9 +56,9 @@ from typing import Any, Literal, cast
 import boto3
 from botocore.exceptions import ClientError
 
-from shoal.clock import Clock
+from shoal.core.clock import Clock
+from shoal.core.observability import logger
 from shoal.local.checkpoints import CheckpointStore, MemoryCheckpoints, Position, PositionKind
-from shoal.observability import logger
 
 #: invoke(function_name, event) -> the handler's return value; raises on a function error
 Invoke = Callable[[str, dict[str, Any]], Any]

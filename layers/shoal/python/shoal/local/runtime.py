@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.clock import Clock, SystemClock
-from shoal.config import Config, get_config
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config, get_config
 from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef
 from shoal.local.authorizer import (
     DEFAULT_AUDIENCE,

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from shoal.clock import Clock
+from shoal.core.clock import Clock
+from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT, Deployment
 from shoal.local.provision import ACCOUNT_ID, LocalNames
-from shoal.observability import logger
 
 Invoke = Callable[[str, dict[str, Any]], Any]
 

@@ -19,7 +19,7 @@ import random
 import threading
 from collections.abc import Sequence
 
-from shoal.config import Config
+from shoal.core.config import Config
 
 #: the router's steps, in the order an invocation passes them
 ROUTER_STEPS = (

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.errors import Forbidden, Unauthorized
+from shoal.core.errors import Forbidden, Unauthorized
 
 CLAIM_CLIENTS = "shoal:clients"
 CLAIM_PUBLISH = "shoal:publish"

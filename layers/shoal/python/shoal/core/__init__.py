@@ -1,0 +1,1 @@
+"""What every context shares: settings, errors, the clock, logging, the principal, faults."""

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from paho.mqtt.matcher import MQTTMatcher
-from shoal import topics
-from shoal.filter_index import FilterIndex
+from shoal.topics import filters as topics
+from shoal.topics.index import FilterIndex
 
 SITES = 50
 DEVICES = 200

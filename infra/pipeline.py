@@ -8,8 +8,8 @@
   archive's ``messages/`` and ``events/`` and nothing else in the bucket, and read and write
   only under the results prefix;
 * the code as CDK assets: ``pipeline/entry.py`` is the entry point, and one zip holds the
-  ``pipeline`` package with the stdlib-only part of ``shoal`` it imports (``shoal.topics`` and
-  ``shoal.errors``), passed as ``--py-files``.
+  ``pipeline`` package with the stdlib-only part of ``shoal`` it imports
+  (``shoal.topics.filters`` and ``shoal.core.errors``), passed as ``--py-files``.
 
 A job run is not a CloudFormation resource; the stack outputs what ``start-job-run`` needs and
 docs/pipeline.md shows the command. Replay into a live target needs the service's tables, so on
@@ -35,7 +35,13 @@ RESULTS_PREFIX = "pipeline-results"
 #: what the jobs read in the archive bucket (shoal.archive, shoal.delivery_events)
 ARCHIVE_PREFIXES = ("messages", "events")
 #: the part of the shoal package the jobs import: no third-party dependency
-SHOAL_MODULES = ("__init__.py", "core/__init__.py", "core/errors.py", "topics.py")
+SHOAL_MODULES = (
+    "__init__.py",
+    "core/__init__.py",
+    "core/errors.py",
+    "topics/__init__.py",
+    "topics/filters.py",
+)
 CODE_EXCLUDE = ["**/__pycache__", "**/*.pyc"]
 
 

@@ -237,7 +237,7 @@ def matching_topics(topics: Iterable[str], topic_filter: str) -> list[str]:
     """The topic names a filter matches, by ``shoal.topics.matches`` itself: the distinct
     topics of an archive are few next to its messages, so the driver checks each once rather
     than a Python UDF checking every row."""
-    from shoal.topics import matches, parse_shared
+    from shoal.topics.filters import matches, parse_shared
 
     shared = parse_shared(topic_filter) if topic_filter.startswith("$share/") else None
     inner = shared[1] if shared else topic_filter

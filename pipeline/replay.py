@@ -282,7 +282,7 @@ class SessionInboxTarget:
 
     def inject(self, messages: Sequence[ReplayMessage]) -> int:
         from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
-        from shoal.topics import matches
+        from shoal.topics.filters import matches
 
         session_id, subscriptions = self._subscriptions()
         deliveries = []
@@ -346,7 +346,7 @@ class GroupStreamTarget:
         retention_s: int,
         clock: Clock,
     ) -> None:
-        from shoal.topics import parse_shared
+        from shoal.topics.filters import parse_shared
 
         shared = parse_shared(text if text.startswith("$share/") else f"$share/{text}")
         if shared is None:
@@ -407,7 +407,7 @@ class GroupStreamTarget:
     def inject(self, messages: Sequence[ReplayMessage]) -> int:
         from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
         from shoal.group_streams import group_partition
-        from shoal.topics import matches
+        from shoal.topics.filters import matches
 
         incarnation = self._group()
         deliveries = []

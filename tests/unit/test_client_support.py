@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 from requests.adapters import BaseAdapter
-from shoal import topics
+from shoal.topics import filters as topics
 
 
 class Crash(BaseException):

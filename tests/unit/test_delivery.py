@@ -20,7 +20,7 @@ from shoal.delivery import (
     record_end,
     seq_key,
 )
-from shoal.topics import matches
+from shoal.topics.filters import matches
 
 # (allowed, requested, covered?)
 COVERS = [

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from shoal import topics
 from shoal.core.errors import InvalidFilter
-from shoal.filter_index import FilterIndex
+from shoal.topics import filters as topics
+from shoal.topics.index import FilterIndex
 
 # Few distinct level names, so that random filters and topics overlap often; '' and '$x' keep
 # the empty-level and $-topic rules in play.

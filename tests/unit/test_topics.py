@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from shoal.core import errors
 from shoal.core.errors import InvalidFilter
-from shoal.topics import (
+from shoal.topics.filters import (
     MAX_TOPIC_BYTES,
     is_publishable_topic,
     is_valid_filter,

@@ -53,7 +53,7 @@ from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
 from shoal.store import StorageTopicAttr, TopicModel
 from shoal.streams import Streams, even_starting_keys
-from shoal.topics import first_level
+from shoal.topics.filters import first_level
 
 DEFAULT_TOPIC = DEPLOYMENT.default_topic
 TOPIC_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -106,7 +106,7 @@ from shoal.core.errors import BadRequest, InvalidFilter, ServerBusy
 from shoal.core.observability import logger
 from shoal.sessions import Head, SessionRegistry
 from shoal.store import RetainedModel, TopicModel
-from shoal.topics import (
+from shoal.topics.filters import (
     MULTI_LEVEL,
     SEPARATOR,
     SINGLE_LEVEL,

@@ -105,7 +105,7 @@ from shoal.group_streams import (
     stream_item,
 )
 from shoal.group_streams import delivery_id as stream_delivery_id
-from shoal.topics import parse_shared
+from shoal.topics.filters import parse_shared
 
 #: streams one transition grants or takes at most: each is a write of the stream's item in the
 #: transaction that writes the leader (a transaction holds 100 items); the rest come next time

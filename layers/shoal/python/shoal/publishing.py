@@ -97,7 +97,7 @@ from shoal.streams import (
     PutOutcome,
     Streams,
 )
-from shoal.topics import any_matches, first_level, is_publishable_topic
+from shoal.topics.filters import any_matches, first_level, is_publishable_topic
 
 MAX_BATCH = 500
 #: a holder starts a Kinesis call only while this much of its lease is left: one call ends

@@ -70,7 +70,7 @@ from shoal.core.errors import (
     InvalidSubscriptionName,
 )
 from shoal.publishing import MalformedRecord, Message, decode_record, record_partition_key
-from shoal.topics import SHARE_PREFIX, is_valid_filter
+from shoal.topics.filters import SHARE_PREFIX, is_valid_filter
 
 SUBSCRIPTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Lambda's ParallelizationFactor ranges 1..10; the same bound caps keys delivered at once

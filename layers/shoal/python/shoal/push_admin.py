@@ -100,7 +100,7 @@ from shoal.push_store import (
     push_parts,
 )
 from shoal.streams import Streams
-from shoal.topics import MULTI_LEVEL, SINGLE_LEVEL, first_level
+from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level
 
 MAX_REDRIVE_KEYS = 100
 MAX_REDRIVE_IDS = 500

@@ -86,7 +86,7 @@ from shoal.push_store import (
     parse_queue_stream,
     push_parts,
 )
-from shoal.topics import matches
+from shoal.topics.filters import matches
 
 #: an invocation stops starting deliveries this long before Lambda would end it (a delivery
 #: takes up to the connect and read timeouts, then two writes)

@@ -65,7 +65,7 @@ from shoal.push import (
 )
 from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
 from shoal.streams import OutRecord
-from shoal.topics import matches
+from shoal.topics.filters import matches
 
 #: messages one call takes at most; the caller passes the rest in later calls
 MAX_REPLAY_MESSAGES = 1_000

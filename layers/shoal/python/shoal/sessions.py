@@ -80,7 +80,7 @@ from shoal.core.errors import (
     ShoalError,
 )
 from shoal.core.observability import logger
-from shoal.topics import any_matches, is_publishable_topic
+from shoal.topics.filters import any_matches, is_publishable_topic
 
 if TYPE_CHECKING:
     from shoal.publishing import PublishService

@@ -24,7 +24,13 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from shoal.core.errors import InvalidFilter
-from shoal.topics import MULTI_LEVEL, SEPARATOR, SINGLE_LEVEL, is_valid_filter, is_valid_topic
+from shoal.topics.filters import (
+    MULTI_LEVEL,
+    SEPARATOR,
+    SINGLE_LEVEL,
+    is_valid_filter,
+    is_valid_topic,
+)
 
 V = TypeVar("V", bound=Hashable)
 

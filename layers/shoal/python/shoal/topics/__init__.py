@@ -1,0 +1,1 @@
+"""MQTT topic names and filters: validity, matching, $share, and the filter index."""

@@ -513,8 +513,8 @@ class PushSubscriptionTarget:
 def archived(m: ReplayMessage) -> Any:
     """A plan's message as ``shoal.push_replay`` takes it: the original message, its replay
     position and, when the position names it, its main position."""
-    from shoal.publishing import Message
     from shoal.push_replay import Archived
+    from shoal.records import Message
 
     message = Message(
         message_id=m.message_id,

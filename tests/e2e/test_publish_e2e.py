@@ -10,7 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.composite import route, stable_hash
-from shoal.publishing import Message, decode_record
+from shoal.records import Message, decode_record
 
 from tests.e2e.conftest import DevServer
 

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import pytest
-from shoal.publishing import decode_record
+from shoal.records import decode_record
 
 from tests.e2e.conftest import DevFactory, DevServer
 

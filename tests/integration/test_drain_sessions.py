@@ -8,7 +8,7 @@ import boto3
 import pytest
 from shoal.composite import StorageTopic
 from shoal.delivery import source_id
-from shoal.drain import is_seal
+from shoal.records import is_seal
 
 from tests.integration.test_delivery_support import World, texts
 from tests.integration.test_drain_support import GRACE_MS, Drain, Feed, switch

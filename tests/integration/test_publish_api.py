@@ -9,7 +9,8 @@ from typing import Any
 import boto3
 import pytest
 from shoal.composite import route, stable_hash
-from shoal.publishing import RetainedStore, decode_record, record_partition_key
+from shoal.publishing import RetainedStore
+from shoal.records import decode_record, record_partition_key
 from shoal.streams import OutRecord, PutOutcome
 
 from tests.helpers import load_event

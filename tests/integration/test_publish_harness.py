@@ -17,7 +17,8 @@ import pytest
 from shoal.composite import CompositeTopic, TopicDirectory, TopicService, ensure_default_topic
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
-from shoal.publishing import Message, PublishService, decode_record
+from shoal.publishing import PublishService
+from shoal.records import Message, decode_record
 from shoal.store import TABLES
 from shoal.streams import Streams
 

@@ -11,7 +11,7 @@ from shoal.core.config import get_config
 from shoal.delivery import Subscription
 from shoal.fanout import Fanout
 from shoal.local.esm import event_of
-from shoal.publishing import Message
+from shoal.records import Message
 
 from tests.helpers import FakeContext
 from tests.integration.test_delivery_support import World, texts, world

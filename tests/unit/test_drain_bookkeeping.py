@@ -9,18 +9,8 @@ from typing import Any
 from shoal.composite import CompositeTopic, StorageTopic
 from shoal.core.clock import ManualClock
 from shoal.delivery import DeliveryState, InboxItem
-from shoal.drain import (
-    RECHECK_MS,
-    DrainRecord,
-    DrainView,
-    Sealer,
-    due,
-    is_seal,
-    seal_grace_ms,
-    seal_record,
-    storage_of,
-)
-from shoal.publishing import decode_record
+from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms, storage_of
+from shoal.records import decode_record, is_seal, seal_record
 from shoal.streams import OutRecord, PutOutcome
 
 GRACE = 5_000

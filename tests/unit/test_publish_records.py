@@ -9,19 +9,15 @@ from pydantic import ValidationError
 from shoal.publishing import (
     MAX_BATCH,
     BatchRequest,
-    MalformedRecord,
-    Message,
     PublisherState,
     PublishRequest,
     Reservation,
     _chunks,
     _ranges,
-    decode_record,
-    encode_record,
     publisher_key,
-    record_size,
     sequenced_message_id,
 )
+from shoal.records import MalformedRecord, Message, decode_record, encode_record, record_size
 from shoal.streams import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)

@@ -15,7 +15,6 @@ from shoal.core.errors import (
     InvalidRetryPolicy,
     InvalidSubscriptionName,
 )
-from shoal.publishing import MalformedRecord, encode_record
 from shoal.push import (
     BLOCKED,
     DLQ,
@@ -45,6 +44,7 @@ from shoal.push import (
     validate_name,
     validate_parallelism,
 )
+from shoal.records import MalformedRecord, encode_record
 
 from tests.unit.test_push_support import FakeEndpoint, failing_keys, message
 

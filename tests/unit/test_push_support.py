@@ -6,8 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shoal.publishing import Message
 from shoal.push import DeliveryRequest, DeliveryResult
+from shoal.records import Message
 
 Respond = Callable[[DeliveryRequest], DeliveryResult]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.aws import clients
 from shoal.core.config import Config
-from shoal.publishing import MalformedRecord, decode_record
+from shoal.records import MalformedRecord, decode_record
 
 if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.parser.models import KinesisDataStreamRecord

@@ -34,7 +34,6 @@ The router itself never waits: gating is on the read side, so no retry budget is
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -51,14 +50,13 @@ from shoal.core.config import Config
 from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
 from shoal.delivery import INBOXES_TABLE, Dynamo, InboxItem, item_key, source_id, to_item
+from shoal.records import is_seal, seal_record
 
 if TYPE_CHECKING:
     from shoal.delivery import DeliveryState
     from shoal.group_streams import StreamProgress
     from shoal.streams import Streams
 
-#: every seal record starts so: a router tells one by a prefix, without parsing
-SEAL_MARK = b'{"seal":'
 #: the drain record of a storage topic in the inboxes table
 DRAIN_PREFIX = "drain#"
 DRAIN_ITEM = "#drain"
@@ -73,16 +71,6 @@ GRACE_ENV = "SHOAL_SEAL_GRACE_S"
 
 
 # --- seal records (no AWS here) ----------------------------------------------------------------
-
-
-def seal_record(stream: str, shard: str, at_ms: int) -> bytes:
-    """The data of the seal put into ``shard`` of ``stream``: a record with no message."""
-    header = {"seal": {"stream": stream, "shard": shard, "at": at_ms}, "v": 1, "m": []}
-    return json.dumps(header, separators=(",", ":")).encode() + b"\n"
-
-
-def is_seal(data: bytes) -> bool:
-    return data.startswith(SEAL_MARK)
 
 
 def seal_grace_ms(env: Mapping[str, str] | None = None) -> int:

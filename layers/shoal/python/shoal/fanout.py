@@ -58,7 +58,7 @@ from shoal.delivery_events import DeliveryEvents, record_routed
 from shoal.drain import RouterDrain
 from shoal.group_streams import group_partition
 from shoal.groups import GroupStore, StreamRegistrar, group_key
-from shoal.publishing import MalformedRecord, Message, decode_record
+from shoal.records import MalformedRecord, Message, decode_record
 from shoal.topics.index import FilterIndex
 
 #: a bucket further behind than this many versions is reloaded rather than replayed

@@ -57,7 +57,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
@@ -88,6 +88,14 @@ from shoal.core.errors import (
 )
 from shoal.core.faults import CrashPoint
 from shoal.core.observability import logger
+from shoal.records import (
+    MalformedRecord,
+    Message,
+    decode_record,
+    encode_record,
+    record_partition_key,
+    record_size,
+)
 from shoal.store import PublisherModel, RetainedModel
 from shoal.streams import (
     MAX_PUT_RECORDS,
@@ -122,12 +130,6 @@ MAX_SEQ = 2**63 - 1
 _MAX_ADMIT_ROUNDS = 100
 #: route keys one reservation writes at most (a run is split beyond; keeps expressions small)
 _MAX_ROUTE_KEYS = 32
-
-_RECORD_HEAD = b'{"v":1,"m":['
-#: Kinesis' partition key is at most 256 characters; a longer ordering key goes by its digest
-MAX_PARTITION_KEY = 256
-_RECORD_TAIL = b"]}\n"
-
 
 # -- the request ----------------------------------------------------------------------------
 
@@ -180,116 +182,6 @@ def bad_request(error: ValidationError) -> BadRequest:
 
 
 # -- the record format ----------------------------------------------------------------------
-
-
-class MalformedRecord(ValueError):
-    """A Kinesis record that is not a Shoal record."""
-
-
-@dataclass(frozen=True)
-class Message:
-    """A published message as a storage topic holds it."""
-
-    message_id: str
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    ordering_key: str
-    published_at_ms: int
-    sub: str
-    publisher_id: str | None = None
-    publisher_seq: int | None = None
-    properties: dict[str, Any] = field(default_factory=dict)
-
-    def header(self) -> bytes:
-        meta: dict[str, Any] = {
-            "id": self.message_id,
-            "topic": self.topic,
-            "qos": self.qos,
-            "retain": self.retain,
-            "key": self.ordering_key,
-            "at": self.published_at_ms,
-            "sub": self.sub,
-            "n": len(self.payload),
-        }
-        if self.publisher_id is not None:
-            meta["pid"] = self.publisher_id
-            meta["seq"] = self.publisher_seq
-        if self.properties:
-            meta["props"] = self.properties
-        return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def record_size(headers: Sequence[bytes], payload_bytes: int, partition_key: str) -> int:
-    """The size Kinesis counts for a record holding these messages."""
-    return (
-        len(_RECORD_HEAD)
-        + sum(len(h) for h in headers)
-        + max(len(headers) - 1, 0)
-        + len(_RECORD_TAIL)
-        + payload_bytes
-        + len(partition_key.encode())
-    )
-
-
-def record_partition_key(ordering_key: str) -> str:
-    """The Kinesis partition key of a record of this ordering key: the key itself, or its
-    digest when Kinesis cannot hold it (the lane of a parallelized mapping follows it)."""
-    if 0 < len(ordering_key) <= MAX_PARTITION_KEY:
-        return ordering_key
-    return hashlib.blake2b(
-        ordering_key.encode("utf-8", "surrogatepass"), digest_size=16
-    ).hexdigest()
-
-
-def encode_record(messages: Sequence[Message]) -> bytes:
-    """Messages of one ordering key as one record: a JSON header line, then the payloads."""
-    return (
-        _RECORD_HEAD
-        + b",".join(m.header() for m in messages)
-        + _RECORD_TAIL
-        + b"".join(m.payload for m in messages)
-    )
-
-
-def decode_record(data: bytes) -> list[Message]:
-    if data.startswith(b'{"seal":'):
-        # a seal of the ordered drain (``shoal.drain``): a control record, no message
-        return []
-    head, newline, body = data.partition(b"\n")
-    if not newline:
-        raise MalformedRecord("no header line")
-    try:
-        doc = json.loads(head)
-        if not isinstance(doc, dict) or doc.get("v") != 1:
-            raise MalformedRecord("unknown record version")
-        messages: list[Message] = []
-        offset = 0
-        for meta in doc["m"]:
-            size = int(meta["n"])
-            payload = body[offset : offset + size]
-            offset += size
-            messages.append(
-                Message(
-                    message_id=str(meta["id"]),
-                    topic=str(meta["topic"]),
-                    payload=payload,
-                    qos=int(meta["qos"]),
-                    retain=bool(meta["retain"]),
-                    ordering_key=str(meta["key"]),
-                    published_at_ms=int(meta["at"]),
-                    sub=str(meta["sub"]),
-                    publisher_id=meta.get("pid"),
-                    publisher_seq=meta.get("seq"),
-                    properties=dict(meta.get("props") or {}),
-                )
-            )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MalformedRecord(str(exc)) from exc
-    if offset != len(body):
-        raise MalformedRecord("payload lengths do not add up")
-    return messages
 
 
 # -- publisher sequences --------------------------------------------------------------------

@@ -69,7 +69,7 @@ from shoal.core.errors import (
     InvalidRetryPolicy,
     InvalidSubscriptionName,
 )
-from shoal.publishing import MalformedRecord, Message, decode_record, record_partition_key
+from shoal.records import MalformedRecord, Message, decode_record, record_partition_key
 from shoal.topics.filters import SHARE_PREFIX, is_valid_filter
 
 SUBSCRIPTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -70,7 +70,6 @@ from shoal.core.errors import (
     TopicNotFound,
 )
 from shoal.core.observability import logger
-from shoal.publishing import MalformedRecord
 from shoal.push import (
     DLQ,
     RQ,
@@ -99,6 +98,7 @@ from shoal.push_store import (
     Tap,
     push_parts,
 )
+from shoal.records import MalformedRecord
 from shoal.streams import Streams
 from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level
 

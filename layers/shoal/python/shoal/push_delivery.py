@@ -47,8 +47,7 @@ from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.delivery_events import EventKind, PerConsumer, Recording
-from shoal.drain import RECHECK_MS, PushGate, is_seal, push_consumer
-from shoal.publishing import MalformedRecord, Message, decode_record
+from shoal.drain import RECHECK_MS, PushGate, push_consumer
 from shoal.push import (
     BLOCKED,
     DLQ,
@@ -86,6 +85,7 @@ from shoal.push_store import (
     parse_queue_stream,
     push_parts,
 )
+from shoal.records import MalformedRecord, Message, decode_record, is_seal
 from shoal.topics.filters import matches
 
 #: an invocation stops starting deliveries this long before Lambda would end it (a delivery

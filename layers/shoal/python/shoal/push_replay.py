@@ -53,7 +53,6 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, SubscriptionNotFound
 from shoal.core.observability import logger
-from shoal.publishing import Message, encode_record, record_size
 from shoal.push import (
     DLQ,
     REPLAYED,
@@ -64,6 +63,7 @@ from shoal.push import (
     partition_key,
 )
 from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
+from shoal.records import Message, encode_record, record_size
 from shoal.streams import OutRecord
 from shoal.topics.filters import matches
 

@@ -45,7 +45,6 @@ from shoal.core.clock import Clock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
-from shoal.publishing import MalformedRecord, Message, decode_record
 from shoal.push import (
     DLQ,
     RQ,
@@ -59,6 +58,7 @@ from shoal.push import (
     ordering_digest,
     partition_key,
 )
+from shoal.records import MalformedRecord, Message, decode_record
 from shoal.store import PushGroupModel, PushSubscriptionModel
 from shoal.streams import OutRecord, StreamInfo, Streams
 

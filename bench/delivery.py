@@ -219,7 +219,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         # every session gets (max 100) and acks what it received
         consumer_meter, consumer_units = CallMeter(), WriteUnits()
         consumer_meter.attach(delivery.inbox.dynamo.client)
-        consumer_meter.attach(delivery.registry.repository.client)
+        consumer_meter.attach(delivery.registry.repository.dynamo.client)
         consumer_units.attach(delivery.inbox.dynamo.client)
         got = 0
         consumer_started = time.perf_counter()

@@ -46,8 +46,9 @@ class _FrozenClock:
 
 
 def _world(session: Any, share: str, lease_s: float, clock: Any) -> Any:
+    from shoal.aws.dynamo import Dynamo
     from shoal.core.config import get_config
-    from shoal.delivery import DeliverySettings, Dynamo, InboxStore
+    from shoal.delivery import DeliverySettings, InboxStore
     from shoal.group_streams import StreamReader
     from shoal.groups import GroupService, GroupSettings, GroupStore
 

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.aws.kinesis import Streams
+from shoal.aws.tables import PublisherModel, RetainedModel, TopicModel
 from shoal.composite import TopicService
 from shoal.core.clock import SystemClock
 from shoal.core.config import get_config
 from shoal.local.context import LambdaContext
-from shoal.store import PublisherModel, RetainedModel, TopicModel
-from shoal.streams import Streams
 
 from bench.account import CallMeter, emulated_account, item_size
 

@@ -31,6 +31,8 @@ from typing import Any
 from unittest import mock
 
 import boto3
+from shoal.aws.kinesis import Streams
+from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
 from shoal.composite import TopicDirectory, ensure_default_topic
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, ManualClock, SystemClock
@@ -41,8 +43,6 @@ from shoal.push import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
 from shoal.push_admin import PushAdmin
 from shoal.push_delivery import PushConsumer
 from shoal.push_store import GroupStore, Queues, SubscriptionStore
-from shoal.store import PushGroupModel, PushSubscriptionModel
-from shoal.streams import Streams
 
 from bench.account import CallMeter, emulated_account
 

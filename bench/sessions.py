@@ -139,7 +139,7 @@ def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, 
             module = _handler_copy()
             registry = SessionRegistry.from_config(get_config(), clock)
             registry.stats = stats
-            calls.watch(registry.repository.client)
+            calls.watch(registry.repository.dynamo.client)
             module.registry = lambda registry=registry: registry
             environments.append(module)
         idle: list[Any] = list(environments)
@@ -190,7 +190,7 @@ def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, 
 
         violations = _check(handler, registry_of(environments[0]), storm, first_heads, Version)
         repository = registry_of(environments[0]).repository
-        raw_head = repository.client.get_item(
+        raw_head = repository.dynamo.client.get_item(
             TableName=repository.table, Key={"client_id": {"S": ids[0]}, "item": {"S": "head"}}
         )["Item"]
 

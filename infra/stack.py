@@ -34,6 +34,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as sns_subscriptions
 from aws_cdk import custom_resources
 from constructs import Construct, Node
+from shoal.aws.tables import TableDef
 from shoal.declarations import (
     DEFAULT_ROUTE,
     DEPLOYMENT,
@@ -43,7 +44,6 @@ from shoal.declarations import (
     Grant,
     environment,
 )
-from shoal.store import TableDef
 
 from infra.bundling import PipLayerBundling
 from infra.pipeline import PipelineJobs

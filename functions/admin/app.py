@@ -6,7 +6,7 @@ from aws_lambda_powertools.event_handler import Response
 from pydantic import BaseModel, ConfigDict
 from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
 from shoal.composite import TopicService
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(TopicService.from_config)

@@ -6,7 +6,7 @@ from typing import Any
 
 from shoal.api import lambda_handler, make_resolver, owner_first, parse_body, session_call
 from shoal.delivery import AckRequest, DeliveryService, query_int
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(DeliveryService.from_config)

@@ -5,7 +5,7 @@ from typing import Any
 from aws_lambda_powertools.event_handler import Response
 from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
 from shoal.publishing import BatchRequest, PublishRequest, PublishService
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(PublishService.from_config)

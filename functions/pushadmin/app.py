@@ -6,7 +6,7 @@ from aws_lambda_powertools.event_handler import Response
 from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
 from shoal.push import CreateRequest
 from shoal.push_admin import PushAdmin, RedriveRequest, SeekRequest, UpdateRequest
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(PushAdmin.from_config)

@@ -26,7 +26,7 @@ from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import logger
 from shoal.delivery_events import Recording
 from shoal.fanout import Fanout
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 service = PerConfig(ArchiveWriter.from_config)
 fanout = PerConfig(Fanout.from_config)

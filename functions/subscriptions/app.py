@@ -6,7 +6,7 @@ from typing import Any
 
 from shoal.api import lambda_handler, make_resolver, owner_first, parse_body, session_call
 from shoal.delivery import SubscribeRequest, SubscriptionService, UnsubscribeRequest
-from shoal.streams import PerConfig
+from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(SubscriptionService.from_config)

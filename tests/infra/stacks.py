@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pynamodb.attributes import NumberAttribute, UnicodeAttribute
 from pynamodb.models import Model
+from shoal.aws.tables import TABLES, TableDef
 from shoal.declarations import (
     DEFAULT_ROUTE,
     BucketDef,
@@ -23,7 +24,6 @@ from shoal.declarations import (
     Grant,
     Route,
 )
-from shoal.store import TABLES, TableDef
 
 if TYPE_CHECKING:
     from aws_cdk.assertions import Template

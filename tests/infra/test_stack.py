@@ -12,8 +12,8 @@ import pytest
 from pynamodb.attributes import UnicodeAttribute
 from pynamodb.indexes import AllProjection, GlobalSecondaryIndex
 from pynamodb.models import Model
+from shoal.aws.tables import TableDef
 from shoal.declarations import DEFAULT_ROUTE, Deployment, FunctionDef, Route
-from shoal.store import TableDef
 
 from tests.infra.stacks import AUDIENCES, ISSUER, ROOT, Synth, as_list, context, synth
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.delivery import (
     DeliveryService,
     DeliverySettings,
-    Dynamo,
     InboxStore,
     PayloadStore,
     SubscriptionRetirer,
@@ -62,7 +62,7 @@ class World:
         self.settings = DeliverySettings(ack_timeout_s=30, window=100)
         self.store = SubscriptionStore(dynamo, config.table("subscriptions"))
         self.registry = SessionRegistry(
-            SessionRepository(session.client("dynamodb"), config.table("sessions")),
+            SessionRepository(dynamo, config.table("sessions")),
             self.clock,
             on_session_end=SubscriptionRetirer(self.store, self.clock),
         )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shoal.aws.dynamo import Dynamo
 from shoal.composite import scan_topics
 from shoal.core.config import get_config
-from shoal.delivery import Dynamo
 from shoal.drain import DrainStore, DrainView, GroupGate, RouterDrain, Sealer, SessionGate
 from shoal.local.esm import event_of
 

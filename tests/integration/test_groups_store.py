@@ -12,17 +12,10 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
-from shoal.delivery import (
-    DeliverySettings,
-    Dynamo,
-    InboxMessage,
-    InboxStore,
-    pack,
-    position,
-    record_end,
-)
+from shoal.delivery import DeliverySettings, InboxMessage, InboxStore, pack, position, record_end
 from shoal.group_streams import StreamReader, group_partition, parse_delivery_id
 from shoal.groups import (
     GroupRef,

@@ -12,8 +12,8 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
-from shoal.delivery import Dynamo
 from shoal.group_streams import StreamReader
 from shoal.groups import (
     GroupService,

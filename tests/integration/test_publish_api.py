@@ -8,10 +8,10 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.kinesis import OutRecord, PutOutcome
 from shoal.composite import route, stable_hash
 from shoal.publishing import RetainedStore
 from shoal.records import decode_record, record_partition_key
-from shoal.streams import OutRecord, PutOutcome
 
 from tests.helpers import load_event
 from tests.integration.test_publish_harness import ALICE, Harness, admin_call, call, publish_call

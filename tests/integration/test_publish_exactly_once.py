@@ -8,6 +8,7 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.kinesis import OutRecord, PutOutcome, Streams
 from shoal.core.auth import Principal
 from shoal.core.errors import PublisherSeqGap, ServerBusy
 from shoal.publishing import (
@@ -18,7 +19,6 @@ from shoal.publishing import (
     Sequences,
     publisher_key,
 )
-from shoal.streams import OutRecord, PutOutcome, Streams
 
 from tests.integration.test_publish_harness import Crash, Harness, admin_call
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.kinesis import Streams
+from shoal.aws.tables import TABLES
 from shoal.composite import CompositeTopic, TopicDirectory, TopicService, ensure_default_topic
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.publishing import PublishService
 from shoal.records import Message, decode_record
-from shoal.store import TABLES
-from shoal.streams import Streams
 
 from tests.helpers import FakeContext, http_event, response_json
 
@@ -132,7 +132,7 @@ class Harness:
 
         for client in (self.streams.kinesis, self.streams.awslambda):
             client.meta.events.register("before-call.*.*", count)
-        from shoal.store import PublisherModel, RetainedModel, TopicModel
+        from shoal.aws.tables import PublisherModel, RetainedModel, TopicModel
 
         for model in (TopicModel, PublisherModel, RetainedModel):
             model._get_connection().connection.client.meta.events.register("before-call.*.*", count)

@@ -11,8 +11,8 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.composite import scan_topics
-from shoal.delivery import Dynamo
 from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
 from shoal.push_admin import UpdateRequest
 

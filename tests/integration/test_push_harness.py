@@ -14,6 +14,7 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.kinesis import Streams
 from shoal.composite import TopicDirectory, TopicService, ensure_default_topic
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
@@ -23,7 +24,6 @@ from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
 from shoal.push_admin import PushAdmin
 from shoal.push_delivery import PushConsumer
 from shoal.push_store import GroupStore, Queues, SubscriptionStore
-from shoal.streams import Streams
 
 from tests.unit.test_push_support import FakeEndpoint
 

@@ -260,7 +260,7 @@ def test_ended_session_cleanup_removes_leftover_registrations(
     # Given a registration no connect cleaned up (its channel never called again)
     now = sessions.clock.now_ms()
     stale = Version.new(now - 5)
-    sessions.repository.client.put_item(
+    sessions.repository.dynamo.client.put_item(
         TableName=sessions.repository.table,
         Item={
             "client_id": {"S": CLIENT},
@@ -278,7 +278,7 @@ def test_reaper_reads_the_due_index_not_the_table(sessions: Sessions, reaper: Re
     for n in range(5):
         sessions.connected(f"sensor-{n}", keepalive_s=10)
     sessions.clock.advance(15)
-    calls = DynamoCalls(sessions.repository.client)
+    calls = DynamoCalls(sessions.repository.dynamo.client)
     assert reaper.run().channels_expired == 5
     assert "Scan" not in calls.names
     assert calls.names.count("Query") >= 8  # one per due shard, plus one read per client

@@ -128,7 +128,7 @@ def test_older_connect_is_outdated_after_one_cheap_read(sessions: Sessions) -> N
     # Given a channel registered at t
     sessions.connected(CLIENT, connected_at_ms=sessions.clock.now_ms())
     before = sessions.items(CLIENT)
-    calls = DynamoCalls(sessions.repository.client)
+    calls = DynamoCalls(sessions.repository.dynamo.client)
     # When a connect from before t arrives
     status, body = sessions.connect(CLIENT, connected_at_ms=sessions.clock.now_ms() - 1)
     # Then it is refused from the eventually consistent read alone, and nothing changed
@@ -145,7 +145,7 @@ def test_outdated_after_the_strong_read(
     before = sessions.items(CLIENT)
     repository = interleaved(sessions, monkeypatch)
     repository.stale_reads = True
-    calls = DynamoCalls(repository.client)
+    calls = DynamoCalls(repository.dynamo.client)
     # When an older connect passes the cheap check and tries to commit
     status, body = sessions.connect(CLIENT, connected_at_ms=sessions.clock.now_ms() - 1)
     # Then its condition fails, RealMax is newer, and it is refused without a change
@@ -242,7 +242,7 @@ def test_retries_that_run_out_of_time_answer_server_busy(
 
 
 def test_connect_costs_one_query_and_one_transaction(sessions: Sessions) -> None:
-    calls = DynamoCalls(sessions.repository.client)
+    calls = DynamoCalls(sessions.repository.dynamo.client)
     sessions.connected(CLIENT, clean_start=False, session_expiry_s=60)
     assert calls.take() == ["Query", "TransactWriteItems"]
     sessions.clock.advance(1)
@@ -256,7 +256,7 @@ def test_connect_costs_one_query_and_one_transaction(sessions: Sessions) -> None
 def test_heartbeat_refreshes_the_keepalive(sessions: Sessions) -> None:
     channel = sessions.connected(CLIENT, keepalive_s=10)
     sessions.clock.advance(7)
-    calls = DynamoCalls(sessions.repository.client)
+    calls = DynamoCalls(sessions.repository.dynamo.client)
     assert sessions.heartbeat(CLIENT, channel) == (200, {"leases": []})
     assert calls.take() == ["UpdateItem"]
     assert sessions.view(CLIENT).head.last_seen_ms == sessions.clock.now_ms()

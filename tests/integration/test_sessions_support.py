@@ -14,7 +14,7 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
-from shoal import store
+from shoal.aws import tables
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
 from shoal.core.errors import ShoalError
@@ -164,7 +164,7 @@ def account() -> Iterator[boto3.Session]:
         with mock_aws(), serialized_moto():
             session = boto3.Session(region_name="us-east-1")
             provision(session, names)
-            store.bind(get_config())
+            tables.bind(get_config())
             yield session
     get_config.cache_clear()
 
@@ -218,7 +218,7 @@ class Interleaved(SessionRepository):
     """
 
     def __init__(self, base: SessionRepository) -> None:
-        super().__init__(base.client, base.table)
+        super().__init__(base.dynamo, base.table)
         self.on_read: Callable[[bool], object] | None = None
         self.on_register: Callable[[], None] | None = None
         self.stale_reads = False

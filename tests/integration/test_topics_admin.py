@@ -8,8 +8,8 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.kinesis import HASH_SPACE, ROUTER_MAPPING, StreamInfo, even_starting_keys
 from shoal.composite import load_topic
-from shoal.streams import HASH_SPACE, ROUTER_MAPPING, StreamInfo, even_starting_keys
 
 from tests.helpers import load_event
 from tests.integration.test_publish_harness import ALICE, Crash, Harness, admin_call, call

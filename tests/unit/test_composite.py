@@ -8,6 +8,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from shoal.aws.kinesis import HASH_SPACE, even_starting_keys
 from shoal.composite import (
     MAX_PARTITIONS,
     CompositeTopic,
@@ -21,7 +22,6 @@ from shoal.composite import (
     validate_topic_name,
 )
 from shoal.core.errors import InvalidPartitions, InvalidTopicName
-from shoal.streams import HASH_SPACE, even_starting_keys
 
 ALLOWED = [p for p in range(1, MAX_PARTITIONS + 1) if is_valid_partitions(p)]
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.aws.kinesis import OutRecord, PutOutcome
 from shoal.composite import CompositeTopic, StorageTopic
 from shoal.core.clock import ManualClock
 from shoal.delivery import DeliveryState, InboxItem
 from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms, storage_of
 from shoal.records import decode_record, is_seal, seal_record
-from shoal.streams import OutRecord, PutOutcome
 
 GRACE = 5_000
 

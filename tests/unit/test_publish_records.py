@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from shoal.aws.kinesis import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES
 from shoal.publishing import (
     MAX_BATCH,
     BatchRequest,
@@ -18,7 +19,6 @@ from shoal.publishing import (
     sequenced_message_id,
 )
 from shoal.records import MalformedRecord, Message, decode_record, encode_record, record_size
-from shoal.streams import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
 publishers = st.just((None, None)) | st.tuples(text, st.integers(1, 2**63 - 1))

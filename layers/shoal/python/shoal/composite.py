@@ -37,7 +37,9 @@ from typing import Any
 
 from pynamodb.exceptions import PutError, UpdateError
 
-from shoal import store
+from shoal.aws import tables
+from shoal.aws.kinesis import Streams, even_starting_keys
+from shoal.aws.tables import StorageTopicAttr, TopicModel
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
 from shoal.core.errors import (
@@ -51,8 +53,6 @@ from shoal.core.errors import (
 )
 from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
-from shoal.store import StorageTopicAttr, TopicModel
-from shoal.streams import Streams, even_starting_keys
 from shoal.topics.filters import first_level
 
 DEFAULT_TOPIC = DEPLOYMENT.default_topic
@@ -266,7 +266,7 @@ class TopicService:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> TopicService:
-        store.bind(config)
+        tables.bind(config)
         return cls(config, Streams.from_config(config, clock), clock)
 
     @property
@@ -492,7 +492,7 @@ def ensure_default_topic(
     count; an existing topic is kept as it is.
     """
     config = config or get_config()
-    store.bind(config)
+    tables.bind(config)
     service = TopicService(
         config, streams or Streams.from_config(config, clock), clock, stream_wait_s=240.0
     )

@@ -1,7 +1,7 @@
 """The one declaration of what a Shoal deployment is made of.
 
 The CDK stack (``infra/``) and the local runtime (``shoal.local``) both read this module:
-tables (from ``shoal.store``), buckets, functions with their routes, schedules and grants, and
+tables (from ``shoal.aws.tables``), buckets, functions with their routes, schedules and grants, and
 the environment each function gets. Adding a function or a route here adds it to both.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shoal.aws.tables import TABLES, TableDef
 from shoal.core.config import BUCKET_ENV_PREFIX, FUNCTION_ENV_PREFIX, TABLE_ENV_PREFIX
-from shoal.store import TABLES, TableDef
 
 Access = Literal["read", "write", "read_write"]
 

@@ -4,7 +4,7 @@ Subscriptions
 -------------
 A subscription lives twice, written by one transaction: in the session (``session.subscriptions``
 on the registry's head item, conditional on the channel being live) and in the subscription
-store the router reads (``shoal.store.SubscriptionItemModel``). The store is cut into *buckets*
+store the router reads (``shoal.aws.tables.SubscriptionItemModel``). The store is cut into *buckets*
 by the filter's first level (``L:<level>``, or ``W`` when it is a wildcard), so the router reads
 only the buckets a batch's topics can touch: ``W`` and the first levels of its topics. Each
 bucket has a version item bumped by every change and one change record per version (kept a
@@ -85,27 +85,23 @@ import base64
 import hashlib
 import json
 import os
-import random
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
-from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from shoal import store
-from shoal.aws import clients
+from shoal.aws import clients, tables
+from shoal.aws.dynamo import Dynamo, to_item
+from shoal.aws.tables import RetainedModel, TopicModel
 from shoal.composite import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import BadRequest, InvalidFilter, ServerBusy
 from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
 from shoal.sessions import Head, SessionRegistry
-from shoal.store import RetainedModel, TopicModel
 from shoal.topics.filters import (
     MULTI_LEVEL,
     SEPARATOR,
@@ -168,17 +164,6 @@ LAST_INDEX = 99_999
 DEFAULT_ACK_TIMEOUT_S = 30
 DEFAULT_WINDOW = 100
 DEFAULT_RETENTION_S = 14 * 24 * 3600
-
-_serializer = TypeSerializer()
-_deserializer = TypeDeserializer()
-_THROTTLED = frozenset(
-    {
-        "ProvisionedThroughputExceededException",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "InternalServerError",
-    }
-)
 
 
 # --- settings ------------------------------------------------------------------------------------
@@ -740,120 +725,6 @@ def ordinal_of(session_id: str, delivery: str) -> int | None:
     return int(number)
 
 
-# --- DynamoDB plumbing ---------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Decimal):
-        return int(value)
-    if isinstance(value, Binary):
-        return value.__bytes__()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, set):
-        return {_plain(v) for v in value}
-    return value
-
-
-def to_item(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _serializer.serialize(v) for k, v in record.items()}
-
-
-def from_item(raw: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _plain(_deserializer.deserialize(v)) for k, v in raw.items()}
-
-
-def _code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
-
-
-class Dynamo:
-    """The DynamoDB calls of delivery, with throttling turned into ServerBusy."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    @classmethod
-    def from_config(cls, config: Config) -> Dynamo:
-        return cls(clients.client("dynamodb", config.region))
-
-    def call(self, operation: str, **request: Any) -> dict[str, Any]:
-        try:
-            response: dict[str, Any] = getattr(self.client, operation)(**request)
-        except ClientError as exc:
-            if _code(exc) in _THROTTLED:
-                raise ServerBusy("the delivery store is busy; retry") from exc
-            raise
-        return response
-
-    def query(self, table: str, **request: Any) -> list[dict[str, Any]]:
-        """Every page (bounded by ``Limit`` when given: then one page)."""
-        out: list[dict[str, Any]] = []
-        while True:
-            page = self.call("query", TableName=table, **request)
-            out += [from_item(i) for i in page.get("Items", [])]
-            if "Limit" in request or "LastEvaluatedKey" not in page:
-                return out
-            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
-
-    def get(self, table: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
-        raw = self.call("get_item", TableName=table, Key=to_item(key), ConsistentRead=True)
-        return from_item(raw["Item"]) if "Item" in raw else None
-
-    def batch_get(self, table: str, keys: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Strongly consistent, 100 keys a call, unprocessed keys asked again."""
-        out: list[dict[str, Any]] = []
-        for start in range(0, len(keys), 100):
-            request: dict[str, Any] = {
-                table: {
-                    "Keys": [to_item(k) for k in keys[start : start + 100]],
-                    "ConsistentRead": True,
-                }
-            }
-            for _ in range(ATTEMPTS):
-                response = self.call("batch_get_item", RequestItems=request)
-                out += [from_item(i) for i in response.get("Responses", {}).get(table, [])]
-                request = response.get("UnprocessedKeys") or {}
-                if not request:
-                    break
-            else:
-                raise ServerBusy("the delivery store is busy; retry")
-        return out
-
-    def batch_put(self, table: str, records: Sequence[Mapping[str, Any]]) -> None:
-        """Put every record (25 a call); unprocessed ones again, then ServerBusy."""
-        for start in range(0, len(records), 25):
-            requests = [{"PutRequest": {"Item": to_item(r)}} for r in records[start : start + 25]]
-            pending: dict[str, Any] = {table: requests}
-            for attempt in range(ATTEMPTS):
-                response = self.call("batch_write_item", RequestItems=pending)
-                pending = response.get("UnprocessedItems") or {}
-                if not pending:
-                    break
-                # throttled: back off a little (DynamoDB's own advice for unprocessed items)
-                SystemClock().sleep(min(1.0, 0.02 * 2**attempt) * random.random())
-            else:
-                raise ServerBusy("the inbox did not take the deliveries; retry")
-
-    def transact(self, parts: list[dict[str, Any]]) -> list[str] | None:
-        """None when committed, else the cancellation reason code of each part."""
-        try:
-            # the token turns the SDK's own retry of a committed transaction into a success
-            self.call(
-                "transact_write_items", TransactItems=parts, ClientRequestToken=uuid.uuid4().hex
-            )
-        except ClientError as exc:
-            if _code(exc) == "TransactionCanceledException":
-                reasons = exc.response.get("CancellationReasons") or []
-                return [str(r.get("Code") or "None") for r in reasons] or ["Unknown"]
-            if _code(exc) == "TransactionConflictException":
-                return ["TransactionConflict"]
-            raise
-        return None
-
-
 # --- the subscription store ----------------------------------------------------------------------
 
 
@@ -1049,19 +920,16 @@ class InboxStore:
 
     def advance_ledger(self, source: str, through: str) -> None:
         """Record that deliveries up to ``through`` may exist (only ever forward)."""
-        try:
-            self.dynamo.call(
-                "update_item",
-                TableName=self.table,
-                Key=to_item({"inbox": ledger_partition(source), "position": LEDGER}),
-                UpdateExpression="SET #a = :a",
-                ConditionExpression="attribute_not_exists(#a) OR #a < :a",
-                ExpressionAttributeNames={"#a": "a"},
-                ExpressionAttributeValues=to_item({":a": through}),
-            )
-        except ClientError as exc:
-            if _code(exc) != "ConditionalCheckFailedException":
-                raise
+        # a failed condition: the ledger is already at or past ``through``
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"inbox": ledger_partition(source), "position": LEDGER}),
+            UpdateExpression="SET #a = :a",
+            ConditionExpression="attribute_not_exists(#a) OR #a < :a",
+            ExpressionAttributeNames={"#a": "a"},
+            ExpressionAttributeValues=to_item({":a": through}),
+        )
 
     # -- the delivery state
 
@@ -1089,13 +957,9 @@ class InboxStore:
     def write_state(
         self, session_id: str, state: DeliveryState, expected: int, expires_at: int
     ) -> bool:
-        try:
-            self.dynamo.call("put_item", **self.state_part(session_id, state, expected, expires_at))
-        except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
-                return False
-            raise
-        return True
+        return self.dynamo.conditional(
+            "put_item", **self.state_part(session_id, state, expected, expires_at)
+        )
 
 
 # --- payloads too large for an item --------------------------------------------------------------
@@ -1149,7 +1013,6 @@ class SubscriptionService:
         settings: DeliverySettings,
         *,
         clock: Clock | None = None,
-        sessions_table: str | None = None,
         groups: GroupService | None = None,
     ) -> None:
         self.registry = registry
@@ -1157,7 +1020,6 @@ class SubscriptionService:
         self.inbox = inbox
         self.settings = settings
         self.clock = clock or SystemClock()
-        self.sessions_table = sessions_table or registry.repository.table
         #: shared subscriptions join and leave their groups (``shoal.groups``)
         self.groups = groups
 
@@ -1165,7 +1027,7 @@ class SubscriptionService:
     def from_config(cls, config: Config, clock: Clock | None = None) -> SubscriptionService:
         from shoal.groups import GroupService
 
-        store.bind(config)
+        tables.bind(config)
         dynamo = Dynamo.from_config(config)
         return cls(
             SessionRegistry.from_config(config, clock),
@@ -1292,7 +1154,7 @@ class SubscriptionService:
             options[text] = option
         now = self.clock.now_ms()
         versions = self.subscriptions.versions(changes)
-        parts = [self._head_part(client_id, head, now, put=options)]
+        parts = [self.registry.repository.subscriptions_part(client_id, head, now, put=options)]
         parts += self.subscriptions.parts(changes, versions, now // 1000)
         if plan is not None:
             parts += plan.parts
@@ -1306,58 +1168,7 @@ class SubscriptionService:
         if reasons and reasons[0] == "ConditionalCheckFailed":
             # the head's condition: the channel is no longer live (this raises)
             self.registry.require_live(who, client_id, channel)
-        self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
-
-    def _head_part(
-        self,
-        client_id: str,
-        head: Head,
-        now_ms: int,
-        *,
-        put: Mapping[str, Mapping[str, Any]] | None = None,
-        remove: Iterable[str] = (),
-    ) -> dict[str, Any]:
-        """The head's update: on condition that the channel is still live, in this session."""
-        names = {
-            "#s": "session",
-            "#subs": "subscriptions",
-            "#id": "id",
-            "#newest": "newest",
-            "#connected": "connected",
-            "#sub": "sub",
-            "#seen": "last_seen_ms",
-        }
-        values: dict[str, Any] = {
-            ":newest": head.newest.key,
-            ":true": True,
-            ":owner": head.sub,
-            ":sid": head.session_id,
-            ":now": now_ms,
-        }
-        sets = ["#seen = :now"]
-        removes: list[str] = []
-        for n, (text, option) in enumerate((put or {}).items()):
-            names[f"#f{n}"] = text
-            values[f":f{n}"] = dict(option)
-            sets.append(f"#s.#subs.#f{n} = :f{n}")
-        for n, text in enumerate(remove):
-            names[f"#r{n}"] = text
-            removes.append(f"#s.#subs.#r{n}")
-        expression = "SET " + ", ".join(sets)
-        if removes:
-            expression += " REMOVE " + ", ".join(removes)
-        return {
-            "Update": {
-                "TableName": self.sessions_table,
-                "Key": to_item({"client_id": client_id, "item": "head"}),
-                "UpdateExpression": expression,
-                "ConditionExpression": (
-                    "#newest = :newest AND #connected = :true AND #sub = :owner AND #s.#id = :sid"
-                ),
-                "ExpressionAttributeNames": names,
-                "ExpressionAttributeValues": to_item(values),
-            }
-        }
+        self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
 
     # -- retained messages
 
@@ -1486,7 +1297,11 @@ class SubscriptionService:
             for attempt in range(ATTEMPTS):
                 now = self.clock.now_ms()
                 versions = self.subscriptions.versions(changes)
-                parts = [self._head_part(client_id, head, now, remove=list(dropping))]
+                parts = [
+                    self.registry.repository.subscriptions_part(
+                        client_id, head, now, remove=list(dropping)
+                    )
+                ]
                 parts += self.subscriptions.parts(changes, versions, now // 1000)
                 plan = None
                 if leaving and self.groups is not None:
@@ -1562,7 +1377,7 @@ class SubscriptionRetirer:
                     break
                 if len(reasons) == len(parts) and reasons[-1] == "ConditionalCheckFailed":
                     break  # gone already, or the new session's own
-                self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+                self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         return removed
 
 
@@ -1700,7 +1515,7 @@ class DeliveryService:
                     self._record_get(session_id, client_id, plan)
                     break
                 state = None
-                self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+                self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
             else:
                 raise ServerBusy("this session's deliveries are contended; retry")
             if self.groups is not None and len(out) < wanted:
@@ -1994,7 +1809,7 @@ class DeliveryService:
             if self.inbox.write_state(session_id, state, expected, expires):
                 self._record_ack(session_id, state, ordinals)
                 return {"acked": len(fresh) + grouped}
-            self.clock.sleep(random.uniform(0, min(0.2, 0.01 * 2**attempt)))
+            self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shoal.aws.dynamo import Dynamo, to_item
 from shoal.composite import (
     EFFECTIVE_DELAY_MS,
     TOPIC_CACHE_TTL_MS,
@@ -49,13 +50,13 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
-from shoal.delivery import INBOXES_TABLE, Dynamo, InboxItem, item_key, source_id, to_item
+from shoal.delivery import INBOXES_TABLE, InboxItem, item_key, source_id
 from shoal.records import is_seal, seal_record
 
 if TYPE_CHECKING:
+    from shoal.aws.kinesis import Streams
     from shoal.delivery import DeliveryState
     from shoal.group_streams import StreamProgress
-    from shoal.streams import Streams
 
 #: the drain record of a storage topic in the inboxes table
 DRAIN_PREFIX = "drain#"
@@ -251,11 +252,11 @@ class Sealer:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Sealer:
-        from shoal import store
+        from shoal.aws import tables
+        from shoal.aws.kinesis import Streams
         from shoal.composite import scan_topics
-        from shoal.streams import Streams
 
-        store.bind(config)
+        tables.bind(config)
         return cls(
             Streams.from_config(config, clock), DrainStore.from_config(config), scan_topics, clock
         )
@@ -283,7 +284,7 @@ class Sealer:
 
         Repeating it is harmless: the router marks a shard drained once however many seals it
         holds."""
-        from shoal.streams import OutRecord
+        from shoal.aws.kinesis import OutRecord
 
         now = self.clock.now_ms()
         shards = _open_shards(self.streams, stream)

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shoal import store
+from shoal.aws import tables
+from shoal.aws.dynamo import Dynamo
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import InvalidFilter
@@ -41,7 +42,6 @@ from shoal.delivery import (
     MAX_INLINE_PAYLOAD,
     WILDCARD_BUCKET,
     DeliverySettings,
-    Dynamo,
     InboxMessage,
     InboxStore,
     PayloadStore,
@@ -195,7 +195,7 @@ class Fanout:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Fanout:
-        store.bind(config)
+        tables.bind(config)
         dynamo = Dynamo.from_config(config)
         return cls(
             SubscriptionCache(SubscriptionStore(dynamo, config.table("subscriptions"))),

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shoal.aws.dynamo import Dynamo, to_item
 from shoal.delivery import (
-    Dynamo,
     InboxItem,
     InboxMessage,
     PayloadStore,
@@ -44,7 +44,6 @@ from shoal.delivery import (
     item_key,
     ordinal_ranges,
     settle,
-    to_item,
 )
 
 GROUP_PARTITION_PREFIX = "grp#"

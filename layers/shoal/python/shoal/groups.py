@@ -47,7 +47,7 @@ it holds) and ``updating`` (it holds new streams while finishing revoked ones). 
 brings a member's view up to the leader's state and says what changed: a heartbeat answers
 these lease changes.
 
-In DynamoDB (``GroupStore``), one partition per group (``shoal.store.GroupItemModel``):
+In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupItemModel``):
 
 - ``#sgl``, the leader: version, incarnation, members (a map, so that a join is one update
   adding its own entry: racing joins never conflict) and the streams' leases (one JSON value).
@@ -72,7 +72,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -80,14 +79,15 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
-from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.aws.dynamo import Dynamo, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
-from shoal.delivery import DeliverySettings, Dynamo, InboxMessage, PayloadStore, to_item
+from shoal.core.retry import backoff_s
+from shoal.delivery import DeliverySettings, InboxMessage, PayloadStore
 from shoal.delivery_events import Recording, record_answers
 from shoal.drain import GroupGate, group_gate
 from shoal.group_streams import (
@@ -601,10 +601,6 @@ class MembershipPlan:
     removed: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
-
-
 class GroupStore:
     """The groups table: leaders, members' renewals, streams' progress."""
 
@@ -819,7 +815,7 @@ class GroupStore:
                 return replace(loaded, state=new)
             if self.commit(loaded, new, operation):
                 return self._applied(loaded, new)
-            self.clock.sleep(_backoff_s(attempt))
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this shared group is contended; retry")
 
     def _applied(self, loaded: Loaded, new: GroupState) -> Loaded:
@@ -851,36 +847,30 @@ class GroupStore:
         self, key: str, progress: StreamProgress, expected_pv: int, member_id: str
     ) -> bool:
         """Write a holder's progress: only while it holds the stream under the same lease."""
-        try:
-            self.dynamo.call(
-                "put_item",
-                TableName=self.table,
-                Item=to_item(progress.record(key)),
-                ConditionExpression=(
-                    "#pv = :pv AND #l = :l AND #h = :h AND #s = :s AND #inc = :inc"
-                ),
-                ExpressionAttributeNames={
-                    "#pv": "pv",
-                    "#l": "lease",
-                    "#h": "holder",
-                    "#s": "state",
-                    "#inc": "inc",
-                },
-                ExpressionAttributeValues=to_item(
-                    {
-                        ":pv": expected_pv,
-                        ":l": progress.lease,
-                        ":h": member_id,
-                        ":s": progress.state.value,
-                        ":inc": progress.incarnation,
-                    }
-                ),
-            )
-        except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
-                self.stats.count("progress", conflict=True)
-                return False
-            raise
+        if not self.dynamo.conditional(
+            "put_item",
+            TableName=self.table,
+            Item=to_item(progress.record(key)),
+            ConditionExpression=("#pv = :pv AND #l = :l AND #h = :h AND #s = :s AND #inc = :inc"),
+            ExpressionAttributeNames={
+                "#pv": "pv",
+                "#l": "lease",
+                "#h": "holder",
+                "#s": "state",
+                "#inc": "inc",
+            },
+            ExpressionAttributeValues=to_item(
+                {
+                    ":pv": expected_pv,
+                    ":l": progress.lease,
+                    ":h": member_id,
+                    ":s": progress.state.value,
+                    ":inc": progress.incarnation,
+                }
+            ),
+        ):
+            self.stats.count("progress", conflict=True)
+            return False
         self.stats.count("progress", conflict=False)
         return True
 
@@ -893,39 +883,29 @@ class GroupStore:
 
     def lost(self, key: str, member_id: str) -> None:
         """A member's write was fenced off: its agent goes back to connecting."""
-        try:
-            self.dynamo.call(
-                "update_item",
-                TableName=self.table,
-                Key=to_item({"group": key, "item": member_item(member_id)}),
-                UpdateExpression="SET #lost = :true",
-                ConditionExpression="attribute_exists(#vw)",
-                ExpressionAttributeNames={"#vw": "vw", "#lost": "lost"},
-                ExpressionAttributeValues=to_item({":true": True}),
-            )
-        except ClientError as exc:
-            if _code(exc) != "ConditionalCheckFailedException":
-                raise
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"group": key, "item": member_item(member_id)}),
+            UpdateExpression="SET #lost = :true",
+            ConditionExpression="attribute_exists(#vw)",
+            ExpressionAttributeNames={"#vw": "vw", "#lost": "lost"},
+            ExpressionAttributeValues=to_item({":true": True}),
+        )
 
     # -- the router's streams
 
     def ensure_stream(self, key: str, incarnation: str, source: str) -> bool:
         """Make the stream known to the leader (its progress item); True when it was new."""
         fresh = StreamProgress(source, incarnation)
-        try:
-            self.dynamo.call(
-                "put_item",
-                TableName=self.table,
-                Item=to_item(fresh.record(key)),
-                ConditionExpression="attribute_not_exists(#i) OR #inc <> :inc",
-                ExpressionAttributeNames={"#i": "item", "#inc": "inc"},
-                ExpressionAttributeValues=to_item({":inc": incarnation}),
-            )
-        except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
-                return False
-            raise
-        return True
+        return self.dynamo.conditional(
+            "put_item",
+            TableName=self.table,
+            Item=to_item(fresh.record(key)),
+            ConditionExpression="attribute_not_exists(#i) OR #inc <> :inc",
+            ExpressionAttributeNames={"#i": "item", "#inc": "inc"},
+            ExpressionAttributeValues=to_item({":inc": incarnation}),
+        )
 
     # -- membership (parts of the subscribe, unsubscribe and session-end transactions)
 
@@ -1057,19 +1037,15 @@ class GroupStore:
         for row in rows:
             if row["item"] == LEADER or row.get("inc") != incarnation:
                 continue
-            try:
-                self.dynamo.call(
-                    "delete_item",
-                    TableName=self.table,
-                    Key=to_item({"group": key, "item": row["item"]}),
-                    ConditionExpression="#inc = :inc",
-                    ExpressionAttributeNames={"#inc": "inc"},
-                    ExpressionAttributeValues=to_item({":inc": incarnation}),
-                )
+            if self.dynamo.conditional(
+                "delete_item",
+                TableName=self.table,
+                Key=to_item({"group": key, "item": row["item"]}),
+                ConditionExpression="#inc = :inc",
+                ExpressionAttributeNames={"#inc": "inc"},
+                ExpressionAttributeValues=to_item({":inc": incarnation}),
+            ):
                 removed += 1
-            except ClientError as exc:
-                if _code(exc) != "ConditionalCheckFailedException":
-                    raise
         partition = group_partition(incarnation)
         items = self.dynamo.query(
             self.inbox_table,
@@ -1085,11 +1061,6 @@ class GroupStore:
             # best effort: what a throttled batch leaves unprocessed, TTL removes
             self.dynamo.call("batch_write_item", RequestItems={self.inbox_table: requests})
         return removed + len(keys)
-
-
-def _backoff_s(attempt: int) -> float:
-    # full jitter: racing writers of one group spread out instead of colliding again
-    return random.uniform(0, min(0.2, 0.005 * 2**attempt))
 
 
 # === the session's side ========================================================================
@@ -1344,7 +1315,7 @@ class GroupService:
                     events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
                 return answers
             progress = self.store.progress(ref.key, source)
-            self.clock.sleep(_backoff_s(attempt))
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this group stream is contended; retry")
 
     # -- ack
@@ -1393,7 +1364,7 @@ class GroupService:
                     self.store.advance(ref.key, self.clock.now_ms())
                 self._record_acks(ref, source, by_lease, progress, member_id)
                 return count
-            self.clock.sleep(_backoff_s(attempt))
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this group stream is contended; retry")
 
     def _record_acks(

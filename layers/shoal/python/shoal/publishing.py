@@ -64,8 +64,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from pydantic import model_validator as _model_validator
 from pynamodb.exceptions import DeleteError, PutError, UpdateError
 
-from shoal import store
+from shoal.aws import tables
 from shoal.aws.clients import PUT_CALL_BOUND_MS
+from shoal.aws.kinesis import (
+    MAX_PUT_RECORDS,
+    MAX_PUT_RECORDS_BYTES,
+    MAX_RECORD_BYTES,
+    OutRecord,
+    PutOutcome,
+    Streams,
+)
+from shoal.aws.tables import PublisherModel, RetainedModel
 from shoal.composite import (
     DEFAULT_TOPIC,
     Destination,
@@ -95,15 +104,6 @@ from shoal.records import (
     encode_record,
     record_partition_key,
     record_size,
-)
-from shoal.store import PublisherModel, RetainedModel
-from shoal.streams import (
-    MAX_PUT_RECORDS,
-    MAX_PUT_RECORDS_BYTES,
-    MAX_RECORD_BYTES,
-    OutRecord,
-    PutOutcome,
-    Streams,
 )
 from shoal.topics.filters import any_matches, first_level, is_publishable_topic
 
@@ -502,7 +502,7 @@ class PublishService:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PublishService:
-        store.bind(config)
+        tables.bind(config)
         clock = clock or SystemClock()
         return cls(
             Streams.from_config(config, clock),

@@ -49,6 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from shoal.aws.kinesis import Streams
 from shoal.composite import (
     DEFAULT_TOPIC,
     CompositeTopic,
@@ -99,7 +100,6 @@ from shoal.push_store import (
     push_parts,
 )
 from shoal.records import MalformedRecord
-from shoal.streams import Streams
 from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level
 
 MAX_REDRIVE_KEYS = 100

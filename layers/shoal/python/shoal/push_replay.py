@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shoal.aws.kinesis import OutRecord
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, SubscriptionNotFound
@@ -64,7 +65,6 @@ from shoal.push import (
 )
 from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
 from shoal.records import Message, encode_record, record_size
-from shoal.streams import OutRecord
 from shoal.topics.filters import matches
 
 #: messages one call takes at most; the caller passes the rest in later calls

@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from botocore.exceptions import BotoCoreError, ClientError
 from pynamodb.exceptions import DeleteError, PutError, PynamoDBException, UpdateError
 
+from shoal.aws.clients import error_code
+from shoal.aws.kinesis import OutRecord, StreamInfo, Streams
+from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
 from shoal.composite import StorageTopic, stream_name
 from shoal.core.clock import Clock
 from shoal.core.config import Config
@@ -59,8 +62,6 @@ from shoal.push import (
     partition_key,
 )
 from shoal.records import MalformedRecord, Message, decode_record
-from shoal.store import PushGroupModel, PushSubscriptionModel
-from shoal.streams import OutRecord, StreamInfo, Streams
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -74,7 +75,7 @@ TAP_PREFIX = "tap#"
 SKEW_MS = 5_000
 #: tap mapping changes are serialized by a lease this long
 LEASE_MS = 30_000
-#: how a mapping reads: as the router's, so that nothing is skipped (see shoal.streams)
+#: how a mapping reads: as the router's, so that nothing is skipped (see shoal.aws.kinesis)
 MAPPING: dict[str, Any] = {
     "BatchSize": 100,
     "MaximumBatchingWindowInSeconds": 0,
@@ -209,7 +210,7 @@ def _plain(attribute: Any) -> dict[str, Any]:
 
 
 class SubscriptionStore:
-    """Subscription items and tap items (``shoal.store.PushSubscriptionModel``)."""
+    """Subscription items and tap items (``shoal.aws.tables.PushSubscriptionModel``)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -453,7 +454,7 @@ class BlockedKey:
 
 
 class GroupStore:
-    """Group states (``shoal.store.PushGroupModel``): consistent reads, conditional writes."""
+    """Group states (``shoal.aws.tables.PushGroupModel``): consistent reads, conditional writes."""
 
     def get(self, name: str, ordering_key: str) -> GroupState:
         try:
@@ -550,9 +551,9 @@ StartingPosition = Literal["TRIM_HORIZON", "LATEST", "AT_TIMESTAMP"]
 
 def push_parts(config: Config, clock: Clock) -> tuple[SubscriptionStore, GroupStore, Queues]:
     """The stores every push service works on (admin, delivery, replay), bound to ``config``."""
-    from shoal import store
+    from shoal.aws import tables
 
-    store.bind(config)
+    tables.bind(config)
     return SubscriptionStore(clock), GroupStore(), Queues(Streams.from_config(config, clock), clock)
 
 
@@ -584,9 +585,9 @@ class Queues:
         try:
             self.kinesis.delete_stream(StreamName=stream, EnforceConsumerDeletion=True)
         except ClientError as exc:
-            if _code(exc) == "ResourceNotFoundException":
+            if error_code(exc) == "ResourceNotFoundException":
                 return
-            if _code(exc) == "ResourceInUseException" and self._status(stream) in (
+            if error_code(exc) == "ResourceInUseException" and self._status(stream) in (
                 None,
                 "DELETING",
             ):
@@ -603,7 +604,7 @@ class Queues:
         try:
             answer = self.kinesis.describe_stream_summary(StreamName=stream)
         except ClientError as exc:
-            if _code(exc) == "ResourceNotFoundException":
+            if error_code(exc) == "ResourceNotFoundException":
                 return None
             raise ServerBusy("the stream could not be described; retry") from exc
         return answer["StreamDescriptionSummary"]
@@ -657,7 +658,7 @@ class Queues:
             )["ShardIterator"]
             records = self.kinesis.get_records(ShardIterator=iterator, Limit=1)["Records"]
         except ClientError as exc:
-            if _code(exc) in ("ResourceNotFoundException", "InvalidArgumentException"):
+            if error_code(exc) in ("ResourceNotFoundException", "InvalidArgumentException"):
                 return None
             raise ServerBusy("a record could not be read back; retry") from exc
         if not records or str(records[0]["SequenceNumber"]) != sequence_number:
@@ -784,7 +785,7 @@ class Queues:
         try:
             self.awslambda.delete_event_source_mapping(UUID=uuid)
         except ClientError as exc:
-            if _code(exc) != "ResourceNotFoundException":
+            if error_code(exc) != "ResourceNotFoundException":
                 raise ServerBusy("the event source mapping could not be deleted; retry") from exc
 
     def set_parallelism(self, uuid: str, parallelism: int) -> None:
@@ -792,10 +793,6 @@ class Queues:
             self.awslambda.update_event_source_mapping(UUID=uuid, ParallelizationFactor=parallelism)
         except ClientError as exc:
             raise ServerBusy("the event source mapping could not be changed; retry") from exc
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 #: what the push function and the admin treat as "AWS did not answer": retry later

@@ -18,7 +18,7 @@ newest one wins (the EMQX "Linear Session Registry" design, on DynamoDB):
 
 There is no lock item: a killed invocation leaves at most a registration that nothing names.
 
-The table holds one partition per client id (``shoal.store.SessionItemModel``):
+The table holds one partition per client id (``shoal.aws.tables.SessionItemModel``):
 
 - ``head``: the newest registration's version key (``newest``), the owning principal (``sub``),
   ``rev`` (bumped by every lifecycle change: connect, disconnect, keepalive expiry),
@@ -38,7 +38,7 @@ Only registrations count towards LocalMax and RealMax, as in the EIP: once a cha
 disconnected (or its keepalive expired) it holds off no connect, so a reconnect is never
 refused for a gateway clock a millisecond behind the previous one.
 
-The reaper finds work through the sparse ``due`` index (see ``shoal.store.DueIndex``): a head
+The reaper finds work through the sparse ``due`` index (see ``shoal.aws.tables.DueIndex``): a head
 is indexed while its keepalive runs or its session awaits expiry, a will while it waits.
 Heartbeats do not touch the index (that would cost an index write per heartbeat); the reaper
 re-indexes a head whose deadline moved when it finds it due early.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import random
 import re
 import secrets
 import threading
@@ -56,15 +55,13 @@ import uuid
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shoal.aws import clients
+from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, attribute, error_code, from_item
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -80,6 +77,7 @@ from shoal.core.errors import (
     ShoalError,
 )
 from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
 from shoal.topics.filters import any_matches, is_publishable_topic
 
 if TYPE_CHECKING:
@@ -115,14 +113,6 @@ WILL_RETRY_MS = 60_000
 DUE_SHARDS = 8
 
 _CHANNEL = re.compile(r"(\d{1,15})-([A-Za-z0-9_-]{1,64})", re.ASCII)
-_THROTTLED = frozenset(
-    {
-        "ProvisionedThroughputExceededException",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "InternalServerError",
-    }
-)
 
 
 # --- versions, requests, the session view (no AWS here) --------------------------------------
@@ -463,101 +453,32 @@ class ServiceWillPublisher:
 # --- the DynamoDB repository -----------------------------------------------------------------
 
 
-_serializer = TypeSerializer()
-_deserializer = TypeDeserializer()
+def _alias(expr: Expression, name: str) -> str:
+    """An alias of one attribute name that may hold any character (a topic filter)."""
+    alias = f"#k{len(expr.names)}"
+    expr.names[alias] = name
+    return alias
 
 
-def _plain(value: Any) -> Any:
-    """DynamoDB's Decimals back to ints (Shoal stores whole numbers only)."""
-    if isinstance(value, Decimal):
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _item(raw: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _plain(_deserializer.deserialize(v)) for k, v in raw.items()}
-
-
-def _av(value: Any) -> Any:
-    return _serializer.serialize(value)
-
-
-class Expression:
-    """One request's expressions, with every attribute name aliased (many are reserved words)."""
-
-    def __init__(self) -> None:
-        self.sets: list[str] = []
-        self.removes: list[str] = []
-        self.names: dict[str, str] = {}
-        self.values: dict[str, Any] = {}
-
-    def n(self, path: str) -> str:
-        """``a.b`` becomes ``#a.#b``."""
-        aliases = []
-        for part in path.split("."):
-            self.names[f"#{part}"] = part
-            aliases.append(f"#{part}")
-        return ".".join(aliases)
-
-    def v(self, value: Any) -> str:
-        alias = f":v{len(self.values)}"
-        self.values[alias] = _av(value)
-        return alias
-
-    def set(self, attribute: str, value: Any) -> Expression:
-        return self.set_raw(attribute, self.v(value))
-
-    def set_raw(self, attribute: str, expression: str) -> Expression:
-        self.sets.append(f"{self.n(attribute)} = {expression}")
-        return self
-
-    def remove(self, *attributes: str) -> Expression:
-        self.removes.extend(self.n(a) for a in attributes)
-        return self
-
-    def live(self, version: Version, sub: str) -> str:
-        """The condition every write of a session-scoped call carries."""
-        return (
-            f"{self.n('newest')} = {self.v(version.key)}"
-            f" AND {self.n('connected')} = {self.v(True)} AND {self.n('sub')} = {self.v(sub)}"
-        )
-
-    def params(self, condition: str | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        parts = []
-        if self.sets:
-            parts.append("SET " + ", ".join(self.sets))
-        if self.removes:
-            parts.append("REMOVE " + ", ".join(self.removes))
-        if parts:
-            out["UpdateExpression"] = " ".join(parts)
-        if condition:
-            out["ConditionExpression"] = condition
-        if self.names:
-            out["ExpressionAttributeNames"] = self.names
-        if self.values:
-            out["ExpressionAttributeValues"] = self.values
-        return out
-
-
-def _code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
+def live_condition(expr: Expression, version: Version, sub: str) -> str:
+    """The condition every write of a session-scoped call carries: ``version`` is still the
+    newest channel of the client id, connected, and the session is ``sub``'s."""
+    return (
+        f"{expr.n('newest')} = {expr.v(version.key)}"
+        f" AND {expr.n('connected')} = {expr.v(True)} AND {expr.n('sub')} = {expr.v(sub)}"
+    )
 
 
 class SessionRepository:
     """The sessions table: every read and conditional write the registry and reaper make."""
 
-    def __init__(self, client: Any, table: str) -> None:
-        self.client = client
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
         self.table = table
 
     @classmethod
     def from_config(cls, config: Config) -> SessionRepository:
-        return cls(clients.client("dynamodb", config.region), config.table(TABLE))
+        return cls(Dynamo.from_config(config), config.table(TABLE))
 
     def _key(self, client_id: str, item: str) -> dict[str, Any]:
         return {"client_id": {"S": client_id}, "item": {"S": item}}
@@ -573,36 +494,9 @@ class SessionRepository:
         params = (expr or Expression()).params(condition)
         return {"TableName": self.table, "Key": self._key(client_id, item), **params}
 
-    def _call(self, operation: str, request: Mapping[str, Any]) -> dict[str, Any]:
-        try:
-            response: dict[str, Any] = getattr(self.client, operation)(**request)
-        except ClientError as exc:
-            if _code(exc) in _THROTTLED:
-                raise ServerBusy("the session store is busy; retry") from exc
-            raise
-        return response
-
-    def _conditional(self, operation: str, request: Mapping[str, Any]) -> bool:
-        """A single conditional write: False when its condition did not hold."""
-        try:
-            self._call(operation, request)
-        except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
-                return False
-            raise
-        return True
-
     def _transact(self, items: list[dict[str, Any]]) -> bool:
         """All or nothing: False when a condition did not hold or another write interfered."""
-        # the token makes the SDK's own retry of a committed transaction succeed, not fail
-        request = {"TransactItems": items, "ClientRequestToken": str(uuid.uuid4())}
-        try:
-            self._call("transact_write_items", request)
-        except ClientError as exc:
-            if _code(exc) in {"TransactionCanceledException", "TransactionConflictException"}:
-                return False
-            raise
-        return True
+        return self.dynamo.transact(items) is None
 
     # -- reads
 
@@ -619,9 +513,9 @@ class SessionRepository:
             **expr.params(),
         }
         while True:
-            page = self._call("query", request)
+            page = self.dynamo.call("query", **request)
             for raw in page.get("Items", []):
-                item = _item(raw)
+                item = from_item(raw)
                 kind = item["item"]
                 if kind == HEAD:
                     head = _head(item)
@@ -635,12 +529,12 @@ class SessionRepository:
         return RegistryView(head, tuple(registrations), tuple(wills))
 
     def head(self, client_id: str) -> Head | None:
-        raw = self._call("get_item", {**self._on(client_id, HEAD), "ConsistentRead": True})
-        return _head(_item(raw["Item"])) if "Item" in raw else None
+        raw = self.dynamo.call("get_item", **{**self._on(client_id, HEAD), "ConsistentRead": True})
+        return _head(from_item(raw["Item"])) if "Item" in raw else None
 
     def will(self, client_id: str, item: str) -> ScheduledWill | None:
-        raw = self._call("get_item", {**self._on(client_id, item), "ConsistentRead": True})
-        return _scheduled_will(_item(raw["Item"])) if "Item" in raw else None
+        raw = self.dynamo.call("get_item", **{**self._on(client_id, item), "ConsistentRead": True})
+        return _scheduled_will(from_item(raw["Item"])) if "Item" in raw else None
 
     def due(self, shard: str, now_ms: int, limit: int) -> list[tuple[str, str]]:
         """Keys of the items in ``shard`` whose reaper work is due (the index, not a scan)."""
@@ -655,7 +549,7 @@ class SessionRepository:
             **expr.params(),
         }
         while len(keys) < limit:
-            page = self._call("query", request)
+            page = self.dynamo.call("query", **request)
             keys += [(i["client_id"]["S"], i["item"]["S"]) for i in page.get("Items", [])]
             if "LastEvaluatedKey" not in page:
                 break
@@ -721,8 +615,8 @@ class SessionRepository:
     def heartbeat(self, client_id: str, version: Version, sub: str, now_ms: int) -> bool:
         """Refresh the keepalive, on condition that the channel is still the live one."""
         expr = Expression().set("last_seen_ms", now_ms)
-        return self._conditional(
-            "update_item", self._on(client_id, HEAD, expr, expr.live(version, sub))
+        return self.dynamo.conditional(
+            "update_item", **self._on(client_id, HEAD, expr, live_condition(expr, version, sub))
         )
 
     def heartbeat_head(
@@ -732,16 +626,16 @@ class SessionRepository:
         answer costs nothing more than the write, and names the session's groups."""
         expr = Expression().set("last_seen_ms", now_ms)
         request = {
-            **self._on(client_id, HEAD, expr, expr.live(version, sub)),
+            **self._on(client_id, HEAD, expr, live_condition(expr, version, sub)),
             "ReturnValues": "ALL_NEW",
         }
         try:
-            raw = self._call("update_item", request)
+            raw = self.dynamo.call("update_item", **request)
         except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
+            if error_code(exc) == CONDITION_FAILED:
                 return None
             raise
-        return _head(_item(raw["Attributes"]))
+        return _head(from_item(raw["Attributes"]))
 
     def update_live(
         self, client_id: str, version: Version, sub: str, expr: Expression, now_ms: int
@@ -753,9 +647,32 @@ class SessionRepository:
         channel, it also refreshes the keepalive.
         """
         expr.set("last_seen_ms", now_ms)
-        return self._conditional(
-            "update_item", self._on(client_id, HEAD, expr, expr.live(version, sub))
+        return self.dynamo.conditional(
+            "update_item", **self._on(client_id, HEAD, expr, live_condition(expr, version, sub))
         )
+
+    def subscriptions_part(
+        self,
+        client_id: str,
+        head: Head,
+        now_ms: int,
+        *,
+        put: Mapping[str, Mapping[str, Any]] | None = None,
+        remove: Iterable[str] = (),
+    ) -> dict[str, Any]:
+        """A transaction part changing the session's subscriptions (``shoal.delivery``): on
+        condition that ``head``'s channel is still live, in the same session."""
+        expr = Expression().set("last_seen_ms", now_ms)
+        subscriptions = expr.n("session.subscriptions")
+        for text, option in (put or {}).items():
+            expr.sets.append(f"{subscriptions}.{_alias(expr, text)} = {expr.v(dict(option))}")
+        for text in remove:
+            expr.removes.append(f"{subscriptions}.{_alias(expr, text)}")
+        condition = (
+            f"{live_condition(expr, head.newest, head.sub)}"
+            f" AND {expr.n('session.id')} = {expr.v(head.session_id)}"
+        )
+        return {"Update": self._on(client_id, HEAD, expr, condition)}
 
     def disconnect(self, client_id: str, version: Version, sub: str, now_ms: int) -> bool:
         """A clean disconnect: the will is dropped and the session's expiry starts."""
@@ -770,7 +687,7 @@ class SessionRepository:
         head.set("due_shard", due_shard(client_id)).remove("conn.will")
         return self._transact(
             [
-                {"Update": self._on(client_id, HEAD, head, head.live(version, sub))},
+                {"Update": self._on(client_id, HEAD, head, live_condition(head, version, sub))},
                 {"Delete": self._on(client_id, REG_PREFIX + version.key)},
             ]
         )
@@ -782,8 +699,8 @@ class SessionRepository:
             f"{expr.n('channel')} = {expr.v(version.channel)}"
             f" AND {expr.n('connected_at_ms')} = {expr.v(version.connected_at_ms)}"
         )
-        return self._conditional(
-            "delete_item", self._on(client_id, REG_PREFIX + version.key, expr, condition)
+        return self.dynamo.conditional(
+            "delete_item", **self._on(client_id, REG_PREFIX + version.key, expr, condition)
         )
 
     # -- writes of the reaper
@@ -799,7 +716,8 @@ class SessionRepository:
         expr.remove("conn.will")
         # no call since it was read: a heartbeat in between keeps the channel
         condition = (
-            f"{expr.live(head.newest, head.sub)} AND {expr.n('rev')} = {expr.v(head.rev)}"
+            f"{live_condition(expr, head.newest, head.sub)}"
+            f" AND {expr.n('rev')} = {expr.v(head.rev)}"
             f" AND {expr.n('last_seen_ms')} = {expr.v(head.last_seen_ms)}"
         )
         items: list[dict[str, Any]] = [
@@ -809,11 +727,11 @@ class SessionRepository:
         if head.will is not None and will_due_ms is not None:
             will = {
                 **self._key(client_id, WILL_PREFIX + head.newest.key),
-                "channel": _av(head.channel),
-                "sub": _av(head.sub),
-                "will": _av(head.will.model_dump(exclude_none=True)),
-                "due_shard": _av(due_shard(client_id)),
-                "due_at_ms": _av(will_due_ms),
+                "channel": attribute(head.channel),
+                "sub": attribute(head.sub),
+                "will": attribute(head.will.model_dump(exclude_none=True)),
+                "due_shard": attribute(due_shard(client_id)),
+                "due_at_ms": attribute(will_due_ms),
             }
             items.append({"Put": {"TableName": self.table, "Item": will}})
         return self._transact(items)
@@ -829,7 +747,7 @@ class SessionRepository:
             f"{expr.n('rev')} = {expr.v(head.rev)}"
             f" AND {expr.n('last_seen_ms')} = {expr.v(head.last_seen_ms)}"
         )
-        return self._conditional("update_item", self._on(client_id, HEAD, expr, condition))
+        return self.dynamo.conditional("update_item", **self._on(client_id, HEAD, expr, condition))
 
     def end_session(self, client_id: str, head: Head, registrations: Iterable[Version]) -> bool:
         """Delete an ended session's head and the registrations left behind."""
@@ -847,22 +765,26 @@ class SessionRepository:
         """Take a due will for publishing; a resuming connect can no longer cancel it."""
         expr = Expression().set("claimed_at_ms", now_ms).set("due_at_ms", retry_at_ms)
         condition = f"{expr.n('due_at_ms')} = {expr.v(will.due_at_ms)}"
-        return self._conditional("update_item", self._on(client_id, will.item, expr, condition))
+        return self.dynamo.conditional(
+            "update_item", **self._on(client_id, will.item, expr, condition)
+        )
 
     def finish_will(self, client_id: str, will: ScheduledWill, claimed_at_ms: int) -> bool:
         expr = Expression()
         condition = f"{expr.n('claimed_at_ms')} = {expr.v(claimed_at_ms)}"
-        return self._conditional("delete_item", self._on(client_id, will.item, expr, condition))
+        return self.dynamo.conditional(
+            "delete_item", **self._on(client_id, will.item, expr, condition)
+        )
 
 
 def _registration_item(client_id: str, ours: Version, sub: str, now_ms: int) -> dict[str, Any]:
     return {
-        "client_id": _av(client_id),
-        "item": _av(REG_PREFIX + ours.key),
-        "channel": _av(ours.channel),
-        "connected_at_ms": _av(ours.connected_at_ms),
-        "sub": _av(sub),
-        "registered_at_ms": _av(now_ms),
+        "client_id": attribute(client_id),
+        "item": attribute(REG_PREFIX + ours.key),
+        "channel": attribute(ours.channel),
+        "connected_at_ms": attribute(ours.connected_at_ms),
+        "sub": attribute(sub),
+        "registered_at_ms": attribute(now_ms),
     }
 
 
@@ -941,12 +863,6 @@ class RegistryStats:
                 "busy": self.busy,
                 "aborted": self.aborted,
             }
-
-
-def _backoff_s(attempt: int) -> float:
-    # full jitter: racing connects of one client id spread out instead of colliding again
-    ceiling = min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2**attempt)
-    return random.uniform(0, ceiling) / 1000
 
 
 class SessionRegistry:
@@ -1046,7 +962,7 @@ class SessionRegistry:
                 self.stats.add(attempts=attempts, busy=1)
                 raise ServerBusy("too many racing connects for this client id; retry")
             self.stats.add(retries=1)
-            self.clock.sleep(_backoff_s(attempts))
+            self.clock.sleep(backoff_s(attempts, BACKOFF_BASE_MS / 1000, BACKOFF_CAP_MS / 1000))
             view, local_max = real, real_max
         self.stats.add(connects=1, attempts=attempts)
         ended = view.head

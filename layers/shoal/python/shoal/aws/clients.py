@@ -14,6 +14,7 @@ from typing import Any
 
 import boto3
 from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
 
 #: connections a client keeps per endpoint; ``shoal dev`` runs many invocations at once
 MAX_POOL_CONNECTIONS = 64
@@ -42,6 +43,12 @@ PROFILES: dict[str, BotoConfig] = {
         max_pool_connections=MAX_POOL_CONNECTIONS,
     ),
 }
+
+
+def error_code(error: ClientError) -> str:
+    """The service's error code of an SDK error (any AWS service)."""
+    return str(error.response.get("Error", {}).get("Code", ""))
+
 
 _lock = threading.Lock()
 #: the process's one boto3 session (made on first use), and the clients made from it

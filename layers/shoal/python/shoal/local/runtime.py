@@ -275,11 +275,11 @@ class LocalRuntime:
         self._set_environment(self.aws.url)
         session = self.aws.session()
         provision(session, self.names, self.deployment)
-        from shoal import store
+        from shoal.aws import tables
 
         get_config.cache_clear()
         config = get_config()
-        store.bind(config)
+        tables.bind(config)
         for hook in START_HOOKS:
             hook(config)
 

@@ -29,7 +29,7 @@ class StorageTopicAttr(MapAttribute[str, Any]):
     partitions = NumberAttribute()
     k = NumberAttribute()
     #: the shards' starting hash keys (decimal), only when the stream's split differs from
-    #: ``shoal.streams.even_starting_keys`` (absent: the even split, as Kinesis creates it)
+    #: ``shoal.aws.kinesis.even_starting_keys`` (absent: the even split, as Kinesis creates it)
     hash_keys = ListAttribute(of=UnicodeAttribute, null=True)
 
 

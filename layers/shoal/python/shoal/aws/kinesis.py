@@ -7,15 +7,15 @@ retries exactly the records that failed.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from shoal.aws import clients
+from shoal.aws.clients import error_code
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, StreamConflict
@@ -51,7 +51,7 @@ ROUTER_MAPPING: dict[str, Any] = {
     "ParallelizationFactor": 1,
 }
 
-_THROTTLED = frozenset(
+KINESIS_THROTTLED = frozenset(
     {
         "ProvisionedThroughputExceededException",
         "LimitExceededException",
@@ -65,7 +65,7 @@ _THROTTLED = frozenset(
 
 
 def _failed(exc: ClientError) -> PutOutcome:
-    code = _code(exc) or "ClientError"
+    code = error_code(exc) or "ClientError"
     # a throttled or refused call (4xx) wrote nothing; a server error may have written it
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
     return PutOutcome(error_code=code, ambiguous=not 400 <= status < 500)
@@ -75,10 +75,6 @@ def even_starting_keys(partitions: int) -> list[int]:
     """Each shard's starting hash key when ``partitions`` shards split the hash space evenly."""
     step = HASH_SPACE // partitions
     return [i * step for i in range(partitions)]
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 @dataclass(frozen=True)
@@ -157,9 +153,9 @@ class Streams:
                 StreamModeDetails={"StreamMode": "PROVISIONED"},
             )
         except ClientError as exc:
-            if _code(exc) in _THROTTLED:
+            if error_code(exc) in KINESIS_THROTTLED:
                 raise ServerBusy("Kinesis refused to create the stream now; retry") from exc
-            if _code(exc) != "ResourceInUseException":
+            if error_code(exc) != "ResourceInUseException":
                 raise
         deadline = self.clock.now_ms() + int(wait_s * 1000)
         while True:
@@ -207,9 +203,9 @@ class Streams:
                     EventSourceArn=stream_arn, FunctionName=function_name, **ROUTER_MAPPING
                 )
             except ClientError as exc:
-                if _code(exc) in _THROTTLED:
+                if error_code(exc) in KINESIS_THROTTLED:
                     raise ServerBusy("Lambda refused the event source mapping now") from exc
-                if _code(exc) != "ResourceConflictException":
+                if error_code(exc) != "ResourceConflictException":
                     raise
             mappings = self._mappings(stream_arn, function_name)
         keep, *extra = sorted(mappings)
@@ -217,7 +213,7 @@ class Streams:
             try:
                 self.awslambda.delete_event_source_mapping(UUID=uuid)
             except ClientError as exc:
-                if _code(exc) != "ResourceNotFoundException":
+                if error_code(exc) != "ResourceNotFoundException":
                     raise
         return keep
 
@@ -242,7 +238,7 @@ class Streams:
                 ExplicitHashKey=str(record.explicit_hash_key),
             )
         except ClientError as exc:
-            logger.warning("put_record failed", extra={"stream": stream, "code": _code(exc)})
+            logger.warning("put_record failed", extra={"stream": stream, "code": error_code(exc)})
             return _failed(exc)
         except BotoCoreError as exc:
             # a timeout is ambiguous: the record may be in the stream
@@ -265,7 +261,7 @@ class Streams:
                 ],
             )
         except ClientError as exc:
-            logger.warning("put_records failed", extra={"stream": stream, "code": _code(exc)})
+            logger.warning("put_records failed", extra={"stream": stream, "code": error_code(exc)})
             return [_failed(exc) for _ in records]
         except BotoCoreError as exc:
             logger.warning("put_records failed", extra={"stream": stream, "error": type(exc)})
@@ -326,26 +322,3 @@ class Streams:
 
 #: a recovery read-back gives up (and asks the client to retry) after this many GetRecords
 _MAX_WINDOW_READS = 50
-
-T = TypeVar("T")
-
-
-class PerConfig(Generic[T]):
-    """One object per configuration: a container builds its service (clients, caches) once.
-
-    Tests that load a new configuration (``get_config.cache_clear()``) get a fresh object.
-    """
-
-    def __init__(self, factory: Callable[[Config], T]) -> None:
-        self._factory = factory
-        self._lock = threading.Lock()
-        self._held: tuple[Config, T] | None = None
-
-    def __call__(self) -> T:
-        from shoal.core.config import get_config
-
-        config = get_config()
-        with self._lock:
-            if self._held is None or self._held[0] is not config:
-                self._held = (config, self._factory(config))
-            return self._held[1]

@@ -1,0 +1,255 @@
+"""DynamoDB: the one adapter every store of Shoal goes through.
+
+It turns Python values into DynamoDB's wire form and back (whole numbers come back as ``int``,
+binary as ``bytes``), builds update and condition expressions with every attribute name
+aliased (many of Shoal's names are reserved words), and maps the SDK's errors: throttling
+becomes ``ServerBusy`` (a 503 the client retries), a failed condition becomes ``False``, a
+cancelled transaction the reason of each of its parts. Stores hold the domain's knowledge of
+keys and conditions; this module holds none.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+from boto3.dynamodb.types import Binary, TypeDeserializer, TypeSerializer
+from botocore.exceptions import ClientError
+
+from shoal.aws import clients
+from shoal.aws.clients import error_code
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.core.retry import backoff_s
+
+#: error codes that mean "too much at once, come back": answered 503 ``server_busy``
+THROTTLED = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "InternalServerError",
+    }
+)
+CONDITION_FAILED = "ConditionalCheckFailedException"
+#: a batch call's unprocessed part is sent again this many times before ``ServerBusy``
+BATCH_ATTEMPTS = 5
+#: DynamoDB's limits per call
+MAX_BATCH_GET = 100
+MAX_BATCH_WRITE = 25
+MAX_TRANSACTION = 100
+
+_serializer = TypeSerializer()
+_deserializer = TypeDeserializer()
+
+
+def plain(value: Any) -> Any:
+    """A deserialized value as Shoal uses it: Decimals as ints (Shoal stores whole numbers
+    only), Binary as bytes, recursively."""
+    if isinstance(value, Decimal):
+        return int(value)
+    if isinstance(value, Binary):
+        return value.__bytes__()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, set):
+        return {plain(v) for v in value}
+    return value
+
+
+def attribute(value: Any) -> dict[str, Any]:
+    """One value in DynamoDB's wire form (``{"S": ...}``, ``{"N": ...}``, ...)."""
+    return dict(_serializer.serialize(value))
+
+
+def to_item(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _serializer.serialize(v) for k, v in record.items()}
+
+
+def from_item(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: plain(_deserializer.deserialize(v)) for k, v in raw.items()}
+
+
+class Expression:
+    """One request's expressions, with every attribute name aliased."""
+
+    def __init__(self) -> None:
+        self.sets: list[str] = []
+        self.removes: list[str] = []
+        self.adds: list[str] = []
+        self.names: dict[str, str] = {}
+        self.values: dict[str, Any] = {}
+
+    def n(self, path: str) -> str:
+        """``a.b`` becomes ``#a.#b``."""
+        aliases = []
+        for part in path.split("."):
+            self.names[f"#{part}"] = part
+            aliases.append(f"#{part}")
+        return ".".join(aliases)
+
+    def v(self, value: Any) -> str:
+        alias = f":v{len(self.values)}"
+        self.values[alias] = attribute(value)
+        return alias
+
+    def set(self, path: str, value: Any) -> Expression:
+        return self.set_raw(path, self.v(value))
+
+    def set_raw(self, path: str, expression: str) -> Expression:
+        self.sets.append(f"{self.n(path)} = {expression}")
+        return self
+
+    def remove(self, *paths: str) -> Expression:
+        self.removes.extend(self.n(p) for p in paths)
+        return self
+
+    def add(self, path: str, value: Any) -> Expression:
+        self.adds.append(f"{self.n(path)} {self.v(value)}")
+        return self
+
+    def params(self, condition: str | None = None) -> dict[str, Any]:
+        """The request's ``UpdateExpression``, ``ConditionExpression`` and their aliases."""
+        out: dict[str, Any] = {}
+        parts = []
+        if self.sets:
+            parts.append("SET " + ", ".join(self.sets))
+        if self.removes:
+            parts.append("REMOVE " + ", ".join(self.removes))
+        if self.adds:
+            parts.append("ADD " + ", ".join(self.adds))
+        if parts:
+            out["UpdateExpression"] = " ".join(parts)
+        if condition:
+            out["ConditionExpression"] = condition
+        if self.names:
+            out["ExpressionAttributeNames"] = self.names
+        if self.values:
+            out["ExpressionAttributeValues"] = self.values
+        return out
+
+
+class Dynamo:
+    """DynamoDB calls with the SDK's errors mapped; thread-safe, one per container."""
+
+    def __init__(self, client: Any, clock: Clock | None = None) -> None:
+        self.client = client
+        self.clock = clock or SystemClock()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Dynamo:
+        return cls(clients.client("dynamodb", config.region), clock)
+
+    def call(self, operation: str, **request: Any) -> dict[str, Any]:
+        """One call; throttling is ``ServerBusy``, any other error the SDK's own."""
+        try:
+            response: dict[str, Any] = getattr(self.client, operation)(**request)
+        except ClientError as exc:
+            if error_code(exc) in THROTTLED:
+                raise ServerBusy("the store is busy; retry") from exc
+            raise
+        return response
+
+    def conditional(self, operation: str, **request: Any) -> bool:
+        """One conditional write: False when its condition did not hold."""
+        try:
+            self.call(operation, **request)
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                return False
+            raise
+        return True
+
+    def transact(self, parts: list[dict[str, Any]]) -> list[str] | None:
+        """All or nothing: None when committed, else the cancellation reason of each part
+        (``ConditionalCheckFailed``, ``TransactionConflict``, ``None`` for a part that was
+        fine)."""
+        try:
+            # the token turns the SDK's own retry of a committed transaction into a success
+            self.call(
+                "transact_write_items", TransactItems=parts, ClientRequestToken=uuid.uuid4().hex
+            )
+        except ClientError as exc:
+            if error_code(exc) == "TransactionCanceledException":
+                reasons = exc.response.get("CancellationReasons") or []
+                return [str(r.get("Code") or "None") for r in reasons] or ["Unknown"]
+            if error_code(exc) == "TransactionConflictException":
+                return ["TransactionConflict"]
+            raise
+        return None
+
+    def get(
+        self, table: str, key: Mapping[str, Any], *, consistent: bool = True, **request: Any
+    ) -> dict[str, Any] | None:
+        raw = self.call(
+            "get_item", TableName=table, Key=to_item(key), ConsistentRead=consistent, **request
+        )
+        return from_item(raw["Item"]) if "Item" in raw else None
+
+    def query(self, table: str, **request: Any) -> list[dict[str, Any]]:
+        """Every page (bounded by ``Limit`` when given: then one page)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            page = self.call("query", TableName=table, **request)
+            out += [from_item(i) for i in page.get("Items", [])]
+            if "Limit" in request or "LastEvaluatedKey" not in page:
+                return out
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    def scan(self, table: str, **request: Any) -> list[dict[str, Any]]:
+        """Every page of a scan (for the few small tables that are read whole)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            page = self.call("scan", TableName=table, **request)
+            out += [from_item(i) for i in page.get("Items", [])]
+            if "LastEvaluatedKey" not in page:
+                return out
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    def batch_get(
+        self, table: str, keys: Sequence[Mapping[str, Any]], *, consistent: bool = True
+    ) -> list[dict[str, Any]]:
+        """Every item of ``keys`` that exists, 100 keys a call, unprocessed keys asked again."""
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(keys), MAX_BATCH_GET):
+            request: dict[str, Any] = {
+                table: {
+                    "Keys": [to_item(k) for k in keys[start : start + MAX_BATCH_GET]],
+                    "ConsistentRead": consistent,
+                }
+            }
+            for attempt in range(BATCH_ATTEMPTS):
+                response = self.call("batch_get_item", RequestItems=request)
+                out += [from_item(i) for i in response.get("Responses", {}).get(table, [])]
+                request = response.get("UnprocessedKeys") or {}
+                if not request:
+                    break
+                self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
+            else:
+                raise ServerBusy("the store did not answer every read; retry")
+        return out
+
+    def batch_put(self, table: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Put every record (25 a call); unprocessed ones again, then ``ServerBusy``."""
+        self.batch_write(table, [{"PutRequest": {"Item": to_item(r)}} for r in records])
+
+    def batch_delete(self, table: str, keys: Sequence[Mapping[str, Any]]) -> None:
+        self.batch_write(table, [{"DeleteRequest": {"Key": to_item(k)}} for k in keys])
+
+    def batch_write(self, table: str, requests: Sequence[Mapping[str, Any]]) -> None:
+        for start in range(0, len(requests), MAX_BATCH_WRITE):
+            pending: dict[str, Any] = {table: list(requests[start : start + MAX_BATCH_WRITE])}
+            for attempt in range(BATCH_ATTEMPTS):
+                response = self.call("batch_write_item", RequestItems=pending)
+                pending = response.get("UnprocessedItems") or {}
+                if not pending:
+                    break
+                # throttled: back off (DynamoDB's own advice for unprocessed items)
+                self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
+            else:
+                raise ServerBusy("the store did not take every write; retry")

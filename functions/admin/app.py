@@ -4,11 +4,15 @@ from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from pydantic import BaseModel, ConfigDict
-from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
 from shoal.composite import TopicService
+from shoal.http.body import parse_body
+from shoal.http.caller import admin_only
+from shoal.http.resolver import json_response, lambda_handler, make_resolver
 from shoal.wiring import PerConfig
 
 app = make_resolver()
+# every route needs the shoal:admin claim, checked before the request is looked at
+app.use(middlewares=[admin_only])
 service = PerConfig(TopicService.from_config)
 
 
@@ -32,33 +36,28 @@ class NoBody(BaseModel):
 
 @app.post("/v1/topics")
 def create_topic() -> Response[str]:
-    principal(app).require_admin()
     body = parse_body(app, CreateTopic)
     return json_response(201, service().create(body.name, body.partitions).document())
 
 
 @app.get("/v1/topics")
 def list_topics() -> dict[str, Any]:
-    principal(app).require_admin()
     return {"topics": [t.document() for t in service().list()]}
 
 
 @app.get("/v1/topics/<name>")
 def get_topic(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     return service().get(name).document()
 
 
 @app.post("/v1/topics/<name>/storage-topics")
 def add_storage_topic(name: str) -> Response[str]:
-    principal(app).require_admin()
     body = parse_body(app, AddStorageTopic)
     return json_response(201, service().add_storage_topic(name, body.partitions).document())
 
 
 @app.post("/v1/topics/<name>/switch-produce")
 def switch_produce(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     parse_body(app, NoBody)
     return service().switch_produce(name).document()
 

@@ -1,7 +1,7 @@
 """GET /v1/health, and API Gateway's $default route: a coded 404 for any unknown route."""
 
 from shoal import __version__
-from shoal.api import lambda_handler, make_resolver
+from shoal.http.resolver import lambda_handler, make_resolver
 
 app = make_resolver()
 

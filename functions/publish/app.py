@@ -3,7 +3,9 @@
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
-from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
+from shoal.http.body import parse_body
+from shoal.http.caller import principal
+from shoal.http.resolver import json_response, lambda_handler, make_resolver
 from shoal.publishing import BatchRequest, PublishRequest, PublishService
 from shoal.wiring import PerConfig
 

@@ -3,56 +3,53 @@
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
-from shoal.api import json_response, lambda_handler, make_resolver, parse_body, principal
+from shoal.http.body import parse_body
+from shoal.http.caller import admin_only
+from shoal.http.resolver import json_response, lambda_handler, make_resolver
 from shoal.push import CreateRequest
 from shoal.push_admin import PushAdmin, RedriveRequest, SeekRequest, UpdateRequest
 from shoal.wiring import PerConfig
 
 app = make_resolver()
+# every route needs the shoal:admin claim, checked before the request is looked at
+app.use(middlewares=[admin_only])
 service = PerConfig(PushAdmin.from_config)
 
 
 @app.post("/v1/subscriptions")
 def create_subscription() -> Response[str]:
-    principal(app).require_admin()
     return json_response(201, service().create(parse_body(app, CreateRequest)))
 
 
 @app.get("/v1/subscriptions/<name>")
 def get_subscription(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     return service().describe(name)
 
 
 @app.patch("/v1/subscriptions/<name>")
 def update_subscription(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     return service().update(name, parse_body(app, UpdateRequest))
 
 
 @app.delete("/v1/subscriptions/<name>")
 def delete_subscription(name: str) -> Response[str]:
-    principal(app).require_admin()
     service().delete(name)
     return Response(status_code=204, body="")
 
 
 @app.post("/v1/subscriptions/<name>/seek")
 def seek(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     return service().seek(name, parse_body(app, SeekRequest))
 
 
 @app.get("/v1/subscriptions/<name>/dlq")
 def dead_letters(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     query = app.current_event.query_string_parameters or {}
     return service().dead_letters(name, query.get("limit"), query.get("after"))
 
 
 @app.post("/v1/subscriptions/<name>/dlq/redrive")
 def redrive(name: str) -> dict[str, Any]:
-    principal(app).require_admin()
     return service().redrive(name, parse_body(app, RedriveRequest))
 
 

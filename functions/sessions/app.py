@@ -6,8 +6,10 @@ from functools import cache
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
-from shoal.api import lambda_handler, make_resolver, owner_first, parse_body, session_call
 from shoal.core.config import get_config
+from shoal.http.body import parse_body
+from shoal.http.caller import owner_first, session_call
+from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.sessions import ConnectRequest, SessionRegistry
 
 app = make_resolver()

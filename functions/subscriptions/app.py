@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.api import lambda_handler, make_resolver, owner_first, parse_body, session_call
 from shoal.delivery import SubscribeRequest, SubscriptionService, UnsubscribeRequest
+from shoal.http.body import parse_body
+from shoal.http.caller import owner_first, session_call
+from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.wiring import PerConfig
 
 app = make_resolver()

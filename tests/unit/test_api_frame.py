@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict
-from shoal.api import MAX_JSON_DEPTH, lambda_handler, make_resolver, parse_body, principal
 from shoal.core.errors import ServerBusy, TopicNotFound
+from shoal.http.body import MAX_JSON_DEPTH, parse_body
+from shoal.http.caller import principal
+from shoal.http.resolver import lambda_handler, make_resolver
 
 from tests.helpers import FakeContext, binary_body, http_event, response_json
 

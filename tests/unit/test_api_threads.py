@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from shoal.api import lambda_handler, make_resolver
+from shoal.http.resolver import lambda_handler, make_resolver
 
 from tests.helpers import FakeContext, http_event, response_json
 

@@ -1824,15 +1824,6 @@ def _drop_reason(found: _Found, now: int) -> str:
 # --- for handlers --------------------------------------------------------------------------------
 
 
-def query_int(raw: str | None, name: str, default: int) -> int:
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise BadRequest(f"{name} must be an integer", field=name) from exc
-
-
 __all__ = [
     "AckRequest",
     "DeliveryService",

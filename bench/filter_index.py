@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import shoal.topics.filters as topics
 from paho.mqtt.matcher import MQTTMatcher
-from shoal.topics import filters as topics
 from shoal.topics.index import FilterIndex
 
 SITES = 50

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from shoal.core.retry import backoff_s
+
 from bench.account import emulated_account
 
 LEASE_TIMEOUTS_S = (5.0, 15.0)
@@ -94,8 +96,6 @@ class _Group:
         return {self.text: {"qos": 1, "share": self.share, "group": self.incarnation}}
 
     def join(self, member: str) -> None:
-        from shoal.groups import _backoff_s
-
         for attempt in range(64):
             plan = self.service.membership(f"c-{member}", member, joins=[self.text])
             reasons = self.store.dynamo.transact(plan.parts)
@@ -105,7 +105,7 @@ class _Group:
             if reasons is None:
                 self.incarnation = plan.incarnations[self.text]
                 return
-            time.sleep(_backoff_s(attempt))
+            time.sleep(backoff_s(attempt, 0.005, 0.2))
         raise RuntimeError("join did not land")
 
     def publish(self, sources: int, per_source: int) -> int:

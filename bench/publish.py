@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.aws import clients
 from shoal.aws.kinesis import Streams
 from shoal.aws.tables import PublisherModel, RetainedModel, TopicModel
-from shoal.composite import TopicService
+from shoal.composite.service import TopicService
+from shoal.composite.store import TopicStore
 from shoal.core.clock import SystemClock
 from shoal.core.config import get_config
 from shoal.local.context import LambdaContext
@@ -110,8 +112,8 @@ def _scenario(
         "dynamodb_capacity_units_per_message_reported": round(meter.capacity / messages, 3),
     }
     if eo:
-        raw = PublisherModel._get_connection().connection.client.get_item(
-            TableName=PublisherModel.Meta.table_name,
+        raw = clients.client("dynamodb", get_config().region).get_item(
+            TableName=get_config().table("publishers"),
             Key={"key": {"S": f"{len(CLAIMS['sub'])}:{CLAIMS['sub']}:{name}"}},
             ConsistentRead=True,
         )["Item"]
@@ -128,8 +130,9 @@ def run() -> dict[str, Any]:
     with emulated_account(default_partitions=4):
         config = get_config()
         streams = Streams.from_config(config)
-        TopicService(config, streams, SystemClock()).ensure("default", 4)
-        TopicService(config, streams, SystemClock(), effective_delay_ms=0).create("bench", 8)
+        store = TopicStore.from_config(config)
+        TopicService(config, store, streams, SystemClock()).ensure("default", 4)
+        TopicService(config, store, streams, SystemClock(), effective_delay_ms=0).create("bench", 8)
 
         import functions.publish.app as publish_app
 

@@ -33,7 +33,9 @@ from unittest import mock
 import boto3
 from shoal.aws.kinesis import Streams
 from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
-from shoal.composite import TopicDirectory, ensure_default_topic
+from shoal.composite.directory import TopicDirectory
+from shoal.composite.service import TopicService, ensure_default_topic
+from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, ManualClock, SystemClock
 from shoal.core.config import get_config
@@ -49,7 +51,7 @@ from bench.account import CallMeter, emulated_account
 PUBLISHER = Principal.from_claims({"sub": "bench", "shoal:publish": "[#]"})
 KEYS = [f"key-{n}" for n in range(50)]
 PARALLELISM = (1, 4, 10)
-LATENCY_POLICY = {"initial_backoff_s": 0.5, "max_backoff_s": 4, "multiplier": 2}
+LATENCY_POLICY: dict[str, Any] = {"initial_backoff_s": 0.5, "max_backoff_s": 4, "multiplier": 2}
 FAILED_ATTEMPTS = 3
 
 
@@ -108,8 +110,9 @@ class Pipeline:
         self.clock = clock
         self.config = get_config()
         self.streams = Streams(session.client("kinesis"), session.client("lambda"), clock)
-        ensure_default_topic(self.config, partitions=1, clock=clock, streams=self.streams)
-        self.publisher = PublishService(self.streams, TopicDirectory(clock), clock)
+        store = TopicStore.from_config(self.config)
+        ensure_default_topic(TopicService(self.config, store, self.streams, clock), 1)
+        self.publisher = PublishService(self.streams, TopicDirectory(store, clock), clock)
         self.queues = Queues(self.streams, clock)
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(

@@ -4,16 +4,15 @@ from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from pydantic import BaseModel, ConfigDict
-from shoal.composite import TopicService
 from shoal.http.body import parse_body
 from shoal.http.caller import admin_only
 from shoal.http.resolver import json_response, lambda_handler, make_resolver
-from shoal.wiring import PerConfig
+from shoal.wiring import PerConfig, topic_service
 
 app = make_resolver()
 # every route needs the shoal:admin claim, checked before the request is looked at
 app.use(middlewares=[admin_only])
-service = PerConfig(TopicService.from_config)
+service = PerConfig(topic_service)
 
 
 class CreateTopic(BaseModel):

@@ -8,8 +8,14 @@ streams: they hold messages, and the tables that describe them may be retained t
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from shoal.composite import DEFAULT_TOPIC, ensure_default_topic
+from shoal.composite.model import DEFAULT_TOPIC
+from shoal.composite.service import ensure_default_topic
+from shoal.core.config import get_config
 from shoal.core.observability import logger
+from shoal.wiring import topic_service
+
+#: the bootstrap may wait for a new stream as long as its function's timeout allows
+STREAM_WAIT_S = 240.0
 
 
 @logger.inject_lambda_context(clear_state=True)
@@ -19,7 +25,8 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         return {"PhysicalResourceId": physical}
     # custom resource properties arrive as strings
     partitions = (event.get("ResourceProperties") or {}).get("DefaultPartitions")
-    topic = ensure_default_topic(partitions=int(partitions) if partitions else None)
+    service = topic_service(get_config(), stream_wait_s=STREAM_WAIT_S)
+    topic = ensure_default_topic(service, int(partitions) if partitions else None)
     return {
         "PhysicalResourceId": physical,
         "Data": {

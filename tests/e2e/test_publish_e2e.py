@@ -9,7 +9,7 @@ from typing import Any
 
 import boto3
 import pytest
-from shoal.composite import route, stable_hash
+from shoal.composite.model import route, stable_hash
 from shoal.records import Message, decode_record
 
 from tests.e2e.conftest import DevServer

@@ -269,7 +269,7 @@ def test_a_long_poll_returns_what_arrives_while_it_waits(world: World) -> None:
         if not routed:
             routed.append(world.route())
 
-    world.clock.sleep = sleep
+    world.clock.sleep = sleep  # type: ignore[method-assign]
     started = world.clock.now_ms()
     got = world.get(CLIENT, channel, wait_ms=5000)
     assert texts(got) == ["late"]

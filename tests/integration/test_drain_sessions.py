@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import boto3
 import pytest
-from shoal.composite import StorageTopic
+from shoal.composite.model import StorageTopic
 from shoal.delivery import source_id
 from shoal.records import is_seal
 

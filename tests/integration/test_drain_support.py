@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.aws.dynamo import Dynamo
-from shoal.composite import scan_topics
 from shoal.core.config import get_config
 from shoal.drain import DrainStore, DrainView, GroupGate, RouterDrain, Sealer, SessionGate
 from shoal.local.esm import event_of
@@ -95,7 +94,11 @@ class Drain:
             )
             groups.drain = self.group_gate
         self.sealer = Sealer(
-            world.harness.streams, self.store, scan_topics, world.clock, grace_ms=GRACE_MS
+            world.harness.streams,
+            self.store,
+            world.harness.store.scan,
+            world.clock,
+            grace_ms=GRACE_MS,
         )
 
 

@@ -101,6 +101,12 @@ def groups(aws: boto3.Session) -> Groups:
     return Groups(clock, store, service, InboxStore(dynamo, config.table("inboxes")))
 
 
+def source_of(delivery_id: str) -> str:
+    parsed = parse_delivery_id(delivery_id)
+    assert parsed is not None
+    return parsed.source
+
+
 def test_the_first_join_creates_the_group_and_later_joins_add_members(groups: Groups) -> None:
     # Given no group
     # When two members join
@@ -195,8 +201,8 @@ def test_a_join_hands_a_stream_over_only_after_the_holders_final_ack(groups: Gro
     groups.publish(inc, "src1", 1)
     groups.publish(inc, "src2", 1)
     got = groups.service.get("a", groups.subs(inc), 10)
-    src1 = [m for m in got if parse_delivery_id(m["id"]).source == "src1"]
-    src2 = [m for m in got if parse_delivery_id(m["id"]).source == "src2"]
+    src1 = [m for m in got if source_of(m["id"]) == "src1"]
+    src2 = [m for m in got if source_of(m["id"]) == "src2"]
     assert groups.service.ack("a", groups.subs(inc), [m["id"] for m in src1]) == 1
     # When b joins and the leader advances
     groups.join("b")

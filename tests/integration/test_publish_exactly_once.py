@@ -193,7 +193,7 @@ def test_a_crash_at_any_step_neither_loses_nor_doubles_the_message(
     status, body = harness.publisher().publish(ALICE, request(1, retain=True))
     # Then the log holds the message exactly once, under the one id, and it is retained
     assert stored(harness) == [(body["message_id"], 1)]
-    assert RetainedStore().get("orders/1").message_id == body["message_id"]
+    assert getattr(RetainedStore().get("orders/1"), "message_id", None) == body["message_id"]
     assert pending(harness) == {}
     # And the answer is "created" only if nothing was recorded before the crash
     assert (status, body["duplicate"]) == (

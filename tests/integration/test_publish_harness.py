@@ -14,12 +14,17 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.aws.tables import TABLES
-from shoal.composite import CompositeTopic, TopicDirectory, TopicService, ensure_default_topic
+from shoal.composite.directory import TopicDirectory
+from shoal.composite.model import CompositeTopic
+from shoal.composite.service import TopicService, ensure_default_topic
+from shoal.composite.store import TopicStore
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.publishing import PublishService
+from shoal.push_admin import TapHooks
 from shoal.records import Message, decode_record
 
 from tests.helpers import FakeContext, http_event, response_json
@@ -39,17 +44,29 @@ class Harness:
         self.clock = ManualClock(SystemClock().now_ms())
         self.config = get_config()
         self.streams = Streams(session.client("kinesis"), session.client("lambda"), self.clock)
-        self.topics = TopicService(self.config, self.streams, self.clock)
+        self.store = TopicStore(Dynamo(session.client("dynamodb")), self.config.table("topics"))
+        self.topics = TopicService(
+            self.config,
+            self.store,
+            self.streams,
+            self.clock,
+            hooks=TapHooks(self.config, self.streams, self.clock),
+        )
         self.publish = self.publisher()
 
     def publisher(self, streams: Streams | None = None) -> PublishService:
         """A publish service as a fresh container has it (empty caches)."""
-        return PublishService(streams or self.streams, TopicDirectory(self.clock), self.clock)
+        directory = TopicDirectory(self.store, self.clock)
+        return PublishService(streams or self.streams, directory, self.clock)
+
+    def topic(self, name: str) -> CompositeTopic:
+        """The topic as stored (it must exist)."""
+        topic = self.store.load(name)
+        assert topic is not None, name
+        return topic
 
     def default(self, partitions: int = 1) -> CompositeTopic:
-        return ensure_default_topic(
-            self.config, partitions=partitions, clock=self.clock, streams=self.streams
-        )
+        return ensure_default_topic(self.topics, partitions)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Make the admin and publish handlers use these services."""

@@ -12,7 +12,6 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.composite import scan_topics
 from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
 from shoal.push_admin import UpdateRequest
 
@@ -27,7 +26,7 @@ class Drain:
     def __init__(self, h: PushHarness) -> None:
         self.store = DrainStore(Dynamo(h.session.client("dynamodb")), h.config.table("inboxes"))
         h.consumer.gate = PushGate(self.store, h.clock, h.config.stream_prefix)
-        self.sealer = Sealer(h.streams, self.store, scan_topics, h.clock, grace_ms=GRACE_MS)
+        self.sealer = Sealer(h.streams, self.store, h.store.scan, h.clock, grace_ms=GRACE_MS)
 
 
 @pytest.fixture
@@ -168,7 +167,7 @@ def refit_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(*_args: Any) -> None:
         raise RuntimeError("crashed before the refit")
 
-    monkeypatch.setattr("shoal.push_admin.refit_storage_topics", crash)
+    monkeypatch.setattr("shoal.push_admin.TapHooks.produce_switched", crash)
 
 
 def passed(h: PushHarness, drain: Drain, stream: str = T0) -> frozenset[str]:

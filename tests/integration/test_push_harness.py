@@ -14,14 +14,17 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
-from shoal.composite import TopicDirectory, TopicService, ensure_default_topic
+from shoal.composite.directory import TopicDirectory
+from shoal.composite.service import TopicService, ensure_default_topic
+from shoal.composite.store import TopicStore
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
-from shoal.push_admin import PushAdmin
+from shoal.push_admin import PushAdmin, TapHooks
 from shoal.push_delivery import PushConsumer
 from shoal.push_store import GroupStore, Queues, SubscriptionStore
 
@@ -56,11 +59,19 @@ class PushHarness:
         monkeypatch.setattr("moto.kinesis.models.utcnow", moto_now)
         self.config = get_config()
         self.streams = Streams(session.client("kinesis"), session.client("lambda"), self.clock)
-        self.topics = TopicService(self.config, self.streams, self.clock, effective_delay_ms=0)
-        ensure_default_topic(
-            self.config, partitions=partitions, clock=self.clock, streams=self.streams
+        self.store = TopicStore(Dynamo(session.client("dynamodb")), self.config.table("topics"))
+        self.topics = TopicService(
+            self.config,
+            self.store,
+            self.streams,
+            self.clock,
+            hooks=TapHooks(self.config, self.streams, self.clock),
+            effective_delay_ms=0,
         )
-        self.publisher = PublishService(self.streams, TopicDirectory(self.clock), self.clock)
+        ensure_default_topic(self.topics, partitions)
+        self.publisher = PublishService(
+            self.streams, TopicDirectory(self.store, self.clock), self.clock
+        )
         self.endpoint = FakeEndpoint()
         self.queues = Queues(self.streams, self.clock)
         self.admin = PushAdmin(

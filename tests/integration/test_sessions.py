@@ -70,7 +70,9 @@ def test_takeover_keeps_the_session_and_its_subscriptions(sessions: Sessions) ->
     # Given a session with subscriptions
     first = sessions.connected(CLIENT, clean_start=False, session_expiry_s=300)
     sessions.give_session(CLIENT, first, {"devices/+/temp": {"qos": 1}})
-    session_id = sessions.view(CLIENT).head.session_id
+    head = sessions.view(CLIENT).head
+    assert head is not None
+    session_id = head.session_id
     # When a new channel takes it over
     sessions.clock.advance(1)
     second = sessions.connected(CLIENT, clean_start=False, session_expiry_s=300)
@@ -259,7 +261,8 @@ def test_heartbeat_refreshes_the_keepalive(sessions: Sessions) -> None:
     calls = DynamoCalls(sessions.repository.dynamo.client)
     assert sessions.heartbeat(CLIENT, channel) == (200, {"leases": []})
     assert calls.take() == ["UpdateItem"]
-    assert sessions.view(CLIENT).head.last_seen_ms == sessions.clock.now_ms()
+    head = sessions.view(CLIENT).head
+    assert head is not None and head.last_seen_ms == sessions.clock.now_ms()
 
 
 def test_stale_channel_is_taken_over_and_changes_nothing(sessions: Sessions) -> None:

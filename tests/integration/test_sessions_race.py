@@ -112,7 +112,9 @@ def test_racing_connects_leave_exactly_the_newest(
         client_id, clean_start=False, session_expiry_s=600, connected_at_ms=now - 60_000
     )
     sessions.give_session(client_id, first, {"devices/#": {"qos": 1}})
-    session_id = sessions.view(client_id).head.session_id
+    head = sessions.view(client_id).head
+    assert head is not None
+    session_id = head.session_id
 
     # When 32 racers connect it at once, each with a distinct, newer version
     outcomes = storm(sessions, environments, client_id, now - 30_000)

@@ -9,7 +9,6 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.kinesis import HASH_SPACE, ROUTER_MAPPING, StreamInfo, even_starting_keys
-from shoal.composite import load_topic
 
 from tests.helpers import load_event
 from tests.integration.test_publish_harness import ALICE, Crash, Harness, admin_call, call
@@ -96,7 +95,7 @@ def test_switch_produce_moves_one_step_and_never_past_the_last(harness: Harness)
     status, body = admin_call("POST", "/v1/topics/orders/switch-produce")
     assert status == 409
     assert body["error"]["code"] == "no_next_storage_topic"
-    assert load_topic("orders").produce_pointer == 1
+    assert harness.topic("orders").produce_pointer == 1
 
 
 def test_a_switch_returns_only_once_it_is_in_effect(harness: Harness) -> None:
@@ -106,9 +105,9 @@ def test_a_switch_returns_only_once_it_is_in_effect(harness: Harness) -> None:
     # When produce is switched
     admin_call("POST", "/v1/topics/orders/switch-produce")
     # Then by the time the call returned, every publisher routes to the new storage topic
-    topic = load_topic("orders")
-    assert topic is not None
-    assert topic.producing(harness.clock.now_ms()).index == 1
+    topic = harness.topic("orders")
+    producing = topic.producing(harness.clock.now_ms())
+    assert producing is not None and producing.index == 1
 
 
 def test_creating_an_existing_topic_is_a_conflict(harness: Harness) -> None:
@@ -265,7 +264,7 @@ def test_an_uneven_stream_split_is_recorded(
     monkeypatch.setattr(harness.streams, "ensure_stream", uneven)
     admin_call("POST", "/v1/topics", {"name": "orders", "partitions": 4})
     # Then the topic routes to the stream's own starting keys
-    storage = load_topic("orders").storage_topics[0]
+    storage = harness.topic("orders").storage_topics[0]
     assert storage.starting_key(1) == even_starting_keys(4)[1] + 1
 
 
@@ -285,7 +284,7 @@ def test_concurrent_admins_never_corrupt_a_topic(harness: Harness) -> None:
         t.join()
     # Then every answer is a success or a coded conflict, and the topic is consistent
     assert all(status in (201, 409) for status, _ in results)
-    topic = load_topic("orders")
+    topic = harness.topic("orders")
     assert topic is not None and topic.pending is None
     assert [s.index for s in topic.storage_topics] == list(range(len(topic.storage_topics)))
     assert all(len(harness.shards(s.stream)) == s.partitions for s in topic.storage_topics)
@@ -308,7 +307,7 @@ def test_concurrent_switches_move_one_step_each(harness: Harness) -> None:
         t.join()
     # three steps were possible: three switches succeed, the fourth finds no next
     assert sorted(results) == [200, 200, 200, 409]
-    assert load_topic("orders").produce_pointer == 3
+    assert harness.topic("orders").produce_pointer == 3
 
 
 def test_the_sample_events_create_and_grow_a_topic(harness: Harness) -> None:

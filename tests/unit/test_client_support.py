@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
+import shoal.topics.filters as topics
 from requests.adapters import BaseAdapter
-from shoal.topics import filters as topics
 
 
 class Crash(BaseException):

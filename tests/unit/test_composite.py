@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from shoal.aws.kinesis import HASH_SPACE, even_starting_keys
-from shoal.composite import (
+from shoal.composite.model import (
     MAX_PARTITIONS,
     CompositeTopic,
     StorageTopic,
@@ -17,7 +17,6 @@ from shoal.composite import (
     next_k,
     route,
     stable_hash,
-    subscription_shard,
     validate_partitions,
     validate_topic_name,
 )
@@ -82,7 +81,7 @@ def test_stable_hash_is_pinned() -> None:
 
 def test_stable_hash_does_not_depend_on_the_process() -> None:
     # Given another interpreter with another hash seed
-    code = "from shoal.composite import stable_hash; print(stable_hash('sensor-42'))"
+    code = "from shoal.composite.model import stable_hash; print(stable_hash('sensor-42'))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={"PYTHONHASHSEED": "12345"},
@@ -121,7 +120,8 @@ def test_a_key_keeps_its_subscription_shard_as_partitions_grow_by_k(
         previous = StorageTopic(len(topics), "s", partitions, next_k(previous, partitions))
         topics.append(previous)
     # When a key is routed in each
-    placed = {subscription_shard(route(h, t.partitions, t.k), t.partitions, shards) for t in topics}
+    # (a subscription shard of S reads the partitions j with j // (P / S) equal to it)
+    placed = {route(h, t.partitions, t.k) // (t.partitions // shards) for t in topics}
     # Then it lands in the same subscription shard in every one
     assert len(placed) == 1
     assert all(t.k * base == t.partitions for t in topics)
@@ -167,14 +167,16 @@ def test_a_switch_takes_effect_at_its_instant() -> None:
     # Given a switch to storage topic 1 effective at t=100
     topic = _topic(1, 100)
     # Then publishes before use storage topic 0 and publishes from t=100 on use 1
-    assert topic.producing(99).index == 0
-    assert topic.producing(100).index == 1
+    before, after = topic.producing(99), topic.producing(100)
+    assert before is not None and before.index == 0
+    assert after is not None and after.index == 1
 
 
 def test_a_new_topic_is_invisible_until_effective() -> None:
     topic = _topic(0, 100, count=1)
     assert topic.producing(99) is None
-    assert topic.producing(100).index == 0
+    first = topic.producing(100)
+    assert first is not None and first.index == 0
 
 
 def test_a_topic_still_being_created_produces_nowhere() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.aws.kinesis import OutRecord, PutOutcome
-from shoal.composite import CompositeTopic, StorageTopic
+from shoal.composite.model import CompositeTopic, StorageTopic
 from shoal.core.clock import ManualClock
 from shoal.delivery import DeliveryState, InboxItem
 from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms, storage_of
@@ -78,7 +78,7 @@ class FakeStore:
 def test_the_view_caches_drained_forever_and_asks_again_for_not_yet() -> None:
     # Given a storage topic not drained yet
     store, clock = FakeStore(), ManualClock(0)
-    view = DrainView(store, clock)
+    view = DrainView(store, clock)  # type: ignore[arg-type]
     assert view.sealed_shards("s") is None
     # Then a second question within RECHECK_MS reads nothing
     assert view.sealed_shards("s") is None
@@ -125,7 +125,8 @@ def sealer_of(
     topics: list[CompositeTopic], streams: FakeStreams, clock: ManualClock
 ) -> tuple[Sealer, FakeStore]:
     store = FakeStore()
-    return Sealer(streams, store, lambda: topics, clock, grace_ms=GRACE), store
+    sealer = Sealer(streams, store, lambda: topics, clock, grace_ms=GRACE)  # type: ignore[arg-type]
+    return sealer, store
 
 
 def test_the_sealer_puts_one_seal_per_open_shard_at_its_starting_key_then_marks() -> None:

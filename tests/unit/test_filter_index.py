@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import shoal.topics.filters as topics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 from shoal.core.errors import InvalidFilter
-from shoal.topics import filters as topics
 from shoal.topics.index import FilterIndex
 
 # Few distinct level names, so that random filters and topics overlap often; '' and '$x' keep

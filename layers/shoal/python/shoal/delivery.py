@@ -94,7 +94,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from shoal.aws import clients, tables
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.aws.tables import RetainedModel, TopicModel
-from shoal.composite import DEFAULT_TOPIC, is_valid_topic_name
+from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -1676,7 +1676,7 @@ class DeliveryService:
         if found.item.expires_at and found.item.expires_at * 1000 <= now:
             return False
         option = head.subscriptions.get(message.subscription)
-        return bool(option) and option.get("sid") == message.sid
+        return option is not None and option.get("sid") == message.sid
 
     def _scan(self, session_id: str, state: DeliveryState) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order.

@@ -40,12 +40,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shoal.aws.dynamo import Dynamo, to_item
-from shoal.composite import (
+from shoal.composite.model import (
     EFFECTIVE_DELAY_MS,
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
     stream_name,
 )
+from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.observability import logger
@@ -254,11 +255,13 @@ class Sealer:
     def from_config(cls, config: Config, clock: Clock | None = None) -> Sealer:
         from shoal.aws import tables
         from shoal.aws.kinesis import Streams
-        from shoal.composite import scan_topics
 
         tables.bind(config)
         return cls(
-            Streams.from_config(config, clock), DrainStore.from_config(config), scan_topics, clock
+            Streams.from_config(config, clock),
+            DrainStore.from_config(config),
+            TopicStore.from_config(config).scan,
+            clock,
         )
 
     def run(self) -> int:

@@ -295,10 +295,10 @@ class Fanout:
         if ledger and ledger >= first:
             # this batch, or part of it, may have been written before
             report.retried = True
-            for session_id, messages in deliveries.items():
+            for session_id, written in deliveries.items():
                 covered = self.inbox.covered(session_id, source, end)
-                kept = [m for m in messages if m.position > covered]
-                report.already_written += len(messages) - len(kept)
+                kept = [m for m in written if m.position > covered]
+                report.already_written += len(written) - len(kept)
                 deliveries[session_id] = kept
         if not ledger or ledger < last:
             self.inbox.advance_ledger(source, last)

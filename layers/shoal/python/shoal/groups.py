@@ -687,13 +687,13 @@ class GroupStore:
         }
         streams: dict[str, StreamLease] = {}
         for source, x in json.loads(leader.get("st") or "{}").items():
-            fence = fences.get(source)
+            held = fences.get(source)
             streams[source] = StreamLease(
                 holder=x.get("h"),
                 lease=int(x["l"]),
                 state=StreamState(x["s"]),
                 since_ms=int(x.get("t", 0)),
-                in_flight=fence.in_flight if fence is not None else 0,
+                in_flight=held.in_flight if held is not None else 0,
             )
         state = GroupState(
             share=str(leader["share"]),

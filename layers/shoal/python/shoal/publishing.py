@@ -75,13 +75,9 @@ from shoal.aws.kinesis import (
     Streams,
 )
 from shoal.aws.tables import PublisherModel, RetainedModel
-from shoal.composite import (
-    DEFAULT_TOPIC,
-    Destination,
-    StorageTopic,
-    TopicDirectory,
-    is_valid_topic_name,
-)
+from shoal.composite.directory import TopicDirectory
+from shoal.composite.model import DEFAULT_TOPIC, Destination, StorageTopic, is_valid_topic_name
+from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -506,7 +502,7 @@ class PublishService:
         clock = clock or SystemClock()
         return cls(
             Streams.from_config(config, clock),
-            TopicDirectory(clock),
+            TopicDirectory(TopicStore.from_config(config), clock),
             clock,
             crash=CrashPoint.from_config(config, "publish"),
         )

@@ -11,13 +11,14 @@ item last; a crash anywhere leaves a ``deleting`` subscription that repeating th
 finishes.
 
 A storage topic added to the composite topic later is followed without a PATCH: completing it
-(``shoal.composite``) calls ``follow_storage_topic``, which adds it to every subscription of
+(``shoal.composite``) calls ``TapHooks.storage_topic_added``, which adds it to every
+subscription of
 the topic and places its tap, before the storage topic becomes part of the topic.
 
 A tap runs as many lanes per shard as its most parallel member asks, except the tap of a
 storage topic behind the produce pointer, which runs one (``tap_lanes``: only a single-lane tap
 passes the ordered drain's seals, ``shoal.push_delivery``). SwitchProduce refits the taps it
-leaves behind (``refit_storage_topics``); if that fails after the switch, the seals wait (late,
+leaves behind (``TapHooks.produce_switched``); if that fails after the switch, the seals wait (late,
 never out of order) until a PATCH of any subscription of the topic refits its taps.
 
 Seek: a subscription's MQ position moves to a time, to the earliest record or to the latest.
@@ -50,13 +51,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from shoal.aws.kinesis import Streams
-from shoal.composite import (
-    DEFAULT_TOPIC,
-    CompositeTopic,
-    StorageTopic,
-    is_valid_topic_name,
-    load_topic,
-)
+from shoal.composite.model import DEFAULT_TOPIC, CompositeTopic, StorageTopic, is_valid_topic_name
+from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import (
@@ -211,8 +207,10 @@ class PushAdmin:
         clock: Clock | None = None,
         endpoints: EndpointPolicy | None = None,
         stream_wait_s: float = 20.0,
+        topics: TopicStore | None = None,
     ) -> None:
         self.config = config
+        self.topics = topics or TopicStore.from_config(config)
         self.prefix = config.stream_prefix
         self.subscriptions = subscriptions
         self.groups = groups
@@ -280,7 +278,7 @@ class PushAdmin:
             literal = level not in (SINGLE_LEVEL, MULTI_LEVEL) and is_valid_topic_name(level)
             candidates = [level, DEFAULT_TOPIC] if literal else [DEFAULT_TOPIC]
         for candidate in candidates:
-            topic = load_topic(candidate)
+            topic = self.topics.load(candidate)
             if topic is not None and topic.created:
                 return topic
         raise TopicNotFound(f"no composite topic {candidates[0]} to read")
@@ -337,7 +335,7 @@ class PushAdmin:
                 for uuid in existing:
                     self.queues.delete_mapping(uuid)
                 return
-            topic = load_topic(tap.topic) if tap.topic else None
+            topic = self.topics.load(tap.topic) if tap.topic else None
             lanes = tap_lanes(
                 [s.parallelism for s in live],
                 tap.storage_index,
@@ -394,7 +392,7 @@ class PushAdmin:
 
     def refit_behind(self, topic: CompositeTopic) -> None:
         """Fit the taps of ``topic``'s storage topics behind its produce pointer (one lane each:
-        ``tap_lanes``); SwitchProduce calls it through ``refit_storage_topics``."""
+        ``tap_lanes``); SwitchProduce calls it through ``TapHooks.produce_switched``."""
         for storage in topic.storage_topics[: topic.produce_pointer]:
             # settled even at one lane: a settle that read the pointer before the switch may
             # still be raising the lanes under the tap's lease, and this one waits for it
@@ -479,7 +477,7 @@ class PushAdmin:
     def _follow_topic(self, sub: Subscription) -> None:
         """Read storage topics the topic gained after the subscription was made (and one
         being added whose stream exists: its completion may have missed this subscription)."""
-        topic = load_topic(sub.spec.topic)
+        topic = self.topics.load(sub.spec.topic)
         if topic is None:
             return
         storages = list(topic.storage_topics)
@@ -857,28 +855,34 @@ def _decode_cursor(cursor: object) -> tuple[str, str]:
     return shard, seq
 
 
-def follow_storage_topic(
-    config: Config, streams: Streams, clock: Clock, topic: CompositeTopic, storage: StorageTopic
-) -> None:
-    """The push subscriptions of ``topic`` read ``storage`` too: ``shoal.composite`` calls this
-    while it completes a new storage topic, before the storage topic joins the topic."""
-    if "push" not in config.functions or not topic.storage_topics:
-        return  # no push function deployed, or a new topic (no subscription can read it yet)
-    admin = PushAdmin(
-        config, SubscriptionStore(clock), GroupStore(), Queues(streams, clock), clock=clock
-    )
-    admin.follow_storage_topic(topic, storage)
+class TapHooks:
+    """The push subscriptions' part in a composite topic's changes
+    (``shoal.composite.service.StorageTopicHooks``), passed in by the wiring root."""
 
+    def __init__(self, config: Config, streams: Streams, clock: Clock) -> None:
+        self.config = config
+        self.streams = streams
+        self.clock = clock
 
-def refit_storage_topics(
-    config: Config, streams: Streams, clock: Clock, topic: CompositeTopic
-) -> None:
-    """The push taps of the storage topics behind ``topic``'s produce pointer drain with one
-    lane: ``shoal.composite`` calls this once SwitchProduce moved the pointer. Idempotent;
-    a PATCH of any push subscription of the topic does the same for its taps."""
-    if "push" not in config.functions:
-        return  # no push function deployed: no taps
-    admin = PushAdmin(
-        config, SubscriptionStore(clock), GroupStore(), Queues(streams, clock), clock=clock
-    )
-    admin.refit_behind(topic)
+    def _admin(self) -> PushAdmin:
+        return PushAdmin(
+            self.config,
+            SubscriptionStore(self.clock),
+            GroupStore(),
+            Queues(self.streams, self.clock),
+            clock=self.clock,
+        )
+
+    def storage_topic_added(self, topic: CompositeTopic, pending: StorageTopic) -> None:
+        """The topic's push subscriptions read ``pending`` too, before it joins the topic."""
+        if "push" not in self.config.functions or not topic.storage_topics:
+            return  # no push function deployed, or a new topic (no subscription reads it yet)
+        self._admin().follow_storage_topic(topic, pending)
+
+    def produce_switched(self, topic: CompositeTopic) -> None:
+        """The push taps of the storage topics behind the produce pointer drain with one
+        lane (``shoal.drain``). Idempotent; a PATCH of any push subscription of the topic does
+        the same for its taps."""
+        if "push" not in self.config.functions:
+            return  # no push function deployed: no taps
+        self._admin().refit_behind(topic)

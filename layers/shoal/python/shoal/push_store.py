@@ -43,7 +43,7 @@ from pynamodb.exceptions import DeleteError, PutError, PynamoDBException, Update
 from shoal.aws.clients import error_code
 from shoal.aws.kinesis import OutRecord, StreamInfo, Streams
 from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
-from shoal.composite import StorageTopic, stream_name
+from shoal.composite.model import StorageTopic, stream_name
 from shoal.core.clock import Clock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy

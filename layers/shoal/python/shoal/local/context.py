@@ -10,16 +10,17 @@ from __future__ import annotations
 import time
 import uuid
 
+from aws_lambda_powertools.utilities.typing import LambdaContext as PowertoolsContext
+
 from shoal.local.provision import ACCOUNT_ID
 
 #: the emulated account's region (``shoal dev`` sets it for the functions)
 REGION = "us-east-1"
 
 
-class LambdaContext:
-    """The parts of Lambda's context object a handler (and Powertools) reads."""
-
-    function_version = "$LATEST"
+class LambdaContext(PowertoolsContext):
+    """The parts of Lambda's context object a handler (and Powertools) reads; the type handlers
+    are annotated with, so that the same handler takes Lambda's object and this one."""
 
     def __init__(
         self,
@@ -30,13 +31,16 @@ class LambdaContext:
         request_id: str | None = None,
         log_stream: str = "shoal-dev",
     ) -> None:
-        self.function_name = function_name
-        self.memory_limit_in_mb = memory_mb
-        self.invoked_function_arn = f"arn:aws:lambda:{REGION}:{ACCOUNT_ID}:function:{function_name}"
-        self.aws_request_id = request_id or str(uuid.uuid4())
-        self.log_group_name = f"/aws/lambda/{function_name}"
-        self.log_stream_name = log_stream
+        self._function_name = function_name
+        self._function_version = "$LATEST"
+        self._memory_limit_in_mb = memory_mb
+        self._invoked_function_arn = (
+            f"arn:aws:lambda:{REGION}:{ACCOUNT_ID}:function:{function_name}"
+        )
+        self._aws_request_id = request_id or str(uuid.uuid4())
+        self._log_group_name = f"/aws/lambda/{function_name}"
+        self._log_stream_name = log_stream
         self._deadline = time.monotonic() + timeout_s
 
-    def get_remaining_time_in_millis(self) -> int:
+    def get_remaining_time_in_millis(self) -> int:  # type: ignore[override]
         return max(0, int((self._deadline - time.monotonic()) * 1000))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote
 
 from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
@@ -392,6 +392,12 @@ class Gateway:
 # --- the HTTP server -------------------------------------------------------------------------
 
 
+class Handles(Protocol):
+    """What the server needs of what is behind it: the ``Gateway``, or a test's stand-in."""
+
+    def handle(self, request: HttpRequest) -> HttpResponse: ...
+
+
 class _Refused(Exception):
     """A request the server answers itself, before the gateway: framing, size, timeouts."""
 
@@ -615,7 +621,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
-    gateway: Gateway
+    gateway: Handles
 
 
 class _Server6(_Server):
@@ -637,11 +643,11 @@ class GatewayServer:
         self._thread: threading.Thread | None = None
 
     @property
-    def gateway(self) -> Gateway:
+    def gateway(self) -> Handles:
         return self._server.gateway
 
     @gateway.setter
-    def gateway(self, gateway: Gateway) -> None:
+    def gateway(self, gateway: Handles) -> None:
         self._server.gateway = gateway
 
     @property

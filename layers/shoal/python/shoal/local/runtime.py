@@ -67,9 +67,10 @@ StartHook = Callable[[Config], object]
 
 
 def _ensure_default_topic(config: Config) -> None:
-    from shoal.composite import ensure_default_topic
+    from shoal.composite.service import ensure_default_topic
+    from shoal.wiring import topic_service
 
-    ensure_default_topic(config)
+    ensure_default_topic(topic_service(config, stream_wait_s=240.0))
 
 
 #: Called in order after provisioning, with the process configuration bound, before any

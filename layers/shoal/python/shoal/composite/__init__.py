@@ -1,0 +1,1 @@
+"""Composite topics (Varadhi): storage topics, the produce pointer and the router formula."""

@@ -319,7 +319,7 @@ def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> di
     import boto3
     from moto import mock_aws
     from shoal.core.clock import SystemClock
-    from shoal.delivery_events import DeliveryEvents
+    from shoal.delivery.events import DeliveryEvents
 
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     with mock_aws():

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from shoal import wiring
 from shoal.local.context import LambdaContext
 from shoal.local.esm import event_of
 from shoal.wiring import topic_service
@@ -131,7 +132,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
     from shoal.core.auth import Principal
     from shoal.core.clock import SystemClock
     from shoal.core.config import get_config
-    from shoal.delivery import AckRequest, DeliveryService, SubscribeRequest, SubscriptionService
+    from shoal.delivery.model import AckRequest, SubscribeRequest
     from shoal.publishing import BatchRequest, PublishRequest, PublishService
     from shoal.sessions import ConnectRequest
 
@@ -142,8 +143,8 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
         clock = SystemClock()
         ensure_default_topic(topic_service(config), 1)
         who = Principal.from_claims(CLAIMS)
-        subscriptions = SubscriptionService.from_config(config, clock)
-        delivery = DeliveryService.from_config(config, clock)
+        subscriptions = wiring.subscription_service(config, clock)
+        delivery = wiring.delivery_service(config, clock)
         channels: dict[str, str] = {}
         for s in range(SESSIONS):
             client_id = f"bench-{s}"
@@ -246,7 +247,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
 def _recorder_spent() -> Iterator[dict[str, float]]:
     """Seconds spent in the delivery-event recorder (``add``, ``flush``) and its puts, while
     the block runs."""
-    from shoal.delivery_events import DeliveryEvents
+    from shoal.delivery.events import DeliveryEvents
 
     spent = {"s": 0.0, "puts": 0.0}
     add, flush = DeliveryEvents.add, DeliveryEvents.flush

@@ -49,10 +49,11 @@ class _FrozenClock:
 
 def _world(session: Any, share: str, lease_s: float, clock: Any) -> Any:
     from shoal.aws.dynamo import Dynamo
-    from shoal.core.config import get_config
-    from shoal.delivery import DeliverySettings, InboxStore
-    from shoal.group_streams import StreamReader
-    from shoal.groups import GroupService, GroupSettings, GroupStore
+    from shoal.core.config import DeliverySettings, GroupSettings, get_config
+    from shoal.delivery.inbox import InboxStore
+    from shoal.groups.service import GroupService
+    from shoal.groups.store import GroupStore
+    from shoal.groups.streams import StreamReader
 
     config = get_config()
     dynamo = Dynamo(session.client("dynamodb"))
@@ -88,7 +89,7 @@ class _Group:
 
     @property
     def key(self) -> str:
-        from shoal.groups import group_key
+        from shoal.groups.store import group_key
 
         return group_key(self.share, "orders/#")
 
@@ -110,8 +111,9 @@ class _Group:
 
     def publish(self, sources: int, per_source: int) -> int:
         """Write messages into the group's streams as the router does."""
-        from shoal.delivery import InboxMessage, pack, position, record_end
-        from shoal.group_streams import group_partition
+        from shoal.delivery.inbox import InboxMessage, pack
+        from shoal.delivery.model import position, record_end
+        from shoal.groups.streams import group_partition
 
         total = 0
         for s in range(sources):
@@ -202,7 +204,7 @@ def _reassignment(session: Any, lease_s: float) -> dict[str, Any]:
 
 
 def _moves() -> list[dict[str, Any]]:
-    from shoal.groups import add_streams, advance, join, leave, new_group
+    from shoal.groups.state import add_streams, advance, join, leave, new_group
 
     timeout = 10_000
     now = 1_000_000

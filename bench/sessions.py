@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal import wiring
 from shoal.local.context import LambdaContext
 
 from bench.account import emulated_account, item_size
@@ -128,7 +129,7 @@ def _invoke(handler: Handler, event: dict[str, Any]) -> tuple[int, Any]:
 def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, Any]:
     from shoal.core.clock import SystemClock
     from shoal.core.config import get_config
-    from shoal.sessions import RegistryStats, SessionRegistry, Version
+    from shoal.sessions import RegistryStats, Version
 
     with emulated_account():
         calls = _Calls()
@@ -137,7 +138,7 @@ def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, 
         environments: list[Any] = []
         for _ in range(workers):
             module = _handler_copy()
-            registry = SessionRegistry.from_config(get_config(), clock)
+            registry = wiring.session_registry(get_config(), clock)
             registry.stats = stats
             calls.watch(registry.repository.dynamo.client)
             module.registry = lambda registry=registry: registry

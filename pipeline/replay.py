@@ -248,7 +248,7 @@ class SessionInboxTarget:
         cls, config: Config, client_id: str, replay_id: str, clock: Clock | None = None
     ) -> SessionInboxTarget:
         from shoal.core.clock import SystemClock
-        from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
+        from shoal.delivery.inbox import InboxStore, PayloadStore
         from shoal.sessions import SessionRepository
 
         return cls(
@@ -257,7 +257,7 @@ class SessionInboxTarget:
             sessions=SessionRepository.from_config(config),
             inbox=InboxStore.from_config(config),
             payloads=PayloadStore.from_config(config),
-            retention_s=DeliverySettings.from_env().retention_s,
+            retention_s=config.delivery.retention_s,
             clock=clock or SystemClock(),
         )
 
@@ -281,7 +281,8 @@ class SessionInboxTarget:
         return self._session
 
     def inject(self, messages: Sequence[ReplayMessage]) -> int:
-        from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
+        from shoal.delivery.inbox import InboxMessage, pack
+        from shoal.delivery.model import MAX_INLINE_PAYLOAD
         from shoal.topics.filters import matches
 
         session_id, subscriptions = self._subscriptions()
@@ -368,8 +369,8 @@ class GroupStreamTarget:
         cls, config: Config, text: str, replay_id: str, clock: Clock | None = None
     ) -> GroupStreamTarget:
         from shoal.core.clock import SystemClock
-        from shoal.delivery import DeliverySettings, InboxStore, PayloadStore
-        from shoal.groups import GroupStore
+        from shoal.delivery.inbox import InboxStore, PayloadStore
+        from shoal.groups.store import GroupStore
 
         return cls(
             text,
@@ -377,13 +378,13 @@ class GroupStreamTarget:
             groups=GroupStore.from_config(config, clock),
             inbox=InboxStore.from_config(config),
             payloads=PayloadStore.from_config(config),
-            retention_s=DeliverySettings.from_env().retention_s,
+            retention_s=config.delivery.retention_s,
             clock=clock or SystemClock(),
         )
 
     @property
     def key(self) -> str:
-        from shoal.groups import group_key
+        from shoal.groups.store import group_key
 
         return group_key(self.share, self.topic_filter)
 
@@ -405,8 +406,9 @@ class GroupStreamTarget:
         return self._incarnation
 
     def inject(self, messages: Sequence[ReplayMessage]) -> int:
-        from shoal.delivery import MAX_INLINE_PAYLOAD, InboxMessage, pack
-        from shoal.group_streams import group_partition
+        from shoal.delivery.inbox import InboxMessage, pack
+        from shoal.delivery.model import MAX_INLINE_PAYLOAD
+        from shoal.groups.streams import group_partition
         from shoal.topics.filters import matches
 
         incarnation = self._group()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.delivery import AckRequest, DeliveryService
+from shoal import wiring
+from shoal.delivery.model import AckRequest
 from shoal.http.body import parse_body, query_int
 from shoal.http.caller import owner_first, session_call
 from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.wiring import PerConfig
 
 app = make_resolver()
-service = PerConfig(DeliveryService.from_config)
+service = PerConfig(wiring.delivery_service)
 
 
 @app.get("/v1/sessions/<client_id>/messages")

@@ -7,33 +7,21 @@ from functools import cache
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
+from shoal import wiring
 from shoal.core.config import get_config
 from shoal.core.observability import logger
-from shoal.delivery import SubscriptionRetirer
 from shoal.drain import Sealer
-from shoal.publishing import PublishService
-from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
+from shoal.sessions import Reaper
 
 
 @cache
 def reaper() -> Reaper:
-    config = get_config()
-    publisher = ServiceWillPublisher(PublishService.from_config(config))
-    # an ended session's subscriptions leave the router's subscription store
-    retire = SubscriptionRetirer.from_config(config)
-    # a dead channel's shared groups advance (its expired leases go to live members), and an
-    # ended session leaves them (``shoal.groups``)
-    return Reaper(
-        SessionRepository.from_config(config),
-        publisher,
-        on_session_end=retire,
-        on_channel_expired=retire.groups.channel_expired if retire.groups else None,
-    )
+    return wiring.reaper(get_config())
 
 
 @cache
 def sealer() -> Sealer:
-    return Sealer.from_config(get_config())
+    return wiring.sealer(get_config())
 
 
 @logger.inject_lambda_context(clear_state=True)

@@ -24,7 +24,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.archive import ArchiveWriter
 from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import logger
-from shoal.delivery_events import Recording
+from shoal.delivery.events import Recording
 from shoal.fanout import Fanout
 from shoal.wiring import PerConfig
 

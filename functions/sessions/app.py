@@ -6,6 +6,7 @@ from functools import cache
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
+from shoal import wiring
 from shoal.core.config import get_config
 from shoal.http.body import parse_body
 from shoal.http.caller import owner_first, session_call
@@ -17,7 +18,7 @@ app = make_resolver()
 
 @cache
 def registry() -> SessionRegistry:
-    return SessionRegistry.from_config(get_config())
+    return wiring.session_registry(get_config())
 
 
 @app.put("/v1/sessions/<client_id>")

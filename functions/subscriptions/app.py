@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.delivery import SubscribeRequest, SubscriptionService, UnsubscribeRequest
+from shoal import wiring
+from shoal.delivery.model import SubscribeRequest, UnsubscribeRequest
 from shoal.http.body import parse_body
 from shoal.http.caller import owner_first, session_call
 from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.wiring import PerConfig
 
 app = make_resolver()
-service = PerConfig(SubscriptionService.from_config)
+service = PerConfig(wiring.subscription_service)
 
 
 @app.post("/v1/sessions/<client_id>/subscriptions")

@@ -165,7 +165,7 @@ def test_bucket_expire_days_becomes_a_lifecycle_rule(variant: Synth) -> None:
 
 def test_large_payloads_expire_after_the_inbox_retention(deployed: Synth) -> None:
     # Given the real declaration: inbox items (which alone point at payloads/) live 14 days
-    from shoal.delivery import DEFAULT_RETENTION_S
+    from shoal.core.config import DEFAULT_RETENTION_S
 
     [bucket] = deployed.of_type("AWS::S3::Bucket").values()
     rules = bucket["Properties"]["LifecycleConfiguration"]["Rules"]

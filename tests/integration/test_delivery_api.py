@@ -9,7 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 from shoal.core.config import get_config
-from shoal.delivery import MAX_INLINE_PAYLOAD, SubscriptionRetirer
+from shoal.delivery.model import MAX_INLINE_PAYLOAD
+from shoal.delivery.subscriptions import SubscriptionRetirer
 from shoal.sessions import Reaper
 
 import functions.messages.app as messages_app
@@ -553,6 +554,6 @@ def test_overlapping_new_subscriptions_get_a_retained_message_once(world: World)
 def test_a_session_holds_a_bounded_number_of_subscriptions(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("shoal.delivery.MAX_SUBSCRIPTIONS_PER_SESSION", 2)
+    monkeypatch.setattr("shoal.delivery.subscriptions.MAX_SUBSCRIPTIONS_PER_SESSION", 2)
     channel = connected(world)
     assert world.subscribe(CLIENT, channel, "a", "b", "c", "a") == [2, 2, "quota_exceeded", 2]

@@ -14,16 +14,10 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.core.config import get_config
-from shoal.delivery import (
-    DeliveryService,
-    DeliverySettings,
-    InboxStore,
-    PayloadStore,
-    SubscriptionRetirer,
-    SubscriptionService,
-    SubscriptionStore,
-)
+from shoal.core.config import DeliverySettings, get_config
+from shoal.delivery.inbox import InboxStore, PayloadStore
+from shoal.delivery.service import DeliveryService
+from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.fanout import Fanout, SubscriptionCache
 from shoal.local.esm import EventSourceMappings
 from shoal.sessions import SessionRegistry, SessionRepository

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 from shoal.composite.model import StorageTopic
-from shoal.delivery import source_id
+from shoal.delivery.model import source_id
 from shoal.records import is_seal
 
 from tests.integration.test_delivery_support import World, texts

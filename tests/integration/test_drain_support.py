@@ -13,7 +13,9 @@ from typing import Any
 
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
-from shoal.drain import DrainStore, DrainView, GroupGate, RouterDrain, Sealer, SessionGate
+from shoal.delivery.gate import SessionGate
+from shoal.drain import DrainStore, DrainView, RouterDrain, Sealer
+from shoal.groups.gate import GroupGate
 from shoal.local.esm import event_of
 
 from tests.helpers import FakeContext

@@ -13,7 +13,7 @@ import boto3
 import pytest
 from shoal.core.config import get_config
 from shoal.core.faults import ROUTER_STEPS, FaultPlan, InjectedFault
-from shoal.delivery_events import EVENTS_PREFIX, Recording
+from shoal.delivery.events import EVENTS_PREFIX, Recording
 
 import functions.router.app as router_app
 from tests.integration.test_delivery_support import World, world

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jsonschema
-from shoal.group_streams import group_partition, parse_delivery_id
+from shoal.groups.streams import group_partition, parse_delivery_id
 from shoal.sessions import WillMessage
 
 import functions.reaper.app as reaper_app

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from shoal.group_streams import parse_delivery_id
+from shoal.groups.streams import parse_delivery_id
 
 from tests.integration.test_groups_support import LEASE_S, GroupWorld, gworld
 
@@ -178,7 +178,7 @@ class GroupMachine(RuleBasedStateMachine):
             assert len(committers) <= 1, (source, committers)
 
     def _group_key(self) -> str:
-        from shoal.groups import group_key
+        from shoal.groups.store import group_key
 
         return group_key(self.share, "orders/#")
 

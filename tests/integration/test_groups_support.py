@@ -13,16 +13,10 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.core.config import get_config
-from shoal.group_streams import StreamReader
-from shoal.groups import (
-    GroupService,
-    GroupSettings,
-    GroupStore,
-    Loaded,
-    StreamRegistrar,
-    group_key,
-)
+from shoal.core.config import GroupSettings, get_config
+from shoal.groups.service import GroupService, StreamRegistrar
+from shoal.groups.store import GroupStore, Loaded, group_key
+from shoal.groups.streams import StreamReader
 
 import functions.sessions.app as sessions_app
 from tests.integration.test_delivery_support import ALICE, World

@@ -10,14 +10,8 @@ import pytest
 from shoal.core.clock import SystemClock
 from shoal.core.config import get_config
 from shoal.core.errors import TopicNotFound
-from shoal.sessions import (
-    WILL_RETRY_MS,
-    Reaper,
-    ServiceWillPublisher,
-    SessionRepository,
-    Version,
-    WillMessage,
-)
+from shoal.sessions import WILL_RETRY_MS, Reaper, SessionRepository, Version, WillMessage
+from shoal.wiring import ServiceWillPublisher
 
 import functions.reaper.app as reaper_app
 from tests.helpers import FakeContext, load_event

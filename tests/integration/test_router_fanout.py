@@ -8,7 +8,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.config import get_config
-from shoal.delivery import Subscription
+from shoal.delivery.model import Subscription
 from shoal.fanout import Fanout
 from shoal.local.esm import event_of
 from shoal.records import Message

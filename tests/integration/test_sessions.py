@@ -6,13 +6,9 @@ import base64
 from typing import Any
 
 import pytest
+from shoal import wiring
 from shoal.core.config import get_config
-from shoal.sessions import (
-    MAX_WILL_PAYLOAD_BYTES,
-    SessionRegistry,
-    SessionRepository,
-    Version,
-)
+from shoal.sessions import MAX_WILL_PAYLOAD_BYTES, SessionRegistry, SessionRepository, Version
 
 import functions.sessions.app as sessions_app
 from tests.helpers import FakeContext, load_event
@@ -407,7 +403,7 @@ def test_session_call_without_a_valid_channel_is_refused(
 
 
 def test_registry_reads_its_table_from_the_configuration(sessions: Sessions) -> None:
-    assert SessionRegistry.from_config(get_config()).repository.table == "shoal-sessions"
+    assert wiring.session_registry(get_config()).repository.table == "shoal-sessions"
 
 
 def test_sample_event_connects(sessions: Sessions) -> None:

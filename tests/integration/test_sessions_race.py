@@ -17,9 +17,10 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal import wiring
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
-from shoal.sessions import SessionRegistry, Version
+from shoal.sessions import Version
 
 import functions.sessions.app as sessions_app
 from tests.integration.test_sessions_support import (
@@ -47,7 +48,7 @@ def clock() -> ManualClock:
 @pytest.fixture(scope="module")
 def sessions(account: boto3.Session, clock: ManualClock) -> Iterator[Sessions]:
     """The module's own: every round uses fresh client ids, so nothing needs emptying."""
-    registry = SessionRegistry.from_config(get_config(), clock)
+    registry = wiring.session_registry(get_config(), clock)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sessions_app, "registry", lambda: registry)
         yield Sessions(account, clock, registry)
@@ -64,7 +65,7 @@ def environments(account: boto3.Session, clock: ManualClock) -> list[Handler]:
     copies: list[ModuleType] = []
     for _ in range(RACERS):
         copy = handler_copy()
-        registry = SessionRegistry.from_config(get_config(), clock)
+        registry = wiring.session_registry(get_config(), clock)
         setattr(copy, "registry", lambda registry=registry: registry)  # noqa: B010
         copies.append(copy)
     return [copy.handler for copy in copies]

@@ -14,6 +14,7 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
+from shoal import wiring
 from shoal.aws import tables
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
@@ -191,7 +192,7 @@ def sessions(
     account: boto3.Session, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Sessions]:
     empty_sessions_table(account)
-    registry = SessionRegistry.from_config(get_config(), clock)
+    registry = wiring.session_registry(get_config(), clock)
     monkeypatch.setattr(sessions_app, "registry", lambda: registry)
     yield Sessions(account, clock, registry)
 

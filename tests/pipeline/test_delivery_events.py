@@ -10,7 +10,7 @@ import boto3
 import pytest
 from moto import mock_aws
 from shoal.core.clock import ManualClock
-from shoal.delivery_events import DeliveryEvents, hint_digest
+from shoal.delivery.events import DeliveryEvents, hint_digest
 
 BUCKET = "archive"
 T0 = 1_700_000_000_000  # 2023-11-14T22:13:20Z

@@ -5,21 +5,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from shoal.delivery import (
-    MAX_ITEM_BYTES,
-    DeliverySettings,
+from shoal.core.config import Config
+from shoal.delivery.inbox import (
     DeliveryState,
     InboxMessage,
-    Run,
-    bucket_of,
-    covers,
+    SessionRun,
     delivery_id,
     ordinal_of,
     pack,
-    position,
-    record_end,
-    seq_key,
 )
+from shoal.delivery.model import MAX_ITEM_BYTES, bucket_of, covers, position, record_end, seq_key
 from shoal.topics.filters import matches
 
 # (allowed, requested, covered?)
@@ -140,8 +135,8 @@ def test_large_deliveries_split_in_order_and_only_the_last_covers_the_batch() ->
     assert items[-1].covered == record_end(9)
 
 
-def _run(first: int, count: int) -> Run:
-    return Run(first, count, "src", "", position(first + count, 0), "src#x", 0, "ch")
+def _run(first: int, count: int) -> SessionRun:
+    return SessionRun(first, count, "src", "", position(first + count, 0), "src#x", 0, "ch")
 
 
 def test_acks_move_the_floor_over_done_ordinals_only() -> None:
@@ -173,8 +168,8 @@ def test_state_survives_its_record() -> None:
 
 
 def test_settings_come_from_the_environment() -> None:
-    settings = DeliverySettings.from_env(
+    settings = Config.from_env(
         {"SHOAL_ACK_TIMEOUT_S": "2.5", "SHOAL_INFLIGHT_WINDOW": "7"}
-    )
+    ).delivery
     assert (settings.ack_timeout_s, settings.window) == (2.5, 7)
-    assert DeliverySettings.from_env({}).ack_timeout_s == 30
+    assert Config.from_env({}).delivery.ack_timeout_s == 30

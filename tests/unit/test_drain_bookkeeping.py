@@ -9,7 +9,8 @@ from typing import Any
 from shoal.aws.kinesis import OutRecord, PutOutcome
 from shoal.composite.model import CompositeTopic, StorageTopic
 from shoal.core.clock import ManualClock
-from shoal.delivery import DeliveryState, InboxItem
+from shoal.core.config import Config
+from shoal.delivery.inbox import DeliveryState, InboxItem
 from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms, storage_of
 from shoal.records import decode_record, is_seal, seal_record
 
@@ -32,8 +33,8 @@ def test_a_seal_record_is_recognised_and_holds_no_message() -> None:
 
 def test_the_grace_is_the_longest_publishing_timeout_unless_the_environment_shortens_it() -> None:
     # Then without the variable it covers the reaper's wills (120 s) and the skew margin
-    assert seal_grace_ms({}) == 121_000
-    assert seal_grace_ms({"SHOAL_SEAL_GRACE_S": "0.5"}) == 500
+    assert seal_grace_ms() == 121_000
+    assert seal_grace_ms(Config.from_env({"SHOAL_SEAL_GRACE_S": "0.5"}).seal_grace_s) == 500
 
 
 def test_a_stream_name_gives_its_topic_and_index() -> None:

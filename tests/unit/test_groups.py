@@ -6,13 +6,12 @@ from dataclasses import replace
 
 import pytest
 from shoal.core.clock import ManualClock
-from shoal.groups import (
+from shoal.core.config import DEFAULT_LEASE_TIMEOUT_S, Config
+from shoal.groups.state import (
     AgentState,
     AgentView,
     GroupState,
-    StaleLease,
     StreamLease,
-    StreamState,
     add_streams,
     advance,
     agent_lost,
@@ -27,6 +26,7 @@ from shoal.groups import (
     quotas,
     renew,
 )
+from shoal.groups.streams import StaleLease, StreamState
 
 TIMEOUT_MS = 10_000
 
@@ -338,9 +338,7 @@ def test_new_streams_start_unheld_and_known_streams_are_kept() -> None:
 
 
 def test_the_lease_timeout_comes_from_the_environment() -> None:
-    from shoal.groups import DEFAULT_LEASE_TIMEOUT_S, GroupSettings
-
     # Given no setting, then a setting of 2.5 s
     # Then the default holds, then the setting
-    assert GroupSettings.from_env({}).lease_timeout_s == DEFAULT_LEASE_TIMEOUT_S
-    assert GroupSettings.from_env({"SHOAL_GROUP_LEASE_TIMEOUT_S": "2.5"}).lease_timeout_ms == 2500
+    assert Config.from_env({}).groups.lease_timeout_s == DEFAULT_LEASE_TIMEOUT_S
+    assert Config.from_env({"SHOAL_GROUP_LEASE_TIMEOUT_S": "2.5"}).groups.lease_timeout_ms == 2500

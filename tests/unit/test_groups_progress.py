@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from shoal.group_streams import (
+from shoal.groups.streams import (
     GroupDelivery,
-    Run,
     StaleLease,
     StreamProgress,
+    StreamRun,
     StreamState,
     delivery_id,
     parse_delivery_id,
@@ -17,7 +17,7 @@ from shoal.group_streams import (
 def held(lease: int = 2, handed: int = 5) -> StreamProgress:
     """A stream held by m1 under ``lease`` with ``handed`` messages out under that lease."""
     progress = StreamProgress("src1", "inc1", lease=lease, holder="m1", state=StreamState.GRANTED)
-    progress.runs.append(Run(0, handed, "", f"p{handed}", "src1#p1", 0, lease))
+    progress.runs.append(StreamRun(0, handed, "", f"p{handed}", "src1#p1", 0, lease))
     progress.next = handed
     progress.cursor = f"p{handed}"
     return progress

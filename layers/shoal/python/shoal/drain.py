@@ -34,11 +34,11 @@ The router itself never waits: gating is on the read side, so no retry budget is
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.composite.model import (
     EFFECTIVE_DELAY_MS,
@@ -46,18 +46,14 @@ from shoal.composite.model import (
     CompositeTopic,
     stream_name,
 )
-from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
-from shoal.delivery import INBOXES_TABLE, InboxItem, item_key, source_id
 from shoal.records import is_seal, seal_record
 
 if TYPE_CHECKING:
     from shoal.aws.kinesis import Streams
-    from shoal.delivery import DeliveryState
-    from shoal.group_streams import StreamProgress
 
 #: the drain record of a storage topic in the inboxes table
 DRAIN_PREFIX = "drain#"
@@ -68,24 +64,21 @@ PASSED_ITEM = "#push#"
 SOURCE_END = "~"
 #: a reader asks again at most this often whether a storage topic is drained (while it is not)
 RECHECK_MS = 1_000
-#: the environment may shorten the grace (``shoal dev`` and tests; never in a deployment)
-GRACE_ENV = "SHOAL_SEAL_GRACE_S"
 
 
 # --- seal records (no AWS here) ----------------------------------------------------------------
 
 
-def seal_grace_ms(env: Mapping[str, str] | None = None) -> int:
+def seal_grace_ms(override_s: float | None = None) -> int:
     """How long after a switch is in effect a put routed before it may still land.
 
     A put is made by a function that publishes (publish, and the reaper for wills, and push for
     its queues) and cannot outlive that function's timeout; the margin covers clock skew (the
     publishers switch by their own clocks, up to the delay's margin over the cache TTL).
     """
-    env = os.environ if env is None else env
     margin = EFFECTIVE_DELAY_MS - TOPIC_CACHE_TTL_MS
-    if env.get(GRACE_ENV):
-        return int(float(env[GRACE_ENV]) * 1000)
+    if override_s is not None:
+        return int(override_s * 1000)
     # those with the put grant (``read_write`` is stream management: admin, bootstrap, and
     # push admin's redrive, whose 29 s are below the others anyway)
     longest = max(
@@ -143,7 +136,7 @@ class DrainStore:
 
     @classmethod
     def from_config(cls, config: Config) -> DrainStore:
-        return cls(Dynamo.from_config(config), config.table(INBOXES_TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.INBOXES))
 
     def record(self, stream: str) -> DrainRecord:
         raw = self.dynamo.get(self.table, drain_key(stream))
@@ -251,19 +244,6 @@ class Sealer:
         #: streams known sealed: never looked at again by this container
         self._sealed: set[str] = set()
 
-    @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> Sealer:
-        from shoal.aws import tables
-        from shoal.aws.kinesis import Streams
-
-        tables.bind(config)
-        return cls(
-            Streams.from_config(config, clock),
-            DrainStore.from_config(config),
-            TopicStore.from_config(config).scan,
-            clock,
-        )
-
     def run(self) -> int:
         """Seal what is due; how many storage topics were sealed by this run."""
         sealed = 0
@@ -352,151 +332,6 @@ class RouterDrain:
 
 
 # --- the readers' gates ------------------------------------------------------------------------
-
-
-class SessionGate:
-    """Whether a session's get may hand out an inbox item (``shoal.delivery``)."""
-
-    def __init__(self, view: DrainView, dynamo: Dynamo, table: str, stream_prefix: str) -> None:
-        self.view = view
-        self.dynamo = dynamo
-        self.table = table
-        self.stream_prefix = stream_prefix
-
-    @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> SessionGate:
-        store = DrainStore.from_config(config)
-        return cls(
-            DrainView(store, clock or SystemClock()),
-            store.dynamo,
-            store.table,
-            config.stream_prefix,
-        )
-
-    def admits(self, session_id: str, state: DeliveryState, item: InboxItem) -> bool:
-        """True if the item's storage topic is open for the session. Moves ``state.drained``
-        (written with the state) when the session has passed a drained storage topic."""
-        if item.stream is None:
-            return True
-        storage = storage_of(item.stream, self.stream_prefix)
-        if storage is None:
-            return True
-        topic, index = storage
-        passed = state.drained.get(topic, 0)
-        while passed < index:
-            earlier = stream_name(self.stream_prefix, topic, passed)
-            shards = self.view.sealed_shards(earlier)
-            if shards is None or not self._handed_out(session_id, state, earlier, shards):
-                return False
-            passed += 1
-            state.drained[topic] = passed
-        return True
-
-    def _handed_out(
-        self, session_id: str, state: DeliveryState, stream: str, shards: Iterable[str]
-    ) -> bool:
-        """Whether every message of ``stream`` in the session's inbox was handed out."""
-        for shard in shards:
-            source = source_id(stream, shard)
-            if source in state.partial:
-                return False  # the cursor sits inside an item with more after it
-            rows = self.dynamo.query(
-                self.table,
-                KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
-                ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
-                ExpressionAttributeValues=to_item(
-                    {
-                        ":p": session_id,
-                        # after the cursor's item key: an item starting after the cursor
-                        ":a": item_key(source, state.cursors.get(source, "")) + "\x00",
-                        ":b": item_key(source, SOURCE_END),
-                    }
-                ),
-                ProjectionExpression="#k",
-                ConsistentRead=True,
-                Limit=1,
-            )
-            if rows:
-                return False
-        return True
-
-
-class GroupGate:
-    """Whether a shared group's stream of a later storage topic may be read yet."""
-
-    def __init__(
-        self,
-        view: DrainView,
-        dynamo: Dynamo,
-        table: str,
-        stream_prefix: str,
-        progress: Callable[[str, str], StreamProgress | None],
-    ) -> None:
-        self.view = view
-        self.dynamo = dynamo
-        self.table = table
-        self.stream_prefix = stream_prefix
-        self.progress = progress
-        #: (group partition, earlier stream) found passed: stays so
-        self._passed: set[tuple[str, str]] = set()
-        self._not_yet: dict[tuple[str, str], int] = {}
-
-    def admits(self, group_key: str, partition: str, item: InboxItem) -> bool:
-        if item.stream is None:
-            return True
-        storage = storage_of(item.stream, self.stream_prefix)
-        if storage is None:
-            return True
-        topic, index = storage
-        for earlier_index in range(index):
-            earlier = stream_name(self.stream_prefix, topic, earlier_index)
-            if (partition, earlier) in self._passed:
-                continue
-            shards = self.view.sealed_shards(earlier)
-            if shards is None or not self._passed_now(group_key, partition, earlier, shards):
-                return False
-            self._passed.add((partition, earlier))
-        return True
-
-    def _passed_now(
-        self, group_key: str, partition: str, stream: str, shards: Iterable[str]
-    ) -> bool:
-        """Every group stream of ``stream`` handed out its last message and has nothing in
-        flight (all acked: its committed progress is past the seal)."""
-        now = self.view.clock.now_ms()
-        key = (partition, stream)
-        if now - self._not_yet.get(key, -RECHECK_MS) < RECHECK_MS:
-            return False
-        for shard in shards:
-            source = source_id(stream, shard)
-            rows = self.dynamo.query(
-                self.table,
-                KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
-                ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
-                ExpressionAttributeValues=to_item(
-                    {":p": partition, ":a": f"{source}#", ":b": item_key(source, SOURCE_END)}
-                ),
-                ConsistentRead=True,
-                ScanIndexForward=False,
-                Limit=1,
-            )
-            if not rows:
-                continue  # nothing of this shard ever reached the group
-            messages = InboxItem.from_record(rows[0]).messages
-            last = messages[-1].position if messages else ""
-            progress = self.progress(group_key, source)
-            if progress is None or progress.cursor < last or progress.in_flight() > 0:
-                self._not_yet[key] = now
-                return False
-        self._not_yet.pop(key, None)
-        return True
-
-
-def group_gate(config: Config, clock: Clock, progress: Callable[[str, str], Any]) -> GroupGate:
-    store = DrainStore.from_config(config)
-    return GroupGate(
-        DrainView(store, clock), store.dynamo, store.table, config.stream_prefix, progress
-    )
 
 
 # --- push taps ---------------------------------------------------------------------------------

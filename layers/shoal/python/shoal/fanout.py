@@ -35,29 +35,26 @@ from typing import Protocol
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.core.clock import Clock, SystemClock
-from shoal.core.config import Config
+from shoal.core.config import Config, DeliverySettings
 from shoal.core.errors import InvalidFilter
 from shoal.core.observability import logger
-from shoal.delivery import (
+from shoal.delivery.events import DeliveryEvents, record_routed
+from shoal.delivery.inbox import InboxMessage, InboxStore, PayloadStore, pack
+from shoal.delivery.model import (
     MAX_INLINE_PAYLOAD,
     WILDCARD_BUCKET,
-    DeliverySettings,
-    InboxMessage,
-    InboxStore,
-    PayloadStore,
     Subscription,
-    SubscriptionStore,
     bucket_of,
-    pack,
     position,
     record_end,
     seq_key,
     source_id,
 )
-from shoal.delivery_events import DeliveryEvents, record_routed
+from shoal.delivery.subscriptions import SubscriptionStore
 from shoal.drain import RouterDrain
-from shoal.group_streams import group_partition
-from shoal.groups import GroupStore, StreamRegistrar, group_key
+from shoal.groups.service import StreamRegistrar
+from shoal.groups.store import GroupStore, group_key
+from shoal.groups.streams import group_partition
 from shoal.records import MalformedRecord, Message, decode_record
 from shoal.topics.index import FilterIndex
 
@@ -198,9 +195,9 @@ class Fanout:
         tables.bind(config)
         dynamo = Dynamo.from_config(config)
         return cls(
-            SubscriptionCache(SubscriptionStore(dynamo, config.table("subscriptions"))),
-            InboxStore(dynamo, config.table("inboxes")),
-            DeliverySettings.from_env(),
+            SubscriptionCache(SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS))),
+            InboxStore(dynamo, config.table(tables.INBOXES)),
+            config.delivery,
             payloads=PayloadStore.from_config(config),
             clock=clock,
             groups=StreamRegistrar(GroupStore.from_config(config, clock)),

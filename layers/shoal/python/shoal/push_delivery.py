@@ -46,7 +46,7 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
-from shoal.delivery_events import EventKind, PerConsumer, Recording
+from shoal.delivery.events import EventKind, PerConsumer, Recording
 from shoal.drain import RECHECK_MS, PushGate, push_consumer
 from shoal.push import (
     BLOCKED,

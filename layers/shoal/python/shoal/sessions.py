@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shoal.aws import tables
 from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, attribute, error_code, from_item
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
@@ -81,9 +82,8 @@ from shoal.core.retry import backoff_s
 from shoal.topics.filters import any_matches, is_publishable_topic
 
 if TYPE_CHECKING:
-    from shoal.publishing import PublishService
+    pass
 
-TABLE = "sessions"
 HEAD = "head"
 REG_PREFIX = "reg#"
 WILL_PREFIX = "will#"
@@ -422,34 +422,6 @@ def _ended(hook: SessionEndHook | None, client_id: str, head: Head) -> None:
         logger.warning("cleaning up an ended session failed", extra={"error": type(exc).__name__})
 
 
-class ServiceWillPublisher:
-    """Wills go through the publish path (``shoal.publishing``), exactly once each.
-
-    A will is published as its session's principal with ``publisher_id = "will:<channel>"``
-    and ``publisher_seq = 1``: a channel has at most one will, and the publish path answers a
-    retry of that pair as a duplicate instead of putting the message again.
-    """
-
-    def __init__(self, service: PublishService) -> None:
-        self.service = service
-
-    def publish_will(self, sub: str, client_id: str, will: WillMessage, will_id: str) -> None:
-        from shoal.publishing import PublishRequest
-
-        request = PublishRequest(
-            topic=will.topic,
-            payload=will.payload,
-            text=will.text if will.payload is None else None,
-            qos=will.qos,
-            retain=will.retain,
-            publisher_id=f"will:{will_id}",
-            publisher_seq=1,
-        )
-        # the connect checked the topic against the principal's shoal:publish filters
-        as_owner = Principal(sub=sub, clients=(client_id,), publish=(will.topic,))
-        self.service.publish(as_owner, request)
-
-
 # --- the DynamoDB repository -----------------------------------------------------------------
 
 
@@ -478,7 +450,7 @@ class SessionRepository:
 
     @classmethod
     def from_config(cls, config: Config) -> SessionRepository:
-        return cls(Dynamo.from_config(config), config.table(TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.SESSIONS))
 
     def _key(self, client_id: str, item: str) -> dict[str, Any]:
         return {"client_id": {"S": client_id}, "item": {"S": item}}
@@ -888,19 +860,6 @@ class SessionRegistry:
         self.groups = groups
         #: the session document counts the deliveries in flight
         self.deliveries = deliveries
-
-    @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> SessionRegistry:
-        from shoal.delivery import InboxStore, SubscriptionRetirer
-
-        retirer = SubscriptionRetirer.from_config(config, clock)
-        return cls(
-            SessionRepository.from_config(config),
-            clock,
-            on_session_end=retirer,
-            groups=retirer.groups,
-            deliveries=InboxStore.from_config(config),
-        )
 
     # -- connect
 

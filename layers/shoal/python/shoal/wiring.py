@@ -10,13 +10,28 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from shoal.aws import tables
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.composite.directory import TopicDirectory
 from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
+from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
+from shoal.delivery.events import Recording
+from shoal.delivery.gate import SessionGate
+from shoal.delivery.inbox import InboxStore, PayloadStore
+from shoal.delivery.service import DeliveryService
+from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
+from shoal.drain import DrainStore, Sealer, seal_grace_ms
+from shoal.groups.gate import group_gate
+from shoal.groups.service import GroupService
+from shoal.groups.store import GroupStore
+from shoal.groups.streams import StreamReader
+from shoal.publishing import PublishRequest, PublishService
 from shoal.push_admin import TapHooks
+from shoal.sessions import Reaper, SessionRegistry, SessionRepository, WillMessage
 
 T = TypeVar("T")
 
@@ -63,3 +78,118 @@ def topic_service(
 
 def topic_directory(config: Config, clock: Clock) -> TopicDirectory:
     return TopicDirectory(TopicStore.from_config(config), clock)
+
+
+# --- sessions, delivery, shared groups ------------------------------------------------------------
+
+
+def group_service(
+    config: Config,
+    clock: Clock | None = None,
+    *,
+    payloads: bool = True,
+    events: Recording | None = None,
+) -> GroupService:
+    """Shared groups; ``payloads`` False for those that never hand out messages (subscribe,
+    the session's end)."""
+    store = GroupStore.from_config(config, clock)
+    return GroupService(
+        store,
+        StreamReader(store.dynamo, config.table(tables.INBOXES)),
+        config.delivery,
+        clock=clock,
+        payloads=PayloadStore.from_config(config) if payloads else None,
+        events=events,
+        drain=group_gate(config, clock or store.clock, store.progress),
+    )
+
+
+def session_registry(config: Config, clock: Clock | None = None) -> SessionRegistry:
+    groups = group_service(config, clock, payloads=False)
+    return SessionRegistry(
+        SessionRepository.from_config(config),
+        clock,
+        # an ended session's subscriptions leave the router's store and its shared groups
+        on_session_end=SubscriptionRetirer(SubscriptionStore.from_config(config), clock, groups),
+        # a heartbeat renews the session's group leases
+        groups=groups,
+        deliveries=InboxStore.from_config(config),
+    )
+
+
+def subscription_service(config: Config, clock: Clock | None = None) -> SubscriptionService:
+    tables.bind(config)  # retained messages are read through the pynamodb model
+    dynamo = Dynamo.from_config(config)
+    return SubscriptionService(
+        session_registry(config, clock),
+        SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS)),
+        InboxStore(dynamo, config.table(tables.INBOXES)),
+        config.delivery,
+        clock=clock,
+        groups=group_service(config, clock, payloads=False),
+    )
+
+
+def delivery_service(config: Config, clock: Clock | None = None) -> DeliveryService:
+    events = Recording.from_config(config, clock)
+    return DeliveryService(
+        session_registry(config, clock),
+        InboxStore.from_config(config),
+        config.delivery,
+        clock,
+        PayloadStore.from_config(config),
+        groups=group_service(config, clock, events=events),
+        events=events,
+        drain=SessionGate.from_config(config, clock),
+    )
+
+
+class ServiceWillPublisher:
+    """Wills go through the publish path (``shoal.publishing``), exactly once each.
+
+    A will is published as its session's principal with ``publisher_id = "will:<channel>"``
+    and ``publisher_seq = 1``: a channel has at most one will, and the publish path answers a
+    retry of that pair as a duplicate instead of putting the message again.
+    """
+
+    def __init__(self, service: PublishService) -> None:
+        self.service = service
+
+    def publish_will(self, sub: str, client_id: str, will: WillMessage, will_id: str) -> None:
+        request = PublishRequest(
+            topic=will.topic,
+            payload=will.payload,
+            text=will.text if will.payload is None else None,
+            qos=will.qos,
+            retain=will.retain,
+            publisher_id=f"will:{will_id}",
+            publisher_seq=1,
+        )
+        # the connect checked the topic against the principal's shoal:publish filters
+        as_owner = Principal(sub=sub, clients=(client_id,), publish=(will.topic,))
+        self.service.publish(as_owner, request)
+
+
+def reaper(config: Config, clock: Clock | None = None) -> Reaper:
+    """Keepalive expiry, wills (through the publish path) and session expiry."""
+    groups = group_service(config, clock, payloads=False)
+    return Reaper(
+        SessionRepository.from_config(config),
+        ServiceWillPublisher(PublishService.from_config(config)),
+        # an ended session's subscriptions leave the router's store and its shared groups
+        on_session_end=SubscriptionRetirer(SubscriptionStore.from_config(config), clock, groups),
+        # a dead channel's shared groups advance (its expired leases go to live members)
+        on_channel_expired=groups.channel_expired,
+    )
+
+
+def sealer(config: Config, clock: Clock | None = None) -> Sealer:
+    """Seals the storage topics a SwitchProduce left behind (``shoal.drain``)."""
+    tables.bind(config)
+    return Sealer(
+        Streams.from_config(config, clock),
+        DrainStore.from_config(config),
+        TopicStore.from_config(config).scan,
+        clock,
+        grace_ms=seal_grace_ms(config.seal_grace_s),
+    )

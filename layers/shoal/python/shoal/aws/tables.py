@@ -22,6 +22,18 @@ from pynamodb.models import Model
 
 from shoal.core.config import Config
 
+#: the logical table names (``Config.table`` maps each to its physical name); every context
+#: names its tables by these
+TOPICS = "topics"
+PUBLISHERS = "publishers"
+RETAINED = "retained"
+SESSIONS = "sessions"
+SUBSCRIPTIONS = "subscriptions"
+INBOXES = "inboxes"
+PUSH_SUBSCRIPTIONS = "push_subscriptions"
+PUSH_GROUPS = "push_groups"
+GROUPS = "groups"
+
 
 class StorageTopicAttr(MapAttribute[str, Any]):
     index = NumberAttribute()
@@ -37,7 +49,7 @@ class TopicModel(Model):
     """A composite topic: its storage topics in order and the produce pointer."""
 
     class Meta:
-        table_name = "topics"
+        table_name = TOPICS
         region = "us-east-1"
 
     name = UnicodeAttribute(hash_key=True)
@@ -62,7 +74,7 @@ class PublisherModel(Model):
     """
 
     class Meta:
-        table_name = "publishers"
+        table_name = PUBLISHERS
         region = "us-east-1"
 
     key = UnicodeAttribute(hash_key=True)
@@ -91,7 +103,7 @@ class RetainedModel(Model):
     """
 
     class Meta:
-        table_name = "retained"
+        table_name = RETAINED
         region = "us-east-1"
 
     key = UnicodeAttribute(hash_key=True)
@@ -144,9 +156,9 @@ class TableDef:
 
 
 TABLES: tuple[TableDef, ...] = (
-    TableDef("topics", TopicModel),
-    TableDef("publishers", PublisherModel),
-    TableDef("retained", RetainedModel),
+    TableDef(TOPICS, TopicModel),
+    TableDef(PUBLISHERS, PublisherModel),
+    TableDef(RETAINED, RetainedModel),
 )
 
 
@@ -186,7 +198,7 @@ class SessionItemModel(Model):
     """
 
     class Meta:
-        table_name = "sessions"
+        table_name = SESSIONS
         region = "us-east-1"
 
     client_id = UnicodeAttribute(hash_key=True)
@@ -198,7 +210,7 @@ class SessionItemModel(Model):
     due = DueIndex()
 
 
-TABLES += (TableDef("sessions", SessionItemModel, ttl_attribute="expires_at"),)
+TABLES += (TableDef(SESSIONS, SessionItemModel, ttl_attribute="expires_at"),)
 
 
 class SubscriptionItemModel(Model):
@@ -212,7 +224,7 @@ class SubscriptionItemModel(Model):
     """
 
     class Meta:
-        table_name = "subscriptions"
+        table_name = SUBSCRIPTIONS
         region = "us-east-1"
 
     bucket = UnicodeAttribute(hash_key=True)
@@ -231,7 +243,7 @@ class InboxItemModel(Model):
     """
 
     class Meta:
-        table_name = "inboxes"
+        table_name = INBOXES
         region = "us-east-1"
 
     inbox = UnicodeAttribute(hash_key=True)
@@ -241,8 +253,8 @@ class InboxItemModel(Model):
 
 
 TABLES += (
-    TableDef("subscriptions", SubscriptionItemModel, ttl_attribute="expires_at"),
-    TableDef("inboxes", InboxItemModel, ttl_attribute="expires_at"),
+    TableDef(SUBSCRIPTIONS, SubscriptionItemModel, ttl_attribute="expires_at"),
+    TableDef(INBOXES, InboxItemModel, ttl_attribute="expires_at"),
 )
 
 
@@ -330,11 +342,11 @@ class GroupItemModel(Model):
     """
 
     class Meta:
-        table_name = "groups"
+        table_name = GROUPS
         region = "us-east-1"
 
     group = UnicodeAttribute(hash_key=True)
     item = UnicodeAttribute(range_key=True)
 
 
-TABLES += (TableDef("groups", GroupItemModel),)
+TABLES += (TableDef(GROUPS, GroupItemModel),)

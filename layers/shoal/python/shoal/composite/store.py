@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, Expression, to_item
 from shoal.composite.model import CompositeTopic, StorageTopic
 from shoal.core.config import Config
 
 #: the logical name of the topics table (``shoal.aws.tables``)
-TABLE = "topics"
 
 
 class TopicStore:
@@ -23,7 +23,7 @@ class TopicStore:
 
     @classmethod
     def from_config(cls, config: Config) -> TopicStore:
-        return cls(Dynamo.from_config(config), config.table(TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.TOPICS))
 
     # -- reads
 

@@ -9,12 +9,63 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 TABLE_ENV_PREFIX = "SHOAL_TABLE_"
 BUCKET_ENV_PREFIX = "SHOAL_BUCKET_"
 FUNCTION_ENV_PREFIX = "SHOAL_FUNCTION_"
+
+#: delivery defaults (``shoal.delivery``)
+DEFAULT_ACK_TIMEOUT_S = 30
+DEFAULT_WINDOW = 100
+DEFAULT_RETENTION_S = 14 * 24 * 3600
+#: shared groups' default lease timeout (``shoal.groups``)
+DEFAULT_LEASE_TIMEOUT_S = 15.0
+
+
+class DeliverySettings(BaseModel):
+    """Delivery's knobs (the deployment may set them; ``shoal dev`` passes its own environment
+    through, so tests can shorten the ack timeout)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ack_timeout_s: float = Field(default=DEFAULT_ACK_TIMEOUT_S, gt=0)
+    #: unacked QoS 1/2 deliveries a session may have (MQTT's receive maximum)
+    window: int = Field(default=DEFAULT_WINDOW, ge=1, le=1000)
+    retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> DeliverySettings:
+        values: dict[str, Any] = {}
+        for name, key in (
+            ("ack_timeout_s", "SHOAL_ACK_TIMEOUT_S"),
+            ("window", "SHOAL_INFLIGHT_WINDOW"),
+            ("retention_s", "SHOAL_INBOX_RETENTION_S"),
+        ):
+            if env.get(key):
+                values[name] = env[key]
+        return cls.model_validate(values)
+
+
+class GroupSettings(BaseModel):
+    """The shared groups' knobs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: a member that has not renewed (heartbeat) for this long loses its streams; a revoke
+    #: that is not finished in this long is finished by the leader
+    lease_timeout_s: float = Field(default=DEFAULT_LEASE_TIMEOUT_S, gt=0)
+
+    @property
+    def lease_timeout_ms(self) -> int:
+        return int(self.lease_timeout_s * 1000)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GroupSettings:
+        raw = env.get("SHOAL_GROUP_LEASE_TIMEOUT_S")
+        return cls(lease_timeout_s=float(raw)) if raw else cls()
 
 
 class Config(BaseModel):
@@ -39,6 +90,11 @@ class Config(BaseModel):
     #: crash tests (``SHOAL_CRASH_AT=publish:after_reserve``): the process exits at once, as
     #: under kill -9, when the named function reaches the named step (``shoal.faults``)
     crash_at: str = ""
+    delivery: DeliverySettings = Field(default_factory=DeliverySettings)
+    groups: GroupSettings = Field(default_factory=GroupSettings)
+    #: ``shoal dev`` and tests shorten the drain's seal grace (``SHOAL_SEAL_GRACE_S``); None:
+    #: derived from the deployment's function timeouts (``shoal.drain.seal_grace_ms``)
+    seal_grace_s: float | None = None
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -58,6 +114,11 @@ class Config(BaseModel):
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),
             faults=parse_faults(env.get("SHOAL_FAULTS", "")),
             crash_at=env.get("SHOAL_CRASH_AT", ""),
+            delivery=DeliverySettings.from_env(env),
+            groups=GroupSettings.from_env(env),
+            seal_grace_s=float(env["SHOAL_SEAL_GRACE_S"])
+            if env.get("SHOAL_SEAL_GRACE_S")
+            else None,
         )
 
 

@@ -60,7 +60,7 @@ from shoal.core.config import Config
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-    from shoal.delivery import InboxMessage
+    from shoal.delivery.inbox import InboxMessage
 
 EVENTS_PREFIX = "events"
 ARCHIVE_BUCKET = "archive"

@@ -36,15 +36,15 @@ from enum import StrEnum
 from typing import Any
 
 from shoal.aws.dynamo import Dynamo, to_item
-from shoal.delivery import (
+from shoal.delivery.inbox import (
     InboxItem,
     InboxMessage,
     PayloadStore,
     from_ranges,
-    item_key,
     ordinal_ranges,
     settle,
 )
+from shoal.delivery.model import item_key
 
 GROUP_PARTITION_PREFIX = "grp#"
 DELIVERY_PREFIX = "g-"
@@ -101,7 +101,7 @@ def parse_delivery_id(text: str) -> GroupDelivery | None:
 
 
 @dataclass
-class Run:
+class StreamRun:
     """Positions ``(after, upto]`` handed out together as ordinals ``first .. first+count-1``."""
 
     first: int
@@ -132,7 +132,7 @@ class Run:
         ]
 
     @classmethod
-    def from_data(cls, raw: list[Any]) -> Run:
+    def from_data(cls, raw: list[Any]) -> StreamRun:
         first, count, after, upto, start, sent, lease, channel = raw
         return cls(
             int(first),
@@ -162,7 +162,7 @@ class StreamProgress:
     done: set[int] = field(default_factory=set)
     cursor: str = ""
     at_item: str = ""
-    runs: list[Run] = field(default_factory=list)
+    runs: list[StreamRun] = field(default_factory=list)
 
     def is_done(self, ordinal: int) -> bool:
         return ordinal < self.floor or ordinal in self.done
@@ -234,7 +234,7 @@ class StreamProgress:
             done=done,
             cursor=str(body.get("cu", "")),
             at_item=str(body.get("ai", "")),
-            runs=[Run.from_data(list(r)) for r in body.get("ru") or []],
+            runs=[StreamRun.from_data(list(r)) for r in body.get("ru") or []],
         )
 
 
@@ -316,7 +316,7 @@ class StreamReader:
             # character that sorts after nothing a position holds, so BETWEEN excludes it)
             lower = items[-1].key + "\x00"
 
-    def run(self, partition: str, source: str, run: Run) -> list[Found] | None:
+    def run(self, partition: str, source: str, run: StreamRun) -> list[Found] | None:
         """A run's messages in order, exactly as many as it has ordinals (else None: expired)."""
         items = self._query(partition, run.start_item, item_key(source, run.upto), None)
         found: dict[str, Found] = {}
@@ -396,7 +396,7 @@ def serve(
         cut = taken[-1][0] + 1
         progress.runs.remove(run)
         progress.runs.append(
-            Run(
+            StreamRun(
                 run.first,
                 cut,
                 run.after,
@@ -408,7 +408,7 @@ def serve(
             )
         )
         progress.runs.append(
-            Run(
+            StreamRun(
                 run.first + cut,
                 run.count - cut,
                 found[cut - 1].message.position,
@@ -422,7 +422,7 @@ def serve(
         break
     room = min(wanted - len(out), window - progress.in_flight())
     if granted and room > 0:
-        current: Run | None = None
+        current: StreamRun | None = None
         scanned = 0
         for f in reader.after(partition, progress):
             if room <= 0 or (admit is not None and not admit(f.item)):
@@ -431,7 +431,7 @@ def serve(
             ordinal = progress.next
             progress.next += 1
             if current is None:
-                current = Run(
+                current = StreamRun(
                     ordinal, 0, progress.cursor, "", f.item.key, now_ms, progress.lease, channel
                 )
                 progress.runs.append(current)

@@ -1,0 +1,1 @@
+"""Delivery: durable subscriptions, session inboxes, get and ack (see ``service`` for the flow)."""

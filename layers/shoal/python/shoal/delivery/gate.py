@@ -1,0 +1,87 @@
+"""The drain's gate for a session's get: an inbox item of a later storage topic waits until
+the session has handed out everything of the earlier ones (``shoal.drain``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from shoal.aws.dynamo import Dynamo, to_item
+from shoal.composite.model import (
+    stream_name,
+)
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.delivery.inbox import InboxItem
+from shoal.delivery.model import item_key, source_id
+from shoal.drain import SOURCE_END, DrainStore, DrainView, storage_of
+
+if TYPE_CHECKING:
+    from shoal.delivery.inbox import DeliveryState
+
+
+class SessionGate:
+    """Whether a session's get may hand out an inbox item (``shoal.delivery``)."""
+
+    def __init__(self, view: DrainView, dynamo: Dynamo, table: str, stream_prefix: str) -> None:
+        self.view = view
+        self.dynamo = dynamo
+        self.table = table
+        self.stream_prefix = stream_prefix
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> SessionGate:
+        store = DrainStore.from_config(config)
+        return cls(
+            DrainView(store, clock or SystemClock()),
+            store.dynamo,
+            store.table,
+            config.stream_prefix,
+        )
+
+    def admits(self, session_id: str, state: DeliveryState, item: InboxItem) -> bool:
+        """True if the item's storage topic is open for the session. Moves ``state.drained``
+        (written with the state) when the session has passed a drained storage topic."""
+        if item.stream is None:
+            return True
+        storage = storage_of(item.stream, self.stream_prefix)
+        if storage is None:
+            return True
+        topic, index = storage
+        passed = state.drained.get(topic, 0)
+        while passed < index:
+            earlier = stream_name(self.stream_prefix, topic, passed)
+            shards = self.view.sealed_shards(earlier)
+            if shards is None or not self._handed_out(session_id, state, earlier, shards):
+                return False
+            passed += 1
+            state.drained[topic] = passed
+        return True
+
+    def _handed_out(
+        self, session_id: str, state: DeliveryState, stream: str, shards: Iterable[str]
+    ) -> bool:
+        """Whether every message of ``stream`` in the session's inbox was handed out."""
+        for shard in shards:
+            source = source_id(stream, shard)
+            if source in state.partial:
+                return False  # the cursor sits inside an item with more after it
+            rows = self.dynamo.query(
+                self.table,
+                KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+                ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+                ExpressionAttributeValues=to_item(
+                    {
+                        ":p": session_id,
+                        # after the cursor's item key: an item starting after the cursor
+                        ":a": item_key(source, state.cursors.get(source, "")) + "\x00",
+                        ":b": item_key(source, SOURCE_END),
+                    }
+                ),
+                ProjectionExpression="#k",
+                ConsistentRead=True,
+                Limit=1,
+            )
+            if rows:
+                return False
+        return True

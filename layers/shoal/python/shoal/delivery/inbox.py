@@ -1,0 +1,503 @@
+"""Session inboxes: inbox items, the delivery state (cursors, ordinals, runs), the inbox store and
+the payload store.
+
+Inboxes
+-------
+One DynamoDB partition per session id (a discarded or expired session's inbox is simply never
+read again; TTL removes it). The router writes, per session and per batch of one storage shard,
+one item holding all the session's deliveries from that batch, keyed ``<source>#<position>``
+(source: a digest of stream and shard; position: Kinesis sequence number and the message's
+index in its record), so small messages share a write unit. A retried batch writes nothing
+twice: the router's per-shard ledger says whether a batch may have been written before, and
+then it first reads, per session, how far the session's items already cover (``shoal.fanout``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from shoal.aws import clients, tables
+from shoal.aws.dynamo import Dynamo, to_item
+from shoal.core.config import Config
+from shoal.delivery.model import LEDGER, MAX_ITEM_BYTES, PAYLOADS_PREFIX, STATE, item_key, split_key
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    """One delivery in an inbox item."""
+
+    position: str
+    message_id: str
+    topic: str
+    payload: bytes
+    #: the granted QoS: min(subscription, message)
+    qos: int
+    #: the filter that matched (the highest-QoS one when several of the session's did)
+    subscription: str
+    sid: str
+    published_at_ms: int
+    expires_at_ms: int | None = None
+    properties: Mapping[str, Any] = field(default_factory=dict)
+    retain: bool = False
+    #: the payload's key in the archive bucket, when it was too large to keep inline
+    payload_ref: str | None = None
+
+    def data(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "o": self.position,
+            "i": self.message_id,
+            "t": self.topic,
+            "p": self.payload,
+            "q": self.qos,
+            "s": self.subscription,
+            "g": self.sid,
+            "a": self.published_at_ms,
+        }
+        if self.expires_at_ms is not None:
+            out["x"] = self.expires_at_ms
+        if self.properties:
+            out["pr"] = dict(self.properties)
+        if self.retain:
+            out["r"] = True
+        if self.payload_ref is not None:
+            out["ref"] = self.payload_ref
+        return out
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> InboxMessage:
+        return cls(
+            position=str(data["o"]),
+            message_id=str(data["i"]),
+            topic=str(data["t"]),
+            payload=bytes(data.get("p") or b""),
+            qos=int(data["q"]),
+            subscription=str(data["s"]),
+            sid=str(data["g"]),
+            published_at_ms=int(data["a"]),
+            expires_at_ms=int(data["x"]) if data.get("x") is not None else None,
+            properties=dict(data.get("pr") or {}),
+            retain=bool(data.get("r", False)),
+            payload_ref=data.get("ref"),
+        )
+
+    def size(self) -> int:
+        """Roughly what it adds to an item (for packing; DynamoDB counts names and values)."""
+        props = len(json.dumps(self.properties)) if self.properties else 0
+        return (
+            60
+            + len(self.position)
+            + len(self.message_id)
+            + len(self.topic.encode("utf-8", "surrogatepass"))
+            + len(self.payload)
+            + len(self.subscription.encode("utf-8", "surrogatepass"))
+            + len(self.sid)
+            + props
+            + len(self.payload_ref or "")
+        )
+
+
+@dataclass(frozen=True)
+class InboxItem:
+    session_id: str
+    key: str
+    messages: tuple[InboxMessage, ...]
+    #: the last position this item accounts for (the batch's end: a retry skips up to it)
+    covered: str
+    expires_at: int
+    #: the storage stream, for a storage topic after a topic's first: readers hold it until the
+    #: earlier ones are drained (``shoal.drain``); None (not stored) otherwise
+    stream: str | None = None
+
+    @property
+    def source(self) -> str:
+        return split_key(self.key)[0]
+
+    def record(self) -> dict[str, Any]:
+        out = {
+            "inbox": self.session_id,
+            "position": self.key,
+            "l": self.covered,
+            "m": [m.data() for m in self.messages],
+            "expires_at": self.expires_at,
+        }
+        if self.stream is not None:
+            out["st"] = self.stream
+        return out
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> InboxItem:
+        return cls(
+            session_id=str(raw["inbox"]),
+            key=str(raw["position"]),
+            messages=tuple(InboxMessage.from_data(m) for m in raw.get("m") or []),
+            covered=str(raw.get("l", "")),
+            expires_at=int(raw.get("expires_at") or 0),
+            stream=str(raw["st"]) if raw.get("st") else None,
+        )
+
+
+def pack(
+    session_id: str,
+    source: str,
+    messages: Sequence[InboxMessage],
+    covered: str,
+    expires_at: int,
+    *,
+    stream: str | None = None,
+) -> list[InboxItem]:
+    """Deliveries of one session from one source, in order, as few items as fit.
+
+    The last item accounts for everything up to ``covered``; an earlier one up to its own last
+    message (the router writes them in this order, one after the other).
+    """
+    groups: list[list[InboxMessage]] = [[]]
+    size = 0
+    for message in messages:
+        grow = message.size()
+        if groups[-1] and size + grow > MAX_ITEM_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(message)
+        size += grow
+    items: list[InboxItem] = []
+    for n, group in enumerate(groups):
+        if not group:
+            continue
+        last = n == len(groups) - 1
+        items.append(
+            InboxItem(
+                session_id=session_id,
+                key=item_key(source, group[0].position),
+                messages=tuple(group),
+                covered=covered if last else group[-1].position,
+                expires_at=expires_at,
+                stream=stream,
+            )
+        )
+    return items
+
+
+class OrdinalRun(Protocol):
+    """Ordinals ``first .. end - 1`` handed out together (a session's or a group stream's run)."""
+
+    @property
+    def first(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+R = TypeVar("R", bound=OrdinalRun)
+
+
+def settle(
+    runs: list[R], floor: int, next_ordinal: int, done: set[int]
+) -> tuple[int, set[int], list[R]]:
+    """Move the floor over done ordinals: the new floor (the first ordinal not done, or
+    ``next_ordinal``), the done ordinals above it, and the runs that still hold one not done.
+    ``runs`` is sorted in place by first ordinal."""
+    runs.sort(key=lambda r: r.first)
+    new_floor = next_ordinal
+    for run in runs:
+        pending = next((o for o in range(max(run.first, floor), run.end) if o not in done), None)
+        if pending is not None:
+            new_floor = pending
+            break
+    floor = max(floor, new_floor)
+    done = {o for o in done if o >= floor}
+    kept = [r for r in runs if any(o not in done for o in range(max(r.first, floor), r.end))]
+    return floor, done, kept
+
+
+@dataclass
+class SessionRun:
+    """Positions ``(after, upto]`` of one source, handed out by one get as ordinals
+    ``first .. first + count - 1`` (every message in that range, delivered or skipped)."""
+
+    first: int
+    count: int
+    source: str
+    after: str
+    upto: str
+    #: the key of the item holding the run's first message
+    start_item: str
+    sent_at_ms: int
+    channel: str
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def data(self) -> dict[str, Any]:
+        return {
+            "o": self.first,
+            "c": self.count,
+            "s": self.source,
+            "f": self.after,
+            "t": self.upto,
+            "i": self.start_item,
+            "a": self.sent_at_ms,
+            "h": self.channel,
+        }
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> SessionRun:
+        return cls(
+            first=int(data["o"]),
+            count=int(data["c"]),
+            source=str(data["s"]),
+            after=str(data["f"]),
+            upto=str(data["t"]),
+            start_item=str(data["i"]),
+            sent_at_ms=int(data["a"]),
+            channel=str(data["h"]),
+        )
+
+
+def ordinal_ranges(numbers: Iterable[int]) -> list[list[int]]:
+    """Ordinals as ``[first, last]`` ranges (how progress items store done ordinals)."""
+    out: list[list[int]] = []
+    for n in sorted(numbers):
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return out
+
+
+def from_ranges(ranges: Iterable[Sequence[Any]]) -> set[int]:
+    """The ordinals of ``ordinal_ranges``' answer."""
+    out: set[int] = set()
+    for lo, hi in ranges:
+        out.update(range(int(lo), int(hi) + 1))
+    return out
+
+
+@dataclass
+class DeliveryState:
+    """One session's delivery state (the ``#state`` item), changed in memory then written."""
+
+    version: int = 0
+    next_ordinal: int = 0
+    #: every ordinal below is done (acked, QoS 0, or skipped)
+    floor: int = 0
+    #: done ordinals at or above the floor
+    acked: set[int] = field(default_factory=set)
+    #: source -> the last position handed out
+    cursors: dict[str, str] = field(default_factory=dict)
+    #: source -> the key of the item the cursor sits inside of (more messages follow in it)
+    partial: dict[str, str] = field(default_factory=dict)
+    runs: list[SessionRun] = field(default_factory=list)
+    #: composite topic -> how many of its storage topics the session has passed (drained and
+    #: handed out: ``shoal.drain``); the later ones' items go out only after those
+    drained: dict[str, int] = field(default_factory=dict)
+
+    def done(self, ordinal: int) -> bool:
+        return ordinal < self.floor or ordinal in self.acked
+
+    def in_flight(self) -> int:
+        """Handed-out ordinals not done (QoS 1/2 deliveries waiting for their ack)."""
+        return sum(1 for run in self.runs for o in range(run.first, run.end) if not self.done(o))
+
+    def normalize(self) -> None:
+        """Move the floor over done ordinals; forget runs and acks below it."""
+        self.floor, self.acked, self.runs = settle(
+            self.runs, self.floor, self.next_ordinal, self.acked
+        )
+
+    def record(self, session_id: str, expires_at: int) -> dict[str, Any]:
+        return {
+            "inbox": session_id,
+            "position": STATE,
+            "v": self.version,
+            "n": self.next_ordinal,
+            "fl": self.floor,
+            "ak": ordinal_ranges(self.acked),
+            "cu": dict(self.cursors),
+            "pa": dict(self.partial),
+            "ru": [r.data() for r in self.runs],
+            "dr": dict(self.drained),
+            "expires_at": expires_at,
+        }
+
+    @classmethod
+    def from_record(cls, raw: Mapping[str, Any]) -> DeliveryState:
+        acked = from_ranges(raw.get("ak") or [])
+        return cls(
+            version=int(raw.get("v", 0)),
+            next_ordinal=int(raw.get("n", 0)),
+            floor=int(raw.get("fl", 0)),
+            acked=acked,
+            cursors={str(k): str(v) for k, v in (raw.get("cu") or {}).items()},
+            partial={str(k): str(v) for k, v in (raw.get("pa") or {}).items()},
+            runs=[SessionRun.from_data(r) for r in raw.get("ru") or []],
+            drained={str(k): int(v) for k, v in (raw.get("dr") or {}).items()},
+        )
+
+
+def delivery_id(session_id: str, ordinal: int) -> str:
+    return f"{session_id}.{ordinal}"
+
+
+def ordinal_of(session_id: str, delivery: str) -> int | None:
+    prefix, _, number = delivery.rpartition(".")
+    if prefix != session_id or not number.isdigit():
+        return None
+    return int(number)
+
+
+def ledger_partition(source: str) -> str:
+    return f"router#{source}"
+
+
+class InboxStore:
+    """The inboxes table: deliveries, each session's delivery state, the router's ledgers."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> InboxStore:
+        return cls(Dynamo.from_config(config), config.table(tables.INBOXES))
+
+    # -- deliveries
+
+    def put(self, items: Sequence[InboxItem]) -> None:
+        """Write items; a session's later items of one source only after its earlier ones, so a
+        get never sees a later delivery before an earlier one."""
+        rounds: list[list[InboxItem]] = []
+        seen: dict[tuple[str, str], int] = {}
+        for item in items:
+            n = seen.get((item.session_id, item.source), -1) + 1
+            seen[(item.session_id, item.source)] = n
+            while len(rounds) <= n:
+                rounds.append([])
+            rounds[n].append(item)
+        for batch in rounds:
+            self.dynamo.batch_put(self.table, [i.record() for i in batch])
+
+    def put_transaction_part(self, item: InboxItem) -> dict[str, Any]:
+        return {"Put": {"TableName": self.table, "Item": to_item(item.record())}}
+
+    def after(self, session_id: str, key: str, *, inclusive: bool, limit: int) -> list[InboxItem]:
+        """Up to ``limit`` items of the session from ``key`` on, in key order."""
+        operator = ">=" if inclusive else ">"
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression=f"#p = :p AND #k {operator} :k",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": session_id, ":k": key}),
+            ConsistentRead=True,
+            Limit=limit,
+        )
+        return [InboxItem.from_record(r) for r in rows]
+
+    def between(self, session_id: str, first: str, last: str) -> list[InboxItem]:
+        """The session's items with keys from ``first`` to ``last``, inclusive."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": session_id, ":a": first, ":b": last}),
+            ConsistentRead=True,
+        )
+        return [InboxItem.from_record(r) for r in rows]
+
+    def covered(self, session_id: str, source: str, upto: str) -> str:
+        """How far the session's items of ``source`` at or before ``upto`` account for ("" for
+        nothing): the router's check before it writes a batch that may have been written."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position", "#l": "l"},
+            ExpressionAttributeValues=to_item(
+                {":p": session_id, ":a": f"{source}#", ":b": item_key(source, upto)}
+            ),
+            ProjectionExpression="#l",
+            ConsistentRead=True,
+            ScanIndexForward=False,
+            Limit=1,
+        )
+        return str(rows[0].get("l", "")) if rows else ""
+
+    # -- the router's ledger
+
+    def ledger(self, source: str) -> str:
+        """The last record position (``seq_key``) the router may have written deliveries for."""
+        raw = self.dynamo.get(self.table, {"inbox": ledger_partition(source), "position": LEDGER})
+        return str(raw.get("a", "")) if raw else ""
+
+    def advance_ledger(self, source: str, through: str) -> None:
+        """Record that deliveries up to ``through`` may exist (only ever forward)."""
+        # a failed condition: the ledger is already at or past ``through``
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"inbox": ledger_partition(source), "position": LEDGER}),
+            UpdateExpression="SET #a = :a",
+            ConditionExpression="attribute_not_exists(#a) OR #a < :a",
+            ExpressionAttributeNames={"#a": "a"},
+            ExpressionAttributeValues=to_item({":a": through}),
+        )
+
+    # -- the delivery state
+
+    def state(self, session_id: str) -> DeliveryState:
+        raw = self.dynamo.get(self.table, {"inbox": session_id, "position": STATE})
+        return DeliveryState.from_record(raw) if raw else DeliveryState()
+
+    def in_flight(self, session_id: str) -> int:
+        """QoS 1/2 deliveries handed out and not acknowledged (``GET /v1/sessions/{id}``)."""
+        return self.state(session_id).in_flight()
+
+    def state_part(
+        self, session_id: str, state: DeliveryState, expected: int, expires_at: int
+    ) -> dict[str, Any]:
+        """A put of ``state`` on condition that the stored one is still version ``expected``."""
+        condition = "attribute_not_exists(#v) OR #v = :old" if expected == 0 else "#v = :old"
+        return {
+            "TableName": self.table,
+            "Item": to_item(state.record(session_id, expires_at)),
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": {"#v": "v"},
+            "ExpressionAttributeValues": to_item({":old": expected}),
+        }
+
+    def write_state(
+        self, session_id: str, state: DeliveryState, expected: int, expires_at: int
+    ) -> bool:
+        return self.dynamo.conditional(
+            "put_item", **self.state_part(session_id, state, expected, expires_at)
+        )
+
+
+class PayloadStore:
+    """Large payloads, once per message, in the archive bucket (``payloads/<message id>``)."""
+
+    def __init__(self, s3: Any, bucket: str) -> None:
+        self.s3 = s3
+        self.bucket = bucket
+
+    @classmethod
+    def from_config(cls, config: Config) -> PayloadStore:
+        return cls(clients.client("s3", config.region), config.buckets["archive"])
+
+    @staticmethod
+    def key(message_id: str) -> str:
+        return f"{PAYLOADS_PREFIX}/{message_id}"
+
+    def put(self, message_id: str, payload: bytes) -> str:
+        key = self.key(message_id)
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=payload)
+        return key
+
+    def get(self, key: str) -> bytes:
+        body: bytes = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        return body

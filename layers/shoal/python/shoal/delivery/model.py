@@ -1,0 +1,319 @@
+"""Delivery's values and keys: settings, positions and item keys, subscription buckets and
+permissions, request bodies, and the subscription the router holds. No AWS here.
+
+Subscriptions
+-------------
+A subscription lives twice, written by one transaction: in the session (``session.subscriptions``
+on the registry's head item, conditional on the channel being live) and in the subscription
+store the router reads (``shoal.aws.tables.SubscriptionItemModel``). The store is cut into *buckets*
+by the filter's first level (``L:<level>``, or ``W`` when it is a wildcard), so the router reads
+only the buckets a batch's topics can touch: ``W`` and the first levels of its topics. Each
+bucket has a version item bumped by every change and one change record per version (kept a
+day), so a router refreshes a bucket incrementally and detects a gap (then reloads it). The
+router reads the versions strongly consistent once per batch: a subscription whose subscribe
+returned before a publish is in the router's view of every batch holding that message.
+
+A subscription has a *sid* (kept when the same filter is subscribed again); deliveries carry it,
+and get drops a delivery whose subscription is gone or was replaced: unsubscribing drops the
+subscription's undelivered messages without a write per message. A ``$share/{ShareName}/...``
+subscription joins its shared group in the subscribe transaction, and leaves it in the
+unsubscribe's (or the ended session's) one; get and ack take in the group streams the session
+leases (``shoal.groups``).
+
+Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
+filters: every topic name the requested filter matches must be matched by the allowed one
+(``covers``), with the ``$`` rule (``#`` does not cover ``$SYS/#``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from shoal.core.auth import Principal
+from shoal.topics.filters import (
+    MULTI_LEVEL,
+    SEPARATOR,
+    SINGLE_LEVEL,
+    first_level,
+    is_valid_filter,
+    parse_shared,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+#: filters per subscribe or unsubscribe call: with their buckets' version and change items and
+#: the head they fit one transaction (100 items) with room for retained deliveries
+MAX_FILTERS_PER_CALL = 20
+
+
+#: subscriptions one session may hold (MQTT 5 would answer "quota exceeded")
+MAX_SUBSCRIPTIONS_PER_SESSION = 1000
+
+
+#: retained messages one subscribe call sends at most, and their bytes (one transaction)
+MAX_RETAINED_PER_CALL = 1000
+
+
+MAX_RETAINED_BYTES = 2 * 1024 * 1024
+
+
+#: retained topic names one subscribe reads from the index per filter before it stops
+MAX_RETAINED_SCAN = 10_000
+
+
+#: how long a bucket's change records stay: a router whose view is older reloads the bucket
+CHANGE_TTL_S = 24 * 3600
+
+
+#: get answers at most this many messages; long polls last at most this long
+MAX_GET = 100
+
+
+MAX_WAIT_MS = 20_000
+
+
+#: a long poll looks again after 0.1 s, then 1.5 times later each time, at most after 1 s
+POLL_INTERVAL_S = 0.1
+
+
+MAX_POLL_INTERVAL_S = 1.0
+
+
+#: messages one get looks at (including ones it skips: expired, unsubscribed)
+MAX_SCAN_PER_GET = 1000
+
+
+#: queries one get makes while looking for new messages
+MAX_QUERIES_PER_GET = 64
+
+
+#: ids one ack call takes
+MAX_ACK_IDS = 1000
+
+
+#: optimistic-concurrency attempts on the delivery state or a bucket's version
+ATTEMPTS = 8
+
+
+#: deliveries of one batch for one session share an item up to this size; DynamoDB's limit is
+#: 400 KB, and a write unit is 1 KB, so larger items save nothing
+MAX_ITEM_BYTES = 64 * 1024
+
+
+#: larger payloads are kept once in the archive bucket and referenced (an item holds 400 KB)
+MAX_INLINE_PAYLOAD = 32 * 1024
+
+
+PAYLOADS_PREFIX = "payloads"
+
+
+STATE = "#state"
+
+
+LEDGER = "#ledger"
+
+
+VERSION_ITEM = "#v"
+
+
+WILDCARD_BUCKET = "W"
+
+
+RETAINED_SOURCE = "ret"
+
+
+LAST_INDEX = 99_999
+
+
+def seq_key(sequence_number: str | int) -> str:
+    """A Kinesis sequence number as a string that sorts as the number (length first)."""
+    digits = str(int(sequence_number))
+    return f"{len(digits):02d}{digits}"
+
+
+def position(sequence_number: str | int, index: int) -> str:
+    """Where a message sits in its source: its record's sequence number, its index in it."""
+    return f"{seq_key(sequence_number)}.{index:05d}"
+
+
+def record_end(sequence_number: str | int) -> str:
+    """A position after every message of the record."""
+    return position(sequence_number, LAST_INDEX)
+
+
+def source_id(stream: str, shard: str) -> str:
+    """A short, stable name for one storage shard (every inbox key starts with it)."""
+    return hashlib.blake2b(f"{stream}/{shard}".encode(), digest_size=6).hexdigest()
+
+
+def item_key(source: str, first_position: str) -> str:
+    return f"{source}#{first_position}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    source, _, pos = key.partition("#")
+    return source, pos
+
+
+def bucket_of(topic_filter: str) -> str:
+    """The store bucket of a filter (without ``$share/...``) or of a topic name."""
+    level = first_level(topic_filter)
+    if level in (SINGLE_LEVEL, MULTI_LEVEL):
+        return WILDCARD_BUCKET
+    if len(level.encode("utf-8", "surrogatepass")) > 512:
+        # a partition key holds 2,048 bytes
+        return "H:" + hashlib.sha256(level.encode("utf-8", "surrogatepass")).hexdigest()
+    return "L:" + level
+
+
+def subscription_item(client_id: str, topic_filter: str) -> str:
+    """The store key of one client id's subscription to one filter (filters reach 64 KB)."""
+    raw = f"{client_id}\x00{topic_filter}".encode("utf-8", "surrogatepass")
+    return "s#" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def covers(allowed: str, requested: str) -> bool:
+    """Whether every topic name ``requested`` matches is matched by ``allowed`` too.
+
+    Both are filters without ``$share``; an invalid one covers (or is covered by) nothing.
+    Level by level: ``#`` in ``allowed`` covers the rest (and the parent level); ``+`` covers
+    any one level, ``+`` included; a literal covers only itself. ``#`` in ``requested`` is
+    covered only by ``#`` at the same level (or ``+/#`` standing for every topic). A leading
+    wildcard in ``allowed`` does not cover a requested ``$`` level, as it matches no ``$``-topic.
+    """
+    if not is_valid_filter(allowed) or not is_valid_filter(requested):
+        return False
+    a = allowed.split(SEPARATOR)
+    r = requested.split(SEPARATOR)
+    for i, level in enumerate(a):
+        if level == MULTI_LEVEL:
+            return not (i == 0 and r[0].startswith("$"))
+        if i >= len(r):
+            return False
+        wanted = r[i]
+        if wanted == MULTI_LEVEL:
+            # requested a/#: matches "a" itself, which only a/# covers; # alone: every
+            # topic name, which +/# covers as well (a topic has at least one level)
+            return (a[i:] == [MULTI_LEVEL]) or (i == 0 and a == [SINGLE_LEVEL, MULTI_LEVEL])
+        if level == SINGLE_LEVEL:
+            if i == 0 and wanted.startswith("$"):
+                return False
+            continue
+        if wanted != level:
+            return False
+    return len(a) == len(r)
+
+
+def may_subscribe(who: Principal, topic_filter: str) -> bool:
+    return any(covers(allowed, topic_filter) for allowed in who.subscribe)
+
+
+class SubscriptionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filter: str
+    qos: StrictInt = Field(default=1, ge=0, le=2)
+    no_local: StrictBool = False
+    retain_handling: StrictInt = Field(default=0, ge=0, le=2)
+
+
+class SubscribeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    subscriptions: list[SubscriptionRequest] = Field(min_length=1, max_length=MAX_FILTERS_PER_CALL)
+
+
+class UnsubscribeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filters: list[str] = Field(min_length=1, max_length=MAX_FILTERS_PER_CALL)
+
+
+class AckRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(max_length=MAX_ACK_IDS)
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """One session's subscription, as the subscription store holds it."""
+
+    key: str
+    client_id: str
+    session_id: str
+    #: as subscribed (``$share/...`` included)
+    filter: str
+    qos: int
+    sid: str
+    #: the principal that owns the session (no_local compares it)
+    owner: str
+    no_local: bool = False
+    share: str | None = None
+    #: a shared subscription's group incarnation (``shoal.groups``): where the router writes
+    group: str | None = None
+
+    @property
+    def topic_filter(self) -> str:
+        """The filter without ``$share/{ShareName}/``."""
+        shared = parse_shared(self.filter)
+        return shared[1] if shared else self.filter
+
+    def data(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "client_id": self.client_id,
+            "session_id": self.session_id,
+            "filter": self.filter,
+            "qos": self.qos,
+            "sid": self.sid,
+            "owner": self.owner,
+        }
+        if self.no_local:
+            out["no_local"] = True
+        if self.share is not None:
+            out["share"] = self.share
+        if self.group is not None:
+            out["group"] = self.group
+        return out
+
+    @classmethod
+    def from_data(cls, key: str, data: Mapping[str, Any]) -> Subscription:
+        return cls(
+            key=key,
+            client_id=str(data["client_id"]),
+            session_id=str(data["session_id"]),
+            filter=str(data["filter"]),
+            qos=int(data["qos"]),
+            sid=str(data["sid"]),
+            owner=str(data.get("owner", "")),
+            no_local=bool(data.get("no_local", False)),
+            share=data.get("share"),
+            group=data.get("group"),
+        )
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a bucket: a subscription put (or replaced) or deleted."""
+
+    key: str
+    subscription: Subscription | None  # None: deleted
+
+    def data(self) -> dict[str, Any]:
+        if self.subscription is None:
+            return {"k": self.key, "op": "del"}
+        return {"k": self.key, "op": "put", "d": self.subscription.data()}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Change:
+        key = str(data["k"])
+        if data.get("op") == "del":
+            return cls(key, None)
+        return cls(key, Subscription.from_data(key, data["d"]))

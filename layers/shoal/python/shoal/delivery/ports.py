@@ -1,0 +1,43 @@
+"""What delivery needs from shared groups, as a port: the wiring root passes the groups
+service in (``shoal.wiring``), so delivery imports nothing of ``shoal.groups``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class MembershipPlan:
+    """What one subscribe, unsubscribe or session end changes in groups: transaction parts,
+    the incarnation each joined filter belongs to, and the groups it removes."""
+
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    incarnations: dict[str, str] = field(default_factory=dict)
+    #: groups it leaves that stay (their leaders advance once it committed)
+    left: list[str] = field(default_factory=list)
+    #: groups it removes: (key, incarnation)
+    removed: list[tuple[str, str]] = field(default_factory=list)
+
+
+class SharedGroups(Protocol):
+    """The shared groups a session's subscriptions join (``shoal.groups.service.GroupService``):
+    joined and left inside the subscribe and unsubscribe transactions, read by get and ack."""
+
+    def membership(
+        self,
+        client_id: str,
+        session_id: str,
+        *,
+        joins: Iterable[str] = (),
+        leaves: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> MembershipPlan: ...
+
+    def after(self, plan: MembershipPlan) -> None: ...
+
+    def get(
+        self, session_id: str, subscriptions: Mapping[str, Any], wanted: int, channel: str = ""
+    ) -> list[dict[str, Any]]: ...
+
+    def ack(self, session_id: str, subscriptions: Mapping[str, Any], ids: Iterable[str]) -> int: ...

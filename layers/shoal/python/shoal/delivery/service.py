@@ -1,0 +1,474 @@
+"""Get and ack, exactly once per session.
+
+Get and ack
+-----------
+The session's delivery state is one small item (``#state``): a cursor per source (the last
+position handed out), the next delivery *ordinal*, the ack floor (every ordinal below it is
+done) with the acked ordinals above it, and *runs*: the ranges of positions each get handed
+out, with their first ordinal, time and channel. A delivery's id is ``<session id>.<ordinal>``.
+Ack marks ordinals done and moves the floor: one small write however many ids. A run whose
+messages are not all acked after the ack timeout, or that went to another channel (a
+reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
+recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
+out (at most once). Consumed deliveries are never deleted one by one: TTL removes them
+(``SHOAL_INBOX_RETENTION_S``, 14 days by default, is also how long an offline session's
+messages wait).
+
+Every write of the state is conditional on its version, so racing gets and acks of one session
+serialize; every call checks first that its channel is the live one. Positions make delivery
+idempotent a second time over: a cursor only moves forward, so a delivery written twice (under
+another key) is still handed out once. A long poll reads the inbox after 0.1 s, then 1.5 times
+later each time (at most every second), so a 20 s wait costs about 25 reads, not 200.
+
+Order: within one source (a storage shard) deliveries are written and handed out in position
+order, so messages of one ordering key arrive in publish order. Sources are read one after the
+other, earlier storage topics first; after SwitchProduce, a later storage topic's items are
+held until the earlier ones are drained and handed out (``shoal.drain``), so a key's order
+holds across storage topics too.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import DeliverySettings
+from shoal.core.errors import BadRequest, ServerBusy
+from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
+from shoal.delivery.events import Recording, record_answers
+from shoal.delivery.gate import SessionGate
+from shoal.delivery.inbox import (
+    DeliveryState,
+    InboxItem,
+    InboxMessage,
+    InboxStore,
+    PayloadStore,
+    SessionRun,
+    delivery_id,
+    ordinal_of,
+)
+from shoal.delivery.model import (
+    ATTEMPTS,
+    MAX_GET,
+    MAX_POLL_INTERVAL_S,
+    MAX_QUERIES_PER_GET,
+    MAX_SCAN_PER_GET,
+    MAX_WAIT_MS,
+    POLL_INTERVAL_S,
+    STATE,
+    AckRequest,
+    item_key,
+)
+from shoal.delivery.ports import SharedGroups
+from shoal.delivery.subscriptions import channel_of
+from shoal.sessions import Head, SessionRegistry
+
+# --- get and ack ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A message the scan found: where it is, and the item it is in."""
+
+    source: str
+    item: InboxItem
+    message: InboxMessage
+    last_in_item: bool
+
+
+@dataclass
+class _Plan:
+    state: DeliveryState
+    out: list[dict[str, Any]] = field(default_factory=list)
+    changed: bool = False
+    #: new deliveries done without going out, and why (delivery events: ``dropped``)
+    dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
+
+
+class DeliveryService:
+    """Get and ack for a live channel."""
+
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        inbox: InboxStore,
+        settings: DeliverySettings,
+        clock: Clock | None = None,
+        payloads: PayloadStore | None = None,
+        *,
+        groups: SharedGroups | None = None,
+        events: Recording | None = None,
+        drain: SessionGate | None = None,
+    ) -> None:
+        self.registry = registry
+        self.inbox = inbox
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.payloads = payloads
+        #: the group streams the session leases (``shoal.groups``)
+        self.groups = groups
+        #: delivery events (``shoal.delivery_events``); None records nothing
+        self.events = events
+        #: holds items of a later storage topic until the earlier ones are drained and handed
+        #: out (``shoal.drain``); None hands out every source as it comes
+        self.drain = drain
+
+    # -- get
+
+    def get(
+        self,
+        who: Principal,
+        client_id: str,
+        channel: str | None,
+        max_messages: int = 10,
+        wait_ms: int = 0,
+    ) -> dict[str, Any]:
+        if max_messages < 1:
+            raise BadRequest("max is at least 1", field="max")
+        if wait_ms < 0:
+            raise BadRequest("wait_ms is not negative", field="wait_ms")
+        head = self.registry.require_live(who, client_id, channel)
+        channel = channel_of(head)
+        session_id = head.session_id or ""
+        wanted = min(max_messages, MAX_GET)
+        deadline = self.clock.now_ms() + min(wait_ms, MAX_WAIT_MS)
+        waited = False
+        interval = POLL_INTERVAL_S
+        # kept across idle polls: a stale copy only costs a failed conditional write
+        state: DeliveryState | None = None
+        while True:
+            out: list[dict[str, Any]] = []
+            for attempt in range(ATTEMPTS):
+                if state is None:
+                    state = self.inbox.state(session_id)
+                expected = state.version
+                now = self.clock.now_ms()
+                plan = self._plan(
+                    session_id=session_id,
+                    head=head,
+                    state=state,
+                    channel=channel,
+                    wanted=wanted,
+                    now=now,
+                )
+                if not plan.changed:
+                    break
+                if waited:
+                    # time passed: hand nothing to a channel that lost the session meanwhile
+                    head = self.registry.require_live(who, client_id, channel)
+                plan.state.version = expected + 1
+                plan.state.normalize()
+                expires = now // 1000 + self.settings.retention_s
+                if self.inbox.write_state(session_id, plan.state, expected, expires):
+                    out = plan.out
+                    self._record_get(session_id, client_id, plan)
+                    break
+                state = None
+                self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+            else:
+                raise ServerBusy("this session's deliveries are contended; retry")
+            if self.groups is not None and len(out) < wanted:
+                out += self.groups.get(session_id, head.subscriptions, wanted - len(out), channel)
+            if out:
+                return {"messages": out}
+            left_ms = deadline - self.clock.now_ms()
+            if left_ms <= 0:
+                return {"messages": []}
+            # each idle poll reads the inbox: back off, so a long wait costs few reads
+            self.clock.sleep(min(interval, left_ms / 1000))
+            interval = min(interval * 1.5, MAX_POLL_INTERVAL_S)
+            waited = True
+
+    def _plan(
+        self,
+        *,
+        session_id: str,
+        head: Head,
+        state: DeliveryState,
+        channel: str,
+        wanted: int,
+        now: int,
+    ) -> _Plan:
+        plan = _Plan(state)
+        self._redeliver(session_id, plan, channel, wanted, now)
+        window_left = self.settings.window - state.in_flight()
+        if len(plan.out) < wanted and window_left > 0:
+            self._deliver_new(
+                session_id=session_id,
+                head=head,
+                plan=plan,
+                channel=channel,
+                wanted=wanted,
+                window_left=window_left,
+                now=now,
+            )
+        return plan
+
+    def _redeliver(self, session_id: str, plan: _Plan, channel: str, wanted: int, now: int) -> None:
+        state = plan.state
+        timeout_ms = int(self.settings.ack_timeout_s * 1000)
+        for run in sorted(state.runs, key=lambda r: r.first):
+            if len(plan.out) >= wanted:
+                return
+            due = run.channel != channel or run.sent_at_ms + timeout_ms <= now
+            if not due:
+                continue
+            found = self._read_run(session_id, run)
+            if found is None:
+                # its deliveries are gone (retention ran out): nothing left to redeliver
+                logger.warning("in-flight deliveries expired before their ack")
+                state.acked.update(range(run.first, run.end))
+                plan.changed = True
+                continue
+            pending = [(n, f) for n, f in enumerate(found) if not state.done(run.first + n)]
+            room = wanted - len(plan.out)
+            taken = pending[:room]
+            for n, f in taken:
+                plan.out.append(self._answer(session_id, run.first + n, f.message, True, now))
+            plan.changed = True
+            if len(taken) == len(pending):
+                run.sent_at_ms, run.channel = now, channel
+                continue
+            # split: the part handed out now, and the rest, still due
+            cut = taken[-1][0] + 1
+            rest_first = found[cut]
+            state.runs.remove(run)
+            state.runs.append(
+                replace(
+                    run,
+                    count=cut,
+                    upto=found[cut - 1].message.position,
+                    sent_at_ms=now,
+                    channel=channel,
+                )
+            )
+            state.runs.append(
+                replace(
+                    run,
+                    first=run.first + cut,
+                    count=run.count - cut,
+                    after=found[cut - 1].message.position,
+                    start_item=rest_first.item.key,
+                )
+            )
+            return
+
+    def _read_run(self, session_id: str, run: SessionRun) -> list[_Found] | None:
+        """The run's messages in order, exactly as many as it has ordinals (else None)."""
+        items = self.inbox.between(session_id, run.start_item, item_key(run.source, run.upto))
+        found: dict[str, _Found] = {}
+        for item in items:
+            for n, m in enumerate(item.messages):
+                # a position is one message; the first item holding it is the one handed out
+                if run.after < m.position <= run.upto and m.position not in found:
+                    found[m.position] = _Found(run.source, item, m, n == len(item.messages) - 1)
+        ordered = sorted(found.values(), key=lambda f: f.message.position)
+        return ordered if len(ordered) == run.count else None
+
+    def _deliver_new(
+        self,
+        *,
+        session_id: str,
+        head: Head,
+        plan: _Plan,
+        channel: str,
+        wanted: int,
+        window_left: int,
+        now: int,
+    ) -> None:
+        state = plan.state
+        new_runs: dict[str, SessionRun] = {}
+        for scanned, found in enumerate(self._scan(session_id, state)):
+            if len(plan.out) >= wanted or window_left <= 0 or scanned >= MAX_SCAN_PER_GET:
+                break
+            message = found.message
+            ordinal = state.next_ordinal
+            state.next_ordinal += 1
+            run = new_runs.get(found.source)
+            if run is None:
+                run = SessionRun(
+                    first=ordinal,
+                    count=0,
+                    source=found.source,
+                    after=state.cursors.get(found.source, ""),
+                    upto=message.position,
+                    start_item=found.item.key,
+                    sent_at_ms=now,
+                    channel=channel,
+                )
+                new_runs[found.source] = run
+                state.runs.append(run)
+            run.count += 1
+            run.upto = message.position
+            state.cursors[found.source] = message.position
+            if found.last_in_item:
+                state.partial.pop(found.source, None)
+            else:
+                state.partial[found.source] = found.item.key
+            plan.changed = True
+            if not self._wanted(head, found, now):
+                # expired, or its subscription is gone: done without being sent
+                state.acked.add(ordinal)
+                plan.dropped.append((message, _drop_reason(found, now)))
+                continue
+            plan.out.append(self._answer(session_id, ordinal, message, False, now))
+            if message.qos == 0:
+                state.acked.add(ordinal)  # at most once: done as it goes out
+            else:
+                window_left -= 1
+
+    def _wanted(self, head: Head, found: _Found, now: int) -> bool:
+        """Whether a new delivery goes out: not expired, and its subscription still stands."""
+        message = found.message
+        if message.expires_at_ms is not None and message.expires_at_ms <= now:
+            return False
+        if found.item.expires_at and found.item.expires_at * 1000 <= now:
+            return False
+        option = head.subscriptions.get(message.subscription)
+        return option is not None and option.get("sid") == message.sid
+
+    def _scan(self, session_id: str, state: DeliveryState) -> Iterator[_Found]:
+        """The session's messages after each source's cursor, source by source, in order.
+
+        Consumed items stay until TTL, so when the scan runs into a source's consumed items it
+        jumps to that source's cursor (one query per source with old items, no more).
+        """
+        lower, inclusive = STATE, False
+        for _ in range(MAX_QUERIES_PER_GET):
+            items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=10)
+            if not items:
+                return
+            jumped = False
+            held: str | None = None
+            for item in items:
+                source = item.source
+                cursor = state.cursors.get(source, "")
+                fresh = [m for m in item.messages if m.position > cursor]
+                held = None
+                if (
+                    fresh
+                    and self.drain is not None
+                    and not self.drain.admits(session_id, state, item)
+                ):
+                    # a later storage topic waits for the earlier ones (``shoal.drain``)
+                    held = source
+                    continue
+                if not fresh:
+                    partial = state.partial.get(source)
+                    if partial and partial > item.key:
+                        lower, inclusive = partial, True
+                    else:
+                        lower, inclusive = item_key(source, cursor), False
+                    if (lower, inclusive) <= (item.key, True):
+                        lower, inclusive = item.key, False
+                    jumped = True
+                    break
+                for n, message in enumerate(fresh):
+                    yield _Found(source, item, message, n == len(fresh) - 1)
+            if not jumped:
+                if len(items) < 10:
+                    return
+                lower, inclusive = items[-1].key, False
+                if held is not None:
+                    # past the held source's other items in one step, not page by page
+                    lower = item_key(held, "~")
+
+    def _answer(
+        self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int
+    ) -> dict[str, Any]:
+        properties = dict(message.properties)
+        if message.expires_at_ms is not None:
+            # MQTT 5: the expiry a receiver sees is what is left of it
+            properties["message_expiry_s"] = max(0, (message.expires_at_ms - now) // 1000)
+        payload = message.payload
+        if message.payload_ref is not None and self.payloads is not None:
+            payload = self.payloads.get(message.payload_ref)
+        return {
+            "id": delivery_id(session_id, ordinal),
+            "message_id": message.message_id,
+            "topic": message.topic,
+            "payload": base64.b64encode(payload).decode("ascii"),
+            "qos": message.qos,
+            "retain": message.retain,
+            "dup": dup,
+            "subscription": message.subscription,
+            "properties": properties,
+            "published_at": message.published_at_ms,
+        }
+
+    def _record_get(self, session_id: str, client_id: str, plan: _Plan) -> None:
+        """The delivery events of a get whose state write succeeded: one object, keyed by the
+        state version it wrote (a retried get writes another version, so its own object)."""
+        if self.events is None or not self.events.enabled:
+            return
+
+        events = self.events.new()
+        record_answers(events, "session", session_id, plan.out, label=client_id)
+        for message, reason in plan.dropped:
+            events.add(
+                "dropped",
+                "session",
+                session_id,
+                message_id=message.message_id,
+                topic=message.topic,
+                published_at=message.published_at_ms,
+                qos=message.qos,
+                reason=reason,
+                label=client_id,
+            )
+        events.flush(f"get/{session_id}/{plan.state.version}")
+
+    def _record_ack(self, session_id: str, state: DeliveryState, ordinals: set[int]) -> None:
+        """``acked`` for every requested ordinal that is done now, fresh or acked before (so a
+        retried ack repairs a crash between its state write and this flush)."""
+        if self.events is None or not self.events.enabled:
+            return
+        done = sorted(o for o in ordinals if o < state.next_ordinal and state.done(o))
+        if not done:
+            return
+        events = self.events.new()
+        for ordinal in done:
+            events.add("acked", "session", session_id, delivery_id=delivery_id(session_id, ordinal))
+        events.flush(f"ack/{session_id}/{state.version}/{done[0]}")
+
+    # -- ack
+
+    def ack(
+        self, who: Principal, client_id: str, channel: str | None, request: AckRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        session_id = head.session_id or ""
+        # group deliveries (``g-...`` ids) are acked on their streams, fenced by their lease
+        grouped = self.groups.ack(session_id, head.subscriptions, request.ids) if self.groups else 0
+        ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
+        if not ordinals:
+            return {"acked": grouped}
+        for attempt in range(ATTEMPTS):
+            state = self.inbox.state(session_id)
+            expected = state.version
+            fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
+            if not fresh:
+                self._record_ack(session_id, state, ordinals)
+                return {"acked": grouped}
+            state.acked |= fresh
+            state.version = expected + 1
+            state.normalize()
+            expires = self.clock.now_ms() // 1000 + self.settings.retention_s
+            if self.inbox.write_state(session_id, state, expected, expires):
+                self._record_ack(session_id, state, ordinals)
+                return {"acked": len(fresh) + grouped}
+            self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+        raise ServerBusy("this session's deliveries are contended; retry")
+
+
+def _drop_reason(found: _Found, now: int) -> str:
+    message = found.message
+    expired = message.expires_at_ms is not None and message.expires_at_ms <= now
+    if expired or (found.item.expires_at and found.item.expires_at * 1000 <= now):
+        return "expired"
+    return "unsubscribed"

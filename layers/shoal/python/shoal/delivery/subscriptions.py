@@ -1,0 +1,583 @@
+"""Subscribe and unsubscribe: the subscription store the router reads, the service that writes a
+session's subscriptions, and the retirer of an ended session's subscriptions.
+
+Subscriptions
+-------------
+A subscription lives twice, written by one transaction: in the session (``session.subscriptions``
+on the registry's head item, conditional on the channel being live) and in the subscription
+store the router reads (``shoal.aws.tables.SubscriptionItemModel``). The store is cut into *buckets*
+by the filter's first level (``L:<level>``, or ``W`` when it is a wildcard), so the router reads
+only the buckets a batch's topics can touch: ``W`` and the first levels of its topics. Each
+bucket has a version item bumped by every change and one change record per version (kept a
+day), so a router refreshes a bucket incrementally and detects a gap (then reloads it). The
+router reads the versions strongly consistent once per batch: a subscription whose subscribe
+returned before a publish is in the router's view of every batch holding that message.
+
+A subscription has a *sid* (kept when the same filter is subscribed again); deliveries carry it,
+and get drops a delivery whose subscription is gone or was replaced: unsubscribing drops the
+subscription's undelivered messages without a write per message. A ``$share/{ShareName}/...``
+subscription joins its shared group in the subscribe transaction, and leaves it in the
+unsubscribe's (or the ended session's) one; get and ack take in the group streams the session
+leases (``shoal.groups``).
+
+Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
+filters: every topic name the requested filter matches must be matched by the allowed one
+(``covers``), with the ``$`` rule (``#`` does not cover ``$SYS/#``).
+
+
+Retained messages
+-----------------
+A subscribe finds the retained messages of a filter through the retained table's
+``by_composite`` index: the composite topic the filter's first level names and ``default`` (a
+topic published before its composite topic existed), or every composite topic for a wildcard
+first level; it matches the topic names in memory, reading at most ``MAX_RETAINED_SCAN`` index
+entries per filter, then reads the matching messages strongly consistent. They are written to
+the session's inbox in the subscribe's own transaction (source ``ret``, positioned by the
+delivery state's version it bumps): at most ``MAX_RETAINED_PER_CALL`` messages and
+``MAX_RETAINED_BYTES`` per call, once per topic however many new subscriptions match it.
+
+
+Ended sessions
+--------------
+A connect that discards a session, and the reaper when a session expires, remove its
+subscriptions from the store (``SubscriptionRetirer``, a ``shoal.sessions.SessionEndHook``). A
+connect that dies between its commit and that clean-up leaves them behind: the router then
+keeps writing to an inbox no session reads (TTL removes it), which costs writes, never a wrong
+delivery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.aws import tables
+from shoal.aws.dynamo import Dynamo, to_item
+from shoal.aws.tables import RetainedModel, TopicModel
+from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config, DeliverySettings
+from shoal.core.errors import InvalidFilter, ServerBusy
+from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
+from shoal.delivery.inbox import InboxMessage, InboxStore, pack
+from shoal.delivery.model import (
+    ATTEMPTS,
+    CHANGE_TTL_S,
+    MAX_RETAINED_BYTES,
+    MAX_RETAINED_PER_CALL,
+    MAX_RETAINED_SCAN,
+    MAX_SUBSCRIPTIONS_PER_SESSION,
+    RETAINED_SOURCE,
+    VERSION_ITEM,
+    Change,
+    SubscribeRequest,
+    Subscription,
+    SubscriptionRequest,
+    UnsubscribeRequest,
+    bucket_of,
+    may_subscribe,
+    position,
+    record_end,
+    subscription_item,
+)
+from shoal.delivery.ports import MembershipPlan, SharedGroups
+from shoal.sessions import Head, SessionRegistry
+from shoal.topics.filters import (
+    MULTI_LEVEL,
+    SINGLE_LEVEL,
+    first_level,
+    is_valid_filter,
+    matches,
+    parse_shared,
+)
+
+
+def change_item(version: int) -> str:
+    return f"c#{version:012d}"
+
+
+class SubscriptionStore:
+    """The subscriptions table: bucket versions, change records, subscriptions."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> SubscriptionStore:
+        return cls(Dynamo.from_config(config), config.table(tables.SUBSCRIPTIONS))
+
+    def versions(self, buckets: Iterable[str]) -> dict[str, int]:
+        """Each bucket's version (0: never written), strongly consistent, in one call per 100."""
+        wanted = sorted(set(buckets))
+        found = {b: 0 for b in wanted}
+        keys = [{"bucket": b, "item": VERSION_ITEM} for b in wanted]
+        for raw in self.dynamo.batch_get(self.table, keys):
+            found[str(raw["bucket"])] = int(raw.get("v", 0))
+        return found
+
+    def load(self, bucket: str) -> list[Subscription]:
+        """Every subscription of a bucket, strongly consistent."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#b = :b AND begins_with(#i, :s)",
+            ExpressionAttributeNames={"#b": "bucket", "#i": "item"},
+            ExpressionAttributeValues=to_item({":b": bucket, ":s": "s#"}),
+            ConsistentRead=True,
+        )
+        return [Subscription.from_data(str(r["item"]), r) for r in rows]
+
+    def changes(self, bucket: str, after: int, upto: int) -> list[Change] | None:
+        """The changes that made versions ``after+1 .. upto``; None when one is missing."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#b = :b AND #i BETWEEN :lo AND :hi",
+            ExpressionAttributeNames={"#b": "bucket", "#i": "item"},
+            ExpressionAttributeValues=to_item(
+                {":b": bucket, ":lo": change_item(after + 1), ":hi": change_item(upto)}
+            ),
+            ConsistentRead=True,
+        )
+        if [int(r["v"]) for r in rows] != list(range(after + 1, upto + 1)):
+            return None
+        return [Change.from_data(c) for r in rows for c in r.get("changes") or []]
+
+    def parts(
+        self, changes: Mapping[str, list[Change]], versions: Mapping[str, int], now_s: int
+    ) -> list[dict[str, Any]]:
+        """Transaction parts writing ``changes`` as the next version of each bucket."""
+        out: list[dict[str, Any]] = []
+        for bucket, bucket_changes in sorted(changes.items()):
+            old = versions.get(bucket, 0)
+            new = old + 1
+            if old == 0:
+                condition = "attribute_not_exists(#i)"
+                values: dict[str, Any] = {":new": new}
+            else:
+                condition = "#v = :old"
+                values = {":new": new, ":old": old}
+            out.append(
+                {
+                    "Update": {
+                        "TableName": self.table,
+                        "Key": to_item({"bucket": bucket, "item": VERSION_ITEM}),
+                        "UpdateExpression": "SET #v = :new",
+                        "ConditionExpression": condition,
+                        "ExpressionAttributeNames": {"#v": "v", "#i": "item"}
+                        if old == 0
+                        else {"#v": "v"},
+                        "ExpressionAttributeValues": to_item(values),
+                    }
+                }
+            )
+            out.append(
+                {
+                    "Put": {
+                        "TableName": self.table,
+                        "Item": to_item(
+                            {
+                                "bucket": bucket,
+                                "item": change_item(new),
+                                "v": new,
+                                "changes": [c.data() for c in bucket_changes],
+                                "expires_at": now_s + CHANGE_TTL_S,
+                            }
+                        ),
+                    }
+                }
+            )
+            for change in bucket_changes:
+                key = to_item({"bucket": bucket, "item": change.key})
+                if change.subscription is None:
+                    out.append({"Delete": {"TableName": self.table, "Key": key}})
+                else:
+                    record = {"bucket": bucket, "item": change.key, "v": new}
+                    record |= change.subscription.data()
+                    out.append({"Put": {"TableName": self.table, "Item": to_item(record)}})
+        return out
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    request: SubscriptionRequest
+    topic_filter: str
+    share: str | None
+    sid: str
+    new: bool
+
+
+class SubscriptionService:
+    """Subscribe and unsubscribe for a live channel, and retained messages on subscribe."""
+
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        subscriptions: SubscriptionStore,
+        inbox: InboxStore,
+        settings: DeliverySettings,
+        *,
+        clock: Clock | None = None,
+        groups: SharedGroups | None = None,
+    ) -> None:
+        self.registry = registry
+        self.subscriptions = subscriptions
+        self.inbox = inbox
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        #: shared subscriptions join and leave their groups (``shoal.groups``)
+        self.groups = groups
+
+    # -- subscribe
+
+    def subscribe(
+        self, who: Principal, client_id: str, channel: str | None, request: SubscribeRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        granted: list[int | str] = []
+        accepted: dict[str, _Accepted] = {}
+        held = set(head.subscriptions)
+        for wanted in request.subscriptions:
+            code = self._check(who, wanted.filter)
+            if (
+                code is None
+                and wanted.filter not in held
+                and wanted.filter not in accepted
+                and len(held) + len(accepted) >= MAX_SUBSCRIPTIONS_PER_SESSION
+            ):
+                code = "quota_exceeded"
+            if code is not None:
+                granted.append(code)
+                continue
+            shared = parse_shared(wanted.filter)
+            existing = head.subscriptions.get(wanted.filter)
+            sid = str(existing["sid"]) if existing and existing.get("sid") else _new_sid()
+            accepted[wanted.filter] = _Accepted(
+                wanted,
+                shared[1] if shared else wanted.filter,
+                shared[0] if shared else None,
+                sid,
+                new=existing is None,
+            )
+            granted.append(wanted.qos)
+        if not accepted:
+            if granted and all(g == "invalid_filter" for g in granted):
+                raise InvalidFilter("no filter of the request is a valid topic filter")
+            return {"granted": granted}
+        self._commit_subscribe(who, client_id, head, accepted)
+        return {"granted": granted}
+
+    def _check(self, who: Principal, text: str) -> str | None:
+        try:
+            shared = parse_shared(text)
+        except InvalidFilter:
+            return "invalid_filter"
+        topic_filter = shared[1] if shared else text
+        if not is_valid_filter(topic_filter):
+            return "invalid_filter"
+        if not may_subscribe(who, topic_filter):
+            return "not_authorized"
+        return None
+
+    def _commit_subscribe(
+        self, who: Principal, client_id: str, head: Head, accepted: Mapping[str, _Accepted]
+    ) -> None:
+        session_id = head.session_id or ""
+        shared = [text for text, a in accepted.items() if a.share is not None]
+        # the join of a shared subscription's group is read again on every attempt
+        joining = self.groups if shared else None
+        incarnations: Mapping[str, str] = {}
+        retained = self._retained(accepted)
+        for attempt in range(ATTEMPTS):
+            plan = None
+            if joining is not None:
+                plan = joining.membership(client_id, session_id, joins=shared)
+                incarnations = plan.incarnations
+            reasons = self._try_subscribe(
+                client_id, head, accepted, retained=retained, incarnations=incarnations, plan=plan
+            )
+            if reasons is None:
+                return
+            self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
+        raise ServerBusy("subscriptions of this session are contended; retry")
+
+    def _try_subscribe(
+        self,
+        client_id: str,
+        head: Head,
+        accepted: Mapping[str, _Accepted],
+        *,
+        retained: list[tuple[_Accepted, RetainedModel]],
+        incarnations: Mapping[str, str],
+        plan: MembershipPlan | None,
+    ) -> list[str] | None:
+        """One attempt at the subscribe transaction: None when it committed, else the reasons."""
+        session_id = head.session_id or ""
+        changes: dict[str, list[Change]] = {}
+        options: dict[str, dict[str, Any]] = {}
+        for text, a in accepted.items():
+            subscription = Subscription(
+                key=subscription_item(client_id, text),
+                client_id=client_id,
+                session_id=session_id,
+                filter=text,
+                qos=a.request.qos,
+                sid=a.sid,
+                owner=head.sub,
+                no_local=a.request.no_local,
+                share=a.share,
+                group=incarnations.get(text),
+            )
+            changes.setdefault(bucket_of(a.topic_filter), []).append(
+                Change(subscription.key, subscription)
+            )
+            option: dict[str, Any] = {
+                "qos": a.request.qos,
+                "no_local": a.request.no_local,
+                "retain_handling": a.request.retain_handling,
+                "sid": a.sid,
+            }
+            if a.share is not None:
+                option["share"] = a.share
+            if text in incarnations:
+                option["group"] = incarnations[text]
+            options[text] = option
+        now = self.clock.now_ms()
+        versions = self.subscriptions.versions(changes)
+        parts = [self.registry.repository.subscriptions_part(client_id, head, now, put=options)]
+        parts += self.subscriptions.parts(changes, versions, now // 1000)
+        if plan is not None:
+            parts += plan.parts
+        if retained:
+            parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
+        return self.subscriptions.dynamo.transact(parts)
+
+    def _after_conflict(
+        self, who: Principal, client_id: str, channel: str, reasons: list[str], attempt: int
+    ) -> None:
+        if reasons and reasons[0] == "ConditionalCheckFailed":
+            # the head's condition: the channel is no longer live (this raises)
+            self.registry.require_live(who, client_id, channel)
+        self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+
+    # -- retained messages
+
+    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, RetainedModel]]:
+        """Retained messages the new subscriptions get, per retain_handling, in topic order."""
+        wanted = [
+            a
+            for a in accepted.values()
+            if a.share is None
+            and (a.request.retain_handling == 0 or (a.request.retain_handling == 1 and a.new))
+        ]
+        if not wanted:
+            return []
+        chosen: dict[str, tuple[_Accepted, RetainedModel]] = {}
+        topics_cache: list[str] | None = None
+        for a in wanted:
+            level = first_level(a.topic_filter)
+            if level in (SINGLE_LEVEL, MULTI_LEVEL):
+                if topics_cache is None:
+                    topics_cache = sorted(
+                        {t.name for t in TopicModel.scan(attributes_to_get=["name"])}
+                    )
+                composites = [*topics_cache, DEFAULT_TOPIC]
+            elif is_valid_topic_name(level):
+                # the topic's own composite topic, or `default` (it may have been published
+                # before its composite topic existed)
+                composites = [level, DEFAULT_TOPIC]
+            else:
+                # no composite topic has this name ("" of "/a", over 64 characters): `default`
+                composites = [DEFAULT_TOPIC]
+            keys: list[str] = []
+            scanned = 0
+            for composite in dict.fromkeys(composites):
+                for entry in RetainedModel.by_composite.query(composite):
+                    scanned += 1
+                    if matches(a.topic_filter, entry.topic):
+                        keys.append(entry.key)
+                    if scanned >= MAX_RETAINED_SCAN:
+                        break
+                if scanned >= MAX_RETAINED_SCAN:
+                    logger.warning("retained lookup stopped at its bound")
+                    break
+            for r in RetainedModel.batch_get(keys, consistent_read=True):
+                # one delivery per retained message, as for published ones: several new
+                # subscriptions of the call matching it send it once, with the highest QoS
+                qos = min(a.request.qos, int(r.qos))
+                held = chosen.get(r.topic)
+                if held is None or qos > min(held[0].request.qos, int(held[1].qos)):
+                    chosen[r.topic] = (a, r)
+        return [chosen[topic] for topic in sorted(chosen)]
+
+    def _retained_parts(
+        self,
+        session_id: str,
+        retained: list[tuple[_Accepted, RetainedModel]],
+        now_ms: int,
+        room: int,
+    ) -> list[dict[str, Any]]:
+        """The state's version bump and the inbox items holding the retained deliveries."""
+        state = self.inbox.state(session_id)
+        expected = state.version
+        state.version += 1
+        messages: list[InboxMessage] = []
+        total = 0
+        for n, (a, r) in enumerate(retained):
+            properties = json.loads(r.properties) if r.properties else {}
+            expiry = properties.get("message_expiry_s")
+            expires_at = None if expiry is None else int(r.published_at_ms) + int(expiry) * 1000
+            if expires_at is not None and expires_at <= now_ms:
+                continue
+            payload = bytes(r.payload or b"")
+            if n >= MAX_RETAINED_PER_CALL or total + len(payload) > MAX_RETAINED_BYTES:
+                logger.warning("retained messages beyond the per-subscribe bound were not sent")
+                break
+            total += len(payload)
+            messages.append(
+                InboxMessage(
+                    position=position(state.version, len(messages)),
+                    message_id=str(r.message_id),
+                    topic=str(r.topic),
+                    payload=payload,
+                    qos=min(a.request.qos, int(r.qos)),
+                    subscription=a.request.filter,
+                    sid=a.sid,
+                    published_at_ms=int(r.published_at_ms),
+                    expires_at_ms=expires_at,
+                    properties=properties,
+                    retain=True,
+                )
+            )
+        if not messages:
+            return []
+        expires = now_ms // 1000 + self.settings.retention_s
+        items = pack(session_id, RETAINED_SOURCE, messages, record_end(state.version), expires)[
+            : max(0, room - 1)
+        ]
+        parts: list[dict[str, Any]] = [
+            {"Put": self.inbox.state_part(session_id, state, expected, expires)}
+        ]
+        parts += [self.inbox.put_transaction_part(i) for i in items]
+        return parts
+
+    # -- unsubscribe
+
+    def unsubscribe(
+        self, who: Principal, client_id: str, channel: str | None, request: UnsubscribeRequest
+    ) -> dict[str, Any]:
+        head = self.registry.require_live(who, client_id, channel)
+        results: list[str] = []
+        dropping: dict[str, None] = {}
+        for text in request.filters:
+            if text in head.subscriptions:
+                dropping[text] = None
+                results.append("success")
+            else:
+                results.append("no_subscription_existed")
+        if dropping:
+            changes: dict[str, list[Change]] = {}
+            for text in dropping:
+                shared = _shared_or_none(text)
+                topic_filter = shared[1] if shared else text
+                changes.setdefault(bucket_of(topic_filter), []).append(
+                    Change(subscription_item(client_id, text), None)
+                )
+            leaving = {t: head.subscriptions[t] for t in dropping if _shared_or_none(t)}
+            for attempt in range(ATTEMPTS):
+                now = self.clock.now_ms()
+                versions = self.subscriptions.versions(changes)
+                parts = [
+                    self.registry.repository.subscriptions_part(
+                        client_id, head, now, remove=list(dropping)
+                    )
+                ]
+                parts += self.subscriptions.parts(changes, versions, now // 1000)
+                plan = None
+                if leaving and self.groups is not None:
+                    # leaving a group (the last member removes it) rides in the same transaction
+                    plan = self.groups.membership(client_id, head.session_id or "", leaves=leaving)
+                    parts += plan.parts
+                reasons = self.subscriptions.dynamo.transact(parts)
+                if reasons is None:
+                    if plan is not None and self.groups is not None:
+                        self.groups.after(plan)
+                    break
+                self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
+            else:
+                raise ServerBusy("subscriptions of this session are contended; retry")
+        return {"unsubscribed": results}
+
+
+class SubscriptionRetirer:
+    """Removes an ended session's subscriptions from the store (``SessionEndHook``).
+
+    Only the store: the head is gone or holds the new session. Idempotent; a subscription the
+    new session made since (same key, another session id) stays.
+    """
+
+    def __init__(
+        self,
+        subscriptions: SubscriptionStore,
+        clock: Clock | None = None,
+        groups: SharedGroups | None = None,
+    ) -> None:
+        self.subscriptions = subscriptions
+        self.clock = clock or SystemClock()
+        #: the ended session leaves its shared groups (the last member removes a group)
+        self.groups = groups
+
+    def __call__(self, client_id: str, head: Head) -> int:
+        """How many subscriptions it removed."""
+        removed = 0
+        for text in head.subscriptions:
+            shared = _shared_or_none(text)
+            bucket = bucket_of(shared[1] if shared else text)
+            key = subscription_item(client_id, text)
+            for attempt in range(ATTEMPTS):
+                now = self.clock.now_ms()
+                versions = self.subscriptions.versions([bucket])
+                parts = self.subscriptions.parts(
+                    {bucket: [Change(key, None)]}, versions, now // 1000
+                )
+                # the delete only while the item still belongs to the ended session
+                delete = parts[-1]["Delete"]
+                delete["ConditionExpression"] = "#sid = :sid"
+                delete["ExpressionAttributeNames"] = {"#sid": "session_id"}
+                delete["ExpressionAttributeValues"] = to_item({":sid": head.session_id})
+                plan = None
+                if shared is not None and self.groups is not None:
+                    plan = self.groups.membership(
+                        client_id, head.session_id or "", leaves={text: head.subscriptions[text]}
+                    )
+                    # first: the subscription's delete stays the last part (checked below)
+                    parts = plan.parts + parts
+                reasons = self.subscriptions.dynamo.transact(parts)
+                if reasons is None:
+                    if plan is not None and self.groups is not None:
+                        self.groups.after(plan)
+                    removed += 1
+                    break
+                if len(reasons) == len(parts) and reasons[-1] == "ConditionalCheckFailed":
+                    break  # gone already, or the new session's own
+                self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+        return removed
+
+
+def channel_of(head: Head) -> str:
+    return head.newest.channel
+
+
+def _shared_or_none(text: str) -> tuple[str, str] | None:
+    try:
+        return parse_shared(text)
+    except InvalidFilter:
+        return None
+
+
+def _new_sid() -> str:
+    return os.urandom(4).hex()

@@ -1,0 +1,466 @@
+"""Durable shared subscriptions: the group leader (SGL) as a state machine stored in DynamoDB.
+
+A shared group is keyed by (ShareName, filter). It is created by its first member's subscribe,
+keeps accumulating while it has members (offline durable members too), and is removed, with its
+backlog, when its last member unsubscribes or its last member's session ends. The router writes
+every matching message once per group into the group's *stream* for the message's source shard
+(``shoal.group_streams``); the leader leases those streams to members.
+
+This follows the EMQX "durable shared subscriptions" design (a group leader that grants streams
+to agents with versioned stream sets, revokes them, and hands them over once the agent reported
+its final progress), with one change: no process runs the leader. Its state is one item, and
+whichever invocation touches the group (subscribe, unsubscribe, heartbeat, get, ack, the reaper)
+*advances* it: it reads the state, applies the pure transitions below, and writes the result on
+condition that the group's ``version`` is still the one it read. A loser re-reads and retries.
+Nothing holds a lock, so nothing can be left holding one.
+
+The leader's state
+------------------
+- ``members``: session id -> the member (its client id, when it joined, its last renewal and the
+  version of its stream set, bumped by every grant, revoke or loss that touches it). A member
+  stays while its session's subscription does, connected or not; only *live* members (renewed
+  within the lease timeout) hold streams.
+- ``streams``: source -> the stream's lease: ``holder``, the lease number ``lease`` (the fence:
+  bumped by every grant, like the KCL's lease counter on a take), and the state: ``granted``
+  (the holder reads it), ``revoking`` (the holder finishes what it has in flight and takes no new
+  message from it) or ``revoked`` (nobody holds it: never granted, or its holder's final
+  progress is in, or its holder's lease expired; the next rebalance grants it).
+
+Transitions (pure functions of a state, a member and the time; ``advance`` is the one that
+invocations run): ``join``, ``leave``, ``renew``, ``add_streams``, ``expire`` (holders whose
+renewal missed the lease timeout lose their streams; a revoking stream is revoked once its
+holder has nothing in flight, or when its revoke outlasted the lease timeout), ``rebalance``
+(balanced: each live member gets the floor or the ceiling of streams / live members; sticky: a
+change moves as few streams as possible, and members that hold more keep the ceilings;
+deterministic: the same state gives the same answer), ``finish`` (a final progress report) and
+``invalidate`` (a member that acted on a lease it no longer holds starts over).
+
+Hand-off: a stream revoked from A goes to B only when A has nothing in flight on it (its acks
+are its final progress) or A's lease expired. Every progress write names the lease it was made
+under and is refused unless that lease is the stream's current one and its holder is the writer
+(``check_lease`` here, a condition on the stream's item in DynamoDB): a member that lost a
+stream can never commit on it.
+
+The member's side (the agent) follows the proposal's states: ``connecting`` (it has not yet
+adopted the leader's stream set for it, or it lost a lease), ``replaying`` (it reads the streams
+it holds) and ``updating`` (it holds new streams while finishing revoked ones). ``agent_sync``
+brings a member's view up to the leader's state and says what changed: a heartbeat answers
+these lease changes.
+
+In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupItemModel``):
+
+- ``#sgl``, the leader: version, incarnation, members (a map, so that a join is one update
+  adding its own entry: racing joins never conflict) and the streams' leases (one JSON value).
+  A transition is one transaction: the leader on condition of its version, plus the fence of
+  every stream whose holder, lease or state it changed, on condition of that stream's
+  progress version (a holder's last get never races a hand-off).
+- ``m#<session id>``: the member's last renewal and agent view. A heartbeat renews every group
+  of the session in one batch write (no condition can fail); a member is live from its join
+  until its first heartbeat.
+- ``s#<source>``: one stream's fence and progress (``shoal.group_streams``), created by the
+  router the first time it writes to the stream (that is how the leader learns of streams).
+
+Join and leave ride in the subscribe and unsubscribe transactions (one part each, so a call of
+20 filters fits DynamoDB's 100 items); a leave only removes the membership, and the advance run
+right after it hands the leaver's streams on (``expire`` takes the streams of non-members).
+Renewals use the writers' clocks (Lambda's are synchronized); the KCL instead watches a lease
+counter with its own clock, which a process-less leader cannot do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from shoal.core.clock import Clock
+from shoal.core.config import DeliverySettings
+from shoal.core.errors import ServerBusy
+from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
+from shoal.delivery.events import Recording, record_answers
+from shoal.delivery.inbox import InboxMessage, PayloadStore
+from shoal.delivery.ports import MembershipPlan
+from shoal.groups.gate import GroupGate
+from shoal.groups.state import AgentView, agent_sync
+from shoal.groups.store import ATTEMPTS, GroupRef, GroupStore, Loaded, group_refs, member_record
+from shoal.groups.streams import (
+    StaleLease,
+    StreamProgress,
+    StreamReader,
+    StreamState,
+    answer,
+    group_partition,
+    parse_delivery_id,
+    serve,
+)
+from shoal.groups.streams import delivery_id as stream_delivery_id
+from shoal.topics.filters import parse_shared
+
+# --- the member's side -------------------------------------------------------------------------
+
+
+# === DynamoDB ==================================================================================
+
+# --- records -----------------------------------------------------------------------------------
+
+
+# === the session's side ========================================================================
+
+
+class GroupService:
+    """What sessions do with their shared groups: join and leave (inside the subscribe and
+    unsubscribe transactions), heartbeat (renewal and lease changes), get and ack."""
+
+    def __init__(
+        self,
+        store: GroupStore,
+        reader: StreamReader,
+        delivery: DeliverySettings,
+        *,
+        clock: Clock | None = None,
+        payloads: PayloadStore | None = None,
+        events: Recording | None = None,
+        drain: GroupGate | None = None,
+    ) -> None:
+        self.store = store
+        self.reader = reader
+        self.delivery = delivery
+        self.clock = clock or store.clock
+        self.payloads = payloads
+        #: delivery events (``shoal.delivery_events``) of gets and acks; None records nothing
+        self.events = events
+        #: streams of a later storage topic wait for the earlier ones' (``shoal.drain``)
+        self.drain = drain
+        self._turn = 0
+
+    # -- membership
+
+    def membership(
+        self,
+        client_id: str,
+        session_id: str,
+        *,
+        joins: Iterable[str] = (),
+        leaves: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> MembershipPlan:
+        """The group parts of a subscribe (``joins``: filter texts), an unsubscribe or a
+        session's end (``leaves``: filter text -> the session's option for it). Read fresh on
+        every attempt of the caller's transaction."""
+        now = self.clock.now_ms()
+        plan = MembershipPlan()
+        for text in joins:
+            shared = parse_shared(text)
+            if shared is None:
+                continue
+            ref = GroupRef(text, shared[0], shared[1], 1, None)
+            inc, parts = self.store.join_parts(ref, session_id, client_id, now)
+            plan.incarnations[text] = inc
+            plan.parts += parts
+        for ref in group_refs(leaves or {}):
+            parts, removed = self.store.leave_parts(ref, session_id)
+            plan.parts += parts
+            if removed is not None:
+                plan.removed.append((ref.key, removed))
+            elif parts:
+                plan.left.append(ref.key)
+        return plan
+
+    def after(self, plan: MembershipPlan) -> None:
+        """Once the caller's transaction committed: the groups left hand the leaver's streams
+        on, and a removed group's items and backlog go. Best effort: the next advance does
+        the former, TTL the latter."""
+        now = self.clock.now_ms()
+        for key in plan.left:
+            try:
+                self.store.advance(key, now, operation="leave")
+            except Exception:
+                logger.exception("advancing a group after a leave failed")
+        for key, incarnation in plan.removed:
+            try:
+                self.store.remove_backlog(key, incarnation)
+            except Exception:
+                # nothing reads a removed incarnation again; TTL removes what is left
+                logger.exception("removing a group's backlog failed")
+
+    def channel_expired(self, client_id: str, head: Any) -> int:
+        """The reaper found a member's channel dead (keepalive): advance its groups, so that
+        leases it let expire move to live members even while none of them calls. How many
+        groups it advanced."""
+        now = self.clock.now_ms()
+        refs = group_refs(getattr(head, "subscriptions", {}) or {})
+        for ref in refs:
+            self.store.advance(ref.key, now, operation="reaper")
+        return len(refs)
+
+    # -- heartbeat
+
+    def heartbeat(self, session_id: str, subscriptions: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Renew the session's leases in all its groups (one batch write) and answer what
+        changed since the member last heard: new, revoking and revoked streams."""
+        now = self.clock.now_ms()
+        records: list[dict[str, Any]] = []
+        changes: list[dict[str, Any]] = []
+        for ref in group_refs(subscriptions):
+            loaded = self.store.advance(ref.key, now, renewing=session_id, operation="heartbeat")
+            if loaded is None or not _same(ref, loaded) or session_id not in loaded.state.members:
+                continue
+            view = loaded.views.get(session_id, AgentView())
+            view, delta = agent_sync(view, loaded.state, session_id)
+            records.append(member_record(ref.key, loaded.state.incarnation, session_id, now, view))
+            changes += [
+                {"group": ref.text, "stream": c.stream, "lease": c.lease, "state": c.state.value}
+                for c in delta
+            ]
+        self.store.renew_members(records)
+        return changes
+
+    # -- get
+
+    def get(
+        self,
+        session_id: str,
+        subscriptions: Mapping[str, Any],
+        wanted: int,
+        channel: str = "",
+    ) -> list[dict[str, Any]]:
+        """Up to ``wanted`` messages from the streams the session holds, in each stream's order."""
+        refs = group_refs(subscriptions)
+        out: list[dict[str, Any]] = []
+        if not refs or wanted <= 0:
+            return out
+        now = self.clock.now_ms()
+        self._turn += 1
+        for ref in _rotated(refs, self._turn):
+            if len(out) >= wanted:
+                break
+            loaded = self.store.advance(ref.key, now)
+            if loaded is None or not _same(ref, loaded):
+                continue
+            mine = sorted(
+                s for s, x in loaded.state.streams.items() if x.holder == session_id and x.held
+            )
+            for source in _rotated(mine, self._turn):
+                if len(out) >= wanted:
+                    break
+                out += self._serve(
+                    ref,
+                    loaded,
+                    source,
+                    session_id,
+                    wanted=wanted - len(out),
+                    now=now,
+                    channel=channel,
+                )
+        return out
+
+    def _serve(
+        self,
+        ref: GroupRef,
+        loaded: Loaded,
+        source: str,
+        member_id: str,
+        *,
+        wanted: int,
+        now: int,
+        channel: str,
+    ) -> list[dict[str, Any]]:
+        lease = loaded.state.streams[source]
+        progress = self.store.progress(ref.key, source)
+        partition = group_partition(loaded.state.incarnation)
+        gate = self.drain
+        for attempt in range(ATTEMPTS):
+            if progress is None:
+                return []
+            if (progress.holder, progress.lease, progress.state) != (
+                member_id,
+                lease.lease,
+                lease.state,
+            ):
+                # the fence moved since the leader was read: this lease is lost
+                self.store.lost(ref.key, member_id)
+                return []
+            expected = progress.pv
+            work = progress
+            dropped: list[InboxMessage] = []
+            handed, changed = serve(
+                work,
+                reader=self.reader,
+                partition=partition,
+                granted=lease.state is StreamState.GRANTED,
+                qos=ref.qos,
+                wanted=wanted,
+                window=self.delivery.window,
+                now_ms=now,
+                ack_timeout_ms=int(self.delivery.ack_timeout_s * 1000),
+                channel=channel,
+                admit=None if gate is None else partial(gate.admits, ref.key, partition),
+                dropped=dropped,
+            )
+            if not changed:
+                if lease.state is StreamState.REVOKING and work.in_flight() == 0:
+                    self.store.advance(ref.key, now)
+                return []
+            work.pv = expected + 1
+            if self.store.save_progress(ref.key, work, expected, member_id):
+                if lease.state is StreamState.REVOKING and work.in_flight() == 0:
+                    # nothing left in flight: that was the final progress, hand it over
+                    self.store.advance(ref.key, now)
+                answers = [
+                    answer(
+                        group_key=ref.key,
+                        source=source,
+                        lease=lease.lease,
+                        handed=h,
+                        subscription=ref.text,
+                        qos=ref.qos,
+                        now_ms=now,
+                        payloads=self.payloads,
+                    )
+                    for h in handed
+                ]
+                if self.events is not None and self.events.enabled and (answers or dropped):
+                    events = self.events.new()
+                    record_answers(events, "group", ref.key, answers, label=member_id)
+                    for message in dropped:
+                        events.add(
+                            "dropped",
+                            "group",
+                            ref.key,
+                            message_id=message.message_id,
+                            topic=message.topic,
+                            published_at=message.published_at_ms,
+                            qos=message.qos,
+                            reason="expired",
+                            label=member_id,
+                        )
+                    events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
+                return answers
+            progress = self.store.progress(ref.key, source)
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
+        raise ServerBusy("this group stream is contended; retry")
+
+    # -- ack
+
+    def ack(self, session_id: str, subscriptions: Mapping[str, Any], ids: Iterable[str]) -> int:
+        """Ack group deliveries; ids of other deliveries are the caller's. How many were new."""
+        refs = {r.key: r for r in group_refs(subscriptions)}
+        wanted: dict[tuple[str, str], dict[int, set[int]]] = {}
+        for text in ids:
+            parsed = parse_delivery_id(text)
+            if parsed is None or parsed.group_key not in refs:
+                continue
+            by_lease = wanted.setdefault((parsed.group_key, parsed.source), {})
+            by_lease.setdefault(parsed.lease, set()).add(parsed.ordinal)
+        total = 0
+        for (key, source), by_lease in sorted(wanted.items()):
+            total += self._ack_stream(refs[key], source, by_lease, session_id)
+        return total
+
+    def _ack_stream(
+        self, ref: GroupRef, source: str, by_lease: Mapping[int, set[int]], member_id: str
+    ) -> int:
+        for attempt in range(ATTEMPTS):
+            progress = self.store.progress(ref.key, source)
+            if progress is None or (
+                ref.incarnation is not None and progress.incarnation != ref.incarnation
+            ):
+                return 0
+            expected = progress.pv
+            count = 0
+            fenced = False
+            for lease, ordinals in sorted(by_lease.items()):
+                try:
+                    count += progress.ack(member_id, lease, ordinals)
+                except StaleLease:
+                    fenced = True
+            if fenced:
+                self.store.lost(ref.key, member_id)
+            if count == 0:
+                self._record_acks(ref, source, by_lease, progress, member_id)
+                return 0
+            progress.pv = expected + 1
+            if self.store.save_progress(ref.key, progress, expected, member_id):
+                if progress.state is StreamState.REVOKING and progress.in_flight() == 0:
+                    # the holder's final progress: hand the stream over now
+                    self.store.advance(ref.key, self.clock.now_ms())
+                self._record_acks(ref, source, by_lease, progress, member_id)
+                return count
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
+        raise ServerBusy("this group stream is contended; retry")
+
+    def _record_acks(
+        self,
+        ref: GroupRef,
+        source: str,
+        by_lease: Mapping[int, set[int]],
+        progress: StreamProgress,
+        member_id: str,
+    ) -> None:
+        """``acked`` for every requested delivery of the current lease that is done now, fresh
+        or acked before (a retried ack repairs a crash between its write and this flush)."""
+        if self.events is None or not self.events.enabled:
+            return
+        done = sorted(o for o in by_lease.get(progress.lease, ()) if progress.is_done(o))
+        if not done:
+            return
+        events = self.events.new()
+        for ordinal in done:
+            events.add(
+                "acked",
+                "group",
+                ref.key,
+                delivery_id=stream_delivery_id(ref.key, source, progress.lease, ordinal),
+                label=member_id,
+            )
+        events.flush(f"group-ack/{ref.key}/{source}/{progress.pv}/{progress.lease}/{done[0]}")
+
+    # -- the session document
+
+    def describe(self, session_id: str, subscriptions: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The session's groups with the streams it holds (``GET /v1/sessions/{client_id}``)."""
+        out: list[dict[str, Any]] = []
+        for ref in group_refs(subscriptions):
+            loaded = self.store.load(ref.key)
+            if loaded is None or not _same(ref, loaded):
+                continue
+            out.append(
+                {
+                    "group": ref.text,
+                    "members": len(loaded.state.members),
+                    "leases": [
+                        {"stream": s, "lease": x.lease, "state": x.state.value}
+                        for s, x in sorted(loaded.state.holdings(session_id).items())
+                    ],
+                }
+            )
+        return out
+
+
+def _same(ref: GroupRef, loaded: Loaded) -> bool:
+    return ref.incarnation is None or ref.incarnation == loaded.state.incarnation
+
+
+def _rotated(items: Sequence[Any], turn: int) -> list[Any]:
+    if not items:
+        return []
+    cut = turn % len(items)
+    return [*items[cut:], *items[:cut]]
+
+
+class StreamRegistrar:
+    """The router's side: makes each (group, source) it writes to known to the leader once."""
+
+    def __init__(self, store: GroupStore, limit: int = 100_000) -> None:
+        self.store = store
+        self.limit = limit
+        self._known: set[tuple[str, str, str]] = set()
+
+    def ensure(self, key: str, incarnation: str, source: str) -> None:
+        marker = (key, incarnation, source)
+        if marker in self._known:
+            return
+        self.store.ensure_stream(key, incarnation, source)
+        if len(self._known) >= self.limit:
+            self._known.clear()
+        self._known.add(marker)

@@ -1,0 +1,321 @@
+"""A shared group's state machine, pure (no AWS): members, stream leases and their
+transitions (join, leave, renew, expire, rebalance, advance), and a member's own view."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from shoal.groups.streams import (
+    StaleLease,
+    StreamState,
+)
+
+#: streams one transition grants or takes at most: each is a write of the stream's item in the
+#: transaction that writes the leader (a transaction holds 100 items); the rest come next time
+MAX_CHANGES_PER_STEP = 90
+
+
+@dataclass(frozen=True)
+class Member:
+    client_id: str
+    joined_at_ms: int
+    #: the last renewal (heartbeat) the leader knows of
+    renewed_at_ms: int
+    #: bumped whenever a stream is granted to, revoked from or taken from this member
+    set_version: int = 0
+
+    def alive(self, now_ms: int, timeout_ms: int) -> bool:
+        return now_ms < self.renewed_at_ms + timeout_ms
+
+
+@dataclass(frozen=True)
+class StreamLease:
+    holder: str | None = None
+    lease: int = 0
+    state: StreamState = StreamState.REVOKED
+    #: when the stream entered its state (a revoke's deadline runs from it)
+    since_ms: int = 0
+    #: messages handed out under the current lease and not yet done (from the stream's
+    #: progress; never stored with the leader)
+    in_flight: int = 0
+
+    @property
+    def held(self) -> bool:
+        return self.holder is not None and self.state is not StreamState.REVOKED
+
+
+@dataclass(frozen=True)
+class GroupState:
+    share: str
+    filter: str
+    #: a group removed and created again is a new incarnation: its streams start empty
+    incarnation: str
+    version: int = 0
+    created_at_ms: int = 0
+    members: Mapping[str, Member] = field(default_factory=dict)
+    streams: Mapping[str, StreamLease] = field(default_factory=dict)
+
+    def holdings(self, member_id: str) -> dict[str, StreamLease]:
+        """The streams a member holds (granted or revoking), by source."""
+        return {s: lease for s, lease in self.streams.items() if lease.holder == member_id}
+
+    def live_members(self, now_ms: int, timeout_ms: int) -> list[str]:
+        return sorted(m for m, x in self.members.items() if x.alive(now_ms, timeout_ms))
+
+    def same_assignment(self, other: GroupState) -> bool:
+        """Equal as the leader stores it (renewals and in-flight counts live elsewhere)."""
+        return stored_view(self) == stored_view(other)
+
+
+def stored_view(state: GroupState) -> tuple[object, ...]:
+    """What a transition changes in the leader's item (not renewals, not progress)."""
+    return (
+        state.incarnation,
+        tuple(
+            sorted(
+                (m, x.client_id, x.joined_at_ms, x.set_version) for m, x in state.members.items()
+            )
+        ),
+        tuple(
+            sorted(
+                (s, x.holder or "", x.lease, x.state.value, x.since_ms)
+                for s, x in state.streams.items()
+            )
+        ),
+    )
+
+
+def new_group(share: str, topic_filter: str, incarnation: str, now_ms: int) -> GroupState:
+    return GroupState(share, topic_filter, incarnation, created_at_ms=now_ms)
+
+
+def join(state: GroupState, member_id: str, client_id: str, now_ms: int) -> GroupState:
+    """Add a member (live from now); joining again only renews."""
+    if member_id in state.members:
+        return renew(state, member_id, now_ms)
+    members = {**state.members, member_id: Member(client_id, now_ms, now_ms)}
+    return replace(state, members=members)
+
+
+def leave(state: GroupState, member_id: str, now_ms: int) -> GroupState:
+    """Remove a member. Its streams are revoked at once: leaving ends its reading, so what it
+    committed is its final progress and what it had in flight goes to the next holder."""
+    if member_id not in state.members:
+        return state
+    members = {m: x for m, x in state.members.items() if m != member_id}
+    streams = {
+        s: _free(lease, now_ms) if lease.holder == member_id else lease
+        for s, lease in state.streams.items()
+    }
+    return replace(state, members=members, streams=streams)
+
+
+def renew(state: GroupState, member_id: str, now_ms: int) -> GroupState:
+    member = state.members.get(member_id)
+    if member is None or member.renewed_at_ms >= now_ms:
+        return state
+    members = {**state.members, member_id: replace(member, renewed_at_ms=now_ms)}
+    return replace(state, members=members)
+
+
+def add_streams(state: GroupState, sources: Iterable[str]) -> GroupState:
+    """Streams the router has written to and the leader does not know yet: nobody holds them."""
+    new = {s: StreamLease() for s in sources if s not in state.streams}
+    if not new:
+        return state
+    return replace(state, streams={**state.streams, **new})
+
+
+def check_lease(state: GroupState, member_id: str, source: str, lease: int) -> StreamLease:
+    """The stream's lease, if ``lease`` is its current one and ``member_id`` holds it."""
+    current = state.streams.get(source)
+    if current is None or current.holder != member_id or current.lease != lease:
+        raise StaleLease(f"lease {lease} of stream {source} is not held by this member")
+    return current
+
+
+def finish(state: GroupState, member_id: str, source: str, lease: int, now_ms: int) -> GroupState:
+    """A holder's final progress on a revoking stream: nobody holds it any more.
+
+    Raises StaleLease for a lease that is not the stream's current one; a final report on a
+    granted stream changes nothing (the leader did not ask for it back).
+    """
+    current = check_lease(state, member_id, source, lease)
+    if current.state is not StreamState.REVOKING:
+        return state
+    return _bump_members(
+        replace(state, streams={**state.streams, source: _free(current, now_ms)}), [member_id]
+    )
+
+
+def invalidate(state: GroupState, member_id: str) -> GroupState:
+    """A member that acted on a lease it does not hold: its stream set's version moves on, so
+    its agent goes back to connecting and re-reads what it holds."""
+    if member_id not in state.members:
+        return state
+    return _bump_members(state, [member_id])
+
+
+def expire(state: GroupState, now_ms: int, timeout_ms: int) -> GroupState:
+    """Take streams from holders that left or whose renewal missed the lease timeout, and
+    revoke the revoking streams whose holder has nothing in flight or whose revoke expired."""
+    streams = dict(state.streams)
+    touched: list[str] = []
+    for source, lease in sorted(state.streams.items()):
+        if not lease.held:
+            continue
+        assert lease.holder is not None
+        member = state.members.get(lease.holder)
+        gone = member is None or not member.alive(now_ms, timeout_ms)
+        finished = lease.state is StreamState.REVOKING and (
+            lease.in_flight == 0 or now_ms >= lease.since_ms + timeout_ms
+        )
+        if gone or finished:
+            streams[source] = _free(lease, now_ms)
+            touched.append(lease.holder)
+    if not touched:
+        return state
+    return _bump_members(replace(state, streams=streams), touched)
+
+
+def quotas(total: int, held: Mapping[str, int]) -> dict[str, int]:
+    """Each member's share of ``total`` streams: the floor or the ceiling of total / members.
+
+    The ceilings go to the members holding the most (then the smallest ids), so that reaching
+    the quotas moves as few streams as possible, the same way every time.
+    """
+    if not held:
+        return {}
+    base, extra = divmod(total, len(held))
+    order = sorted(held, key=lambda m: (-held[m], m))
+    return {m: base + (1 if i < extra else 0) for i, m in enumerate(order)}
+
+
+def rebalance(
+    state: GroupState, now_ms: int, timeout_ms: int, max_changes: int = MAX_CHANGES_PER_STEP
+) -> GroupState:
+    """Revoke what live members hold beyond their quota; grant free streams below it."""
+    live = state.live_members(now_ms, timeout_ms)
+    if not live or not state.streams:
+        return state
+    streams = dict(state.streams)
+    granted: dict[str, list[str]] = {m: [] for m in live}
+    for source, lease in sorted(streams.items()):
+        if lease.state is StreamState.GRANTED and lease.holder in granted:
+            granted[lease.holder].append(source)
+    quota = quotas(len(streams), {m: len(s) for m, s in granted.items()})
+    touched: list[str] = []
+    changes = 0
+    for member in live:
+        excess = len(granted[member]) - quota[member]
+        if excess <= 0:
+            continue
+        # the highest sources go: any choice is as sticky, this one is deterministic
+        taken = granted[member][-excess:][: max(0, max_changes - changes)]
+        if not taken:
+            continue
+        for source in taken:
+            streams[source] = replace(streams[source], state=StreamState.REVOKING, since_ms=now_ms)
+        changes += len(taken)
+        granted[member] = [s for s in granted[member] if s not in taken]
+        touched.append(member)
+    for source in sorted(s for s, lease in streams.items() if not lease.held):
+        needy = [m for m in live if len(granted[m]) < quota[m]]
+        if not needy or changes >= max_changes:
+            break
+        taker = min(needy, key=lambda m: (len(granted[m]) - quota[m], m))
+        old = streams[source]
+        streams[source] = StreamLease(
+            holder=taker, lease=old.lease + 1, state=StreamState.GRANTED, since_ms=now_ms
+        )
+        granted[taker].append(source)
+        touched.append(taker)
+        changes += 1
+    if not touched:
+        return state
+    return _bump_members(replace(state, streams=streams), touched)
+
+
+def advance(state: GroupState, now_ms: int, timeout_ms: int) -> GroupState:
+    """What any invocation touching the group runs: expiry, then rebalance."""
+    return rebalance(expire(state, now_ms, timeout_ms), now_ms, timeout_ms)
+
+
+def _free(lease: StreamLease, now_ms: int) -> StreamLease:
+    # the lease number stays: the next grant bumps it, which fences the previous holder
+    return StreamLease(None, lease.lease, StreamState.REVOKED, now_ms)
+
+
+def _bump_members(state: GroupState, member_ids: Iterable[str]) -> GroupState:
+    members = dict(state.members)
+    for member_id in set(member_ids):
+        member = members.get(member_id)
+        if member is not None:
+            members[member_id] = replace(member, set_version=member.set_version + 1)
+    return replace(state, members=members)
+
+
+class AgentState(StrEnum):
+    CONNECTING = "connecting"
+    REPLAYING = "replaying"
+    UPDATING = "updating"
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """What a member last learned from the leader: kept with its renewal."""
+
+    state: AgentState = AgentState.CONNECTING
+    #: the member's stream-set version it adopted (-1: none yet)
+    set_version: int = -1
+    #: source -> (lease, state) as last reported to the member
+    leases: Mapping[str, tuple[int, StreamState]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LeaseChange:
+    stream: str
+    lease: int
+    #: granted (new to the member, or granted again under a new lease), revoking (finish it),
+    #: revoked (no longer the member's: whatever it has in flight goes to the next holder)
+    state: StreamState
+
+
+def agent_sync(
+    view: AgentView, state: GroupState | None, member_id: str
+) -> tuple[AgentView, list[LeaseChange]]:
+    """Bring a member's view up to the leader's state; the changes it has to learn of."""
+    member = state.members.get(member_id) if state is not None else None
+    if state is None or member is None:
+        lost = [
+            LeaseChange(s, lease, StreamState.REVOKED)
+            for s, (lease, _) in sorted(view.leases.items())
+        ]
+        return AgentView(), lost
+    if view.state is not AgentState.CONNECTING and view.set_version == member.set_version:
+        return view, []
+    # a version mismatch: the member is connecting again, and adopts the current stream set
+    current = {
+        s: (lease.lease, lease.state) for s, lease in sorted(state.holdings(member_id).items())
+    }
+    changes: list[LeaseChange] = []
+    for source, (lease, _) in sorted(view.leases.items()):
+        now = current.get(source)
+        if now is None or now[0] != lease:
+            changes.append(LeaseChange(source, lease, StreamState.REVOKED))
+    for source, (lease, now_state) in current.items():
+        before = view.leases.get(source)
+        if before != (lease, now_state):
+            changes.append(LeaseChange(source, lease, now_state))
+    revoking = any(s is StreamState.REVOKING for _, s in current.values())
+    adopted = AgentView(
+        AgentState.UPDATING if revoking else AgentState.REPLAYING, member.set_version, current
+    )
+    return adopted, changes
+
+
+def agent_lost(view: AgentView) -> AgentView:
+    """A write under a lease the member no longer holds: back to connecting."""
+    return replace(view, state=AgentState.CONNECTING, set_version=-1)

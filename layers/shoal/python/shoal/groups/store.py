@@ -1,0 +1,647 @@
+"""The group store: a group's leader and member items in DynamoDB, written with conditional
+writes (the state machine in ``shoal.groups.state`` decides, this module persists)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shoal.aws import tables
+from shoal.aws.dynamo import Dynamo, to_item
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config, GroupSettings
+from shoal.core.errors import ServerBusy
+from shoal.core.retry import backoff_s
+from shoal.groups.state import (
+    AgentState,
+    AgentView,
+    GroupState,
+    Member,
+    StreamLease,
+    add_streams,
+    advance,
+    agent_lost,
+    join,
+    new_group,
+    renew,
+)
+from shoal.groups.streams import (
+    FENCE_ATTRIBUTES,
+    STREAM_PREFIX,
+    Fence,
+    StreamProgress,
+    StreamState,
+    group_partition,
+    stream_item,
+)
+from shoal.topics.filters import parse_shared
+
+LEADER = "#sgl"
+
+
+MEMBER_PREFIX = "m#"
+
+
+#: optimistic-concurrency attempts on a group's leader or a stream's progress
+ATTEMPTS = 12
+
+
+#: items of a removed group's backlog deleted at once; TTL removes the rest
+MAX_BACKLOG_DELETE = 1000
+
+
+def group_key(share: str, topic_filter: str) -> str:
+    """The group's partition: a digest of (ShareName, filter); a filter reaches 64 KB."""
+    raw = f"{share}\x00{topic_filter}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def member_item(member_id: str) -> str:
+    return MEMBER_PREFIX + member_id
+
+
+def new_incarnation() -> str:
+    return os.urandom(8).hex()
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """One of a session's shared subscriptions, as its head holds it."""
+
+    text: str
+    share: str
+    filter: str
+    qos: int
+    #: the incarnation the session joined (absent for subscriptions older than groups)
+    incarnation: str | None
+
+    @property
+    def key(self) -> str:
+        return group_key(self.share, self.filter)
+
+
+def group_refs(subscriptions: Mapping[str, Any]) -> list[GroupRef]:
+    """The shared groups among a session's subscriptions, in filter order."""
+    out: list[GroupRef] = []
+    for text, option in sorted(subscriptions.items()):
+        if not isinstance(option, Mapping) or option.get("share") is None:
+            continue
+        shared = parse_shared(text)
+        if shared is None:
+            continue
+        out.append(
+            GroupRef(
+                text, shared[0], shared[1], int(option.get("qos", 1)), option.get("group") or None
+            )
+        )
+    return out
+
+
+def leader_record(key: str, state: GroupState) -> dict[str, Any]:
+    streams: dict[str, Any] = {}
+    for source, lease in state.streams.items():
+        entry: dict[str, Any] = {"l": lease.lease, "s": lease.state.value, "t": lease.since_ms}
+        if lease.holder is not None:
+            entry["h"] = lease.holder
+        streams[source] = entry
+    return {
+        "group": key,
+        "item": LEADER,
+        "v": state.version,
+        "inc": state.incarnation,
+        "share": state.share,
+        "filter": state.filter,
+        "at": state.created_at_ms,
+        "mb": {
+            m: {"c": x.client_id, "j": x.joined_at_ms, "sv": x.set_version}
+            for m, x in state.members.items()
+        },
+        # one JSON value: a transition rewrites the whole item anyway
+        "st": json.dumps(streams, separators=(",", ":"), sort_keys=True),
+    }
+
+
+def member_record(
+    key: str, incarnation: str, member_id: str, renewed_at_ms: int, view: AgentView
+) -> dict[str, Any]:
+    return {
+        "group": key,
+        "item": member_item(member_id),
+        "inc": incarnation,
+        "r": renewed_at_ms,
+        "vw": json.dumps(
+            {
+                "s": view.state.value,
+                "v": view.set_version,
+                "l": {s: [lease, st.value] for s, (lease, st) in sorted(view.leases.items())},
+            },
+            separators=(",", ":"),
+        ),
+    }
+
+
+def _view(row: Mapping[str, Any]) -> AgentView:
+    raw = json.loads(row["vw"]) if row.get("vw") else {}
+    view = AgentView(
+        AgentState(raw.get("s", AgentState.CONNECTING.value)),
+        int(raw.get("v", -1)),
+        {str(s): (int(x[0]), StreamState(x[1])) for s, x in (raw.get("l") or {}).items()},
+    )
+    # ``lost``: a fenced write since the view was written (``GroupStore.lost``)
+    return agent_lost(view) if row.get("lost") else view
+
+
+@dataclass
+class Loaded:
+    """One read of a group's partition: the leader, renewals and fences, as one state."""
+
+    key: str
+    state: GroupState
+    fences: dict[str, Fence]
+    views: dict[str, AgentView]
+
+
+@dataclass
+class GroupStats:
+    """Conditional writes per operation, and how many lost a race (for the benchmark)."""
+
+    writes: dict[str, int] = field(default_factory=dict)
+    conflicts: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, operation: str, *, conflict: bool) -> None:
+        with self._lock:
+            self.writes[operation] = self.writes.get(operation, 0) + 1
+            if conflict:
+                self.conflicts[operation] = self.conflicts.get(operation, 0) + 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {"writes": dict(self.writes), "conflicts": dict(self.conflicts)}
+
+
+class GroupStore:
+    """The groups table: leaders, members' renewals, streams' progress."""
+
+    def __init__(
+        self,
+        dynamo: Dynamo,
+        table: str,
+        inbox_table: str,
+        *,
+        settings: GroupSettings | None = None,
+        clock: Clock | None = None,
+        stats: GroupStats | None = None,
+    ) -> None:
+        self.dynamo = dynamo
+        self.table = table
+        self.inbox_table = inbox_table
+        self.settings = settings or GroupSettings()
+        self.clock = clock or SystemClock()
+        self.stats = stats or GroupStats()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> GroupStore:
+        return cls(
+            Dynamo.from_config(config),
+            config.table(tables.GROUPS),
+            config.table(tables.INBOXES),
+            settings=config.groups,
+            clock=clock,
+        )
+
+    # -- reading
+
+    def load(self, key: str) -> Loaded | None:
+        """The group's leader with its members' renewals and its streams' progress (one query);
+        None when there is no such group."""
+        attributes = (
+            *FENCE_ATTRIBUTES,
+            "v",
+            "share",
+            "filter",
+            "at",
+            "mb",
+            "st",
+            "r",
+            "vw",
+            "lost",
+        )
+        names = {f"#a{n}": a for n, a in enumerate(attributes)}
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#g = :g",
+            # everything but the streams' progress, which only their holders read
+            ProjectionExpression=", ".join(names),
+            ExpressionAttributeNames={"#g": "group", **names},
+            ExpressionAttributeValues=to_item({":g": key}),
+            ConsistentRead=True,
+        )
+        leader = next((r for r in rows if r["item"] == LEADER), None)
+        if leader is None:
+            return None
+        inc = str(leader["inc"])
+        renewals: dict[str, int] = {}
+        views: dict[str, AgentView] = {}
+        fences: dict[str, Fence] = {}
+        for row in rows:
+            name = str(row["item"])
+            if row.get("inc") != inc:
+                continue  # left behind by an earlier incarnation
+            if name.startswith(MEMBER_PREFIX):
+                member_id = name[len(MEMBER_PREFIX) :]
+                renewals[member_id] = int(row.get("r", 0))
+                views[member_id] = _view(row)
+            elif name.startswith(STREAM_PREFIX):
+                fence = Fence.from_record(row)
+                fences[fence.source] = fence
+        members = {
+            m: Member(
+                str(x["c"]),
+                int(x["j"]),
+                max(int(x["j"]), renewals.get(m, 0)),
+                int(x.get("sv", 0)),
+            )
+            for m, x in (leader.get("mb") or {}).items()
+        }
+        streams: dict[str, StreamLease] = {}
+        for source, x in json.loads(leader.get("st") or "{}").items():
+            held = fences.get(source)
+            streams[source] = StreamLease(
+                holder=x.get("h"),
+                lease=int(x["l"]),
+                state=StreamState(x["s"]),
+                since_ms=int(x.get("t", 0)),
+                in_flight=held.in_flight if held is not None else 0,
+            )
+        state = GroupState(
+            share=str(leader["share"]),
+            filter=str(leader["filter"]),
+            incarnation=inc,
+            version=int(leader["v"]),
+            created_at_ms=int(leader.get("at", 0)),
+            members=members,
+            streams=streams,
+        )
+        state = add_streams(state, sorted(fences))
+        return Loaded(key, state, fences, views)
+
+    def progress(self, key: str, source: str) -> StreamProgress | None:
+        raw = self.dynamo.get(self.table, {"group": key, "item": stream_item(source)})
+        return StreamProgress.from_record(raw) if raw else None
+
+    # -- the leader's transitions
+
+    def commit_parts(self, loaded: Loaded, new: GroupState) -> list[dict[str, Any]]:
+        """The transaction writing ``new`` over what ``loaded`` read: the leader on condition
+        of its version, and the fence of every stream whose holder, lease or state changed, on
+        condition of that stream's progress version (a holder's last get races no hand-off)."""
+        old = loaded.state
+        names = {"#v": "v"}
+        parts: list[dict[str, Any]] = [
+            {
+                "Put": {
+                    "TableName": self.table,
+                    "Item": to_item(
+                        leader_record(loaded.key, replace(new, version=old.version + 1))
+                    ),
+                    "ConditionExpression": "#v = :v",
+                    "ExpressionAttributeNames": names,
+                    "ExpressionAttributeValues": to_item({":v": old.version}),
+                }
+            }
+        ]
+        for source, lease in sorted(new.streams.items()):
+            before = old.streams.get(source, StreamLease())
+            if (before.holder, before.lease, before.state) == (
+                lease.holder,
+                lease.lease,
+                lease.state,
+            ):
+                continue
+            parts.append(
+                self._fence_part(
+                    loaded.key, new.incarnation, source, lease, loaded.fences.get(source)
+                )
+            )
+        return parts
+
+    def _fence_part(
+        self,
+        key: str,
+        incarnation: str,
+        source: str,
+        lease: StreamLease,
+        fence: Fence | None,
+    ) -> dict[str, Any]:
+        if fence is None:
+            fresh = StreamProgress(source, incarnation, lease.lease, lease.holder, lease.state)
+            return {
+                "Put": {
+                    "TableName": self.table,
+                    "Item": to_item(fresh.record(key)),
+                    "ConditionExpression": "attribute_not_exists(#i) OR #inc <> :inc",
+                    "ExpressionAttributeNames": {"#i": "item", "#inc": "inc"},
+                    "ExpressionAttributeValues": to_item({":inc": incarnation}),
+                }
+            }
+        names = {"#l": "lease", "#s": "state", "#pv": "pv", "#inc": "inc", "#h": "holder"}
+        values: dict[str, Any] = {
+            ":l": lease.lease,
+            ":s": lease.state.value,
+            ":pv": fence.pv,
+            ":next": fence.pv + 1,
+            ":inc": incarnation,
+        }
+        expression = "SET #l = :l, #s = :s, #pv = :next"
+        if lease.holder is None:
+            expression += " REMOVE #h"
+        else:
+            expression += ", #h = :h"
+            values[":h"] = lease.holder
+        return {
+            "Update": {
+                "TableName": self.table,
+                "Key": to_item({"group": key, "item": stream_item(source)}),
+                "UpdateExpression": expression,
+                "ConditionExpression": "#pv = :pv AND #inc = :inc",
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": to_item(values),
+            }
+        }
+
+    def commit(self, loaded: Loaded, new: GroupState, operation: str = "advance") -> bool:
+        """Write ``new``; False when another invocation changed the group first."""
+        reasons = self.dynamo.transact(self.commit_parts(loaded, new))
+        self.stats.count(operation, conflict=reasons is not None)
+        return reasons is None
+
+    def advance(
+        self, key: str, now_ms: int, *, renewing: str | None = None, operation: str = "advance"
+    ) -> Loaded | None:
+        """Load the group and advance its leader (``renewing``: a member known live now); the
+        state as written, or None when the group does not exist."""
+        timeout = self.settings.lease_timeout_ms
+        for attempt in range(ATTEMPTS):
+            loaded = self.load(key)
+            if loaded is None:
+                return None
+            state = loaded.state
+            if renewing is not None:
+                state = renew(state, renewing, now_ms)
+            new = advance(state, now_ms, timeout)
+            if new.same_assignment(loaded.state):
+                return replace(loaded, state=new)
+            if self.commit(loaded, new, operation):
+                return self._applied(loaded, new)
+            self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
+        raise ServerBusy("this shared group is contended; retry")
+
+    def _applied(self, loaded: Loaded, new: GroupState) -> Loaded:
+        """``loaded`` after its commit: the new version and the streams' new fences."""
+        fences = dict(loaded.fences)
+        for source, lease in new.streams.items():
+            before = loaded.state.streams.get(source, StreamLease())
+            if (before.holder, before.lease, before.state) == (
+                lease.holder,
+                lease.lease,
+                lease.state,
+            ):
+                continue
+            fence = fences.get(source, Fence(source, new.incarnation))
+            fences[source] = replace(
+                fence,
+                lease=lease.lease,
+                holder=lease.holder,
+                state=lease.state,
+                pv=fence.pv + 1 if source in fences else 0,
+            )
+        return Loaded(
+            loaded.key, replace(new, version=loaded.state.version + 1), fences, loaded.views
+        )
+
+    # -- progress
+
+    def save_progress(
+        self, key: str, progress: StreamProgress, expected_pv: int, member_id: str
+    ) -> bool:
+        """Write a holder's progress: only while it holds the stream under the same lease."""
+        if not self.dynamo.conditional(
+            "put_item",
+            TableName=self.table,
+            Item=to_item(progress.record(key)),
+            ConditionExpression=("#pv = :pv AND #l = :l AND #h = :h AND #s = :s AND #inc = :inc"),
+            ExpressionAttributeNames={
+                "#pv": "pv",
+                "#l": "lease",
+                "#h": "holder",
+                "#s": "state",
+                "#inc": "inc",
+            },
+            ExpressionAttributeValues=to_item(
+                {
+                    ":pv": expected_pv,
+                    ":l": progress.lease,
+                    ":h": member_id,
+                    ":s": progress.state.value,
+                    ":inc": progress.incarnation,
+                }
+            ),
+        ):
+            self.stats.count("progress", conflict=True)
+            return False
+        self.stats.count("progress", conflict=False)
+        return True
+
+    # -- members' renewals and views
+
+    def renew_members(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Members' renewals (and agent views), all in one batch: no condition can fail."""
+        if records:
+            self.dynamo.batch_put(self.table, list(records))
+
+    def lost(self, key: str, member_id: str) -> None:
+        """A member's write was fenced off: its agent goes back to connecting."""
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"group": key, "item": member_item(member_id)}),
+            UpdateExpression="SET #lost = :true",
+            ConditionExpression="attribute_exists(#vw)",
+            ExpressionAttributeNames={"#vw": "vw", "#lost": "lost"},
+            ExpressionAttributeValues=to_item({":true": True}),
+        )
+
+    # -- the router's streams
+
+    def ensure_stream(self, key: str, incarnation: str, source: str) -> bool:
+        """Make the stream known to the leader (its progress item); True when it was new."""
+        fresh = StreamProgress(source, incarnation)
+        return self.dynamo.conditional(
+            "put_item",
+            TableName=self.table,
+            Item=to_item(fresh.record(key)),
+            ConditionExpression="attribute_not_exists(#i) OR #inc <> :inc",
+            ExpressionAttributeNames={"#i": "item", "#inc": "inc"},
+            ExpressionAttributeValues=to_item({":inc": incarnation}),
+        )
+
+    # -- membership (parts of the subscribe, unsubscribe and session-end transactions)
+
+    def leader_raw(self, key: str) -> dict[str, Any] | None:
+        return self.dynamo.get(self.table, {"group": key, "item": LEADER})
+
+    def join_parts(
+        self, ref: GroupRef, member_id: str, client_id: str, now_ms: int
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """Join (creating the group when it does not exist): its incarnation and one part.
+
+        Joining an existing group adds the member with one update of the leader (no read of
+        its version: racing joins of many members never conflict), which bumps the version
+        so that any racing transition re-reads and sees the new member. The member's item
+        (renewal, agent view) comes with its first heartbeat; until then it is live from its
+        join.
+        """
+        key = ref.key
+        leader = to_item({"group": key, "item": LEADER})
+        raw = self.leader_raw(key)
+        if raw is None:
+            inc = new_incarnation()
+            state = join(
+                new_group(ref.share, ref.filter, inc, now_ms), member_id, client_id, now_ms
+            )
+            return inc, [
+                {
+                    "Put": {
+                        "TableName": self.table,
+                        "Item": to_item(leader_record(key, replace(state, version=1))),
+                        "ConditionExpression": "attribute_not_exists(#i)",
+                        "ExpressionAttributeNames": {"#i": "item"},
+                    }
+                }
+            ]
+        inc = str(raw["inc"])
+        if member_id in (raw.get("mb") or {}):
+            return inc, [
+                {
+                    "ConditionCheck": {
+                        "TableName": self.table,
+                        "Key": leader,
+                        "ConditionExpression": "#inc = :inc AND attribute_exists(#mb.#m)",
+                        "ExpressionAttributeNames": {"#inc": "inc", "#mb": "mb", "#m": member_id},
+                        "ExpressionAttributeValues": to_item({":inc": inc}),
+                    }
+                }
+            ]
+        return inc, [
+            {
+                "Update": {
+                    "TableName": self.table,
+                    "Key": leader,
+                    "UpdateExpression": "SET #mb.#m = :m, #v = #v + :one",
+                    "ConditionExpression": "#inc = :inc",
+                    "ExpressionAttributeNames": {
+                        "#mb": "mb",
+                        "#m": member_id,
+                        "#v": "v",
+                        "#inc": "inc",
+                    },
+                    "ExpressionAttributeValues": to_item(
+                        {":m": {"c": client_id, "j": now_ms, "sv": 0}, ":one": 1, ":inc": inc}
+                    ),
+                }
+            }
+        ]
+
+    def leave_parts(self, ref: GroupRef, member_id: str) -> tuple[list[dict[str, Any]], str | None]:
+        """Leave: one part, and the incarnation when the member is the last one (then the
+        group goes).
+
+        The membership goes in one update of the leader; the leaver's streams are handed on by
+        the next advance (``expire`` takes the streams of holders that are no members), which
+        ``GroupService.after`` runs at once. Its acks count nothing from then on: a session
+        acks only in the groups it is subscribed to.
+        """
+        raw = self.leader_raw(ref.key)
+        if raw is None or member_id not in (raw.get("mb") or {}):
+            return [], None
+        inc = str(raw["inc"])
+        if ref.incarnation is not None and ref.incarnation != inc:
+            return [], None
+        leader = to_item({"group": ref.key, "item": LEADER})
+        if set(raw.get("mb") or {}) == {member_id}:
+            return [
+                {
+                    "Delete": {
+                        "TableName": self.table,
+                        "Key": leader,
+                        "ConditionExpression": "#v = :v",
+                        "ExpressionAttributeNames": {"#v": "v"},
+                        "ExpressionAttributeValues": to_item({":v": int(raw["v"])}),
+                    }
+                }
+            ], inc
+        return [
+            {
+                "Update": {
+                    "TableName": self.table,
+                    "Key": leader,
+                    "UpdateExpression": "REMOVE #mb.#m SET #v = #v + :one",
+                    # not the last member any more: a racing leave could have made it so
+                    "ConditionExpression": (
+                        "#inc = :inc AND attribute_exists(#mb.#m) AND size(#mb) > :one"
+                    ),
+                    "ExpressionAttributeNames": {
+                        "#mb": "mb",
+                        "#m": member_id,
+                        "#v": "v",
+                        "#inc": "inc",
+                    },
+                    "ExpressionAttributeValues": to_item({":one": 1, ":inc": inc}),
+                }
+            }
+        ], None
+
+    def remove_backlog(self, key: str, incarnation: str) -> int:
+        """After a group's removal: its members' and streams' items, and (up to a bound) its
+        backlog; TTL removes whatever is left. Idempotent; a newer incarnation's items stay."""
+        removed = 0
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#g = :g",
+            ExpressionAttributeNames={"#g": "group"},
+            ExpressionAttributeValues=to_item({":g": key}),
+            ConsistentRead=True,
+        )
+        for row in rows:
+            if row["item"] == LEADER or row.get("inc") != incarnation:
+                continue
+            if self.dynamo.conditional(
+                "delete_item",
+                TableName=self.table,
+                Key=to_item({"group": key, "item": row["item"]}),
+                ConditionExpression="#inc = :inc",
+                ExpressionAttributeNames={"#inc": "inc"},
+                ExpressionAttributeValues=to_item({":inc": incarnation}),
+            ):
+                removed += 1
+        partition = group_partition(incarnation)
+        items = self.dynamo.query(
+            self.inbox_table,
+            KeyConditionExpression="#p = :p",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": partition}),
+            ProjectionExpression="#p, #k",
+            Limit=MAX_BACKLOG_DELETE,
+        )
+        keys = [{"inbox": partition, "position": row["position"]} for row in items]
+        for start in range(0, len(keys), 25):
+            requests = [{"DeleteRequest": {"Key": to_item(k)}} for k in keys[start : start + 25]]
+            # best effort: what a throttled batch leaves unprocessed, TTL removes
+            self.dynamo.call("batch_write_item", RequestItems={self.inbox_table: requests})
+        return removed + len(keys)

@@ -134,7 +134,7 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
     from shoal.core.config import get_config
     from shoal.delivery.model import AckRequest, SubscribeRequest
     from shoal.publishing import BatchRequest, PublishRequest, PublishService
-    from shoal.sessions import ConnectRequest
+    from shoal.sessions.model import ConnectRequest
 
     import functions.router.app as router_app
 
@@ -169,8 +169,8 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
                 publisher.publish_batch(who, batch.messages)
         events = _kinesis_events(session, f"{config.stream_prefix}-default-0")
 
-        fanout = router_app.fanout()
-        writer = router_app.service()
+        fanout = router_app.router().fanout
+        writer = router_app.router().archive
         meter, units = CallMeter(), WriteUnits()
         meter.attach(fanout.inbox.dynamo.client)
         meter.attach(writer.s3)

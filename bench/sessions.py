@@ -129,7 +129,8 @@ def _invoke(handler: Handler, event: dict[str, Any]) -> tuple[int, Any]:
 def run(clients: int = 40, reconnects: int = 8, workers: int = 16) -> dict[str, Any]:
     from shoal.core.clock import SystemClock
     from shoal.core.config import get_config
-    from shoal.sessions import RegistryStats, Version
+    from shoal.sessions.model import Version
+    from shoal.sessions.registry import RegistryStats
 
     with emulated_account():
         calls = _Calls()

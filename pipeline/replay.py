@@ -249,7 +249,7 @@ class SessionInboxTarget:
     ) -> SessionInboxTarget:
         from shoal.core.clock import SystemClock
         from shoal.delivery.inbox import InboxStore, PayloadStore
-        from shoal.sessions import SessionRepository
+        from shoal.sessions.repository import SessionRepository
 
         return cls(
             client_id,

@@ -3,8 +3,8 @@
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
-from pydantic import BaseModel, ConfigDict
-from shoal.http.body import parse_body
+from shoal.composite.model import AddStorageTopic, CreateTopic
+from shoal.http.body import NoBody, parse_body
 from shoal.http.caller import admin_only
 from shoal.http.resolver import json_response, lambda_handler, make_resolver
 from shoal.wiring import PerConfig, topic_service
@@ -13,24 +13,6 @@ app = make_resolver()
 # every route needs the shoal:admin claim, checked before the request is looked at
 app.use(middlewares=[admin_only])
 service = PerConfig(topic_service)
-
-
-class CreateTopic(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # Checked by the service, so a wrong type is invalid_topic_name / invalid_partitions too.
-    name: Any = None
-    partitions: Any = None
-
-
-class AddStorageTopic(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    partitions: Any = None
-
-
-class NoBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 @app.post("/v1/topics")

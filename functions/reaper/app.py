@@ -11,7 +11,7 @@ from shoal import wiring
 from shoal.core.config import get_config
 from shoal.core.observability import logger
 from shoal.drain import Sealer
-from shoal.sessions import Reaper
+from shoal.sessions.reaper import Reaper
 
 
 @cache

@@ -11,7 +11,8 @@ from shoal.core.config import get_config
 from shoal.http.body import parse_body
 from shoal.http.caller import owner_first, session_call
 from shoal.http.resolver import lambda_handler, make_resolver
-from shoal.sessions import ConnectRequest, SessionRegistry
+from shoal.sessions.model import ConnectRequest
+from shoal.sessions.registry import SessionRegistry
 
 app = make_resolver()
 

@@ -11,7 +11,7 @@ import pytest
 from shoal.core.config import get_config
 from shoal.delivery.model import MAX_INLINE_PAYLOAD
 from shoal.delivery.subscriptions import SubscriptionRetirer
-from shoal.sessions import Reaper
+from shoal.sessions.reaper import Reaper
 
 import functions.messages.app as messages_app
 import functions.sessions.app as sessions_app

@@ -18,9 +18,10 @@ from shoal.core.config import DeliverySettings, get_config
 from shoal.delivery.inbox import InboxStore, PayloadStore
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
-from shoal.fanout import Fanout, SubscriptionCache
 from shoal.local.esm import EventSourceMappings
-from shoal.sessions import SessionRegistry, SessionRepository
+from shoal.router.fanout import Fanout, SubscriptionCache
+from shoal.sessions.registry import SessionRegistry
+from shoal.sessions.repository import SessionRepository
 
 import functions.messages.app as messages_app
 import functions.router.app as router_app
@@ -82,7 +83,7 @@ class World:
         monkeypatch.setattr(sessions_app, "registry", lambda: self.registry)
         monkeypatch.setattr(subscriptions_app, "service", lambda: self.subscriptions)
         monkeypatch.setattr(messages_app, "service", lambda: self.delivery)
-        monkeypatch.setattr(router_app, "fanout", lambda: self.fanout)
+        monkeypatch.setattr(router_app.router(), "fanout", self.fanout)
         self.router: Handler = router_app.handler
         self.invocations = 0
         self.esm = EventSourceMappings(session, self._invoke, self.clock)

@@ -100,7 +100,7 @@ def test_a_router_failing_at_any_step_records_each_routed_message_once(
     w = recording
     # Given a router whose first invocation fails at one step
     switch = OneFault(step)
-    monkeypatch.setattr(router_app, "faults", lambda: switch)
+    monkeypatch.setattr(router_app.router(), "faults", switch)
     channel = w.connect("alice-1")
     w.subscribe("alice-1", channel, "orders/#")
     ids = [w.publish("orders/a", f"m{n}") for n in range(3)]

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 from shoal.groups.streams import group_partition, parse_delivery_id
-from shoal.sessions import WillMessage
+from shoal.sessions.model import WillMessage
 
 import functions.reaper.app as reaper_app
 import functions.sessions.app as sessions_app

@@ -10,7 +10,9 @@ import pytest
 from shoal.core.clock import SystemClock
 from shoal.core.config import get_config
 from shoal.core.errors import TopicNotFound
-from shoal.sessions import WILL_RETRY_MS, Reaper, SessionRepository, Version, WillMessage
+from shoal.sessions.model import WILL_RETRY_MS, Version, WillMessage
+from shoal.sessions.reaper import Reaper
+from shoal.sessions.repository import SessionRepository
 from shoal.wiring import ServiceWillPublisher
 
 import functions.reaper.app as reaper_app

@@ -8,10 +8,9 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.config import get_config
-from shoal.delivery.model import Subscription
-from shoal.fanout import Fanout
 from shoal.local.esm import event_of
 from shoal.records import Message
+from shoal.router.fanout import Fanout
 
 from tests.helpers import FakeContext
 from tests.integration.test_delivery_support import World, texts, world
@@ -121,27 +120,18 @@ def test_dollar_topics_match_only_filters_that_name_their_first_level(world: Wor
     assert [m["topic"] for m in world.get("alice-s", sys)] == ["$SYS/broker"]
 
 
-class Offers:
-    def __init__(self) -> None:
-        self.offered: list[tuple[str, str]] = []
-
-    def offer(self, subscription: Subscription, message: Message, at: str) -> None:
-        self.offered.append((subscription.filter, message.topic))
-
-
-def test_shared_subscriptions_are_left_to_the_groups_hook(world: World) -> None:
+def test_a_shared_subscription_without_its_group_reaches_no_inbox(world: World) -> None:
     channel = connected(world)
     world.subscribe(CLIENT, channel, "$share/g/jobs/#")
     world.publish("jobs/1", "j")
     world.route()
-    # Then no inbox delivery (groups come later); a hook sees the message
     assert world.get(CLIENT, channel) == []
-    offers = Offers()
-    hooked = Fanout(world.fanout.cache, world.fanout.inbox, world.settings, shared=offers)
+    # When a batch meets a shared subscription that names no group incarnation
+    bare = Fanout(world.fanout.cache, world.fanout.inbox, world.settings)
     message = Message("m2", "jobs/2", b"j", 1, False, "jobs/2", world.clock.now_ms(), "x")
-    report = hooked.route("shoal-default-0", "shardId-000000000000", [("9", [message])])
-    assert offers.offered == [("$share/g/jobs/#", "jobs/2")]
-    assert report.deliveries == 0
+    report = bare.route("shoal-default-0", "shardId-000000000000", [("9", [message])])
+    # Then it is counted as skipped and written nowhere
+    assert (report.shared_skipped, report.deliveries) == (1, 0)
 
 
 def test_the_router_view_follows_changes_incrementally(world: World) -> None:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from shoal.archive import ArchiveBatch, ArchiveWriter
 from shoal.core.config import get_config
+from shoal.router.archive import ArchiveBatch, ArchiveWriter
 
 import functions.router.app as router_app
 from tests.integration.test_delivery_support import ALICE, BOB, World, world
@@ -85,7 +85,7 @@ def install(
     faults.wrap(world.fanout.cache.subscriptions, "versions", monkeypatch)
     writer = ArchiveWriter.from_config(get_config())
     faults.wrap(writer, "write", monkeypatch)
-    monkeypatch.setattr(router_app, "service", lambda: writer)
+    monkeypatch.setattr(router_app.router(), "archive", writer)
     handler = world.router
 
     def router(event: dict[str, Any], context: Any) -> Any:

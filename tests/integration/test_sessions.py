@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 from shoal import wiring
 from shoal.core.config import get_config
-from shoal.sessions import MAX_WILL_PAYLOAD_BYTES, SessionRegistry, SessionRepository, Version
+from shoal.sessions.model import MAX_WILL_PAYLOAD_BYTES, Version
+from shoal.sessions.registry import SessionRegistry
+from shoal.sessions.repository import SessionRepository
 
 import functions.sessions.app as sessions_app
 from tests.helpers import FakeContext, load_event

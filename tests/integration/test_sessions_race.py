@@ -20,7 +20,7 @@ import pytest
 from shoal import wiring
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
-from shoal.sessions import Version
+from shoal.sessions.model import Version
 
 import functions.sessions.app as sessions_app
 from tests.integration.test_sessions_support import (

@@ -21,14 +21,9 @@ from shoal.core.config import get_config
 from shoal.core.errors import ShoalError
 from shoal.local.provision import LocalNames, provision
 from shoal.local.serialize import serialized_moto
-from shoal.sessions import (
-    Expression,
-    RegistryView,
-    SessionRegistry,
-    SessionRepository,
-    Version,
-    WillMessage,
-)
+from shoal.sessions.model import RegistryView, Version, WillMessage
+from shoal.sessions.registry import SessionRegistry
+from shoal.sessions.repository import SessionRepository
 
 import functions.sessions.app as sessions_app
 from tests.helpers import FakeContext, http_event, response_json
@@ -144,10 +139,14 @@ class Sessions:
         return found
 
     def give_session(self, client_id: str, channel: str, subscriptions: dict[str, Any]) -> None:
-        """Subscriptions, written as a live channel's call would."""
-        expr = Expression().set("session.subscriptions", subscriptions)
-        version = Version.parse(channel)
-        assert self.repository.update_live(client_id, version, "alice", expr, self.clock.now_ms())
+        """Subscriptions, written as a live channel's subscribe would (the transaction part
+        conditional on the channel being live)."""
+        head = self.repository.head(client_id)
+        assert head is not None and head.is_live(Version.parse(channel))
+        part = self.repository.subscriptions_part(
+            client_id, head, self.clock.now_ms(), put=subscriptions
+        )
+        assert self.repository.dynamo.transact([part]) is None
 
 
 @pytest.fixture(scope="module")

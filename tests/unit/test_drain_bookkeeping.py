@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.aws.kinesis import OutRecord, PutOutcome
-from shoal.composite.model import CompositeTopic, StorageTopic
+from shoal.composite.model import CompositeTopic, StorageTopic, storage_of
 from shoal.core.clock import ManualClock
 from shoal.core.config import Config
 from shoal.delivery.inbox import DeliveryState, InboxItem
-from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms, storage_of
+from shoal.drain import RECHECK_MS, DrainRecord, DrainView, Sealer, due, seal_grace_ms
 from shoal.records import decode_record, is_seal, seal_record
 
 GRACE = 5_000

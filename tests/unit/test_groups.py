@@ -18,8 +18,6 @@ from shoal.groups.state import (
     agent_sync,
     check_lease,
     expire,
-    finish,
-    invalidate,
     join,
     leave,
     new_group,
@@ -176,25 +174,8 @@ def test_stale_progress_is_rejected_and_the_current_lease_accepted() -> None:
     with pytest.raises(StaleLease):
         check_lease(state, "m00", "s00", 1)
     with pytest.raises(StaleLease):
-        finish(state, "m00", "s00", 1, clock.now_ms())
-    with pytest.raises(StaleLease):
         check_lease(state, "m00", "s00", 2)  # the right number, the wrong member
     assert check_lease(state, "m01", "s00", 2).holder == "m01"
-
-
-def test_a_final_progress_report_frees_a_revoking_stream() -> None:
-    # Given a stream revoking from m00 with messages in flight
-    clock = ManualClock()
-    state = advance(group(clock, members=1, streams=2), clock.now_ms(), TIMEOUT_MS)
-    state = replace(state, streams={s: replace(x, in_flight=2) for s, x in state.streams.items()})
-    state = advance(join(state, "m01", "c1", clock.now_ms()), clock.now_ms(), TIMEOUT_MS)
-    (source,) = [s for s, x in state.streams.items() if x.state is StreamState.REVOKING]
-    # When m00 reports its final progress under its lease
-    state = finish(state, "m00", source, 1, clock.now_ms())
-    # Then nobody holds it, and the next advance grants it to m01
-    assert state.streams[source].holder is None
-    state = advance(state, clock.now_ms(), TIMEOUT_MS)
-    assert (state.streams[source].holder, state.streams[source].lease) == ("m01", 2)
 
 
 def test_a_version_mismatch_sends_the_agent_back_to_connecting_with_the_changes() -> None:
@@ -222,16 +203,11 @@ def test_a_version_mismatch_sends_the_agent_back_to_connecting_with_the_changes(
     assert [(c.stream, c.state) for c in changes] == [("s01", StreamState.REVOKING)]
 
 
-def test_invalidation_and_a_lost_lease_make_the_agent_resync() -> None:
+def test_a_lost_lease_makes_the_agent_resync() -> None:
     # Given a member whose agent is in sync
     clock = ManualClock()
     state = settle(group(clock, members=1, streams=1), clock.now_ms())
-    view, _ = agent_sync(AgentView(), state, "m00")
-    # When the leader invalidates it
-    state = invalidate(state, "m00")
-    # Then its next sync re-adopts the stream set (nothing else changed, so nothing to report)
-    synced, changes = agent_sync(view, state, "m00")
-    assert synced.set_version == state.members["m00"].set_version and changes == []
+    synced, _ = agent_sync(AgentView(), state, "m00")
     # When the agent itself lost a lease (a fenced write failed)
     lost = agent_lost(synced)
     assert lost.state is AgentState.CONNECTING

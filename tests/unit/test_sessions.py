@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from shoal.core.errors import BadRequest, Forbidden
-from shoal.sessions import (
+from shoal.sessions.model import (
     DUE_SHARDS,
     ConflictStep,
     ConnectRequest,

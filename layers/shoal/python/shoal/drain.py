@@ -44,6 +44,7 @@ from shoal.composite.model import (
     EFFECTIVE_DELAY_MS,
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
+    storage_of,
     stream_name,
 )
 from shoal.core.clock import Clock, SystemClock
@@ -88,14 +89,6 @@ def seal_grace_ms(override_s: float | None = None) -> int:
         and f.name not in ("admin", "bootstrap")
     )
     return longest * 1000 + margin
-
-
-def storage_of(stream: str, prefix: str) -> tuple[str, int] | None:
-    """(composite topic, storage topic index) of a stream named "<prefix>-<topic>-<index>"."""
-    if not stream.startswith(f"{prefix}-"):
-        return None
-    topic, _, index = stream[len(prefix) + 1 :].rpartition("-")
-    return (topic, int(index)) if topic and index.isdigit() else None
 
 
 def due(topic: CompositeTopic, now_ms: int, grace_ms: int) -> list[int]:

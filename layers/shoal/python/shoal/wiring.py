@@ -19,19 +19,26 @@ from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
+from shoal.core.faults import Faults
 from shoal.delivery.events import Recording
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import InboxStore, PayloadStore
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
-from shoal.drain import DrainStore, Sealer, seal_grace_ms
+from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
 from shoal.groups.gate import group_gate
-from shoal.groups.service import GroupService
+from shoal.groups.service import GroupService, StreamRegistrar
 from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push_admin import TapHooks
-from shoal.sessions import Reaper, SessionRegistry, SessionRepository, WillMessage
+from shoal.router.archive import ArchiveWriter
+from shoal.router.batch import Router
+from shoal.router.fanout import Fanout, SubscriptionCache
+from shoal.sessions.model import WillMessage
+from shoal.sessions.reaper import Reaper
+from shoal.sessions.registry import SessionRegistry
+from shoal.sessions.repository import SessionRepository
 
 T = TypeVar("T")
 
@@ -192,4 +199,31 @@ def sealer(config: Config, clock: Clock | None = None) -> Sealer:
         TopicStore.from_config(config).scan,
         clock,
         grace_ms=seal_grace_ms(config.seal_grace_s),
+    )
+
+
+# --- the router -----------------------------------------------------------------------------------
+
+
+def fanout(config: Config, clock: Clock | None = None) -> Fanout:
+    tables.bind(config)
+    dynamo = Dynamo.from_config(config)
+    return Fanout(
+        SubscriptionCache(SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS))),
+        InboxStore(dynamo, config.table(tables.INBOXES)),
+        config.delivery,
+        payloads=PayloadStore.from_config(config),
+        clock=clock,
+        # shared groups: their streams are made known to their leaders
+        groups=StreamRegistrar(GroupStore.from_config(config, clock)),
+        drain=RouterDrain.from_config(config),
+    )
+
+
+def router(config: Config) -> Router:
+    return Router(
+        fanout(config),
+        ArchiveWriter.from_config(config),
+        Recording.from_config(config),
+        Faults.from_config(config, "router"),
     )

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from shoal.aws.kinesis import even_starting_keys
 from shoal.core.errors import InvalidPartitions, InvalidTopicName
 from shoal.declarations import DEPLOYMENT
@@ -80,6 +82,14 @@ def route(h: int, partitions: int, k: int) -> int:
 
 def stream_name(prefix: str, topic: str, index: int) -> str:
     return f"{prefix}-{topic}-{index}"
+
+
+def storage_of(stream: str, prefix: str) -> tuple[str, int] | None:
+    """(composite topic, storage topic index) of a stream named "<prefix>-<topic>-<index>"."""
+    if not stream.startswith(f"{prefix}-"):
+        return None
+    topic, _, index = stream[len(prefix) + 1 :].rpartition("-")
+    return (topic, int(index)) if topic and index.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -186,3 +196,20 @@ class Destination:
 
     topic: CompositeTopic
     storage: StorageTopic
+
+
+# --- request bodies (the admin function's) ---------------------------------------------------
+
+
+class CreateTopic(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Checked by the service, so a wrong type is invalid_topic_name / invalid_partitions too.
+    name: Any = None
+    partitions: Any = None
+
+
+class AddStorageTopic(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    partitions: Any = None

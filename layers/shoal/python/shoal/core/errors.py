@@ -84,11 +84,6 @@ class TopicNotFound(NotFound):
     code = "topic_not_found"
 
 
-class MethodNotAllowed(ShoalError):
-    status = 405
-    code = "method_not_allowed"
-
-
 class Conflict(ShoalError):
     status = 409
     code = "conflict"

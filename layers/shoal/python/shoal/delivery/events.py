@@ -56,11 +56,10 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from shoal.aws import clients
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
+from shoal.delivery.inbox import InboxMessage
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type stubs only, not installed in the layer
     from mypy_boto3_s3 import S3Client
-
-    from shoal.delivery.inbox import InboxMessage
 
 EVENTS_PREFIX = "events"
 ARCHIVE_BUCKET = "archive"

@@ -4,20 +4,17 @@ the session has handed out everything of the earlier ones (``shoal.drain``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.composite.model import (
+    storage_of,
     stream_name,
 )
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
-from shoal.delivery.inbox import InboxItem
+from shoal.delivery.inbox import DeliveryState, InboxItem
 from shoal.delivery.model import item_key, source_id
-from shoal.drain import SOURCE_END, DrainStore, DrainView, storage_of
-
-if TYPE_CHECKING:
-    from shoal.delivery.inbox import DeliveryState
+from shoal.drain import SOURCE_END, DrainStore, DrainView
 
 
 class SessionGate:

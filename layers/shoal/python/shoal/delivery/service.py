@@ -66,7 +66,8 @@ from shoal.delivery.model import (
 )
 from shoal.delivery.ports import SharedGroups
 from shoal.delivery.subscriptions import channel_of
-from shoal.sessions import Head, SessionRegistry
+from shoal.sessions.model import Head
+from shoal.sessions.registry import SessionRegistry
 
 # --- get and ack ---------------------------------------------------------------------------------
 

@@ -86,7 +86,8 @@ from shoal.delivery.model import (
     subscription_item,
 )
 from shoal.delivery.ports import MembershipPlan, SharedGroups
-from shoal.sessions import Head, SessionRegistry
+from shoal.sessions.model import Head
+from shoal.sessions.registry import SessionRegistry
 from shoal.topics.filters import (
     MULTI_LEVEL,
     SINGLE_LEVEL,

@@ -4,20 +4,19 @@ every group stream of the earlier ones handed out and committed past its seal.""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.composite.model import (
+    storage_of,
     stream_name,
 )
 from shoal.core.clock import Clock
 from shoal.core.config import Config
 from shoal.delivery.inbox import InboxItem
 from shoal.delivery.model import item_key, source_id
-from shoal.drain import RECHECK_MS, SOURCE_END, DrainStore, DrainView, storage_of
-
-if TYPE_CHECKING:
-    from shoal.groups.streams import StreamProgress
+from shoal.drain import RECHECK_MS, SOURCE_END, DrainStore, DrainView
+from shoal.groups.streams import StreamProgress
 
 
 class GroupGate:

@@ -32,8 +32,7 @@ renewal missed the lease timeout lose their streams; a revoking stream is revoke
 holder has nothing in flight, or when its revoke outlasted the lease timeout), ``rebalance``
 (balanced: each live member gets the floor or the ceiling of streams / live members; sticky: a
 change moves as few streams as possible, and members that hold more keep the ceilings;
-deterministic: the same state gives the same answer), ``finish`` (a final progress report) and
-``invalidate`` (a member that acted on a lease it no longer holds starts over).
+deterministic: the same state gives the same answer).
 
 Hand-off: a stream revoked from A goes to B only when A has nothing in flight on it (its acks
 are its final progress) or A's lease expired. Every progress write names the lease it was made

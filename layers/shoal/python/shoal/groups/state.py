@@ -136,28 +136,6 @@ def check_lease(state: GroupState, member_id: str, source: str, lease: int) -> S
     return current
 
 
-def finish(state: GroupState, member_id: str, source: str, lease: int, now_ms: int) -> GroupState:
-    """A holder's final progress on a revoking stream: nobody holds it any more.
-
-    Raises StaleLease for a lease that is not the stream's current one; a final report on a
-    granted stream changes nothing (the leader did not ask for it back).
-    """
-    current = check_lease(state, member_id, source, lease)
-    if current.state is not StreamState.REVOKING:
-        return state
-    return _bump_members(
-        replace(state, streams={**state.streams, source: _free(current, now_ms)}), [member_id]
-    )
-
-
-def invalidate(state: GroupState, member_id: str) -> GroupState:
-    """A member that acted on a lease it does not hold: its stream set's version moves on, so
-    its agent goes back to connecting and re-reads what it holds."""
-    if member_id not in state.members:
-        return state
-    return _bump_members(state, [member_id])
-
-
 def expire(state: GroupState, now_ms: int, timeout_ms: int) -> GroupState:
     """Take streams from holders that left or whose renewal missed the lease timeout, and
     revoke the revoking streams whose holder has nothing in flight or whose revoke expired."""

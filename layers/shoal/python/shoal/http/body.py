@@ -13,7 +13,7 @@ import re
 from typing import Any, TypeVar
 
 from aws_lambda_powertools.event_handler import APIGatewayHttpResolver
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from shoal.core.config import get_config
 from shoal.core.errors import (
@@ -138,3 +138,9 @@ def query_int(raw: str | None, name: str, default: int) -> int:
         return int(raw)
     except ValueError as exc:
         raise BadRequest(f"{name} must be an integer", field=name) from exc
+
+
+class NoBody(BaseModel):
+    """A route that takes no fields: an empty object (or no body) only."""
+
+    model_config = ConfigDict(extra="forbid")

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from shoal.aws import clients
+from shoal.composite.model import storage_of
 from shoal.core.config import Config
 from shoal.records import MalformedRecord, decode_record
 
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
 
 MESSAGES_PREFIX = "messages"
 QUARANTINE_PREFIX = "quarantine"
-
-
-def storage_of(stream: str, stream_prefix: str) -> tuple[str, int] | None:
-    """(composite topic, storage topic index) of a stream named "<prefix>-<topic>-<index>"."""
-    if not stream.startswith(f"{stream_prefix}-"):
-        return None
-    topic, _, index = stream[len(stream_prefix) + 1 :].rpartition("-")
-    return (topic, int(index)) if topic and index.isdigit() else None
 
 
 def _hour(ms: int) -> tuple[str, str]:

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from shoal.aws import tables
-from shoal.aws.dynamo import Dynamo
 from shoal.core.clock import Clock, SystemClock
-from shoal.core.config import Config, DeliverySettings
+from shoal.core.config import DeliverySettings
 from shoal.core.errors import InvalidFilter
 from shoal.core.observability import logger
 from shoal.delivery.events import DeliveryEvents, record_routed
@@ -53,19 +50,13 @@ from shoal.delivery.model import (
 from shoal.delivery.subscriptions import SubscriptionStore
 from shoal.drain import RouterDrain
 from shoal.groups.service import StreamRegistrar
-from shoal.groups.store import GroupStore, group_key
+from shoal.groups.store import group_key
 from shoal.groups.streams import group_partition
 from shoal.records import MalformedRecord, Message, decode_record
 from shoal.topics.index import FilterIndex
 
 #: a bucket further behind than this many versions is reloaded rather than replayed
 MAX_INCREMENTAL = 500
-
-
-class SharedGroups(Protocol):
-    """Where messages of a shared subscription with no group incarnation go (older ones)."""
-
-    def offer(self, subscription: Subscription, message: Message, at: str) -> None: ...
 
 
 @dataclass
@@ -174,7 +165,6 @@ class Fanout:
         *,
         payloads: PayloadStore | None = None,
         clock: Clock | None = None,
-        shared: SharedGroups | None = None,
         groups: StreamRegistrar | None = None,
         drain: RouterDrain | None = None,
     ) -> None:
@@ -183,26 +173,11 @@ class Fanout:
         self.settings = settings
         self.payloads = payloads
         self.clock = clock or SystemClock()
-        self.shared = shared
         #: shared groups: their streams are made known to their leaders (``shoal.groups``)
         self.groups = groups
         #: the ordered drain (``shoal.drain``): labels items of later storage topics, marks a
         #: shard drained once its seal is routed; None does neither
         self.drain = drain
-
-    @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> Fanout:
-        tables.bind(config)
-        dynamo = Dynamo.from_config(config)
-        return cls(
-            SubscriptionCache(SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS))),
-            InboxStore(dynamo, config.table(tables.INBOXES)),
-            config.delivery,
-            payloads=PayloadStore.from_config(config),
-            clock=clock,
-            groups=StreamRegistrar(GroupStore.from_config(config, clock)),
-            drain=RouterDrain.from_config(config),
-        )
 
     def route_records(
         self,
@@ -330,10 +305,9 @@ class Fanout:
                 key = group_key(subscription.share, subscription.topic_filter)
                 streams[target] = (key, subscription.group)
             elif subscription.share is not None:
-                if self.shared is not None:
-                    self.shared.offer(subscription, message, at)
-                else:
-                    report.shared_skipped += 1
+                # a shared subscription without its group's incarnation (the group is being
+                # made or removed): no session inbox takes it
+                report.shared_skipped += 1
                 continue
             elif (
                 subscription.no_local

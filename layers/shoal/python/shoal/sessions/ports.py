@@ -1,0 +1,53 @@
+"""What sessions need from other contexts, as ports: the will publisher (the publish path),
+the session's shared group leases, its deliveries in flight, and the end-of-session hook. The
+wiring root (``shoal.wiring``) passes the implementations in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shoal.core.observability import logger
+from shoal.sessions.model import Head, WillMessage
+
+if TYPE_CHECKING:
+    pass
+
+
+class WillPublisher(Protocol):
+    def publish_will(self, sub: str, client_id: str, will: WillMessage, will_id: str) -> None:
+        """Publish ``will`` as principal ``sub``; ``will_id`` is the same on every retry."""
+        ...
+
+
+class GroupLeases(Protocol):
+    """The session's shared groups (``shoal.groups.GroupService``)."""
+
+    def heartbeat(
+        self, session_id: str, subscriptions: Mapping[str, Any]
+    ) -> list[dict[str, Any]]: ...
+
+    def describe(
+        self, session_id: str, subscriptions: Mapping[str, Any]
+    ) -> list[dict[str, Any]]: ...
+
+
+class InFlight(Protocol):
+    """The session's deliveries waiting for their ack (``shoal.delivery.InboxStore``)."""
+
+    def in_flight(self, session_id: str) -> int: ...
+
+
+class SessionEndHook(Protocol):
+    def __call__(self, client_id: str, head: Head) -> object:
+        """A session ended (discarded by a connect, or expired): clean up after it."""
+        ...
+
+
+def call_end_hook(hook: SessionEndHook | None, client_id: str, head: Head) -> None:
+    if hook is None:
+        return
+    try:
+        hook(client_id, head)
+    except Exception as exc:
+        logger.warning("cleaning up an ended session failed", extra={"error": type(exc).__name__})

@@ -1,0 +1,140 @@
+"""The reaper's sessions work, run on a schedule: keepalive expiry (the will armed or
+published), wills after their delay, and session expiry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.errors import (
+    ShoalError,
+)
+from shoal.core.observability import logger
+from shoal.sessions.model import (
+    DUE_SHARDS,
+    HEAD,
+    WILL_PREFIX,
+    WILL_RETRY_MS,
+    ReapAction,
+    reap_action,
+)
+from shoal.sessions.ports import SessionEndHook, WillPublisher, call_end_hook
+from shoal.sessions.repository import SessionRepository
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass
+class ReapReport:
+    channels_expired: int = 0
+    wills_published: int = 0
+    wills_dropped: int = 0
+    sessions_ended: int = 0
+    rescheduled: int = 0
+    contended: int = 0
+    failed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class Reaper:
+    """Keepalive expiry, wills after their delay, and session expiry; run on a schedule.
+
+    Every step is a conditional write on what it read, so overlapping runs and racing
+    connects cannot double a step or undo a newer one. A will is claimed before it is
+    published and deleted after, so a run that dies in between publishes it again later
+    (at least once; ``will_id`` lets the publisher drop the duplicate).
+    """
+
+    def __init__(
+        self,
+        repository: SessionRepository,
+        publisher: WillPublisher,
+        clock: Clock | None = None,
+        *,
+        limit_per_shard: int = 500,
+        on_session_end: SessionEndHook | None = None,
+        on_channel_expired: SessionEndHook | None = None,
+    ) -> None:
+        self.repository = repository
+        self.publisher = publisher
+        self.clock = clock or SystemClock()
+        self.limit_per_shard = limit_per_shard
+        self.on_session_end = on_session_end
+        #: a dead channel's shared groups advance: its expired leases move to live members
+        self.on_channel_expired = on_channel_expired
+
+    def run(self) -> ReapReport:
+        report = ReapReport()
+        now = self.clock.now_ms()
+        for shard in range(DUE_SHARDS):
+            for client_id, item in self.repository.due(str(shard), now, self.limit_per_shard):
+                try:
+                    if item == HEAD:
+                        self._reap_head(client_id, now, report)
+                    elif item.startswith(WILL_PREFIX):
+                        self._reap_will(client_id, item, now, report)
+                except Exception as exc:
+                    # one client's failure must not stop the others; its item stays due
+                    logger.exception("reaping failed", extra={"error_type": type(exc).__name__})
+                    report.failed += 1
+        return report
+
+    def _reap_head(self, client_id: str, now: int, report: ReapReport) -> None:
+        view = self.repository.read(client_id, consistent=True)
+        head = view.head
+        if head is None:
+            return
+        action, due = reap_action(head, now)
+        if action is ReapAction.RESCHEDULE:
+            if head.due_at_ms != due and self.repository.set_due(client_id, head, due):
+                report.rescheduled += 1
+            return
+        if action is ReapAction.EXPIRE_CHANNEL:
+            will_due = None
+            if head.will is not None:
+                # MQTT 5: after the delay, or when the session ends, whichever comes first
+                will_due = now + min(head.will.delay_s, head.session_expiry_s) * 1000
+            if not self.repository.expire_channel(client_id, head, now, will_due):
+                report.contended += 1
+                return
+            report.channels_expired += 1
+            if head.subscriptions:
+                call_end_hook(self.on_channel_expired, client_id, head)
+            if will_due is not None and will_due <= now:
+                self._reap_will(client_id, WILL_PREFIX + head.newest.key, now, report)
+            if head.session_expiry_s > 0:
+                return
+            head = replace(head, connected=False, rev=head.rev + 1, session_expires_at_ms=now)
+        if head.subscriptions and self.on_session_end is not None:
+            # before the head goes: a failure leaves the head due, so a later run retries
+            self.on_session_end(client_id, head)
+        if self.repository.end_session(client_id, head, view.registrations):
+            report.sessions_ended += 1
+        else:
+            report.contended += 1
+
+    def _reap_will(self, client_id: str, item: str, now: int, report: ReapReport) -> None:
+        will = self.repository.will(client_id, item)
+        if will is None or will.due_at_ms > now:
+            return
+        if not self.repository.claim_will(client_id, will, now, now + WILL_RETRY_MS):
+            report.contended += 1
+            return
+        try:
+            self.publisher.publish_will(
+                will.sub, client_id, will.message, will_id=will.version.channel
+            )
+        except ShoalError as exc:
+            if exc.status >= 500:
+                raise
+            # refused for good (say its topic has no composite topic and there is no default):
+            # retrying cannot help, so the will is dropped, loudly
+            logger.warning("will refused by the publish path", extra={"code": exc.code})
+            report.wills_dropped += 1
+        else:
+            report.wills_published += 1
+        self.repository.finish_will(client_id, will, claimed_at_ms=now)

@@ -1,0 +1,273 @@
+"""Sessions: the linear session registry, and the session state it guards.
+
+Every connect registers a *channel* whose *version* is its connect time (``connected_at_ms``)
+with a random nonce breaking ties, so the channels of one client id are totally ordered and the
+newest one wins (the EMQX "Linear Session Registry" design, on DynamoDB):
+
+1. an eventually consistent read of the client's partition gives LocalMax, the newest version
+   it shows; a connect older than LocalMax is refused at once (``channel_outdated``);
+2. the connect decides, as MQTT 5 does, whether it resumes the session (``clean_start`` false
+   and an unexpired session: ``session_present``), discards it or starts a new one;
+3. one conditional transaction on the client's *head* item commits it: the head must still
+   name the newest version (and lifecycle revision) that was read, or be absent. When the
+   condition fails, a strongly consistent read gives RealMax: a connect older than RealMax is
+   refused; otherwise it retries against the new predecessor, within a time budget, and only
+   then answers ``server_busy``. RealMax older than LocalMax means the registry moved
+   backwards under the connect (the newest channel deregistered between the reads): it
+   aborts, changing nothing.
+
+There is no lock item: a killed invocation leaves at most a registration that nothing names.
+
+Only registrations count towards LocalMax and RealMax, as in the EIP: once a channel has
+disconnected (or its keepalive expired) it holds off no connect, so a reconnect is never
+refused for a gateway clock a millisecond behind the previous one.
+
+The reaper finds work through the sparse ``due`` index (see ``shoal.aws.tables.DueIndex``): a head
+is indexed while its keepalive runs or its session awaits expiry, a will while it waits.
+Heartbeats do not touch the index (that would cost an index write per heartbeat); the reaper
+re-indexes a head whose deadline moved when it finds it due early.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.errors import (
+    BadRequest,
+    ChannelOutdated,
+    Forbidden,
+    ServerBusy,
+    SessionNotFound,
+    SessionTakenOver,
+    ShoalError,
+)
+from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
+from shoal.sessions.model import (
+    BACKOFF_BASE_MS,
+    BACKOFF_CAP_MS,
+    CONNECT_BUDGET_S,
+    MAX_CLOCK_AHEAD_MS,
+    ConflictStep,
+    Connected,
+    ConnectRequest,
+    Decision,
+    Head,
+    Version,
+    after_conflict,
+    check_client_id,
+    check_will,
+    parse_channel,
+    plan_connect,
+    session_document,
+)
+from shoal.sessions.ports import GroupLeases, InFlight, SessionEndHook, call_end_hook
+from shoal.sessions.repository import SessionRepository
+
+
+@dataclass
+class RegistryStats:
+    """What connects cost, for the benchmark and metrics: counted per registry instance."""
+
+    connects: int = 0
+    #: registration transactions tried, and of those, tried again after a conflict
+    attempts: int = 0
+    retries: int = 0
+    outdated: int = 0
+    busy: int = 0
+    aborted: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, count in counts.items():
+                setattr(self, name, getattr(self, name) + count)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "connects": self.connects,
+                "attempts": self.attempts,
+                "retries": self.retries,
+                "outdated": self.outdated,
+                "busy": self.busy,
+                "aborted": self.aborted,
+            }
+
+
+class SessionRegistry:
+    """Connect, disconnect, heartbeat and read sessions; one instance per execution environment."""
+
+    def __init__(
+        self,
+        repository: SessionRepository,
+        clock: Clock | None = None,
+        *,
+        budget_s: float = CONNECT_BUDGET_S,
+        stats: RegistryStats | None = None,
+        on_session_end: SessionEndHook | None = None,
+        groups: GroupLeases | None = None,
+        deliveries: InFlight | None = None,
+    ) -> None:
+        self.repository = repository
+        self.clock = clock or SystemClock()
+        self.budget_ms = int(budget_s * 1000)
+        self.stats = stats or RegistryStats()
+        self.on_session_end = on_session_end
+        #: a heartbeat renews the session's group leases too (``shoal.groups``)
+        self.groups = groups
+        #: the session document counts the deliveries in flight
+        self.deliveries = deliveries
+
+    # -- connect
+
+    def connect(
+        self,
+        who: Principal,
+        client_id: str,
+        request: ConnectRequest,
+        requested_at_ms: int | None = None,
+    ) -> Connected:
+        who.require_client(client_id)
+        check_client_id(client_id)
+        now = self.clock.now_ms()
+        if request.will is not None:
+            check_will(who, request.will)
+        at = request.connected_at_ms
+        if at is None:
+            at = requested_at_ms if requested_at_ms is not None else now
+        if at > now + MAX_CLOCK_AHEAD_MS:
+            raise BadRequest(
+                "connected_at_ms is ahead of the server's clock", field="connected_at_ms"
+            )
+        ours = Version.new(at)
+        give_up_at = now + self.budget_ms
+
+        view = self.repository.read(client_id, consistent=False)
+        local_max = view.newest()
+        if local_max is not None and ours < local_max:
+            self.stats.add(outdated=1)
+            raise ChannelOutdated("a newer connect for this client id exists")
+        attempts = 0
+        while True:
+            attempts += 1
+            plan = plan_connect(view, request, who.sub, ours, self.clock.now_ms())
+            committed = self.repository.register(
+                client_id,
+                sub=who.sub,
+                ours=ours,
+                request=request,
+                plan=plan,
+                expected=view.head,
+                now_ms=self.clock.now_ms(),
+            )
+            if committed:
+                break
+            real = self.repository.read(client_id, consistent=True)
+            real_max = real.newest()
+            step = after_conflict(ours, local_max, real_max)
+            if step is ConflictStep.COMMITTED:
+                break
+            if step is ConflictStep.OUTDATED:
+                self.stats.add(attempts=attempts, outdated=1)
+                raise ChannelOutdated("a newer connect for this client id exists")
+            if step is ConflictStep.ABORT:
+                logger.info("connect aborted: the registry moved backwards under it")
+                self.stats.add(attempts=attempts, aborted=1)
+                raise ServerBusy("the session changed during the connect; retry")
+            if self.clock.now_ms() >= give_up_at:
+                self.stats.add(attempts=attempts, busy=1)
+                raise ServerBusy("too many racing connects for this client id; retry")
+            self.stats.add(retries=1)
+            self.clock.sleep(backoff_s(attempts, BACKOFF_BASE_MS / 1000, BACKOFF_CAP_MS / 1000))
+            view, local_max = real, real_max
+        self.stats.add(connects=1, attempts=attempts)
+        ended = view.head
+        if plan.decision is not Decision.RESUME and ended is not None and ended.subscriptions:
+            # the session this connect ended: its subscriptions leave the router's store
+            # (best effort: the connect stands; a leftover only costs writes to an inbox no
+            # session reads, which TTL removes)
+            call_end_hook(self.on_session_end, client_id, ended)
+        return Connected(plan.session_present, ours.channel, request.keepalive_s)
+
+    # -- session-scoped calls
+
+    def _scope(self, who: Principal, client_id: str, channel: str | None) -> Version:
+        # the principal before the request's shape (``shoal.api.session_call``)
+        who.require_client(client_id)
+        check_client_id(client_id)
+        try:
+            return parse_channel(channel)
+        except BadRequest:
+            self.require_owner(who, client_id)
+            raise
+
+    def require_owner(self, who: Principal, client_id: str, *, connecting: bool = False) -> None:
+        """403 when another principal holds the client id's session; one read.
+
+        A connect may take over a session that has ended, whoever held it, so for a connect
+        only a live session of another principal counts (``plan_connect``).
+        """
+        head = self.repository.head(client_id)
+        if head is None or head.sub == who.sub:
+            return
+        if connecting and not head.session_alive(self.clock.now_ms()):
+            return
+        raise Forbidden("the client id's session belongs to another principal")
+
+    def _refuse(self, who: Principal, head: Head | None) -> ShoalError:
+        """Why a channel may not act: no session, another principal's, or not the live one."""
+        if head is None:
+            return SessionNotFound("no session for this client id")
+        if head.sub != who.sub:
+            return Forbidden("the client id's session belongs to another principal")
+        return SessionTakenOver("this channel is no longer the client id's live channel")
+
+    def require_live(self, who: Principal, client_id: str, channel: str | None) -> Head:
+        """The head, when ``channel`` is the live channel of ``who``'s session; one read.
+
+        For session-scoped routes that read; writes put the liveness condition on themselves
+        instead (``shoal.sessions.repository.live_condition``).
+        """
+        version = self._scope(who, client_id, channel)
+        head = self.repository.head(client_id)
+        if head is None or head.sub != who.sub or not head.is_live(version):
+            raise self._refuse(who, head)
+        return head
+
+    def heartbeat(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
+        version = self._scope(who, client_id, channel)
+        now = self.clock.now_ms()
+        if self.groups is None:
+            if not self.repository.heartbeat(client_id, version, who.sub, now):
+                raise self._refuse(who, self.repository.head(client_id))
+            return {"leases": []}
+        head = self.repository.heartbeat_head(client_id, version, who.sub, now)
+        if head is None:
+            raise self._refuse(who, self.repository.head(client_id))
+        # the leases of the session's shared groups are renewed; what changed comes back
+        return {"leases": self.groups.heartbeat(head.session_id or "", head.subscriptions)}
+
+    def disconnect(self, who: Principal, client_id: str, channel: str | None) -> None:
+        version = self._scope(who, client_id, channel)
+        if self.repository.disconnect(client_id, version, who.sub, self.clock.now_ms()):
+            return
+        head = self.repository.head(client_id)
+        if head is None or head.sub == who.sub:
+            # a stale channel still ends its own registration (the takeover's end); that
+            # touches no other channel's entry and no session state
+            self.repository.deregister(client_id, version)
+        raise self._refuse(who, head)
+
+    def session(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
+        head = self.require_live(who, client_id, channel)
+        document = session_document(client_id, head)
+        if self.groups is not None:
+            document["groups"] = self.groups.describe(head.session_id or "", head.subscriptions)
+        if self.deliveries is not None and head.session_id:
+            document["in_flight"] = self.deliveries.in_flight(head.session_id)
+        return document

@@ -11,7 +11,7 @@ from shoal.core.config import get_config
 from shoal.core.observability import logger
 from shoal.delivery import SubscriptionRetirer
 from shoal.drain import Sealer
-from shoal.publishing import PublishService
+from shoal.publish.service import PublishService
 from shoal.sessions import Reaper, ServiceWillPublisher, SessionRepository
 
 

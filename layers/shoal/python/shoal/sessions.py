@@ -81,7 +81,7 @@ from shoal.core.retry import backoff_s
 from shoal.topics.filters import any_matches, is_publishable_topic
 
 if TYPE_CHECKING:
-    from shoal.publishing import PublishService
+    from shoal.publish.service import PublishService
 
 TABLE = "sessions"
 HEAD = "head"
@@ -434,7 +434,7 @@ class ServiceWillPublisher:
         self.service = service
 
     def publish_will(self, sub: str, client_id: str, will: WillMessage, will_id: str) -> None:
-        from shoal.publishing import PublishRequest
+        from shoal.publish.request import PublishRequest
 
         request = PublishRequest(
             topic=will.topic,

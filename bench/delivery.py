@@ -133,7 +133,8 @@ def _router_scenario(name: str, per_record: int, records: int) -> dict[str, Any]
     from shoal.core.clock import SystemClock
     from shoal.core.config import get_config
     from shoal.delivery.model import AckRequest, SubscribeRequest
-    from shoal.publishing import BatchRequest, PublishRequest, PublishService
+    from shoal.publish.request import BatchRequest, PublishRequest
+    from shoal.publish.service import PublishService
     from shoal.sessions.model import ConnectRequest
 
     import functions.router.app as router_app

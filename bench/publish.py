@@ -18,7 +18,6 @@ from typing import Any
 
 from shoal.aws import clients
 from shoal.aws.kinesis import Streams
-from shoal.aws.tables import PublisherModel, RetainedModel, TopicModel
 from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
 from shoal.core.clock import SystemClock
@@ -140,8 +139,9 @@ def run() -> dict[str, Any]:
         service = publish_app.service()
         for client in (service.streams.kinesis, service.streams.writer, service.streams.awslambda):
             meter.attach(client)
-        for model in (TopicModel, PublisherModel, RetainedModel):
-            meter.attach(model._get_connection().connection.client)
+        # the stores' DynamoDB client (one per process: the topic directory's reads count too)
+        for dynamo in (service.sequences.dynamo, service.retained.dynamo):
+            meter.attach(dynamo.client)
         return {s[0]: _scenario(publish_app.handler, meter, s) for s in SCENARIOS}
 
 

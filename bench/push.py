@@ -40,7 +40,10 @@ from shoal.core.auth import Principal
 from shoal.core.clock import Clock, ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
-from shoal.publishing import PublishRequest, PublishService
+from shoal.publish.request import PublishRequest
+from shoal.publish.retained import RetainedStore
+from shoal.publish.sequences import Sequences
+from shoal.publish.service import PublishService
 from shoal.push import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
 from shoal.push_admin import PushAdmin
 from shoal.push_delivery import PushConsumer
@@ -112,7 +115,13 @@ class Pipeline:
         self.streams = Streams(session.client("kinesis"), session.client("lambda"), clock)
         store = TopicStore.from_config(self.config)
         ensure_default_topic(TopicService(self.config, store, self.streams, clock), 1)
-        self.publisher = PublishService(self.streams, TopicDirectory(store, clock), clock)
+        self.publisher = PublishService(
+            self.streams,
+            TopicDirectory(store, clock),
+            Sequences.from_config(self.config),
+            RetainedStore.from_config(self.config),
+            clock,
+        )
         self.queues = Queues(self.streams, clock)
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(

@@ -6,7 +6,8 @@ from aws_lambda_powertools.event_handler import Response
 from shoal.http.body import parse_body
 from shoal.http.caller import principal
 from shoal.http.resolver import json_response, lambda_handler, make_resolver
-from shoal.publishing import BatchRequest, PublishRequest, PublishService
+from shoal.publish.request import BatchRequest, PublishRequest
+from shoal.publish.service import PublishService
 from shoal.wiring import PerConfig
 
 app = make_resolver()

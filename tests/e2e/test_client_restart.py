@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 from requests.adapters import HTTPAdapter
-from shoal.client import ShoalClient
+from shoal.client.http import ShoalClient
 
 from tests.e2e.conftest import ROOT, DevServer, shoal_command
 

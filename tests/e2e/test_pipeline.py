@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shoal.client import ShoalClient
+from shoal.client.http import ShoalClient
 
 from tests.e2e.conftest import ROOT, DevFactory, DevServer, shoal_command
 

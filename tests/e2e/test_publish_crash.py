@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from shoal.core.faults import KILLED, PUBLISH_STEPS
-from shoal.publishing import PUBLISH_LEASE_MS, publisher_key, sequenced_message_id
+from shoal.publish.sequences import PUBLISH_LEASE_MS, publisher_key, sequenced_message_id
 
 from tests.e2e.conftest import DevFactory, DevServer
 

@@ -10,7 +10,6 @@ import boto3
 import pytest
 from shoal.aws.kinesis import OutRecord, PutOutcome
 from shoal.composite.model import route, stable_hash
-from shoal.publishing import RetainedStore
 from shoal.records import decode_record, record_partition_key
 
 from tests.helpers import load_event
@@ -133,7 +132,7 @@ def test_a_switch_is_not_seen_before_its_instant(harness: Harness) -> None:
 
 
 def test_retained_messages_are_set_replaced_and_cleared(harness: Harness) -> None:
-    retained = RetainedStore()
+    retained = harness.retained()
     publish_call({"topic": "orders/state", "text": "v1", "retain": True})
     assert getattr(retained.get("orders/state"), "payload", None) == b"v1"
     harness.clock.advance(1)
@@ -152,7 +151,7 @@ def test_an_older_retained_publish_never_overwrites_a_newer_one(harness: Harness
     publish_call({"topic": "orders/state", "text": "new", "retain": True})
     harness.clock.advance(-5)
     publish_call({"topic": "orders/state", "text": "late", "retain": True})
-    assert getattr(RetainedStore().get("orders/state"), "payload", None) == b"new"
+    assert getattr(harness.retained().get("orders/state"), "payload", None) == b"new"
 
 
 def test_the_payload_limit_is_kinesis_record_minus_the_envelope(harness: Harness) -> None:
@@ -389,7 +388,7 @@ def test_the_sample_events_publish(harness: Harness) -> None:
     status, batch = call(handler, load_event("publish_batch.json"))
     codes = [r.get("error", {}).get("code") for r in batch["results"]]
     assert (status, codes) == (200, [None, None, "invalid_topic"])
-    assert getattr(RetainedStore().get("sensors/7/temp"), "payload", None) == b"\x00\x15"
+    assert getattr(harness.retained().get("sensors/7/temp"), "payload", None) == b"\x00\x15"
 
 
 def test_publish_answers_fit_the_openapi_document(harness: Harness) -> None:

@@ -8,17 +8,13 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import OutRecord, PutOutcome, Streams
 from shoal.core.auth import Principal
 from shoal.core.errors import PublisherSeqGap, ServerBusy
-from shoal.publishing import (
-    PUBLISH_LEASE_MS,
-    PublishRequest,
-    PublishService,
-    RetainedStore,
-    Sequences,
-    publisher_key,
-)
+from shoal.publish.request import PublishRequest
+from shoal.publish.sequences import PUBLISH_LEASE_MS, publisher_key
+from shoal.publish.service import PublishService
 
 from tests.integration.test_publish_harness import Crash, Harness, admin_call
 
@@ -46,7 +42,7 @@ def stored(harness: Harness, stream: str = "shoal-orders-0") -> list[tuple[str, 
 
 
 def pending(harness: Harness, sub: str = "alice", pid: str = "p") -> dict[int, Any]:
-    state = Sequences().read(publisher_key(sub, pid))
+    state = harness.sequences().read(publisher_key(sub, pid))
     assert state is not None
     return state.pending
 
@@ -162,9 +158,7 @@ def crash_in(
 def crashing_service(harness: Harness, aws: boto3.Session) -> PublishService:
     # its own clients and stores, so that patching them leaves the retrying container intact
     streams = Streams(aws.client("kinesis"), aws.client("lambda"), harness.clock)
-    return PublishService(
-        streams, harness.publisher().directory, harness.clock, Sequences(), RetainedStore()
-    )
+    return harness.publisher(streams, Dynamo(aws.client("dynamodb")))
 
 
 CRASH_POINTS = [
@@ -193,7 +187,7 @@ def test_a_crash_at_any_step_neither_loses_nor_doubles_the_message(
     status, body = harness.publisher().publish(ALICE, request(1, retain=True))
     # Then the log holds the message exactly once, under the one id, and it is retained
     assert stored(harness) == [(body["message_id"], 1)]
-    assert getattr(RetainedStore().get("orders/1"), "message_id", None) == body["message_id"]
+    assert getattr(harness.retained().get("orders/1"), "message_id", None) == body["message_id"]
     assert pending(harness) == {}
     # And the answer is "created" only if nothing was recorded before the crash
     assert (status, body["duplicate"]) == (

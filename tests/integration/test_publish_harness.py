@@ -23,7 +23,9 @@ from shoal.composite.service import TopicService, ensure_default_topic
 from shoal.composite.store import TopicStore
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
-from shoal.publishing import PublishService
+from shoal.publish.retained import RetainedStore
+from shoal.publish.sequences import Sequences
+from shoal.publish.service import PublishService
 from shoal.push_admin import TapHooks
 from shoal.records import Message, decode_record
 
@@ -44,7 +46,8 @@ class Harness:
         self.clock = ManualClock(SystemClock().now_ms())
         self.config = get_config()
         self.streams = Streams(session.client("kinesis"), session.client("lambda"), self.clock)
-        self.store = TopicStore(Dynamo(session.client("dynamodb")), self.config.table("topics"))
+        self.dynamo = Dynamo(session.client("dynamodb"))
+        self.store = TopicStore(self.dynamo, self.config.table("topics"))
         self.topics = TopicService(
             self.config,
             self.store,
@@ -54,10 +57,24 @@ class Harness:
         )
         self.publish = self.publisher()
 
-    def publisher(self, streams: Streams | None = None) -> PublishService:
+    def publisher(
+        self, streams: Streams | None = None, dynamo: Dynamo | None = None
+    ) -> PublishService:
         """A publish service as a fresh container has it (empty caches)."""
         directory = TopicDirectory(self.store, self.clock)
-        return PublishService(streams or self.streams, directory, self.clock)
+        return PublishService(
+            streams or self.streams,
+            directory,
+            self.sequences(dynamo),
+            self.retained(dynamo),
+            self.clock,
+        )
+
+    def sequences(self, dynamo: Dynamo | None = None) -> Sequences:
+        return Sequences(dynamo or self.dynamo, self.config.table("publishers"))
+
+    def retained(self, dynamo: Dynamo | None = None) -> RetainedStore:
+        return RetainedStore(dynamo or self.dynamo, self.config.table("retained"))
 
     def topic(self, name: str) -> CompositeTopic:
         """The topic as stored (it must exist)."""
@@ -147,12 +164,8 @@ class Harness:
             key = f"{model.service_model.service_name}.{model.name}"
             counts[key] = counts.get(key, 0) + 1
 
-        for client in (self.streams.kinesis, self.streams.awslambda):
+        for client in (self.streams.kinesis, self.streams.awslambda, self.dynamo.client):
             client.meta.events.register("before-call.*.*", count)
-        from shoal.aws.tables import PublisherModel, RetainedModel, TopicModel
-
-        for model in (TopicModel, PublisherModel, RetainedModel):
-            model._get_connection().connection.client.meta.events.register("before-call.*.*", count)
         return counts
 
 

@@ -22,7 +22,10 @@ from shoal.composite.store import TopicStore
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
-from shoal.publishing import PublishRequest, PublishService
+from shoal.publish.request import PublishRequest
+from shoal.publish.retained import RetainedStore
+from shoal.publish.sequences import Sequences
+from shoal.publish.service import PublishService
 from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
 from shoal.push_admin import PushAdmin, TapHooks
 from shoal.push_delivery import PushConsumer
@@ -70,7 +73,11 @@ class PushHarness:
         )
         ensure_default_topic(self.topics, partitions)
         self.publisher = PublishService(
-            self.streams, TopicDirectory(self.store, self.clock), self.clock
+            self.streams,
+            TopicDirectory(self.store, self.clock),
+            Sequences.from_config(self.config),
+            RetainedStore.from_config(self.config),
+            self.clock,
         )
         self.endpoint = FakeEndpoint()
         self.queues = Queues(self.streams, self.clock)

@@ -9,16 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shoal.cli import main
-from shoal.client import (
-    ApiError,
-    ClientState,
-    RetryPolicy,
-    SessionTakenOver,
-    ShoalClient,
-    StateInUse,
-    Unavailable,
-)
+from shoal.cli.main import main
+from shoal.client.errors import ApiError, SessionTakenOver, StateInUse, Unavailable
+from shoal.client.http import ShoalClient
+from shoal.client.state import ClientState
+from shoal.client.support import RetryPolicy
 from shoal.core.clock import ManualClock
 
 from tests.unit.test_client_support import Crash, FakeAdapter, FakeShoal, serve, transport

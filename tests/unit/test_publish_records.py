@@ -7,17 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from shoal.aws.kinesis import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES
-from shoal.publishing import (
-    MAX_BATCH,
-    BatchRequest,
+from shoal.publish.request import MAX_BATCH, BatchRequest, PublishRequest
+from shoal.publish.sequences import (
     PublisherState,
-    PublishRequest,
     Reservation,
-    _chunks,
-    _ranges,
+    consecutive_runs,
     publisher_key,
     sequenced_message_id,
 )
+from shoal.publish.writer import _chunks
 from shoal.records import MalformedRecord, Message, decode_record, encode_record, record_size
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
@@ -85,8 +83,8 @@ def test_chunks_keep_within_put_records_limits() -> None:
 
 
 def test_ranges_are_maximal_runs() -> None:
-    assert _ranges([5, 3, 4, 8, 10, 9, 12]) == [(3, 5), (8, 10), (12, 12)]
-    assert _ranges([]) == []
+    assert consecutive_runs([5, 3, 4, 8, 10, 9, 12]) == [(3, 5), (8, 10), (12, 12)]
+    assert consecutive_runs([]) == []
 
 
 def test_sequenced_ids_depend_on_principal_publisher_and_seq() -> None:

@@ -30,7 +30,8 @@ from shoal.groups.gate import group_gate
 from shoal.groups.service import GroupService, StreamRegistrar
 from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader
-from shoal.publishing import PublishRequest, PublishService
+from shoal.publish.request import PublishRequest
+from shoal.publish.service import PublishService
 from shoal.push_admin import TapHooks
 from shoal.router.archive import ArchiveWriter
 from shoal.router.batch import Router

@@ -38,7 +38,7 @@ MAX_PUT_RECORDS_BYTES = 5 * 1024 * 1024
 #: itself never fails on a malformed record (it archives it as such), so only an AWS outage
 #: blocks a shard. With unlimited retries an on-failure destination would never be used, so
 #: none is configured. ParallelizationFactor stays 1: one Kinesis record may carry several
-#: ordering keys of its partition (see shoal.publishing), so only whole-shard order keeps
+#: ordering keys of its partition (see shoal.publish.writer), so only whole-shard order keeps
 #: per-key order.
 ROUTER_MAPPING: dict[str, Any] = {
     "StartingPosition": "TRIM_HORIZON",

@@ -70,7 +70,7 @@ class PublisherModel(Model):
     Keyed by principal and publisher id, so one principal cannot touch another's sequence.
     ``pending`` maps a reserved run's first seq to its reservation; ``routes`` maps
     "<composite topic>/<storage topic index>" to the first seq sent there; ``overrides`` maps a
-    seq to "<composite>/<index>" when a recovery re-put it elsewhere (see shoal.publishing).
+    seq to "<composite>/<index>" when a recovery re-put it elsewhere (see shoal.publish).
     """
 
     class Meta:

@@ -37,29 +37,31 @@ with its side effect.
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
 import random
-import tempfile
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import quote
 
 import requests
 
 from shoal import __version__
+from shoal.client.errors import (
+    ApiError,
+    ClientError,
+    SessionTakenOver,
+    Unavailable,
+    error_of,
+    retry_after,
+)
+from shoal.client.state import ClientState
+from shoal.client.support import Connection, Message, PublishResult, RetryPolicy
 from shoal.core.clock import Clock, SystemClock
 
 CHANNEL_HEADER = "Shoal-Channel"
-#: processed message ids kept per client id; acks reach the server within a batch or two
-RECENT_IDS = 1000
 #: ids per ack request (the API's limit)
 MAX_ACK_IDS = 1000
 #: the pause between empty polls when the poll itself waits less than this
@@ -67,253 +69,6 @@ IDLE_POLL_MS = 500
 #: a member of a shared group heartbeats this often (a third of the server's default group lease
 #: timeout, 15 s) and long-polls no longer, or it loses its group streams between two heartbeats
 GROUP_HEARTBEAT_MS = 5_000
-STATE_VERSION = 1
-
-
-class ClientError(Exception):
-    """Base of every error this module raises."""
-
-
-class ApiError(ClientError):
-    """An error answer from Shoal (``{"error": {"code", "message", ...}}``), or no answer."""
-
-    def __init__(self, status: int, code: str, message: str, details: Mapping[str, Any]) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-        self.details = dict(details)
-
-
-class SessionTakenOver(ApiError):
-    """A newer channel owns the client id; this client's channel can change nothing."""
-
-
-class Unavailable(ApiError):
-    """Every attempt timed out, lost its connection or was told to come back later."""
-
-
-class StateInUse(ClientError):
-    """Another live client holds the state file."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    timeout_s: float = 10.0
-    attempts: int = 6
-    backoff_s: float = 0.2
-    max_backoff_s: float = 10.0
-    retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
-
-    def delay_s(self, retry: int, rng: random.Random, retry_after_s: float | None = None) -> float:
-        """Backoff before retry number ``retry`` (0-based): exponential, jittered (half to all).
-
-        Jitter keeps clients that failed together from coming back together.
-        """
-        ceiling = min(self.max_backoff_s, self.backoff_s * 2**retry)
-        delay = ceiling * (0.5 + rng.random() / 2)
-        if retry_after_s is not None:
-            delay = max(delay, min(retry_after_s, self.max_backoff_s))
-        return delay
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    message_id: str
-    topic: str
-    storage_topic: int | None
-    partition: int | None
-    duplicate: bool
-    publisher_id: str
-    publisher_seq: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "message_id": self.message_id,
-            "topic": self.topic,
-            "storage_topic": self.storage_topic,
-            "partition": self.partition,
-            "duplicate": self.duplicate,
-            "publisher_id": self.publisher_id,
-            "publisher_seq": self.publisher_seq,
-        }
-
-
-@dataclass(frozen=True)
-class Connection:
-    session_present: bool
-    channel: str
-    keepalive_s: int
-
-
-@dataclass(frozen=True)
-class Message:
-    """A delivered message; ``raw`` is the message object exactly as the API sent it."""
-
-    id: str
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    dup: bool
-    subscription: Any
-    properties: Mapping[str, Any]
-    published_at: Any
-    raw: Mapping[str, Any] = field(repr=False)
-
-    @classmethod
-    def from_api(cls, raw: Mapping[str, Any]) -> Message:
-        return cls(
-            id=str(raw["id"]),
-            topic=str(raw.get("topic", "")),
-            payload=_payload(raw),
-            qos=int(raw.get("qos", 0)),
-            retain=bool(raw.get("retain", False)),
-            dup=bool(raw.get("dup", False)),
-            subscription=raw.get("subscription"),
-            properties=raw.get("properties") or {},
-            published_at=raw.get("published_at"),
-            raw=raw,
-        )
-
-    @property
-    def text(self) -> str | None:
-        """The payload as text, when it is UTF-8."""
-        try:
-            return self.payload.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-
-    def as_json_line(self) -> str:
-        """The API's message object plus ``text`` when the payload is UTF-8: one JSON line."""
-        line = dict(self.raw)
-        text = self.text
-        if text is not None:
-            line["text"] = text
-        return json.dumps(line, ensure_ascii=False, separators=(",", ":"))
-
-
-def _payload(raw: Mapping[str, Any]) -> bytes:
-    if isinstance(raw.get("payload"), str):
-        try:
-            return base64.b64decode(raw["payload"], validate=True)
-        except (binascii.Error, ValueError):
-            pass
-    if isinstance(raw.get("text"), str):
-        return str(raw["text"]).encode("utf-8")
-    return b""
-
-
-# -- the state file ---------------------------------------------------------------------------
-
-
-class ClientState:
-    """Publisher sequences and processed ids, in memory and (with a path) in a locked file."""
-
-    def __init__(self, path: str | Path | None = None, *, recent_ids: int = RECENT_IDS) -> None:
-        self.path = Path(path) if path is not None else None
-        self.recent_ids = recent_ids
-        self._lock: IO[bytes] | None = None
-        self._data: dict[str, Any] = {"version": STATE_VERSION, "publishers": {}, "sessions": {}}
-        self._delivered: dict[str, dict[str, None]] = {}
-        if self.path is not None:
-            self._open(self.path)
-
-    def _open(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "ab")  # noqa: SIM115 - held until close
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            lock.close()
-            raise StateInUse(f"{path} is used by another running client") from exc
-        self._lock = lock
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return
-        except ValueError as exc:
-            self.close()
-            raise ClientError(f"{path} is not a client state file") from exc
-        if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-            self.close()
-            raise ClientError(f"{path} is not a client state file of version {STATE_VERSION}")
-        self._data = data
-        self._data.setdefault("publishers", {})
-        self._data.setdefault("sessions", {})
-        for client_id, session in self._data["sessions"].items():
-            self._delivered[client_id] = dict.fromkeys(session.get("delivered", []))
-
-    def close(self) -> None:
-        if self._lock is not None:
-            self._lock.close()  # closing the descriptor releases the lock
-            self._lock = None
-
-    def save(self) -> None:
-        """Write the whole state atomically: a reader sees the old file or the new one."""
-        for client_id, ids in self._delivered.items():
-            self._data["sessions"].setdefault(client_id, {})["delivered"] = list(ids)
-        if self.path is None:
-            return
-        text = json.dumps(self._data, separators=(",", ":"))
-        folder = self.path.parent
-        fd, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        # the rename itself is durable only once the folder is
-        folder_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(folder_fd)
-        finally:
-            os.close(folder_fd)
-
-    # -- publishers --
-
-    def default_publisher_id(self) -> str:
-        """A publisher id made once per state file, so a restarted client keeps it."""
-        publisher_id = self._data.get("publisher_id")
-        if not isinstance(publisher_id, str):
-            publisher_id = self._data["publisher_id"] = f"pub-{uuid.uuid4().hex[:16]}"
-            self.save()
-        return publisher_id
-
-    def publisher(self, publisher_id: str) -> dict[str, Any]:
-        """``{"last_seq": n, "in_flight": {"seq", "digest", "body"} | None}`` (mutable)."""
-        publishers: dict[str, Any] = self._data["publishers"]
-        return publishers.setdefault(publisher_id, {"last_seq": 0, "in_flight": None})
-
-    # -- sessions --
-
-    def _ids(self, client_id: str) -> dict[str, None]:
-        return self._delivered.setdefault(client_id, {})
-
-    def was_processed(self, client_id: str, message_id: str) -> bool:
-        return message_id in self._ids(client_id)
-
-    def record_processed(self, client_id: str, message_ids: Iterable[str]) -> None:
-        ids = self._ids(client_id)
-        changed = False
-        for message_id in message_ids:
-            if message_id not in ids:
-                ids[message_id] = None
-                changed = True
-        if not changed:
-            return
-        # oldest first: dicts keep insertion order
-        for stale in list(ids)[: max(0, len(ids) - self.recent_ids)]:
-            del ids[stale]
-        self.save()
-
-
-# -- the client -------------------------------------------------------------------------------
 
 
 def _digest(body: Mapping[str, Any]) -> str:
@@ -401,8 +156,8 @@ class ShoalClient:
         last: ApiError | None = None
         for attempt in range(self.policy.attempts):
             if attempt:
-                retry_after = _retry_after(last)
-                self.clock.sleep(self.policy.delay_s(attempt - 1, self.rng, retry_after))
+                wait_s = retry_after(last)
+                self.clock.sleep(self.policy.delay_s(attempt - 1, self.rng, wait_s))
             try:
                 response = self.http.request(
                     method,
@@ -420,7 +175,7 @@ class ShoalClient:
             answer = _json(response)
             if 200 <= response.status_code < 300:
                 return answer, uncertain
-            error = _error(response.status_code, answer, response.headers)
+            error = error_of(response.status_code, answer, response.headers)
             if response.status_code in self.policy.retry_statuses:
                 uncertain = uncertain or response.status_code != 429
                 error.details.setdefault("retry_after", response.headers.get("Retry-After"))
@@ -510,18 +265,6 @@ class ShoalClient:
         if publisher["in_flight"] is None:
             return None
         return self._send_in_flight(publisher, fresh=False)
-
-    def discard_pending(self) -> dict[str, Any] | None:
-        """Forget the publish in flight (its seq is used again by the next publish).
-
-        Only for a publish the server is known never to have accepted: if it had, the next
-        publish would be answered as its duplicate and be lost.
-        """
-        publisher = self.state.publisher(self.publisher_id)
-        in_flight = publisher["in_flight"]
-        publisher["in_flight"] = None
-        self.state.save()
-        return dict(in_flight["body"]) if in_flight else None
 
     def _send_in_flight(self, publisher: dict[str, Any], *, fresh: bool) -> PublishResult:
         in_flight = publisher["in_flight"]
@@ -747,54 +490,4 @@ def _json(response: requests.Response) -> Any:
     try:
         return response.json()
     except ValueError:
-        return None
-
-
-#: codes for the answers API Gateway gives itself (``{"message": ...}``): its JWT authorizer's
-#: 401, its payload limit's 413, throttling's 429, a function's crash or timeout
-GATEWAY_CODES = {
-    400: "invalid_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "route_not_found",
-    405: "method_not_allowed",
-    408: "request_timeout",
-    413: "body_too_large",
-    429: "too_many_requests",
-    431: "headers_too_large",
-    500: "internal_error",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "gateway_timeout",
-}
-
-
-def _error(status: int, answer: Any, headers: Mapping[str, str] | None = None) -> ApiError:
-    """An error answer in either shape: Shoal's ``{"error": {"code", "message"}}`` from the
-    functions, or API Gateway's own ``{"message": ...}`` (the 401's reason in a header)."""
-    error = answer.get("error") if isinstance(answer, dict) else None
-    if isinstance(error, dict):
-        details = {k: v for k, v in error.items() if k not in ("code", "message")}
-        return ApiError(
-            status, str(error.get("code", "error")), str(error.get("message", "")), details
-        )
-    code = GATEWAY_CODES.get(status, f"http_{status}")
-    message = answer.get("message") if isinstance(answer, dict) else None
-    reason = _auth_reason((headers or {}).get("www-authenticate", ""))
-    if reason:
-        message = f"{message}: {reason}" if message else reason
-    return ApiError(status, code, str(message or "an answer without a Shoal error body"), {})
-
-
-def _auth_reason(header: str) -> str:
-    """``error_description`` of a ``WWW-Authenticate: Bearer ...`` header, if any."""
-    _, found, rest = header.partition('error_description="')
-    return rest.split('"', 1)[0] if found else ""
-
-
-def _retry_after(error: ApiError | None) -> float | None:
-    value = error.details.get("retry_after") if error is not None else None
-    try:
-        return float(value) if value is not None else None
-    except (TypeError, ValueError):
         return None

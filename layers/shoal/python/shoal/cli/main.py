@@ -23,19 +23,12 @@ run again neither publishes twice nor prints a message twice.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import signal
-import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
-DEFAULT_STATE_DIR = Path(".shoal")
-CLIENT_DIR = DEFAULT_STATE_DIR / "client"
-ADMIN_TOKEN_TTL_S = 12 * 3600
+from shoal.cli.dev import DEFAULT_STATE_DIR, run_dev, run_token
+from shoal.cli.pubsub import CLIENT_DIR, run_publish, run_subscribe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,173 +125,8 @@ def _schedule(text: str) -> tuple[str, int]:
     return name, int(seconds)
 
 
-def _configure_logging(level: str) -> None:
-    """The runtime's own lines (loggers "shoal-dev.*") as text on stderr.
-
-    They get a handler of their own: Powertools filters every record whose logger name holds
-    its service name ("shoal") out of the root logger's handlers. Everything else (moto,
-    botocore) reaches stderr through the root logger from WARNING up.
-    """
-    line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    formatter = logging.Formatter(line)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter)
-    runtime_log = logging.getLogger("shoal-dev")
-    runtime_log.addHandler(handler)
-    runtime_log.setLevel(level)
-    runtime_log.propagate = False
-    logging.basicConfig(level=logging.WARNING, format=line, stream=sys.stderr)
-
-
-def _dev(args: argparse.Namespace) -> int:
-    from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
-
-    _configure_logging(args.log_level.upper())
-    options = DevOptions(
-        host=args.host,
-        port=args.port,
-        aws_host=args.aws_host,
-        aws_port=args.aws_port,
-        state_dir=args.state_dir.resolve() if args.state_dir else None,
-        default_partitions=args.default_partitions,
-        issuer=args.issuer,
-        audience=args.audience,
-        triggers=not args.no_triggers,
-        schedule_every_s=tuple(args.schedule),
-    )
-    stopping = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    runtime = LocalRuntime(options)
-    try:
-        runtime.start()
-    except (StateDirInUse, OSError, ValueError) as exc:
-        print(f"shoal dev: cannot start: {exc}", file=sys.stderr)
-        return 1
-    try:
-        assert runtime.aws is not None
-        replay = runtime.aws.replay_stats
-        state = str(options.state_dir) if options.state_dir else "(temporary, gone on exit)"
-        token = runtime.mint_token("admin", admin=True, ttl_s=ADMIN_TOKEN_TTL_S)
-        lines = [
-            f"Shoal dev is serving {runtime.url}",
-            f"  AWS emulator:  {runtime.aws_url}  (AWS_ENDPOINT_URL for boto3 and the AWS CLI)",
-            f"  state:         {state}",
-        ]
-        if replay.records:
-            failed = f" ({replay.failures} FAILED, see the log)" if replay.failures else ""
-            lines.append(
-                f"  journal:       {replay.records} requests replayed in {replay.seconds:.2f} s"
-                + failed
-            )
-        lines += [
-            f"  JWT issuer:    {runtime.issuer}  audience: {options.audience}",
-            f"  JWKS:          {runtime.url}/.well-known/jwks.json",
-            f"Admin token (valid {ADMIN_TOKEN_TTL_S // 3600} h; more with `shoal token`):",
-            token,
-        ]
-        print("\n".join(lines), flush=True)
-        stopping.wait()
-        # a second Ctrl-C while stopping ends the process the ordinary way
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    finally:
-        logging.getLogger("shoal-dev.runtime").info("stopping")
-        runtime.stop()
-    # Everything is stopped, fsynced and closed. Tearing down the interpreter's copy of every
-    # emulated service would take seconds more, so the process ends here.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _token(args: argparse.Namespace) -> int:
-    from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
-
-    state: Path = args.state_dir
-    settings = IssuerSettings.load(state)
-    issuer = args.issuer or (settings.issuer if settings else None)
-    if issuer is None:
-        print(
-            f"shoal token: no shoal dev has used {state} yet; start `shoal dev --state-dir "
-            f"{state}` first, or name the issuer with --issuer",
-            file=sys.stderr,
-        )
-        return 2
-    audience = args.audience or (settings.audience if settings else "shoal")
-    key = SigningKey.load_or_create(state)
-    token = mint_token(
-        key,
-        issuer=issuer,
-        audience=audience,
-        sub=args.sub,
-        admin=args.admin,
-        clients=args.clients,
-        publish=args.publish,
-        subscribe=args.subscribe,
-        ttl_s=args.ttl_s,
-    )
-    print(token)
-    return 0
-
-
-def _publish(args: argparse.Namespace) -> int:
-    from shoal.client import ClientError, ShoalClient
-
-    if args.file is None:
-        text, payload = args.text, None
-    else:
-        text = None
-        payload = sys.stdin.buffer.read() if str(args.file) == "-" else args.file.read_bytes()
-    try:
-        with ShoalClient(
-            args.url,
-            args.token,
-            publisher_id=args.publisher_id,
-            state=args.state or CLIENT_DIR / "publish.json",
-        ) as client:
-            result = client.publish(
-                args.topic, text=text, payload=payload, qos=args.qos, retain=args.retain
-            )
-    except ClientError as exc:
-        print(f"shoal publish: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(result.as_dict()))
-    return 0
-
-
-def _subscribe(args: argparse.Namespace) -> int:
-    from urllib.parse import quote
-
-    from shoal.client import ClientError, ShoalClient
-
-    state = args.state or CLIENT_DIR / f"subscribe-{quote(args.client_id, safe='')}.json"
-    try:
-        with ShoalClient(args.url, args.token, client_id=args.client_id, state=state) as client:
-            client.connect(clean_start=args.clean_start, session_expiry_s=args.session_expiry_s)
-            granted = client.subscribe(args.filters, qos=args.qos)
-            for topic_filter, answer in zip(args.filters, granted, strict=False):
-                print(f"shoal subscribe: {topic_filter}: {answer}", file=sys.stderr)
-            if any(not isinstance(answer, int) for answer in granted):
-                return 1
-            try:
-                for message in client.messages(count=args.count, wait_ms=args.wait_ms):
-                    print(message.as_json_line(), flush=True)
-            except KeyboardInterrupt:
-                pass
-            client.close(disconnect=True)
-    except ClientError as exc:
-        print(f"shoal subscribe: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def _pipeline(args: argparse.Namespace) -> int:
+    # imported here: of the commands, only `shoal dev` and this one load the local runtime
     from shoal.local.runtime import ensure_functions_importable
 
     try:
@@ -307,6 +135,7 @@ def _pipeline(args: argparse.Namespace) -> int:
     except RuntimeError:
         print("shoal pipeline: run it from the project root (the folder with pipeline/)")
         return 2
+    # imported here: pipeline/ is importable only once the project root is on the path
     from pipeline.entry import main as pipeline_main
 
     return pipeline_main([args.job, *args.rest])
@@ -317,13 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "pipeline":
         return _pipeline(args)
     if args.command == "dev":
-        return _dev(args)
+        return run_dev(args)
     if args.command == "publish":
-        return _publish(args)
+        return run_publish(args)
     if args.command == "subscribe":
-        return _subscribe(args)
-    return _token(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return run_subscribe(args)
+    return run_token(args)

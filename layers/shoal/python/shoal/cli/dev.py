@@ -1,0 +1,153 @@
+"""``shoal dev`` and ``shoal token``: Shoal on this machine, over an embedded AWS emulator.
+
+The emulator (moto) is a development dependency: the ``dev`` extra installs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+DEFAULT_STATE_DIR = Path(".shoal")
+ADMIN_TOKEN_TTL_S = 12 * 3600
+#: what the embedded AWS emulator imports (``moto[server]``: moto and its Flask server)
+EMULATOR_MODULES = ("moto", "flask")
+
+
+def missing_emulator() -> list[str]:
+    """The emulator's modules that are not installed (none when the dev extra is)."""
+    return [name for name in EMULATOR_MODULES if importlib.util.find_spec(name) is None]
+
+
+def _configure_logging(level: str) -> None:
+    """The runtime's own lines (loggers "shoal-dev.*") as text on stderr.
+
+    They get a handler of their own: Powertools filters every record whose logger name holds
+    its service name ("shoal") out of the root logger's handlers. Everything else (moto,
+    botocore) reaches stderr through the root logger from WARNING up.
+    """
+    line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    formatter = logging.Formatter(line)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    runtime_log = logging.getLogger("shoal-dev")
+    runtime_log.addHandler(handler)
+    runtime_log.setLevel(level)
+    runtime_log.propagate = False
+    logging.basicConfig(level=logging.WARNING, format=line, stream=sys.stderr)
+
+
+def run_dev(args: argparse.Namespace) -> int:
+    """``shoal dev``: run Shoal on this machine until SIGTERM or Ctrl-C."""
+    missing = missing_emulator()
+    if missing:
+        print(
+            f"shoal dev: the AWS emulator is not installed (missing: {', '.join(missing)}); "
+            "install Shoal with its dev extra: pip install -e '.[dev]'",
+            file=sys.stderr,
+        )
+        return 2
+    # imported here: only `shoal dev` needs the local runtime, the other commands start faster
+    from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
+
+    _configure_logging(args.log_level.upper())
+    options = DevOptions(
+        host=args.host,
+        port=args.port,
+        aws_host=args.aws_host,
+        aws_port=args.aws_port,
+        state_dir=args.state_dir.resolve() if args.state_dir else None,
+        default_partitions=args.default_partitions,
+        issuer=args.issuer,
+        audience=args.audience,
+        triggers=not args.no_triggers,
+        schedule_every_s=tuple(args.schedule),
+    )
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    runtime = LocalRuntime(options)
+    try:
+        runtime.start()
+    except (StateDirInUse, OSError, ValueError) as exc:
+        print(f"shoal dev: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        assert runtime.aws is not None
+        replay = runtime.aws.replay_stats
+        state = str(options.state_dir) if options.state_dir else "(temporary, gone on exit)"
+        token = runtime.mint_token("admin", admin=True, ttl_s=ADMIN_TOKEN_TTL_S)
+        lines = [
+            f"Shoal dev is serving {runtime.url}",
+            f"  AWS emulator:  {runtime.aws_url}  (AWS_ENDPOINT_URL for boto3 and the AWS CLI)",
+            f"  state:         {state}",
+        ]
+        if replay.records:
+            failed = f" ({replay.failures} FAILED, see the log)" if replay.failures else ""
+            lines.append(
+                f"  journal:       {replay.records} requests replayed in {replay.seconds:.2f} s"
+                + failed
+            )
+        lines += [
+            f"  JWT issuer:    {runtime.issuer}  audience: {options.audience}",
+            f"  JWKS:          {runtime.url}/.well-known/jwks.json",
+            f"Admin token (valid {ADMIN_TOKEN_TTL_S // 3600} h; more with `shoal token`):",
+            token,
+        ]
+        print("\n".join(lines), flush=True)
+        stopping.wait()
+        # a second Ctrl-C while stopping ends the process the ordinary way
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    finally:
+        logging.getLogger("shoal-dev.runtime").info("stopping")
+        runtime.stop()
+    # Everything is stopped, fsynced and closed. Tearing down the interpreter's copy of every
+    # emulated service would take seconds more, so the process ends here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_token(args: argparse.Namespace) -> int:
+    """``shoal token``: print a JWT signed with the key of the state directory's shoal dev."""
+    # imported here: only `shoal token` signs (the JWT and crypto libraries take time to load)
+    from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
+
+    state: Path = args.state_dir
+    settings = IssuerSettings.load(state)
+    issuer = args.issuer or (settings.issuer if settings else None)
+    if issuer is None:
+        print(
+            f"shoal token: no shoal dev has used {state} yet; start `shoal dev --state-dir "
+            f"{state}` first, or name the issuer with --issuer",
+            file=sys.stderr,
+        )
+        return 2
+    audience = args.audience or (settings.audience if settings else "shoal")
+    key = SigningKey.load_or_create(state)
+    token = mint_token(
+        key,
+        issuer=issuer,
+        audience=audience,
+        sub=args.sub,
+        admin=args.admin,
+        clients=args.clients,
+        publish=args.publish,
+        subscribe=args.subscribe,
+        ttl_s=args.ttl_s,
+    )
+    print(token)
+    return 0

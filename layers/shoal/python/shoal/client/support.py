@@ -1,0 +1,118 @@
+"""The client's values: its retry policy, a publish's result, a connection, a delivered message."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    timeout_s: float = 10.0
+    attempts: int = 6
+    backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+    retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+
+    def delay_s(self, retry: int, rng: random.Random, retry_after_s: float | None = None) -> float:
+        """Backoff before retry number ``retry`` (0-based): exponential, jittered (half to all).
+
+        Jitter keeps clients that failed together from coming back together.
+        """
+        ceiling = min(self.max_backoff_s, self.backoff_s * 2**retry)
+        delay = ceiling * (0.5 + rng.random() / 2)
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, self.max_backoff_s))
+        return delay
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    message_id: str
+    topic: str
+    storage_topic: int | None
+    partition: int | None
+    duplicate: bool
+    publisher_id: str
+    publisher_seq: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "topic": self.topic,
+            "storage_topic": self.storage_topic,
+            "partition": self.partition,
+            "duplicate": self.duplicate,
+            "publisher_id": self.publisher_id,
+            "publisher_seq": self.publisher_seq,
+        }
+
+
+@dataclass(frozen=True)
+class Connection:
+    session_present: bool
+    channel: str
+    keepalive_s: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A delivered message; ``raw`` is the message object exactly as the API sent it."""
+
+    id: str
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    dup: bool
+    subscription: Any
+    properties: Mapping[str, Any]
+    published_at: Any
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_api(cls, raw: Mapping[str, Any]) -> Message:
+        return cls(
+            id=str(raw["id"]),
+            topic=str(raw.get("topic", "")),
+            payload=_payload(raw),
+            qos=int(raw.get("qos", 0)),
+            retain=bool(raw.get("retain", False)),
+            dup=bool(raw.get("dup", False)),
+            subscription=raw.get("subscription"),
+            properties=raw.get("properties") or {},
+            published_at=raw.get("published_at"),
+            raw=raw,
+        )
+
+    @property
+    def text(self) -> str | None:
+        """The payload as text, when it is UTF-8."""
+        try:
+            return self.payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def as_json_line(self) -> str:
+        """The API's message object plus ``text`` when the payload is UTF-8: one JSON line."""
+        line = dict(self.raw)
+        text = self.text
+        if text is not None:
+            line["text"] = text
+        return json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+
+
+def _payload(raw: Mapping[str, Any]) -> bytes:
+    if isinstance(raw.get("payload"), str):
+        try:
+            return base64.b64decode(raw["payload"], validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    if isinstance(raw.get("text"), str):
+        return str(raw["text"]).encode("utf-8")
+    return b""

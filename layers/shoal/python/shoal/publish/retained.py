@@ -1,0 +1,106 @@
+"""The retained store: the latest retained message of each MQTT topic name.
+
+Topic names reach 65,535 bytes and a partition key 2,048, so an item's key is a digest of the
+name. A retained message replaces the stored one only if it was published at or after it, so a
+late publish never overwrites a newer one; an empty payload clears the topic's message.
+Subscribers read these items through the ``by_composite`` index (``shoal.delivery``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.aws.dynamo import Dynamo, Expression, to_item
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.records import Message
+
+#: the logical name of the retained table (``shoal.aws.tables``)
+TABLE = "retained"
+#: a retained message lives in one DynamoDB item (400 KB); leave room for its attributes
+MAX_RETAINED_BYTES = 350_000
+
+
+def retained_key(topic: str) -> str:
+    return hashlib.sha256(topic.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Retained:
+    """One stored retained message (the item's attributes, ``shoal.aws.tables.RetainedModel``)."""
+
+    topic: str
+    composite_topic: str
+    message_id: str
+    payload: bytes
+    qos: int
+    published_at_ms: int
+    #: the message's properties as JSON text
+    properties: str | None = None
+    publisher: str | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Retained:
+        return cls(
+            topic=str(record["topic"]),
+            composite_topic=str(record["composite_topic"]),
+            message_id=str(record["message_id"]),
+            payload=bytes(record["payload"]),
+            qos=int(record["qos"]),
+            published_at_ms=int(record["published_at_ms"]),
+            properties=record.get("properties"),
+            publisher=record.get("publisher"),
+        )
+
+
+class RetainedStore:
+    """The latest retained message per topic name; older publishes never overwrite newer."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        self.dynamo = dynamo
+        self.table = table
+
+    @classmethod
+    def from_config(cls, config: Config) -> RetainedStore:
+        return cls(Dynamo.from_config(config), config.table(TABLE))
+
+    def apply(self, message: Message, composite: str) -> None:
+        key = retained_key(message.topic)
+        expr = Expression()
+        newer_or_absent = (
+            f"attribute_not_exists({expr.n('key')})"
+            f" OR {expr.n('published_at_ms')} <= {expr.v(message.published_at_ms)}"
+        )
+        request: dict[str, Any]
+        if message.payload:
+            item: dict[str, Any] = {
+                "key": key,
+                "topic": message.topic,
+                "composite_topic": composite,
+                "message_id": message.message_id,
+                "payload": message.payload,
+                "qos": message.qos,
+                "published_at_ms": message.published_at_ms,
+                "publisher": message.sub,
+            }
+            if message.properties:
+                item["properties"] = json.dumps(message.properties)
+            operation, request = "put_item", {"Item": to_item(item)}
+        else:
+            operation, request = "delete_item", {"Key": to_item({"key": key})}
+        try:
+            # False: a newer message is retained already, which stays
+            self.dynamo.conditional(
+                operation, TableName=self.table, **request, **expr.params(newer_or_absent)
+            )
+        except (ClientError, BotoCoreError, ServerBusy) as exc:
+            raise ServerBusy("the retained message could not be stored; retry") from exc
+
+    def get(self, topic: str) -> Retained | None:
+        record = self.dynamo.get(self.table, {"key": retained_key(topic)})
+        return Retained.from_record(record) if record is not None else None

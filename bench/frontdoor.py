@@ -718,7 +718,7 @@ def report(figures: dict[str, Any]) -> str:
         "`SHOAL_CRASH_AT=publish:<step>` kills the process (exit 137) at that step of an "
         "exactly-once publish (`publisher_id` p, `publisher_seq` 1). It is started again on the "
         "same state and ports while the client retries (503: Retry-After, else 0.5 s; refused "
-        "or dropped: 0.2 s). The publish reservation's lease is 10 s (`PUBLISH_LEASE_MS`); the "
+        "or dropped: 0.2 s). The publish reservation's hold is 10 s (`RESERVATION_HOLD_MS`); the "
         f"target is an answer within {f['crash_target_s']:g} s of the crash. Records: the "
         "storage streams read from TRIM_HORIZON through the emulator, records holding the "
         "answered message id (must be 1) and the message's unique payload (must be 1).",

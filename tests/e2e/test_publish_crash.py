@@ -3,7 +3,7 @@
 ``SHOAL_CRASH_AT=publish:<step>`` makes ``shoal dev`` exit as under kill -9 at that step: right
 after the reservation is written (nothing in the stream yet), or right after the put (the
 message in the stream, the reservation not confirmed). The publisher's retry after the restart
-must be answered once the reservation's lease runs out (``PUBLISH_LEASE_MS``), not a minute
+must be answered once the reservation's hold runs out (``RESERVATION_HOLD_MS``), not a minute
 later, and the message must be in the stream exactly once.
 """
 
@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 from shoal.core.faults import KILLED, PUBLISH_STEPS
-from shoal.publish.sequences import PUBLISH_LEASE_MS, publisher_key, sequenced_message_id
+from shoal.publish.sequences import RESERVATION_HOLD_MS, publisher_key, sequenced_message_id
 
 from tests.e2e.conftest import DevFactory, DevServer
 
 pytestmark = pytest.mark.e2e
 
-#: what the issue allows from a crash to the answered retry (the lease must fit in it)
+#: what the issue allows from a crash to the answered retry (the hold must fit in it)
 BOUND_S = 15.0
 MESSAGE = {"topic": "crash/a", "text": "once", "publisher_id": "p1", "publisher_seq": 1}
 
@@ -65,7 +65,7 @@ def test_a_retry_after_a_crash_is_answered_within_the_bound_exactly_once(
     dev.env = {}
     dev.start()
     # and the publisher retries, coming back when the server says
-    lease_end = crashed_at + PUBLISH_LEASE_MS / 1000
+    hold_end = crashed_at + RESERVATION_HOLD_MS / 1000
     attempts: list[tuple[float, int, float | None]] = []
     while True:
         sent_at = time.monotonic()
@@ -79,15 +79,15 @@ def test_a_retry_after_a_crash_is_answered_within_the_bound_exactly_once(
     assert status in (200, 201), attempts
     expected_id = sequenced_message_id(publisher_key("crasher", "p1"), 1)
     assert body["message_id"] == expected_id
-    # and within the bound: the reservation outlives the crash by the lease, no longer (the
-    # lease began before the crash, so a retry sent after ``lease_end`` finds it expired)
-    assert PUBLISH_LEASE_MS / 1000 + 2.0 < BOUND_S
-    assert all(status in (200, 201) for sent_at, status, _ in attempts if sent_at >= lease_end)
-    # and each "in flight" answer said when to come back, never past the lease's end
+    # and within the bound: the reservation outlives the crash by the hold, no longer (the
+    # hold began before the crash, so a retry sent after ``hold_end`` finds it expired)
+    assert RESERVATION_HOLD_MS / 1000 + 2.0 < BOUND_S
+    assert all(status in (200, 201) for sent_at, status, _ in attempts if sent_at >= hold_end)
+    # and each "in flight" answer said when to come back, never past the hold's end
     for sent_at, status, retry_after in attempts:
         if status == 503:
             assert retry_after is not None
-            assert sent_at + retry_after <= lease_end + 1.5, attempts
+            assert sent_at + retry_after <= hold_end + 1.5, attempts
     # and the message is in the stream exactly once, whichever step the crash hit
     assert copies_in_stream(dev, expected_id) == 1
     # and one more retry is a duplicate of the same message

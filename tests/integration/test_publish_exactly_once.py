@@ -13,7 +13,7 @@ from shoal.aws.kinesis import OutRecord, PutOutcome, Streams
 from shoal.core.auth import Principal
 from shoal.core.errors import PublisherSeqGap, ServerBusy
 from shoal.publish.request import PublishRequest
-from shoal.publish.sequences import PUBLISH_LEASE_MS, publisher_key
+from shoal.publish.sequences import RESERVATION_HOLD_MS, publisher_key
 from shoal.publish.service import PublishService
 
 from tests.integration.test_publish_harness import Crash, Harness, admin_call
@@ -47,8 +47,8 @@ def pending(harness: Harness, sub: str = "alice", pid: str = "p") -> dict[int, A
     return state.pending
 
 
-def expire_leases(harness: Harness) -> None:
-    harness.clock.advance(PUBLISH_LEASE_MS / 1000 + 1)
+def expire_holds(harness: Harness) -> None:
+    harness.clock.advance(RESERVATION_HOLD_MS / 1000 + 1)
 
 
 def test_a_repeated_seq_is_a_duplicate_with_the_original_id(harness: Harness) -> None:
@@ -182,8 +182,8 @@ def test_a_crash_at_any_step_neither_loses_nor_doubles_the_message(
     crash_in(harness, dying, point, monkeypatch)
     with pytest.raises(Crash):
         dying.publish(ALICE, request(1, retain=True))
-    # When the client retries on another container, after any lease has run out
-    expire_leases(harness)
+    # When the client retries on another container, after any hold has run out
+    expire_holds(harness)
     status, body = harness.publisher().publish(ALICE, request(1, retain=True))
     # Then the log holds the message exactly once, under the one id, and it is retained
     assert stored(harness) == [(body["message_id"], 1)]
@@ -210,8 +210,8 @@ def test_a_retry_while_the_lease_is_alive_is_told_to_retry(
     with pytest.raises(ServerBusy):
         harness.publisher().publish(ALICE, request(1))
     assert harness.snapshot()["records"] == before["records"]
-    # And once the lease is over, the retry publishes it
-    expire_leases(harness)
+    # And once the hold is over, the retry publishes it
+    expire_holds(harness)
     assert harness.publisher().publish(ALICE, request(1))[0] == 200
     assert len(stored(harness)) == 1
 
@@ -237,7 +237,7 @@ def test_a_failed_put_is_retried_at_once_without_a_second_record(
         failing_puts(harness, patch, lands=lands)
         with pytest.raises(ServerBusy):
             harness.publish.publish(ALICE, request(1))
-    # When the client retries at once (the reservation was released, no lease to wait for)
+    # When the client retries at once (the reservation was released, no hold to wait for)
     status, body = harness.publisher().publish(ALICE, request(1))
     # Then the message is in the log once
     assert (status, body["duplicate"]) == (200, True)
@@ -254,7 +254,7 @@ def test_a_crashed_batch_recovers_the_seqs_each_retry_carries(
     batch = [request(n).model_dump(exclude_none=True) for n in (1, 2, 3)]
     with pytest.raises(Crash):
         dying.publish_batch(ALICE, batch)
-    expire_leases(harness)
+    expire_holds(harness)
     # When the client retries only seq 2
     _, answer = harness.publisher().publish(ALICE, request(2))
     # Then seq 2 is published; 1 and 3 stay reserved for their own retries
@@ -277,7 +277,7 @@ def test_a_recovery_after_a_switch_puts_into_the_producing_storage_topic(
         dying.publish(ALICE, request(1))
     admin_call("POST", "/v1/topics/orders/storage-topics", {"partitions": 8})
     admin_call("POST", "/v1/topics/orders/switch-produce")
-    expire_leases(harness)
+    expire_holds(harness)
     # When it is retried
     _, body = harness.publisher().publish(ALICE, request(1))
     # Then it went to the new storage topic once, and duplicates say so
@@ -298,7 +298,7 @@ def test_a_recovery_finds_a_put_made_before_a_switch(
         dying.publish(ALICE, request(1))
     admin_call("POST", "/v1/topics/orders/storage-topics", {"partitions": 8})
     admin_call("POST", "/v1/topics/orders/switch-produce")
-    expire_leases(harness)
+    expire_holds(harness)
     # When it is retried, Then the read-back finds it where it landed: no second record
     _, body = harness.publisher().publish(ALICE, request(1))
     assert body["storage_topic"] == 0

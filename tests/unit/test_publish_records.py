@@ -113,7 +113,7 @@ def test_route_for_picks_the_last_storage_topic_at_or_before_the_seq() -> None:
 
 
 def test_reservation_for_finds_the_run_holding_a_seq() -> None:
-    run = Reservation(lo=3, hi=6, reserved_at=0, lease_until=1, attempt=1, targets=("t/0",))
+    run = Reservation(lo=3, hi=6, reserved_at=0, held_until=1, attempt=1, targets=("t/0",))
     state = PublisherState(6, {3: run}, {}, {})
     assert state.reservation_for(5) == run
     assert state.reservation_for(7) is None

@@ -85,4 +85,4 @@ class Ticket:
     recovery: bool = False
     #: a recovery reads back where earlier attempts routed, up to this instant
     earlier_targets: tuple[str, ...] = ()
-    earlier_lease_end: int = 0
+    earlier_hold_end: int = 0

@@ -24,10 +24,11 @@ from shoal.topics.filters import first_level
 #: the logical name of the publishers table (``shoal.aws.tables``)
 TABLE = "publishers"
 
-#: a reservation's holder may put only while it holds the lease; a retry takes over after it.
+#: a reservation is held this long: its holder may put only while it holds it, and a retry
+#: takes it over after it ("lease" is the shared groups' word, for a stream lease).
 #: Sized from the put's bound, not the function's timeout: a publisher whose request died
 #: with its process (a crash, a kill, a Lambda timeout) is answered this long after, at most.
-PUBLISH_LEASE_MS = 10_000
+RESERVATION_HOLD_MS = 10_000
 
 
 def publisher_key(sub: str, publisher_id: str) -> str:
@@ -53,7 +54,7 @@ class Reservation:
     lo: int
     hi: int
     reserved_at: int
-    lease_until: int
+    held_until: int
     attempt: int
     #: route keys ("<composite>/<storage topic index>") the attempts so far routed to
     targets: tuple[str, ...]
@@ -62,7 +63,7 @@ class Reservation:
         return {
             "h": self.hi,
             "r": self.reserved_at,
-            "l": self.lease_until,
+            "l": self.held_until,
             "n": self.attempt,
             "t": list(self.targets),
         }
@@ -73,7 +74,7 @@ class Reservation:
             lo=lo,
             hi=int(item["h"]),
             reserved_at=int(item["r"]),
-            lease_until=int(item["l"]),
+            held_until=int(item["l"]),
             attempt=int(item["n"]),
             targets=tuple(str(s) for s in item.get("t") or ()),
         )

@@ -6,23 +6,23 @@ A publisher's state is one item keyed by (principal sub, publisher_id), so one p
 never touch another's sequence. A publish with seq s goes through three writes:
 
 1. **Reserve** (conditional UpdateItem ``last_seq == s - 1``): ``last_seq = s`` and a
-   *reservation* ``pending[s] = {reserved_at, lease_until, attempt, streams}``. The message id is
+   *reservation* ``pending[s] = {reserved_at, held_until, attempt, streams}``. The message id is
    a digest of (sub, publisher_id, seq), so every attempt of that publish carries the same id.
    Of racing retries exactly one wins this write; the others see seq ≤ last.
-2. **PutRecord** to the storage topic, started only while the lease has at least
+2. **PutRecord** to the storage topic, started only while the hold has at least
    ``PUT_DEADLINE_MS`` left (``shoal.publish.writer``), with SDK timeouts shorter than that.
 3. **Confirm** (UpdateItem conditional on the attempt): remove the reservation.
 
 A request for a seq ≤ last answers 200 ``duplicate`` with the original id once the seq has no
-reservation. If it has one whose lease is alive (a racing attempt is between 1 and 3), the
+reservation. If it has one whose hold is alive (a racing attempt is between 1 and 3), the
 request waits up to ``INFLIGHT_WAIT_MS`` for it to confirm, else answers 503 (retry). If the
-lease has expired (the holder crashed or gave up), the request *takes over* the reservation
+hold has expired (the holder crashed or gave up), the request *takes over* the reservation
 (conditional on the attempt number), then **reads the stream back**: the shard each earlier
-attempt routed to, from ``reserved_at`` to the last lease end (plus a clock-skew margin). A
+attempt routed to, from ``reserved_at`` to the last hold end (plus a clock-skew margin). A
 record with the message id there means step 2 happened before the crash: confirm, no new
 record. Otherwise put it now (in the storage topic that is producing now). So a crash between
 1 and 2 neither loses the message (the client's retry puts it) nor, between 2 and 3,
-publishes it twice (the read-back finds it); the lease makes sure no earlier holder can still
+publishes it twice (the read-back finds it); the hold makes sure no earlier holder can still
 put once the read-back runs. Duplicates in a stream remain possible only when a client retries
 a crashed publish after the stream's retention has dropped the window; consumers key their
 writes by message id, which absorbs that too.
@@ -66,7 +66,7 @@ from shoal.publish.items import Item, Ticket
 from shoal.publish.request import PublishRequest, bad_request
 from shoal.publish.retained import MAX_RETAINED_BYTES, RetainedStore
 from shoal.publish.sequences import (
-    PUBLISH_LEASE_MS,
+    RESERVATION_HOLD_MS,
     PublisherState,
     Reservation,
     Sequences,
@@ -169,7 +169,7 @@ class PublishService:
             for i in valid
             if i.error is None and i.mirror_of is None and i.answer is None and not i.found
         ]
-        self.writer.put(self.writer.within_lease(to_put))
+        self.writer.put(self.writer.within_hold(to_put))
         if to_put:
             self.crash.at("after_put")
         for item in valid:
@@ -329,7 +329,7 @@ class PublishService:
                     reservation = state.reservation_for(item.seq)
                     if reservation is None:
                         self._answer_duplicate(item, state)
-                    elif reservation.lease_until > now:
+                    elif reservation.held_until > now:
                         waiting.append(item)
                     else:
                         recover.setdefault(reservation.lo, []).append(item)
@@ -341,7 +341,7 @@ class PublishService:
                     lo=old_run.lo,
                     hi=old_run.hi,
                     reserved_at=old_run.reserved_at,
-                    lease_until=now + PUBLISH_LEASE_MS,
+                    held_until=now + RESERVATION_HOLD_MS,
                     attempt=old_run.attempt + 1,
                     targets=targets,
                 )
@@ -357,7 +357,7 @@ class PublishService:
                         group,
                         recovery=True,
                         earlier_targets=old_run.targets,
-                        earlier_lease_end=old_run.lease_until,
+                        earlier_hold_end=old_run.held_until,
                     )
                 )
                 for item in group:
@@ -375,9 +375,9 @@ class PublishService:
                 if waited_ms >= INFLIGHT_WAIT_MS:
                     assert state is not None
                     for item in waiting:
-                        # by the lease's end the holder has confirmed, or a retry takes over
+                        # by the hold's end the holder has confirmed, or a retry takes over
                         held = state.reservation_for(item.seq)  # type: ignore[arg-type]
-                        left_ms = held.lease_until - self.clock.now_ms() if held is not None else 0
+                        left_ms = held.held_until - self.clock.now_ms() if held is not None else 0
                         item.error = ServerBusy(
                             "this publish is in flight in another request; retry shortly",
                             retry_after_s=-(-left_ms // 1000),
@@ -415,7 +415,7 @@ class PublishService:
                 lo=lo,
                 hi=hi,
                 reserved_at=now,
-                lease_until=now + PUBLISH_LEASE_MS,
+                held_until=now + RESERVATION_HOLD_MS,
                 attempt=1,
                 targets=tuple(dict.fromkeys(i.route for i in chunk)),
             )
@@ -457,7 +457,7 @@ class PublishService:
                 partition = storage.partition_for(item.ordering_key)
                 wanted.setdefault((storage, partition), []).append(item)
         since = ticket.run.reserved_at - SKEW_MS
-        until = ticket.earlier_lease_end + SKEW_MS
+        until = ticket.earlier_hold_end + SKEW_MS
         for (storage, partition), group in wanted.items():
             stream = storage.stream
             ids = {i.message_id: i for i in group if not i.found}
@@ -501,8 +501,8 @@ class PublishService:
                 if item.put_ok and item.seq is not None:
                     overrides[item.seq] = item.route
         if not self.sequences.settle(ticket.key, run, released, overrides):
-            # Another request took the reservation over after this one's lease: it reads the
-            # stream back, and this request's puts finished before that lease ended.
+            # Another request took the reservation over after this one's hold: it reads the
+            # stream back, and this request's puts finished before that hold ended.
             logger.warning("reservation taken over before it was confirmed")
 
     def _answer(self, item: Item) -> tuple[int, dict[str, Any]]:

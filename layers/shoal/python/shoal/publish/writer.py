@@ -31,7 +31,7 @@ from shoal.core.errors import ServerBusy
 from shoal.publish.items import Item
 from shoal.records import encode_record, record_partition_key, record_size
 
-#: a holder starts a Kinesis call only while this much of its lease is left: one call ends
+#: a holder starts a Kinesis call only while this much of its hold is left: one call ends
 #: (answered or timed out) within ``PUT_CALL_BOUND_MS``, plus a second for the clocks
 PUT_DEADLINE_MS = PUT_CALL_BOUND_MS + 1_000
 #: Kinesis record attempts per round (the first try and the retries of failed records)
@@ -46,13 +46,13 @@ class RecordWriter:
         self.streams = streams
         self.clock = clock
 
-    def within_lease(self, items: list[Item]) -> list[Item]:
+    def within_hold(self, items: list[Item]) -> list[Item]:
         """The items whose reservation leaves time for a put; the others fail with 503."""
         now = self.clock.now_ms()
         out: list[Item] = []
         for item in items:
             ticket = item.ticket
-            if ticket is not None and now >= ticket.run.lease_until - PUT_DEADLINE_MS:
+            if ticket is not None and now >= ticket.run.held_until - PUT_DEADLINE_MS:
                 item.error = ServerBusy("the publish took too long; retry")
             else:
                 out.append(item)
@@ -106,7 +106,7 @@ class RecordWriter:
     ) -> list[PutOutcome]:
         """Put records (of distinct keys), retrying only the failed ones, bounded.
 
-        No call starts for a record past its deadline (its reservation's lease, less what a
+        No call starts for a record past its deadline (its reservation's hold, less what a
         call can take): a put of a sequenced message must end before a retry may take its
         reservation over and read the stream back.
         """
@@ -147,9 +147,9 @@ class RecordWriter:
 
 
 def _put_deadline(group: list[Item]) -> int | None:
-    """The last instant a call may start to put ``group``: its leases' end less a call's bound."""
-    leases = [i.ticket.run.lease_until for i in group if i.ticket is not None]
-    return min(leases) - PUT_DEADLINE_MS if leases else None
+    """The last instant a call may start to put ``group``: its holds' end less a call's bound."""
+    holds = [i.ticket.run.held_until for i in group if i.ticket is not None]
+    return min(holds) - PUT_DEADLINE_MS if holds else None
 
 
 def _pack(items: list[Item]) -> list[list[Item]]:

@@ -10,7 +10,7 @@ export JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION := 1
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -r requirements.txt -e .
+	$(BIN)/uv pip install -q --python $(BIN)/python -r requirements.txt -e '.[dev]'
 	touch $@
 
 install: $(BIN)/.installed

@@ -22,6 +22,11 @@ PYTHON_VERSION = "3.12"
 #: pairing with the runtime's boto3, and costs cold-start time for nothing.
 RUNTIME_PROVIDED = ("botocore", "s3transfer")
 
+#: Parts of the ``shoal`` package that no function runs, left out of the layer: the local
+#: runtime of ``shoal dev`` (``shoal.local``, which needs moto), the ``shoal`` command
+#: (``shoal.cli``) and the Python client of the API (``shoal.client``).
+NOT_IN_LAYER = ("local", "cli", "client")
+
 Runner = Callable[[Sequence[str]], None]
 
 
@@ -68,10 +73,19 @@ class PipLayerBundling:
         for pattern in RUNTIME_PROVIDED:
             for path in (*target.glob(pattern), *target.glob(f"{pattern}-*.dist-info")):
                 shutil.rmtree(path)
-        shutil.copytree(
-            self._layer_dir / "python" / "shoal",
-            target / "shoal",
-            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-            dirs_exist_ok=True,
-        )
+        package = self._layer_dir / "python" / "shoal"
+        shutil.copytree(package, target / "shoal", ignore=_layer_files(package), dirs_exist_ok=True)
         return True
+
+
+def _layer_files(package: Path) -> Callable[[str, list[str]], set[str]]:
+    """``copytree``'s ignore: bytecode anywhere, and the subpackages of ``NOT_IN_LAYER``."""
+    bytecode = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skipped = set(bytecode(directory, names))
+        if Path(directory) == package:
+            skipped.update(name for name in names if name in NOT_IN_LAYER)
+        return skipped
+
+    return ignore

@@ -18,7 +18,7 @@ from shoal.core.config import DeliverySettings, get_config
 from shoal.delivery.inbox import InboxStore, PayloadStore
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
-from shoal.local.esm import EventSourceMappings
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.router.fanout import Fanout, SubscriptionCache
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository

@@ -16,7 +16,7 @@ from shoal.core.config import get_config
 from shoal.delivery.gate import SessionGate
 from shoal.drain import DrainStore, DrainView, RouterDrain, Sealer
 from shoal.groups.gate import GroupGate
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 
 from tests.helpers import FakeContext
 from tests.integration.test_delivery_support import World

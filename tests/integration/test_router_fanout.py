@@ -8,7 +8,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.config import get_config
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 from shoal.records import Message
 from shoal.router.fanout import Fanout
 

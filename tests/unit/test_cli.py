@@ -33,13 +33,24 @@ def test_python_dash_m_runs_the_command() -> None:
     assert done.stdout.startswith("usage: shoal token")
 
 
-def test_dev_without_the_emulator_says_how_to_install_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("command", "module"),
+    [
+        (["dev", "--port", "0"], "moto"),
+        (["dev", "--port", "0"], "jwt"),
+        (["token", "--sub", "alice", "--issuer", "http://x"], "jwt"),
+    ],
+)
+def test_dev_tools_without_the_dev_extra_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+    module: str,
 ) -> None:
-    # Given an environment without moto (installed by the dev extra only)
-    monkeypatch.setitem(sys.modules, "moto", None)
-    # When shoal dev is run, Then it refuses to start and names the extra to install
-    assert main(["dev", "--port", "0"]) == 2
+    # Given an environment without a module only the dev extra installs
+    monkeypatch.setitem(sys.modules, module, None)
+    # When the command is run, Then it refuses to start and names the extra to install
+    assert main(command) == 2
     error = capsys.readouterr().err
-    assert "moto" in error
-    assert "'.[dev]'" in error
+    assert f"missing: {module}" in error
+    assert "'shoal[dev]'" in error

@@ -1,6 +1,7 @@
 """``shoal dev`` and ``shoal token``: Shoal on this machine, over an embedded AWS emulator.
 
-The emulator (moto) is a development dependency: the ``dev`` extra installs it.
+Both are development tools: the AWS emulator (moto) and the local issuer's JWT library (PyJWT)
+come with the ``dev`` extra, not with the library.
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ DEFAULT_STATE_DIR = Path(".shoal")
 ADMIN_TOKEN_TTL_S = 12 * 3600
 #: what the embedded AWS emulator imports (``moto[server]``: moto and its Flask server)
 EMULATOR_MODULES = ("moto", "flask")
+#: what the local issuer signs and checks tokens with (``PyJWT[crypto]``)
+SIGNING_MODULES = ("jwt", "cryptography")
+INSTALL_DEV = "pip install 'shoal[dev]' (in a checkout: pip install -e '.[dev]')"
 
 
-def missing_emulator() -> list[str]:
-    """The emulator's modules that are not installed (none when the dev extra is)."""
-    return [name for name in EMULATOR_MODULES if importlib.util.find_spec(name) is None]
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """The modules of ``names`` that are not installed (none when the dev extra is)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def _without_dev_extra(command: str, missing: list[str]) -> int:
+    print(
+        f"shoal {command}: needs the dev extra (missing: {', '.join(missing)}); {INSTALL_DEV}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _configure_logging(level: str) -> None:
@@ -46,14 +58,9 @@ def _configure_logging(level: str) -> None:
 
 def run_dev(args: argparse.Namespace) -> int:
     """``shoal dev``: run Shoal on this machine until SIGTERM or Ctrl-C."""
-    missing = missing_emulator()
+    missing = missing_modules(EMULATOR_MODULES + SIGNING_MODULES)
     if missing:
-        print(
-            f"shoal dev: the AWS emulator is not installed (missing: {', '.join(missing)}); "
-            "install Shoal with its dev extra: pip install -e '.[dev]'",
-            file=sys.stderr,
-        )
-        return 2
+        return _without_dev_extra("dev", missing)
     # imported here: only `shoal dev` needs the local runtime, the other commands start faster
     from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
 
@@ -123,6 +130,9 @@ def run_dev(args: argparse.Namespace) -> int:
 
 def run_token(args: argparse.Namespace) -> int:
     """``shoal token``: print a JWT signed with the key of the state directory's shoal dev."""
+    missing = missing_modules(SIGNING_MODULES)
+    if missing:
+        return _without_dev_extra("token", missing)
     # imported here: only `shoal token` signs (the JWT and crypto libraries take time to load)
     from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
 

@@ -313,7 +313,7 @@ def _jvm_peak_mb(spark: Any) -> float | None:
 
 
 def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> dict[str, Any]:
-    """What ``shoal.delivery_events`` adds to one invocation: ``add`` per event and the one
+    """What ``shoal.delivery.events`` adds to one invocation: ``add`` per event and the one
     ``flush`` (a PutObject) against in-process moto S3. On AWS the PutObject is a network
     round trip instead (typically tens of milliseconds), paid once per invocation."""
     import boto3

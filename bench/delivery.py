@@ -16,7 +16,7 @@
   ``_end_to_end``). Measured: delivered messages/s and publish-to-get latency (p50, p99), which
   includes the mappings' 0.5 s poll interval and the round-robin of the one client thread.
 - **Recording cost**: in the router and get/ack runs, the time spent in the delivery-event
-  recorder (``shoal.delivery_events``: buffering every event and its one PutObject per
+  recorder (``shoal.delivery.events``: buffering every event and its one PutObject per
   invocation) as a share of the whole, and its extra AWS calls per message.
 
 Figures are the emulator's: Shoal's work plus moto's (~0.7 ms a call, serialized), not AWS's.
@@ -387,7 +387,7 @@ def _end_to_end() -> dict[str, Any]:
             assert status == 200, body
         # One client thread, one request at a time: shoal dev runs every handler in one
         # process, and Powertools keeps the current event on a class all resolvers share, so
-        # concurrent requests can see each other's event (reported: shoal.api needs a
+        # concurrent requests can see each other's event (reported: shoal.http.resolver needs a
         # per-thread current event). Each round publishes a few messages, then every session
         # gets (max 100, no wait) and acks.
         latencies: list[float] = []

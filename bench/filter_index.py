@@ -2,7 +2,7 @@
 
 One run builds the same subscriptions into three matchers and looks up the same topics in each:
 
-- ``shoal.filter_index.FilterIndex`` (the router's index);
+- ``shoal.topics.index.FilterIndex`` (the router's index);
 - paho-mqtt's ``MQTTMatcher``, a well-known Python trie, holding for each distinct filter the set
   of its subscribers (it maps a filter to one value) and answering with the union of the sets
   its ``iter_match`` yields, so both answer the same question: the set of matching subscribers;

@@ -32,7 +32,7 @@ from constructs import Construct
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE_LABEL = "emr-7.5.0"
 RESULTS_PREFIX = "pipeline-results"
-#: what the jobs read in the archive bucket (shoal.archive, shoal.delivery_events)
+#: what the jobs read in the archive bucket (shoal.router.archive, shoal.delivery.events)
 ARCHIVE_PREFIXES = ("messages", "events")
 #: the part of the shoal package the jobs import: no third-party dependency
 SHOAL_MODULES = (

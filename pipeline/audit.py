@@ -1,7 +1,7 @@
 """The audit: was every published message delivered exactly once, in order, to every consumer?
 
 For a publish time range it pairs archived messages with the consumers they matched and
-judges each pair from the delivery events (``shoal.delivery_events``):
+judges each pair from the delivery events (``shoal.delivery.events``):
 
 * **matched** - a consumer matched a message when the service recorded any event of it for
   that consumer (routed, delivered, redelivered, acked, dead-lettered, dropped), or, given

@@ -1,6 +1,6 @@
 """What every job shares: the archive's schemas and readers, the Spark session, outputs, time.
 
-The archive (``shoal.archive``, ``shoal.delivery_events``) is JSON lines under one root, a
+The archive (``shoal.router.archive``, ``shoal.delivery.events``) is JSON lines under one root, a
 folder locally (``shoal pipeline sync``) or ``s3://bucket`` deployed::
 
     messages/topic=<composite>/date=<YYYY-MM-DD>/hour=<HH>/<stream>.<shard>.<first>-<last>.jsonl

@@ -1,4 +1,4 @@
-"""What the services record for the audit (``shoal.delivery_events``): the router, session get
+"""What the services record for the audit (``shoal.delivery.events``): the router, session get
 and ack, shared-group get and ack, push attempts; one object per invocation, and a retried
 invocation rewrites its object instead of adding one."""
 

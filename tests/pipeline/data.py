@@ -1,5 +1,5 @@
 """Inline archive rows for pipeline tests: messages as the router archives them, delivery events
-as ``shoal.delivery_events`` records them, and ``Scenario`` to plant one story per consumer.
+as ``shoal.delivery.events`` records them, and ``Scenario`` to plant one story per consumer.
 
 A Spark job over tiny data costs seconds however small it is, so a test module plants every
 story under its own consumer (and message ids and ordering key) into one archive, runs the job

@@ -1,4 +1,4 @@
-"""The fault switch (``SHOAL_FAULTS``, ``shoal.faults``): off unless set, parsed strictly."""
+"""The fault switch (``SHOAL_FAULTS``, ``shoal.core.faults``): off unless set, parsed strictly."""
 
 from __future__ import annotations
 

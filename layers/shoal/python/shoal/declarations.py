@@ -246,7 +246,7 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "read_write"),
                 # payloads too large for an inbox item are kept once there (shoal.delivery)
                 Grant("bucket", "archive", "read"),
-                # delivery events of gets and acks (shoal.delivery_events)
+                # delivery events of gets and acks (shoal.delivery.events)
                 Grant("bucket", "archive", "write"),
             ),
         ),
@@ -261,7 +261,7 @@ DEPLOYMENT = Deployment(
                 # puts into retry and dead-letter queues (two grants: no stream management)
                 Grant("streams", "storage", "read"),
                 Grant("streams", "storage", "write"),
-                # delivery events of its POST attempts (shoal.delivery_events)
+                # delivery events of its POST attempts (shoal.delivery.events)
                 Grant("bucket", "archive", "write"),
             ),
             # an invocation waits for a retry's attempt time up to shoal.push.MAX_HOLD_S

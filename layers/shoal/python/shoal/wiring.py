@@ -153,7 +153,7 @@ def delivery_service(config: Config, clock: Clock | None = None) -> DeliveryServ
 
 
 class ServiceWillPublisher:
-    """Wills go through the publish path (``shoal.publishing``), exactly once each.
+    """Wills go through the publish path (``shoal.publish``), exactly once each.
 
     A will is published as its session's principal with ``publisher_id = "will:<channel>"``
     and ``publisher_seq = 1``: a channel has at most one will, and the publish path answers a

@@ -1,8 +1,8 @@
 """The Kinesis adapter: storage streams, the router's event source mappings, records in and out.
 
-The only module (with ``shoal.archive``) that speaks to Kinesis and Lambda. Client errors become
-``shoal.errors`` here; a failed put is an outcome, not an exception, because the publish path
-retries exactly the records that failed.
+The only module (with ``shoal.router.archive``) that speaks to Kinesis and Lambda. Client
+errors become ``shoal.core.errors`` here; a failed put is an outcome, not an exception,
+because the publish path retries exactly the records that failed.
 """
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ class GroupItemModel(Model):
     ``item`` is ``#sgl`` (the group leader: version, incarnation, members, the streams' leases),
     ``m#<session id>`` (a member's last renewal and its agent's view) or ``s#<source>`` (one
     group stream's progress and fence). The messages themselves live in the inboxes table
-    (``shoal.group_streams``). Only the key attributes are declared.
+    (``shoal.groups.streams``). Only the key attributes are declared.
     """
 
     class Meta:

@@ -85,10 +85,10 @@ class Config(BaseModel):
     #: a synchronous Lambda invocation 6 MB).
     max_body_bytes: int = 6 * 1024 * 1024
     #: fault injection for tests (``SHOAL_FAULTS=router=0.25[,seed=N]``): function -> the
-    #: probability that an invocation fails at a random step (``shoal.faults``); empty: never
+    #: probability that an invocation fails at a random step (``shoal.core.faults``); empty: never
     faults: dict[str, float] = Field(default_factory=dict)
     #: crash tests (``SHOAL_CRASH_AT=publish:after_reserve``): the process exits at once, as
-    #: under kill -9, when the named function reaches the named step (``shoal.faults``)
+    #: under kill -9, when the named function reaches the named step (``shoal.core.faults``)
     crash_at: str = ""
     delivery: DeliverySettings = Field(default_factory=DeliverySettings)
     groups: GroupSettings = Field(default_factory=GroupSettings)

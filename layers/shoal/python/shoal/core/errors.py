@@ -1,7 +1,7 @@
 """Every error a client can see, in one place.
 
 Domain code raises these; the data layer turns SDK errors into them (``raise ... from exc``);
-only ``shoal.api`` turns them into status codes and ``{"error": {...}}`` bodies.
+only ``shoal.http.resolver`` turns them into status codes and ``{"error": {...}}`` bodies.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Delivery events: what each consumer was handed and what it acknowledged, archived to S3.
 
 The pipeline's audit (``pipeline/audit.py``) compares these events with the message archive
-(``shoal.archive``) to prove exactly-once delivery after the fact. A function records events
+(``shoal.router.archive``) to prove exactly-once delivery after the fact. A function records events
 while it works and writes them once, at the end of its invocation, as ONE JSON-lines object::
 
     recorder = DeliveryEvents.from_config(config, clock)      # or DeliveryEvents(bucket, clock)

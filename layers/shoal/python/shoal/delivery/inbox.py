@@ -9,7 +9,8 @@ one item holding all the session's deliveries from that batch, keyed ``<source>#
 (source: a digest of stream and shard; position: Kinesis sequence number and the message's
 index in its record), so small messages share a write unit. A retried batch writes nothing
 twice: the router's per-shard ledger says whether a batch may have been written before, and
-then it first reads, per session, how far the session's items already cover (``shoal.fanout``).
+then it first reads, per session, how far the session's items already cover
+(``shoal.router.fanout``).
 """
 
 from __future__ import annotations

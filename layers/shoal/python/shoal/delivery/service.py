@@ -113,7 +113,7 @@ class DeliveryService:
         self.payloads = payloads
         #: the group streams the session leases (``shoal.groups``)
         self.groups = groups
-        #: delivery events (``shoal.delivery_events``); None records nothing
+        #: delivery events (``shoal.delivery.events``); None records nothing
         self.events = events
         #: holds items of a later storage topic until the earlier ones are drained and handed
         #: out (``shoal.drain``); None hands out every source as it comes

@@ -4,7 +4,7 @@ A shared group is keyed by (ShareName, filter). It is created by its first membe
 keeps accumulating while it has members (offline durable members too), and is removed, with its
 backlog, when its last member unsubscribes or its last member's session ends. The router writes
 every matching message once per group into the group's *stream* for the message's source shard
-(``shoal.group_streams``); the leader leases those streams to members.
+(``shoal.groups.streams``); the leader leases those streams to members.
 
 This follows the EMQX "durable shared subscriptions" design (a group leader that grants streams
 to agents with versioned stream sets, revokes them, and hands them over once the agent reported
@@ -56,7 +56,7 @@ In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupI
 - ``m#<session id>``: the member's last renewal and agent view. A heartbeat renews every group
   of the session in one batch write (no condition can fail); a member is live from its join
   until its first heartbeat.
-- ``s#<source>``: one stream's fence and progress (``shoal.group_streams``), created by the
+- ``s#<source>``: one stream's fence and progress (``shoal.groups.streams``), created by the
   router the first time it writes to the stream (that is how the leader learns of streams).
 
 Join and leave ride in the subscribe and unsubscribe transactions (one part each, so a call of
@@ -127,7 +127,7 @@ class GroupService:
         self.delivery = delivery
         self.clock = clock or store.clock
         self.payloads = payloads
-        #: delivery events (``shoal.delivery_events``) of gets and acks; None records nothing
+        #: delivery events (``shoal.delivery.events``) of gets and acks; None records nothing
         self.events = events
         #: streams of a later storage topic wait for the earlier ones' (``shoal.drain``)
         self.drain = drain

@@ -2,7 +2,8 @@
 
 A *group stream* is one source shard of one storage topic, for one shared group. The router
 writes each message matching a group once, into the group's partition of the inboxes table
-(``grp#<incarnation>``), exactly as it writes a session's inbox (``shoal.fanout``): items keyed
+(``grp#<incarnation>``), exactly as it writes a session's inbox (``shoal.router.fanout``):
+items keyed
 ``<source>#<position>``, one per batch, written in position order, and never twice for a
 retried batch (the shard's ledger). A group removed and created again is a new incarnation
 with a new partition, so its old backlog is never read again; TTL removes what was not deleted.

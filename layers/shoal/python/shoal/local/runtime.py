@@ -70,6 +70,8 @@ StartHook = Callable[[Config], object]
 
 
 def _ensure_default_topic(config: Config) -> None:
+    # imported once the runtime has set the functions' environment (the services' modules
+    # read it when they are first imported, as in a Lambda sandbox)
     from shoal.composite.service import ensure_default_topic
     from shoal.wiring import topic_service
 
@@ -279,7 +281,7 @@ class LocalRuntime:
         self._set_environment(self.aws.url)
         session = self.aws.session()
         provision(session, self.names, self.deployment)
-        from shoal.aws import tables
+        from shoal.aws import tables  # after the environment is set, as the functions do
 
         get_config.cache_clear()
         config = get_config()

@@ -6,12 +6,12 @@ For a batch the router
    topic's first level), strongly consistent, in one call, and brings its cached view of those
    buckets up to date (the changes since its version, or the whole bucket after a gap): a
    subscription whose subscribe returned before a publish is seen by the batch holding it;
-2. matches every message against the view (``shoal.filter_index.FilterIndex`` per bucket) and
+2. matches every message against the view (``shoal.topics.index.FilterIndex`` per bucket) and
    makes one delivery per matching session: of a session's overlapping subscriptions the one
    granting the highest QoS (min(subscription, message)) is named; expired messages, and a
    ``no_local`` subscription's own messages, are skipped; a shared group (``$share/...``)
    gets one delivery however many of its members match, into its stream for this shard
-   (``shoal.group_streams``), and the group's leader learns of the stream (``shoal.groups``);
+   (``shoal.groups.streams``), and the group's leader learns of the stream (``shoal.groups``);
 3. writes, per session, one inbox item holding its deliveries from the batch (keys:
    ``<source>#<position>``, positions from Kinesis sequence numbers), after moving the
    shard's *ledger* (the last record deliveries may exist for) past the batch. A batch that

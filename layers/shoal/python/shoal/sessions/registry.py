@@ -197,7 +197,7 @@ class SessionRegistry:
     # -- session-scoped calls
 
     def _scope(self, who: Principal, client_id: str, channel: str | None) -> Version:
-        # the principal before the request's shape (``shoal.api.session_call``)
+        # the principal before the request's shape (``shoal.http.caller.session_call``)
         who.require_client(client_id)
         check_client_id(client_id)
         try:

@@ -8,8 +8,8 @@ name that starts with ``$``. Both are UTF-8 strings of at most 65,535 bytes with
 
 Public for embedders and conformance checks: ``matches(filter, topic)``, ``is_valid_filter``,
 ``is_valid_topic``, ``parse_shared`` (which raises ``InvalidFilter``, importable from here or
-``shoal.errors``, for a malformed ``$share/{ShareName}/{filter}``). ``shoal.filter_index`` answers
-``matches`` for many filters at once.
+``shoal.core.errors``, for a malformed ``$share/{ShareName}/{filter}``).
+``shoal.topics.index`` answers ``matches`` for many filters at once.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.local.context import LambdaContext
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 from shoal.wiring import topic_service
 
 from bench.account import CallMeter, emulated_account, item_size

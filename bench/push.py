@@ -39,7 +39,8 @@ from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, ManualClock, SystemClock
 from shoal.core.config import get_config
-from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
+from shoal.local.esm.invocation import StreamRecord, kinesis_event
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.publish.request import PublishRequest
 from shoal.publish.retained import RetainedStore
 from shoal.publish.sequences import Sequences

@@ -25,7 +25,7 @@ from shoal.delivery import (
     SubscriptionStore,
 )
 from shoal.fanout import Fanout, SubscriptionCache
-from shoal.local.esm import EventSourceMappings
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.sessions import SessionRegistry, SessionRepository
 
 import functions.messages.app as messages_app

@@ -14,7 +14,7 @@ from typing import Any
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.drain import DrainStore, DrainView, GroupGate, RouterDrain, Sealer, SessionGate
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 
 from tests.helpers import FakeContext
 from tests.integration.test_delivery_support import World

@@ -20,7 +20,8 @@ import boto3
 import pytest
 from shoal.core.clock import ManualClock
 from shoal.local.checkpoints import FileCheckpoints, Position
-from shoal.local.esm import EventSourceMappings, lane_of
+from shoal.local.esm.invocation import lane_of
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.provision import LAMBDA_ROLE, LocalNames
 
 from tests.helpers import load_event

@@ -10,7 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.config import get_config
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 
 from functions.router.app import handler
 from tests.helpers import FakeContext, load_event

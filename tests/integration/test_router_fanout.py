@@ -10,7 +10,7 @@ import pytest
 from shoal.core.config import get_config
 from shoal.delivery import Subscription
 from shoal.fanout import Fanout
-from shoal.local.esm import event_of
+from shoal.local.esm.invocation import event_of
 from shoal.records import Message
 
 from tests.helpers import FakeContext

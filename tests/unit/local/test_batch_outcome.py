@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shoal.local.esm import FAILURE, SUCCESS, BatchOutcome, MappingConfig, batch_outcome, lane_of
+from shoal.local.esm.config import MappingConfig
+from shoal.local.esm.invocation import FAILURE, SUCCESS, BatchOutcome, batch_outcome, lane_of
 
 BATCH = [1, 2, 3, 9, 10]
 

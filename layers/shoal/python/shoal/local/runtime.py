@@ -35,9 +35,12 @@ from shoal.local.authorizer import (
     mint_token,
 )
 from shoal.local.aws import EmbeddedAws
+from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.context import REGION, LambdaContext
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.gateway import Gateway, GatewayServer, RouteTable
 from shoal.local.provision import LocalNames, provision
+from shoal.local.scheduler import Scheduler, schedules_for
 
 log = logging.getLogger("shoal-dev.runtime")
 
@@ -311,10 +314,6 @@ class LocalRuntime:
 
     def _start_triggers(self, state: Path) -> None:
         """Event source mappings (read from the Lambda API) and schedules, invoking in-process."""
-        from shoal.local.checkpoints import FileCheckpoints
-        from shoal.local.esm import EventSourceMappings
-        from shoal.local.scheduler import Scheduler, schedules_for
-
         assert self.aws is not None
         # checkpoints are keyed by mapping UUID, which the journal replays identically
         mappings = EventSourceMappings(

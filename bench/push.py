@@ -41,10 +41,10 @@ from shoal.core.clock import Clock, ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
-from shoal.push import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
-from shoal.push_admin import PushAdmin
-from shoal.push_delivery import PushConsumer
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.admin import PushAdmin
+from shoal.push.delivery import PushConsumer
+from shoal.push.model import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
+from shoal.push.store import GroupStore, Queues, SubscriptionStore
 
 from bench.account import CallMeter, emulated_account
 

@@ -474,7 +474,7 @@ class PushSubscriptionTarget:
         cls, config: Config, name: str, replay_id: str, clock: Clock | None = None
     ) -> PushSubscriptionTarget:
         from shoal.core.clock import SystemClock
-        from shoal.push_replay import PushReplay
+        from shoal.push.replay import PushReplay
 
         clock = clock or SystemClock()
         return cls(name, replay_id, service=PushReplay.from_config(config, clock), clock=clock)
@@ -513,7 +513,7 @@ class PushSubscriptionTarget:
 def archived(m: ReplayMessage) -> Any:
     """A plan's message as ``shoal.push_replay`` takes it: the original message, its replay
     position and, when the position names it, its main position."""
-    from shoal.push_replay import Archived
+    from shoal.push.replay import Archived
     from shoal.records import Message
 
     message = Message(
@@ -533,7 +533,7 @@ def archived(m: ReplayMessage) -> Any:
 def main_of(replay_position: str) -> str:
     """The main position (``shoal.push.main_position``) a plan's replay position names, or ""
     (composite digest . storage topic . shard digest . digit count + sequence . index)."""
-    from shoal.push import main_position
+    from shoal.push.model import main_position
 
     parts = replay_position.split(".")
     if len(parts) != 5 or not all(p.isdigit() for p in (parts[1], parts[3], parts[4])):

@@ -8,7 +8,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.core.observability import logger
-from shoal.push_delivery import PushConsumer
+from shoal.push.delivery import PushConsumer
 from shoal.wiring import PerConfig
 
 service = PerConfig(PushConsumer.from_config)

@@ -24,7 +24,7 @@ from shoal.composite.store import TopicStore
 from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.publishing import PublishService
-from shoal.push_admin import TapHooks
+from shoal.push.admin import TapHooks
 from shoal.records import Message, decode_record
 
 from tests.helpers import FakeContext, http_event, response_json

@@ -19,9 +19,9 @@ from shoal.core.errors import (
     SubscriptionExists,
     SubscriptionNotFound,
 )
-from shoal.push import DeliveryRequest, DeliveryResult
-from shoal.push_admin import RedriveRequest, SeekRequest, UpdateRequest
-from shoal.push_store import Queues
+from shoal.push.admin import RedriveRequest, SeekRequest, UpdateRequest
+from shoal.push.model import DeliveryRequest, DeliveryResult
+from shoal.push.store import Queues
 
 from tests.integration.test_push_harness import PushHarness
 from tests.unit.test_push_support import OK, Switch
@@ -292,7 +292,7 @@ def test_a_storage_topic_completion_that_crashed_leaves_one_tap_mapping(
     real = getattr(harness.admin if owner == "admin" else harness.admin.subscriptions, step)
     crash = CrashOnce(real)
     cls = "PushAdmin" if owner == "admin" else "SubscriptionStore"
-    monkeypatch.setattr(f"shoal.push_admin.{cls}.{step}", lambda _self, *a, **k: crash(*a, **k))
+    monkeypatch.setattr(f"shoal.push.admin.{cls}.{step}", lambda _self, *a, **k: crash(*a, **k))
     with pytest.raises(ServerBusy):
         harness.topics.add_storage_topic("default", 1)
     assert harness.topics.get("default").pending is not None

@@ -13,7 +13,7 @@ import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
-from shoal.push_admin import UpdateRequest
+from shoal.push.admin import UpdateRequest
 
 from tests.integration.test_push_harness import PushHarness
 
@@ -167,7 +167,7 @@ def refit_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(*_args: Any) -> None:
         raise RuntimeError("crashed before the refit")
 
-    monkeypatch.setattr("shoal.push_admin.TapHooks.produce_switched", crash)
+    monkeypatch.setattr("shoal.push.admin.TapHooks.produce_switched", crash)
 
 
 def passed(h: PushHarness, drain: Drain, stream: str = T0) -> frozenset[str]:

@@ -23,10 +23,10 @@ from shoal.core.clock import ManualClock, SystemClock
 from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
-from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
-from shoal.push_admin import PushAdmin, TapHooks
-from shoal.push_delivery import PushConsumer
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.admin import PushAdmin, TapHooks
+from shoal.push.delivery import PushConsumer
+from shoal.push.model import CreateRequest, EndpointPolicy, Entry, decode_entry
+from shoal.push.store import GroupStore, Queues, SubscriptionStore
 
 from tests.unit.test_push_support import FakeEndpoint
 

@@ -12,10 +12,10 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.errors import ServerBusy
-from shoal.push import REPLAYED
-from shoal.push_admin import SeekRequest
-from shoal.push_replay import PushReplay
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.admin import SeekRequest
+from shoal.push.model import REPLAYED
+from shoal.push.replay import PushReplay
+from shoal.push.store import GroupStore, Queues, SubscriptionStore
 
 from pipeline.replay import PushSubscriptionTarget, ReplayMessage, archived
 from tests.integration.test_push_harness import PushHarness
@@ -193,7 +193,7 @@ def test_a_key_with_too_many_pending_replayed_entries_defers_the_rest(
     harness: PushHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h = harness
-    monkeypatch.setattr("shoal.push_replay.MAX_UNCONSUMED", 2)
+    monkeypatch.setattr("shoal.push.replay.MAX_UNCONSUMED", 2)
     service = PushReplay(
         h.config, SubscriptionStore(h.clock), GroupStore(), h.queues, clock=h.clock
     )

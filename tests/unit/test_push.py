@@ -15,7 +15,7 @@ from shoal.core.errors import (
     InvalidRetryPolicy,
     InvalidSubscriptionName,
 )
-from shoal.push import (
+from shoal.push.model import (
     BLOCKED,
     DLQ,
     RQ,

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shoal.push import DeliveryRequest, DeliveryResult
+from shoal.push.model import DeliveryRequest, DeliveryResult
 from shoal.records import Message
 
 Respond = Callable[[DeliveryRequest], DeliveryResult]

@@ -16,7 +16,7 @@ from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
-from shoal.push_admin import TapHooks
+from shoal.push.admin import TapHooks
 
 T = TypeVar("T")
 

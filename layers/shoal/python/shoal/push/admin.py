@@ -67,7 +67,7 @@ from shoal.core.errors import (
     TopicNotFound,
 )
 from shoal.core.observability import logger
-from shoal.push import (
+from shoal.push.model import (
     DLQ,
     RQ,
     CreateRequest,
@@ -83,7 +83,7 @@ from shoal.push import (
     validate_name,
     validate_parallelism,
 )
-from shoal.push_store import (
+from shoal.push.store import (
     ACTIVE,
     CREATING,
     DELETING,

@@ -48,7 +48,7 @@ from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.delivery_events import EventKind, PerConsumer, Recording
 from shoal.drain import RECHECK_MS, PushGate, push_consumer
-from shoal.push import (
+from shoal.push.model import (
     BLOCKED,
     DLQ,
     MAX_HOLD_S,
@@ -73,7 +73,7 @@ from shoal.push import (
     judge,
     main_position,
 )
-from shoal.push_store import (
+from shoal.push.store import (
     CREATING,
     INFRASTRUCTURE_ERRORS,
     GroupStore,

@@ -48,7 +48,7 @@ from shoal.core.clock import Clock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
-from shoal.push import (
+from shoal.push.model import (
     DLQ,
     RQ,
     Entry,

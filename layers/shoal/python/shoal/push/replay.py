@@ -54,16 +54,8 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, SubscriptionNotFound
 from shoal.core.observability import logger
-from shoal.push import (
-    DLQ,
-    REPLAYED,
-    RQ,
-    GroupState,
-    Reservation,
-    Source,
-    partition_key,
-)
-from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
+from shoal.push.model import DLQ, REPLAYED, RQ, GroupState, Reservation, Source, partition_key
+from shoal.push.store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
 from shoal.records import Message, encode_record, record_size
 from shoal.topics.filters import matches
 

@@ -1,0 +1,1 @@
+"""Push subscriptions: a composite topic's messages POSTed to an HTTP endpoint."""

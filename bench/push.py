@@ -42,9 +42,12 @@ from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push.admin import PushAdmin
+from shoal.push.api import CreateRequest
 from shoal.push.delivery import PushConsumer
-from shoal.push.model import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
-from shoal.push.store import GroupStore, Queues, SubscriptionStore
+from shoal.push.endpoint import EndpointPolicy, HttpDeliverer
+from shoal.push.model import RetryPolicy
+from shoal.push.queues import Queues
+from shoal.push.store import KeyStore, PushSubscriptionStore
 
 from bench.account import CallMeter, emulated_account
 
@@ -117,16 +120,16 @@ class Pipeline:
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(
             self.config,
-            SubscriptionStore(clock),
-            GroupStore(),
+            PushSubscriptionStore(clock),
+            KeyStore(),
             self.queues,
             clock=clock,
             endpoints=local,
         )
         self.consumer = PushConsumer(
             self.config,
-            SubscriptionStore(clock),
-            GroupStore(),
+            PushSubscriptionStore(clock),
+            KeyStore(),
             self.queues,
             HttpDeliverer(local),
             clock=clock,

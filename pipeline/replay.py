@@ -21,7 +21,7 @@ service's tables are reachable: ``shoal pipeline replay --plan ... --target push
 group's partition as a group stream of the replay's own (the leader learns of it as of a storage
 shard's and hands it to one member; each message once to the group, in per-key order);
 ``push:<subscription>`` reserves them in the push subscription's retry queue through
-``shoal.push_replay`` (the same service code locally and on EMR): each message the
+``shoal.push.replay`` (the same service code locally and on EMR): each message the
 subscription's filter matches is an RQ entry due now, reserved in its key's group state like a
 redrive, so it goes out ahead of the key's newer messages and in plan order, with the original
 message id (``Shoal-Message-Id``) for the endpoint to deduplicate by; the key's mark of the
@@ -447,7 +447,7 @@ class GroupStreamTarget:
 
 
 class PushSubscriptionTarget:
-    """A push subscription: its retry queue, through ``shoal.push_replay`` (the same service
+    """A push subscription: its retry queue, through ``shoal.push.replay`` (the same service
     code locally and on EMR; see its docstring for reservation, order and idempotence).
 
     The endpoint gets the original message (``Shoal-Message-Id`` is the original id). A key
@@ -511,7 +511,7 @@ class PushSubscriptionTarget:
 
 
 def archived(m: ReplayMessage) -> Any:
-    """A plan's message as ``shoal.push_replay`` takes it: the original message, its replay
+    """A plan's message as ``shoal.push.replay`` takes it: the original message, its replay
     position and, when the position names it, its main position."""
     from shoal.push.replay import Archived
     from shoal.records import Message
@@ -531,9 +531,9 @@ def archived(m: ReplayMessage) -> Any:
 
 
 def main_of(replay_position: str) -> str:
-    """The main position (``shoal.push.main_position``) a plan's replay position names, or ""
-    (composite digest . storage topic . shard digest . digit count + sequence . index)."""
-    from shoal.push.model import main_position
+    """The main position (``shoal.push.entries.main_position``) a plan's replay position names,
+    or "" (composite digest . storage topic . shard digest . digit count + sequence . index)."""
+    from shoal.push.entries import main_position
 
     parts = replay_position.split(".")
     if len(parts) != 5 or not all(p.isdigit() for p in (parts[1], parts[3], parts[4])):

@@ -1,7 +1,8 @@
 """Push subscriptions' delivery: push tap batches (storage streams) and retry queue batches.
 
-Invoked by event source mappings made at run time by the push admin (``shoal.push_store``):
-one per storage stream that push subscriptions read, one per retry queue.
+Invoked by event source mappings made at run time by the push admin (``shoal.push.admin``,
+``shoal.push.queues``): one per storage stream that push subscriptions read, one per retry
+queue.
 """
 
 from typing import Any

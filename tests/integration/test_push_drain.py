@@ -12,8 +12,9 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
-from shoal.push.admin import UpdateRequest
+from shoal.drain import DrainStore, Sealer
+from shoal.push.api import UpdateRequest
+from shoal.push.gate import PushGate, push_consumer
 
 from tests.integration.test_push_harness import PushHarness
 

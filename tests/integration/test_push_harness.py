@@ -24,9 +24,12 @@ from shoal.core.config import get_config
 from shoal.local.esm import EventSourceMappings, StreamRecord, kinesis_event
 from shoal.publishing import PublishRequest, PublishService
 from shoal.push.admin import PushAdmin, TapHooks
+from shoal.push.api import CreateRequest
 from shoal.push.delivery import PushConsumer
-from shoal.push.model import CreateRequest, EndpointPolicy, Entry, decode_entry
-from shoal.push.store import GroupStore, Queues, SubscriptionStore
+from shoal.push.endpoint import EndpointPolicy
+from shoal.push.entries import Entry, decode_entry
+from shoal.push.queues import Queues
+from shoal.push.store import KeyStore, PushSubscriptionStore
 
 from tests.unit.test_push_support import FakeEndpoint
 
@@ -76,16 +79,16 @@ class PushHarness:
         self.queues = Queues(self.streams, self.clock)
         self.admin = PushAdmin(
             self.config,
-            SubscriptionStore(self.clock),
-            GroupStore(),
+            PushSubscriptionStore(self.clock),
+            KeyStore(),
             self.queues,
             clock=self.clock,
             endpoints=EndpointPolicy(allow_loopback_http=True),
         )
         self.consumer = PushConsumer(
             self.config,
-            SubscriptionStore(self.clock),
-            GroupStore(),
+            PushSubscriptionStore(self.clock),
+            KeyStore(),
             self.queues,
             self.endpoint,
             clock=self.clock,

@@ -1,4 +1,4 @@
-"""The lanes of a push tap (``shoal.push_admin.tap_lanes``): one behind the produce pointer."""
+"""The lanes of a push tap (``shoal.push.admin.tap_lanes``): one behind the produce pointer."""
 
 from __future__ import annotations
 

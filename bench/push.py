@@ -31,8 +31,8 @@ from typing import Any
 from unittest import mock
 
 import boto3
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
-from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
 from shoal.composite.directory import TopicDirectory
 from shoal.composite.service import TopicService, ensure_default_topic
 from shoal.composite.store import TopicStore
@@ -47,7 +47,7 @@ from shoal.push.delivery import PushConsumer
 from shoal.push.endpoint import EndpointPolicy, HttpDeliverer
 from shoal.push.model import RetryPolicy
 from shoal.push.queues import Queues
-from shoal.push.store import KeyStore, PushSubscriptionStore
+from shoal.push.store import KEYS_TABLE, SUBSCRIPTIONS_TABLE, KeyStore, PushSubscriptionStore
 
 from bench.account import CallMeter, emulated_account
 
@@ -117,19 +117,21 @@ class Pipeline:
         ensure_default_topic(TopicService(self.config, store, self.streams, clock), 1)
         self.publisher = PublishService(self.streams, TopicDirectory(store, clock), clock)
         self.queues = Queues(self.streams, clock)
+        #: the push stores' own client: the meter counts their calls only
+        self.dynamo = Dynamo(session.client("dynamodb"))
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(
             self.config,
-            PushSubscriptionStore(clock),
-            KeyStore(),
+            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
+            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
             self.queues,
             clock=clock,
             endpoints=local,
         )
         self.consumer = PushConsumer(
             self.config,
-            PushSubscriptionStore(clock),
-            KeyStore(),
+            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
+            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
             self.queues,
             HttpDeliverer(local),
             clock=clock,
@@ -187,8 +189,7 @@ class Pipeline:
         meter = CallMeter()
         for client in (self.streams.kinesis, self.streams.writer, self.streams.awslambda):
             meter.attach(client)
-        for model in (PushGroupModel, PushSubscriptionModel):
-            meter.attach(model._get_connection().connection.client)
+        meter.attach(self.dynamo.client)
         return meter
 
 

@@ -79,16 +79,16 @@ class PushHarness:
         self.queues = Queues(self.streams, self.clock)
         self.admin = PushAdmin(
             self.config,
-            PushSubscriptionStore(self.clock),
-            KeyStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             self.queues,
             clock=self.clock,
             endpoints=EndpointPolicy(allow_loopback_http=True),
         )
         self.consumer = PushConsumer(
             self.config,
-            PushSubscriptionStore(self.clock),
-            KeyStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             self.queues,
             self.endpoint,
             clock=self.clock,

@@ -56,7 +56,11 @@ def plan() -> list[ReplayMessage]:
 
 def target(h: PushHarness, replay_id: str = "replay-1") -> PushSubscriptionTarget:
     service = PushReplay(
-        h.config, PushSubscriptionStore(h.clock), KeyStore(), h.queues, clock=h.clock
+        h.config,
+        PushSubscriptionStore.from_config(h.config, h.clock),
+        KeyStore.from_config(h.config),
+        h.queues,
+        clock=h.clock,
     )
     return PushSubscriptionTarget("orders", replay_id, service=service, clock=h.clock)
 
@@ -196,7 +200,11 @@ def test_a_key_with_too_many_pending_replayed_entries_defers_the_rest(
     h = harness
     monkeypatch.setattr("shoal.push.replay.MAX_UNCONSUMED", 2)
     service = PushReplay(
-        h.config, PushSubscriptionStore(h.clock), KeyStore(), h.queues, clock=h.clock
+        h.config,
+        PushSubscriptionStore.from_config(h.config, h.clock),
+        KeyStore.from_config(h.config),
+        h.queues,
+        clock=h.clock,
     )
     messages = [archived(m) for m in plan()]
     # Given at most 2 replayed entries of a key pending / When the plan is replayed

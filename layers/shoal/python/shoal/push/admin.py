@@ -509,8 +509,8 @@ class TapHooks:
     def _admin(self) -> PushAdmin:
         return PushAdmin(
             self.config,
-            PushSubscriptionStore(self.clock),
-            KeyStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             Queues(self.streams, self.clock),
             clock=self.clock,
         )

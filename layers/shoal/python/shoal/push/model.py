@@ -228,6 +228,24 @@ class PushSubscription:
     def active(self) -> bool:
         return self.state == ACTIVE
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> PushSubscription:
+        """From its item (``shoal.push.store``), which holds a spec."""
+        return cls(
+            name=str(record["name"]),
+            spec=Spec.from_json(record.get("spec") or "{}"),
+            parallelism=int(record.get("parallelism") or 1),
+            state=record.get("state") or CREATING,
+            version=int(record.get("version") or 0),
+            generation=int(record.get("generation") or 0),
+            skip_before_ms=int(record.get("skip_before_ms") or 0),
+            created_at_ms=int(record.get("created_at_ms") or 0),
+            cursors={
+                stream: Cursor.from_item(raw)
+                for stream, raw in (record.get("cursors") or {}).items()
+            },
+        )
+
     def queue(self, queue: Queue, prefix: str) -> StorageTopic:
         """The storage topic of RQ or DLQ (one each; a composite topic of their own)."""
         return StorageTopic(
@@ -266,3 +284,20 @@ class Tap:
     lanes: int = 1
     #: when each member joined (ms; the ordered drain's "began reading", ``shoal.drain``)
     joined: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_record(cls, stream: str, record: Mapping[str, Any]) -> Tap:
+        """From its item (``shoal.push.store``): ``spec`` names the topic and storage topic
+        index, ``members`` maps each member to when it joined."""
+        info = json.loads(record.get("spec") or "{}")
+        members: Mapping[str, Any] = record.get("members") or {}
+        return cls(
+            stream=stream,
+            topic=str(info.get("topic", "")),
+            storage_index=int(info.get("index", 0)),
+            members=frozenset(members),
+            version=int(record.get("version") or 0),
+            # the tap item keeps its lanes in the subscription items' parallelism attribute
+            lanes=int(record.get("parallelism") or 1),
+            joined={name: int(at) for name, at in members.items()},
+        )

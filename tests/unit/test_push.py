@@ -8,6 +8,7 @@ from urllib.parse import unquote
 
 import pytest
 from shoal.core.clock import ManualClock
+from shoal.core.config import Config
 from shoal.core.errors import (
     InvalidEndpoint,
     InvalidFilter,
@@ -477,16 +478,19 @@ def test_deployed_https_is_allowed() -> None:
 
 
 def test_under_shoal_dev_http_to_loopback_only_is_allowed() -> None:
-    local = EndpointPolicy.from_env({"AWS_ENDPOINT_URL": "http://127.0.0.1:4566"})
+    local = EndpointPolicy.from_config(
+        Config.from_env({"AWS_ENDPOINT_URL": "http://127.0.0.1:4566"})
+    )
     assert local.validate("http://127.0.0.1:9000/hook") == "http://127.0.0.1:9000/hook"
     assert local.validate("http://[::1]:9000/") == "http://[::1]:9000/"
     with pytest.raises(InvalidEndpoint):
         local.validate("http://example.com/hook")
     # a real endpoint URL, or none, is no emulator
-    assert not EndpointPolicy.from_env({}).allow_loopback_http
-    assert not EndpointPolicy.from_env(
+    assert not Config.from_env({}).push_loopback_http
+    assert not Config.from_env(
         {"AWS_ENDPOINT_URL": "https://kinesis.us-east-1.amazonaws.com"}
-    ).allow_loopback_http
+    ).push_loopback_http
+    assert Config.from_env({"AWS_ENDPOINT_URL": "http://localhost:4566"}).push_loopback_http
 
 
 def test_the_request_carries_the_dedup_headers_and_the_message() -> None:

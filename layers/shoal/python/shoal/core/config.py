@@ -6,9 +6,11 @@ so a handler cannot tell which of the two it runs in.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from functools import cache
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +41,11 @@ class Config(BaseModel):
     #: crash tests (``SHOAL_CRASH_AT=publish:after_reserve``): the process exits at once, as
     #: under kill -9, when the named function reaches the named step (``shoal.faults``)
     crash_at: str = ""
+    #: push subscriptions may name ``http://`` endpoints on loopback, so that a developer's
+    #: local server can receive pushes (``shoal.push.endpoint.EndpointPolicy``): under
+    #: ``shoal dev``, whose AWS_ENDPOINT_URL names its emulator on loopback (a deployed
+    #: function has no AWS_ENDPOINT_URL at all, so that is the signal that we run locally)
+    push_loopback_http: bool = False
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -58,7 +65,23 @@ class Config(BaseModel):
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),
             faults=parse_faults(env.get("SHOAL_FAULTS", "")),
             crash_at=env.get("SHOAL_CRASH_AT", ""),
+            push_loopback_http=_on_loopback(env.get("AWS_ENDPOINT_URL", "")),
         )
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a URL's host name) is this machine: ``localhost`` or a loopback
+    address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address((host or "").strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _on_loopback(url: str) -> bool:
+    return bool(url) and is_loopback(urlsplit(url).hostname)
 
 
 def parse_faults(raw: str) -> dict[str, float]:

@@ -33,7 +33,6 @@ messages published before the seek time are skipped (as a Pub/Sub seek acks them
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -122,7 +121,7 @@ class PushAdmin:
         self.key_states = key_states
         self.queues = queues
         self.clock = clock or SystemClock()
-        self.endpoints = endpoints or EndpointPolicy()
+        self.endpoints = endpoints or EndpointPolicy.from_config(config)
         #: how long a request waits for new queue streams (as shoal.composite's)
         self.stream_wait_s = stream_wait_s
         self.dlq = DeadLetters(self.prefix, subscriptions, key_states, queues, self.clock)
@@ -130,12 +129,7 @@ class PushAdmin:
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushAdmin:
         clock = clock or SystemClock()
-        return cls(
-            config,
-            *push_parts(config, clock),
-            clock=clock,
-            endpoints=EndpointPolicy.from_env(os.environ),
-        )
+        return cls(config, *push_parts(config, clock), clock=clock)
 
     @property
     def push_function(self) -> str:

@@ -9,7 +9,6 @@ any key stopped, from where Lambda hands the batch back.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 from aws_lambda_powertools.utilities.data_classes import KinesisStreamEvent
@@ -60,7 +59,7 @@ class PushConsumer(MainQueueConsumer, RetryQueueConsumer):
             subscriptions,
             key_states,
             queues,
-            HttpDeliverer(EndpointPolicy.from_env(os.environ)),
+            HttpDeliverer(EndpointPolicy.from_config(config)),
             clock=clock,
             events=Recording.from_config(config, clock),
             gate=PushGate.from_config(config, clock),

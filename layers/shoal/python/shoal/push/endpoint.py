@@ -13,6 +13,7 @@ from urllib.parse import quote, urlsplit
 
 import requests
 
+from shoal.core.config import Config, is_loopback
 from shoal.core.errors import InvalidEndpoint
 from shoal.records import Message
 
@@ -34,11 +35,8 @@ class EndpointPolicy:
     allow_loopback_http: bool = False
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> EndpointPolicy:
-        # shoal dev points every AWS client at its emulator on loopback; a deployed function
-        # never has AWS_ENDPOINT_URL at all. So this is the signal that we run locally.
-        endpoint = env.get("AWS_ENDPOINT_URL", "")
-        return cls(allow_loopback_http=bool(endpoint) and _is_loopback(urlsplit(endpoint).hostname))
+    def from_config(cls, config: Config) -> EndpointPolicy:
+        return cls(allow_loopback_http=config.push_loopback_http)
 
     def validate(self, endpoint: object) -> str:
         if not isinstance(endpoint, str) or not endpoint or len(endpoint) > MAX_ENDPOINT_LENGTH:
@@ -57,7 +55,7 @@ class EndpointPolicy:
             if not self.allow_loopback_http and _is_internal(host):
                 raise InvalidEndpoint("the endpoint names an internal address")
             return endpoint
-        if parts.scheme == "http" and self.allow_loopback_http and _is_loopback(host):
+        if parts.scheme == "http" and self.allow_loopback_http and is_loopback(host):
             return endpoint
         raise InvalidEndpoint(
             "the endpoint must be https://"
@@ -70,13 +68,6 @@ def _address(host: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address 
         return ipaddress.ip_address((host or "").strip("[]"))
     except ValueError:
         return None
-
-
-def _is_loopback(host: str | None) -> bool:
-    if host == "localhost":
-        return True
-    address = _address(host)
-    return address is not None and address.is_loopback
 
 
 def _is_internal(host: str) -> bool:

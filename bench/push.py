@@ -31,8 +31,8 @@ from typing import Any
 from unittest import mock
 
 import boto3
+from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
-from shoal.aws.tables import PushGroupModel, PushSubscriptionModel
 from shoal.composite.directory import TopicDirectory
 from shoal.composite.service import TopicService, ensure_default_topic
 from shoal.composite.store import TopicStore
@@ -45,10 +45,13 @@ from shoal.publish.request import PublishRequest
 from shoal.publish.retained import RetainedStore
 from shoal.publish.sequences import Sequences
 from shoal.publish.service import PublishService
-from shoal.push import CreateRequest, EndpointPolicy, HttpDeliverer, RetryPolicy
-from shoal.push_admin import PushAdmin
-from shoal.push_delivery import PushConsumer
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.admin import PushAdmin
+from shoal.push.api import CreateRequest
+from shoal.push.delivery import PushConsumer
+from shoal.push.endpoint import EndpointPolicy, HttpDeliverer
+from shoal.push.model import RetryPolicy
+from shoal.push.queues import Queues
+from shoal.push.store import KEYS_TABLE, SUBSCRIPTIONS_TABLE, KeyStore, PushSubscriptionStore
 
 from bench.account import CallMeter, emulated_account
 
@@ -124,19 +127,21 @@ class Pipeline:
             clock,
         )
         self.queues = Queues(self.streams, clock)
+        #: the push stores' own client: the meter counts their calls only
+        self.dynamo = Dynamo(session.client("dynamodb"))
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(
             self.config,
-            SubscriptionStore(clock),
-            GroupStore(),
+            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
+            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
             self.queues,
             clock=clock,
             endpoints=local,
         )
         self.consumer = PushConsumer(
             self.config,
-            SubscriptionStore(clock),
-            GroupStore(),
+            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
+            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
             self.queues,
             HttpDeliverer(local),
             clock=clock,
@@ -194,8 +199,7 @@ class Pipeline:
         meter = CallMeter()
         for client in (self.streams.kinesis, self.streams.writer, self.streams.awslambda):
             meter.attach(client)
-        for model in (PushGroupModel, PushSubscriptionModel):
-            meter.attach(model._get_connection().connection.client)
+        meter.attach(self.dynamo.client)
         return meter
 
 

@@ -21,7 +21,7 @@ service's tables are reachable: ``shoal pipeline replay --plan ... --target push
 group's partition as a group stream of the replay's own (the leader learns of it as of a storage
 shard's and hands it to one member; each message once to the group, in per-key order);
 ``push:<subscription>`` reserves them in the push subscription's retry queue through
-``shoal.push_replay`` (the same service code locally and on EMR): each message the
+``shoal.push.replay`` (the same service code locally and on EMR): each message the
 subscription's filter matches is an RQ entry due now, reserved in its key's group state like a
 redrive, so it goes out ahead of the key's newer messages and in plan order, with the original
 message id (``Shoal-Message-Id``) for the endpoint to deduplicate by; the key's mark of the
@@ -449,7 +449,7 @@ class GroupStreamTarget:
 
 
 class PushSubscriptionTarget:
-    """A push subscription: its retry queue, through ``shoal.push_replay`` (the same service
+    """A push subscription: its retry queue, through ``shoal.push.replay`` (the same service
     code locally and on EMR; see its docstring for reservation, order and idempotence).
 
     The endpoint gets the original message (``Shoal-Message-Id`` is the original id). A key
@@ -476,7 +476,7 @@ class PushSubscriptionTarget:
         cls, config: Config, name: str, replay_id: str, clock: Clock | None = None
     ) -> PushSubscriptionTarget:
         from shoal.core.clock import SystemClock
-        from shoal.push_replay import PushReplay
+        from shoal.push.replay import PushReplay
 
         clock = clock or SystemClock()
         return cls(name, replay_id, service=PushReplay.from_config(config, clock), clock=clock)
@@ -513,9 +513,9 @@ class PushSubscriptionTarget:
 
 
 def archived(m: ReplayMessage) -> Any:
-    """A plan's message as ``shoal.push_replay`` takes it: the original message, its replay
+    """A plan's message as ``shoal.push.replay`` takes it: the original message, its replay
     position and, when the position names it, its main position."""
-    from shoal.push_replay import Archived
+    from shoal.push.replay import Archived
     from shoal.records import Message
 
     message = Message(
@@ -533,9 +533,9 @@ def archived(m: ReplayMessage) -> Any:
 
 
 def main_of(replay_position: str) -> str:
-    """The main position (``shoal.push.main_position``) a plan's replay position names, or ""
-    (composite digest . storage topic . shard digest . digit count + sequence . index)."""
-    from shoal.push import main_position
+    """The main position (``shoal.push.entries.main_position``) a plan's replay position names,
+    or "" (composite digest . storage topic . shard digest . digit count + sequence . index)."""
+    from shoal.push.entries import main_position
 
     parts = replay_position.split(".")
     if len(parts) != 5 or not all(p.isdigit() for p in (parts[1], parts[3], parts[4])):

@@ -1,14 +1,15 @@
 """Push subscriptions' delivery: push tap batches (storage streams) and retry queue batches.
 
-Invoked by event source mappings made at run time by the push admin (``shoal.push_store``):
-one per storage stream that push subscriptions read, one per retry queue.
+Invoked by event source mappings made at run time by the push admin (``shoal.push.admin``,
+``shoal.push.queues``): one per storage stream that push subscriptions read, one per retry
+queue.
 """
 
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.core.observability import logger
-from shoal.push_delivery import PushConsumer
+from shoal.push.delivery import PushConsumer
 from shoal.wiring import PerConfig
 
 service = PerConfig(PushConsumer.from_config)

@@ -6,8 +6,8 @@ from aws_lambda_powertools.event_handler import Response
 from shoal.http.body import parse_body
 from shoal.http.caller import admin_only
 from shoal.http.resolver import json_response, lambda_handler, make_resolver
-from shoal.push import CreateRequest
-from shoal.push_admin import PushAdmin, RedriveRequest, SeekRequest, UpdateRequest
+from shoal.push.admin import PushAdmin
+from shoal.push.api import CreateRequest, RedriveRequest, SeekRequest, UpdateRequest
 from shoal.wiring import PerConfig
 
 app = make_resolver()

@@ -26,7 +26,7 @@ from shoal.core.config import get_config
 from shoal.publish.retained import RetainedStore
 from shoal.publish.sequences import Sequences
 from shoal.publish.service import PublishService
-from shoal.push_admin import TapHooks
+from shoal.push.admin import TapHooks
 from shoal.records import Message, decode_record
 
 from tests.helpers import FakeContext, http_event, response_json

@@ -19,9 +19,9 @@ from shoal.core.errors import (
     SubscriptionExists,
     SubscriptionNotFound,
 )
-from shoal.push import DeliveryRequest, DeliveryResult
-from shoal.push_admin import RedriveRequest, SeekRequest, UpdateRequest
-from shoal.push_store import Queues
+from shoal.push.api import RedriveRequest, SeekRequest, UpdateRequest
+from shoal.push.endpoint import DeliveryRequest, DeliveryResult
+from shoal.push.queues import Queues
 
 from tests.integration.test_push_harness import PushHarness
 from tests.unit.test_push_support import OK, Switch
@@ -102,13 +102,13 @@ def test_delete_removes_queues_mappings_and_group_states(
     assert harness.admin.describe("orders")["blocked_keys"] == ["k"]
     # When it is deleted
     harness.admin.delete("orders")
-    # Then its streams, mappings and group states are gone, and so is the tap (no members)
+    # Then its streams, mappings and key states are gone, and so is the tap (no members)
     streams = set(aws.client("kinesis").list_streams()["StreamNames"])
     assert doc["retry_queue"]["storage_topics"][0]["stream"] not in streams
     push = harness.config.functions["push"]
     mappings = aws.client("lambda").list_event_source_mappings(FunctionName=push)
     assert mappings["EventSourceMappings"] == []
-    assert list(harness.admin.groups.blocked("orders")) == []
+    assert list(harness.admin.key_states.blocked("orders")) == []
     with pytest.raises(SubscriptionNotFound):
         harness.admin.describe("orders")
 
@@ -206,7 +206,7 @@ DELETE_STEPS = [
     ("admin", "_settle_tap"),
     ("queues", "delete_mapping"),
     ("queues", "delete_stream"),
-    ("groups", "delete_all"),
+    ("key_states", "delete_all"),
     ("subscriptions", "delete"),
 ]
 
@@ -226,7 +226,7 @@ def test_a_delete_that_crashed_at_any_step_is_finished_by_repeating_it(
         harness.admin.delete("orders")
     # When the delete is repeated
     harness.admin.delete("orders")
-    # Then nothing of the subscription is left: item, tap membership, mappings, queues, groups
+    # Then nothing of the subscription is left: item, tap membership, mappings, queues, keys
     with pytest.raises(SubscriptionNotFound):
         harness.admin.describe("orders")
     tap = harness.admin.subscriptions.tap("shoal-default-0")
@@ -235,8 +235,8 @@ def test_a_delete_that_crashed_at_any_step_is_finished_by_repeating_it(
     streams = set(aws.client("kinesis").list_streams()["StreamNames"])
     for queue in ("retry_queue", "dead_letter_queue"):
         assert doc[queue]["storage_topics"][0]["stream"] not in streams
-    assert list(harness.admin.groups.blocked("orders")) == []
-    assert harness.admin.groups.get("orders", "k").version == 0
+    assert list(harness.admin.key_states.blocked("orders")) == []
+    assert harness.admin.key_states.get("orders", "k").version == 0
 
 
 def test_a_subscription_being_deleted_gets_nothing_and_takes_no_change(
@@ -291,8 +291,8 @@ def test_a_storage_topic_completion_that_crashed_leaves_one_tap_mapping(
     harness.subscribe()
     real = getattr(harness.admin if owner == "admin" else harness.admin.subscriptions, step)
     crash = CrashOnce(real)
-    cls = "PushAdmin" if owner == "admin" else "SubscriptionStore"
-    monkeypatch.setattr(f"shoal.push_admin.{cls}.{step}", lambda _self, *a, **k: crash(*a, **k))
+    cls = "admin.PushAdmin" if owner == "admin" else "store.PushSubscriptionStore"
+    monkeypatch.setattr(f"shoal.push.{cls}.{step}", lambda _self, *a, **k: crash(*a, **k))
     with pytest.raises(ServerBusy):
         harness.topics.add_storage_topic("default", 1)
     assert harness.topics.get("default").pending is not None
@@ -467,10 +467,12 @@ def test_redrive_skips_a_key_still_retrying(harness: PushHarness) -> None:
     harness.drain()
     # Given a DLQ entry, and an entry of the key in RQ that the RQ consumer has not reached
     # (reserved by hand: a follower on its way)
-    state = harness.admin.groups.get("orders", "bad")
+    state = harness.admin.key_states.get("orders", "bad")
     assert state.dlq.depth == 1
     follower = replace(state.reserved("mq")[-1], queue="rq", n=1)
-    assert harness.admin.groups.save("orders", "bad", state.reserve("mq", [follower])) is not None
+    assert (
+        harness.admin.key_states.save("orders", "bad", state.reserve("mq", [follower])) is not None
+    )
     report = redrive(harness, ordering_keys=["bad"])
     assert report["skipped"] == [{"ordering_key": "bad", "reason": "retry_pending"}]
 
@@ -564,11 +566,11 @@ def test_a_retried_mq_batch_routes_nothing_twice(harness: PushHarness) -> None:
         harness.publish("bad", n)
     event = harness.main_event()
     assert harness.consumer.handle(event, 60_000) == {"batchItemFailures": []}
-    first = harness.admin.groups.get("orders", "bad")
+    first = harness.admin.key_states.get("orders", "bad")
     # When the same batch is handed over again (Lambda retried it)
     assert harness.consumer.handle(event, 60_000) == {"batchItemFailures": []}
-    # Then the group state did not move: every message was recognized as routed
-    assert harness.admin.groups.get("orders", "bad") == first
+    # Then the key state did not move: every message was recognized as routed
+    assert harness.admin.key_states.get("orders", "bad") == first
     assert first.rq.p.n == 3
 
 
@@ -590,7 +592,7 @@ def test_concurrent_invocations_of_one_batch_keep_the_state_whole(harness: PushH
         t.join()
     # Then each key's three messages are reserved once each, whatever the interleaving
     for i in range(8):
-        state = harness.admin.groups.get("orders", f"k{i}")
+        state = harness.admin.key_states.get("orders", f"k{i}")
         assert state.rq.p.n == 3, state
     entries = harness.rq_entries()
     assert len({(e.ordering_key, e.n) for e in entries}) == 24

@@ -12,8 +12,9 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.drain import DrainStore, PushGate, Sealer, push_consumer
-from shoal.push_admin import UpdateRequest
+from shoal.drain import DrainStore, Sealer
+from shoal.push.api import UpdateRequest
+from shoal.push.gate import PushGate, push_consumer
 
 from tests.integration.test_push_harness import PushHarness
 
@@ -167,7 +168,7 @@ def refit_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(*_args: Any) -> None:
         raise RuntimeError("crashed before the refit")
 
-    monkeypatch.setattr("shoal.push_admin.TapHooks.produce_switched", crash)
+    monkeypatch.setattr("shoal.push.admin.TapHooks.produce_switched", crash)
 
 
 def passed(h: PushHarness, drain: Drain, stream: str = T0) -> frozenset[str]:

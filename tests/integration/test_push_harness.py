@@ -27,10 +27,13 @@ from shoal.publish.request import PublishRequest
 from shoal.publish.retained import RetainedStore
 from shoal.publish.sequences import Sequences
 from shoal.publish.service import PublishService
-from shoal.push import CreateRequest, EndpointPolicy, Entry, decode_entry
-from shoal.push_admin import PushAdmin, TapHooks
-from shoal.push_delivery import PushConsumer
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.admin import PushAdmin, TapHooks
+from shoal.push.api import CreateRequest
+from shoal.push.delivery import PushConsumer
+from shoal.push.endpoint import EndpointPolicy
+from shoal.push.entries import Entry, decode_entry
+from shoal.push.queues import Queues
+from shoal.push.store import KeyStore, PushSubscriptionStore
 
 from tests.unit.test_push_support import FakeEndpoint
 
@@ -84,16 +87,16 @@ class PushHarness:
         self.queues = Queues(self.streams, self.clock)
         self.admin = PushAdmin(
             self.config,
-            SubscriptionStore(self.clock),
-            GroupStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             self.queues,
             clock=self.clock,
             endpoints=EndpointPolicy(allow_loopback_http=True),
         )
         self.consumer = PushConsumer(
             self.config,
-            SubscriptionStore(self.clock),
-            GroupStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             self.queues,
             self.endpoint,
             clock=self.clock,

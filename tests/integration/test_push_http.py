@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from shoal.push import EndpointPolicy, HttpDeliverer, delivery_request
+from shoal.push.endpoint import EndpointPolicy, HttpDeliverer, delivery_request
 
 from tests.unit.test_push_support import message
 

@@ -1,5 +1,5 @@
 """Replay into a push subscription (``pipeline.replay.PushSubscriptionTarget`` over
-``shoal.push_replay``) on the emulated account: every replayed message is POSTed once, in
+``shoal.push.replay``) on the emulated account: every replayed message is POSTed once, in
 per-key archive order, ahead of the key's newer messages; a replay run again, or run again
 after it died half-way, POSTs nothing twice."""
 
@@ -12,10 +12,11 @@ from typing import Any
 import boto3
 import pytest
 from shoal.core.errors import ServerBusy
-from shoal.push import REPLAYED
-from shoal.push_admin import SeekRequest
-from shoal.push_replay import PushReplay
-from shoal.push_store import GroupStore, Queues, SubscriptionStore
+from shoal.push.api import SeekRequest
+from shoal.push.entries import REPLAYED
+from shoal.push.queues import Queues
+from shoal.push.replay import PushReplay
+from shoal.push.store import KeyStore, PushSubscriptionStore
 
 from pipeline.replay import PushSubscriptionTarget, ReplayMessage, archived
 from tests.integration.test_push_harness import PushHarness
@@ -55,7 +56,11 @@ def plan() -> list[ReplayMessage]:
 
 def target(h: PushHarness, replay_id: str = "replay-1") -> PushSubscriptionTarget:
     service = PushReplay(
-        h.config, SubscriptionStore(h.clock), GroupStore(), h.queues, clock=h.clock
+        h.config,
+        PushSubscriptionStore.from_config(h.config, h.clock),
+        KeyStore.from_config(h.config),
+        h.queues,
+        clock=h.clock,
     )
     return PushSubscriptionTarget("orders", replay_id, service=service, clock=h.clock)
 
@@ -193,9 +198,13 @@ def test_a_key_with_too_many_pending_replayed_entries_defers_the_rest(
     harness: PushHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h = harness
-    monkeypatch.setattr("shoal.push_replay.MAX_UNCONSUMED", 2)
+    monkeypatch.setattr("shoal.push.replay.MAX_UNCONSUMED", 2)
     service = PushReplay(
-        h.config, SubscriptionStore(h.clock), GroupStore(), h.queues, clock=h.clock
+        h.config,
+        PushSubscriptionStore.from_config(h.config, h.clock),
+        KeyStore.from_config(h.config),
+        h.queues,
+        clock=h.clock,
     )
     messages = [archived(m) for m in plan()]
     # Given at most 2 replayed entries of a key pending / When the plan is replayed

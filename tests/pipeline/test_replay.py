@@ -164,7 +164,7 @@ def test_session_target_without_a_session_is_unavailable() -> None:
 
 
 class FakePushReplay:
-    """``shoal.push_replay.PushReplay``: records calls; defers the first call's last message."""
+    """``shoal.push.replay.PushReplay``: records calls; defers the first call's last message."""
 
     def __init__(self, defer: int = 0, missing: bool = False) -> None:
         self.calls: list[list[Any]] = []
@@ -173,7 +173,7 @@ class FakePushReplay:
 
     def replay(self, name: str, replay_id: str, messages: list[Any]) -> Any:
         from shoal.core.errors import SubscriptionNotFound
-        from shoal.push_replay import ReplayReport
+        from shoal.push.replay import ReplayReport
 
         if self.missing:
             raise SubscriptionNotFound(f"no push subscription named {name}")
@@ -192,7 +192,7 @@ def push_target(service: FakePushReplay, clock: ManualClock | None = None) -> An
 def test_push_target_hands_the_original_messages_with_their_main_positions(
     plan: list[dict[str, Any]],
 ) -> None:
-    from shoal.push import main_position
+    from shoal.push.entries import main_position
 
     # Given the plan m0 (0/10), m1 (0/20), m2 (storage topic 1, sequence 5)
     service = FakePushReplay()

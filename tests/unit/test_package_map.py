@@ -102,7 +102,7 @@ def test_shoal_imports_sit_at_module_top_unless_a_comment_says_why() -> None:
         inner += [
             f"{path.relative_to(ROOT)}:{line}"
             for line, _, at_top in imported_parts(path)
-            if not at_top and "# " not in lines[line - 1] and "# " not in lines[line - 2]
+            if not at_top and not any("# " in text for text in lines[max(line - 4, 0) : line])
         ]
     assert inner == []
 

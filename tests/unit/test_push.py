@@ -8,6 +8,7 @@ from urllib.parse import unquote
 
 import pytest
 from shoal.core.clock import ManualClock
+from shoal.core.config import Config
 from shoal.core.errors import (
     InvalidEndpoint,
     InvalidFilter,
@@ -15,35 +16,27 @@ from shoal.core.errors import (
     InvalidRetryPolicy,
     InvalidSubscriptionName,
 )
-from shoal.push import (
+from shoal.push.decisions import MainAction, Outcome, RetryAction, decide_main, decide_retry, judge
+from shoal.push.endpoint import DeliveryResult, EndpointPolicy, delivery_request
+from shoal.push.entries import (
     BLOCKED,
+    Entry,
+    Source,
+    decode_entry,
+    encode_entry,
+    main_position,
+    partition_key,
+)
+from shoal.push.model import (
     DLQ,
     RQ,
-    DeliveryResult,
-    EndpointPolicy,
-    Entry,
-    GroupState,
-    Head,
-    MainAction,
-    Outcome,
-    Pos,
-    Reservation,
-    RetryAction,
     RetryPolicy,
-    Source,
-    decide_main,
-    decide_retry,
-    decode_entry,
-    delivery_request,
-    encode_entry,
-    judge,
-    main_position,
     parse_retry_policy,
-    partition_key,
     validate_filter,
     validate_name,
     validate_parallelism,
 )
+from shoal.push.state import EntryReservation, KeyState, Pos, RetryHead
 from shoal.records import MalformedRecord, encode_record
 
 from tests.unit.test_push_support import FakeEndpoint, failing_keys, message
@@ -54,8 +47,8 @@ SOURCE = Source("shoal-default-0", "shardId-000000000000", "7", 0)
 
 def reservation(
     queue: str, n: int, main: str, *, message_id: str = "m", **fields: Any
-) -> Reservation:
-    base = Reservation(
+) -> EntryReservation:
+    base = EntryReservation(
         queue=RQ if queue == RQ else DLQ,
         n=n,
         message_id=message_id,
@@ -89,8 +82,8 @@ def entry(n: int, main: str, *, attempts: int = 0, due_ms: int = 0, key: str = "
     )
 
 
-def blocked_in_rq() -> GroupState:
-    return GroupState().reserve("mq", [reservation(RQ, 1, pos(10))], generation=0)
+def blocked_in_rq() -> KeyState:
+    return KeyState().reserve("mq", [reservation(RQ, 1, pos(10))], generation=0)
 
 
 # -- the MQ decision ------------------------------------------------------------------------
@@ -99,7 +92,7 @@ def blocked_in_rq() -> GroupState:
 def test_an_unblocked_key_is_delivered() -> None:
     # Given a key with nothing pending / When a new message comes / Then it is POSTed
     action = decide_main(
-        GroupState(), main=pos(1), message_id="m1", generation=0, skip_before_ms=0, ordered=True
+        KeyState(), main=pos(1), message_id="m1", generation=0, skip_before_ms=0, ordered=True
     )
     assert action is MainAction.DELIVER
 
@@ -114,7 +107,7 @@ def test_a_message_of_a_key_pending_in_rq_follows_it_into_rq() -> None:
 
 def test_a_key_pending_only_in_dlq_sends_later_messages_to_dlq() -> None:
     # Given a key whose RQ drained into DLQ
-    state = GroupState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
+    state = KeyState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
     action = decide_main(
         state, main=pos(11), message_id="m2", generation=0, skip_before_ms=0, ordered=True
     )
@@ -122,7 +115,7 @@ def test_a_key_pending_only_in_dlq_sends_later_messages_to_dlq() -> None:
 
 
 def test_rq_comes_before_dlq_when_both_hold_the_key() -> None:
-    state = GroupState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
+    state = KeyState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
     state = state.reserve("mq", [reservation(RQ, 1, pos(11))], generation=0)
     action = decide_main(
         state, main=pos(12), message_id="m3", generation=0, skip_before_ms=0, ordered=True
@@ -165,7 +158,7 @@ def test_the_last_routed_message_is_put_again_on_a_retried_batch() -> None:
 
 def test_a_seek_generation_voids_the_routed_mark() -> None:
     # Given m1 routed in generation 0 / When the subscription rewound (generation 1)
-    state = GroupState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
+    state = KeyState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
     action = decide_main(
         state, main=pos(10), message_id="m", generation=1, skip_before_ms=0, ordered=True
     )
@@ -176,7 +169,7 @@ def test_a_seek_generation_voids_the_routed_mark() -> None:
 def test_routing_from_a_later_storage_topic_never_skips_an_earlier_ones_messages() -> None:
     # Given key k's message of storage topic 1 routed to RQ first (its tap ran ahead)
     later = main_position(1, "5", 0)
-    state = GroupState().reserve("mq", [reservation(RQ, 1, later, message_id="t1")], generation=0)
+    state = KeyState().reserve("mq", [reservation(RQ, 1, later, message_id="t1")], generation=0)
     # When the tap of storage topic 0 comes to an older message of k
     action = decide_main(
         state, main=pos(10), message_id="t0", generation=0, skip_before_ms=0, ordered=False
@@ -199,7 +192,7 @@ def test_a_message_routed_before_a_later_storage_topic_routed_is_still_skipped()
 
 def test_a_key_marked_finished_skips_what_it_finished_in_that_storage_topic() -> None:
     # Given a key marked finished up to main 10 of storage topic 0 in generation 2
-    state = GroupState().mark(pos(10), 2)
+    state = KeyState().mark(pos(10), 2)
 
     def action(main: str, generation: int = 2) -> MainAction:
         return decide_main(
@@ -215,19 +208,19 @@ def test_a_key_marked_finished_skips_what_it_finished_in_that_storage_topic() ->
 
 
 def test_a_mark_only_moves_forward_and_a_stale_generation_leaves_it() -> None:
-    state = GroupState().mark(pos(10), 2)
+    state = KeyState().mark(pos(10), 2)
     # When an older position, or one read before the seek, is marked / Then nothing changes
     assert state.mark(pos(9), 2) is state
     assert state.mark(pos(99), 1) is state
     # When a later position is marked / Then the mark moves and survives the item's JSON
     later = state.mark(pos(12), 2)
     assert later.finished(pos(12), 2) and not later.finished(pos(13), 2)
-    assert GroupState.from_json(later.to_json(), 1).marks == later.marks
+    assert KeyState.from_json(later.to_json(), 1).marks == later.marks
 
 
 def test_routing_in_a_new_generation_voids_the_marks() -> None:
     # Given a mark of generation 1 up to main 30 / When main 20 is routed in generation 2
-    state = GroupState().mark(pos(30), 1)
+    state = KeyState().mark(pos(30), 1)
     routed = state.reserve("mq", [reservation(RQ, 1, pos(20))], generation=2)
     # Then the old mark no longer skips anything: only what generation 2 routed is finished
     assert not routed.finished(pos(25), 2)
@@ -251,7 +244,7 @@ def test_entries_older_than_a_seek_time_do_not_block() -> None:
 
 
 def decide(
-    state: GroupState, e: Entry, now_ms: int = 0, *, skip_before_ms: int = 0, ordered: bool = True
+    state: KeyState, e: Entry, now_ms: int = 0, *, skip_before_ms: int = 0, ordered: bool = True
 ) -> RetryAction:
     return decide_retry(
         state, e, policy=POLICY, now_ms=now_ms, skip_before_ms=skip_before_ms, ordered=ordered
@@ -275,8 +268,8 @@ def test_the_head_entry_waits_for_its_attempt_time() -> None:
 
 
 def test_the_heads_recorded_progress_overrides_the_records_attempts() -> None:
-    # Given the head retried twice already (recorded in the group state, not in the record)
-    state = blocked_in_rq().retry_later(Head(1, 2, 9_000, "http_503", 503))
+    # Given the head retried twice already (recorded in the key state, not in the record)
+    state = blocked_in_rq().retry_later(RetryHead(1, 2, 9_000, "http_503", 503))
     result = decide_retry(
         state,
         entry(1, pos(10), attempts=1),
@@ -289,7 +282,7 @@ def test_the_heads_recorded_progress_overrides_the_records_attempts() -> None:
 
 
 def test_an_entry_with_its_attempts_used_up_is_exhausted() -> None:
-    state = blocked_in_rq().retry_later(Head(1, 3, 0, "http_503", 503))
+    state = blocked_in_rq().retry_later(RetryHead(1, 3, 0, "http_503", 503))
     assert decide(state, entry(1, pos(10))) is RetryAction.EXHAUSTED
 
 
@@ -320,14 +313,14 @@ def test_an_entry_published_before_the_seek_time_is_skipped() -> None:
 
 def test_an_entry_newer_than_a_dead_lettered_message_follows_it_to_dlq() -> None:
     # Given m1 dead-lettered (DLQ offset 1, main 10) and m2 still in RQ
-    state = GroupState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
+    state = KeyState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
     state = state.reserve("mq", [reservation(RQ, 1, pos(11))], generation=0)
     assert decide(state, entry(1, pos(11))) is RetryAction.FOLLOW_DLQ
 
 
 def test_a_redriven_entry_is_delivered_though_newer_ones_wait_in_dlq() -> None:
     # Given m1, m2 dead-lettered, and m1 alone redriven into RQ
-    state = GroupState().reserve(
+    state = KeyState().reserve(
         "mq", [reservation(DLQ, 1, pos(10)), reservation(DLQ, 2, pos(11))], generation=0
     )
     state = state.consume(DLQ, 1, pos(10)).reserve("rd", [reservation(RQ, 1, pos(10))])
@@ -336,7 +329,7 @@ def test_a_redriven_entry_is_delivered_though_newer_ones_wait_in_dlq() -> None:
 
 
 def test_an_unordered_subscription_retries_regardless_of_dlq() -> None:
-    state = GroupState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
+    state = KeyState().reserve("mq", [reservation(DLQ, 1, pos(10))], generation=0)
     state = state.reserve("mq", [reservation(RQ, 1, pos(11))], generation=0)
     assert decide(state, entry(1, pos(11)), ordered=False) is RetryAction.DELIVER
 
@@ -353,18 +346,18 @@ def test_a_key_is_blocked_while_produced_and_consumed_differ() -> None:
 
 def test_offsets_are_reserved_and_consumed_in_order() -> None:
     with pytest.raises(AssertionError):
-        GroupState().reserve("mq", [reservation(RQ, 2, pos(10))])
+        KeyState().reserve("mq", [reservation(RQ, 2, pos(10))])
     with pytest.raises(AssertionError):
         blocked_in_rq().reserve("mq", [reservation(RQ, 2, pos(11))]).consume(RQ, 2, pos(11))
 
 
 def test_consuming_the_head_clears_its_retry_progress() -> None:
-    state = blocked_in_rq().retry_later(Head(1, 2, 0, "timeout", None))
+    state = blocked_in_rq().retry_later(RetryHead(1, 2, 0, "timeout", None))
     assert state.consume(RQ, 1, pos(10)).head is None
 
 
 def test_a_redrive_consumes_dlq_and_produces_rq_in_one_state() -> None:
-    state = GroupState().reserve(
+    state = KeyState().reserve(
         "mq", [reservation(DLQ, 1, pos(10)), reservation(DLQ, 2, pos(11))], generation=0
     )
     moved = state.consume(DLQ, 1, pos(10)).consume(DLQ, 2, pos(11))
@@ -374,9 +367,9 @@ def test_a_redrive_consumes_dlq_and_produces_rq_in_one_state() -> None:
 
 
 def test_the_state_survives_its_json() -> None:
-    state = blocked_in_rq().retry_later(Head(1, 2, 77, "http_500", 500))
+    state = blocked_in_rq().retry_later(RetryHead(1, 2, 77, "http_500", 500))
     state = state.reserve("rd", [reservation(DLQ, 1, pos(3), origin_n=4)])
-    again = GroupState.from_json(state.to_json(), version=3)
+    again = KeyState.from_json(state.to_json(), version=3)
     assert again == replace(state, version=3)
 
 
@@ -485,16 +478,19 @@ def test_deployed_https_is_allowed() -> None:
 
 
 def test_under_shoal_dev_http_to_loopback_only_is_allowed() -> None:
-    local = EndpointPolicy.from_env({"AWS_ENDPOINT_URL": "http://127.0.0.1:4566"})
+    local = EndpointPolicy.from_config(
+        Config.from_env({"AWS_ENDPOINT_URL": "http://127.0.0.1:4566"})
+    )
     assert local.validate("http://127.0.0.1:9000/hook") == "http://127.0.0.1:9000/hook"
     assert local.validate("http://[::1]:9000/") == "http://[::1]:9000/"
     with pytest.raises(InvalidEndpoint):
         local.validate("http://example.com/hook")
     # a real endpoint URL, or none, is no emulator
-    assert not EndpointPolicy.from_env({}).allow_loopback_http
-    assert not EndpointPolicy.from_env(
+    assert not Config.from_env({}).push_loopback_http
+    assert not Config.from_env(
         {"AWS_ENDPOINT_URL": "https://kinesis.us-east-1.amazonaws.com"}
-    ).allow_loopback_http
+    ).push_loopback_http
+    assert Config.from_env({"AWS_ENDPOINT_URL": "http://localhost:4566"}).push_loopback_http
 
 
 def test_the_request_carries_the_dedup_headers_and_the_message() -> None:
@@ -536,7 +532,7 @@ def test_long_ordering_keys_get_a_digest_partition_key() -> None:
 def test_a_manual_clock_drives_attempt_times() -> None:
     # Given the head's next attempt due in 2 s on an injected clock
     clock = ManualClock(0)
-    state = blocked_in_rq().retry_later(Head(1, 1, clock.now_ms() + 2_000, "timeout", None))
+    state = blocked_in_rq().retry_later(RetryHead(1, 1, clock.now_ms() + 2_000, "timeout", None))
     e = entry(1, pos(10))
     assert decide(state, e, now_ms=clock.now_ms()) is RetryAction.WAIT
     # When the clock moves past it / Then the entry goes out

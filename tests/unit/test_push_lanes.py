@@ -1,8 +1,8 @@
-"""The lanes of a push tap (``shoal.push_admin.tap_lanes``): one behind the produce pointer."""
+"""The lanes of a push tap (``shoal.push.admin.tap_lanes``): one behind the produce pointer."""
 
 from __future__ import annotations
 
-from shoal.push_admin import tap_lanes
+from shoal.push.admin import tap_lanes
 
 
 def test_a_tap_at_or_after_the_produce_pointer_runs_its_most_parallel_members_lanes() -> None:

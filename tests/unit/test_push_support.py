@@ -1,4 +1,4 @@
-"""Fakes for push subscription tests (no tests here): a scripted endpoint and group states."""
+"""Fakes for push subscription tests (no tests here): a scripted endpoint and key states."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shoal.push import DeliveryRequest, DeliveryResult
+from shoal.push.endpoint import DeliveryRequest, DeliveryResult
 from shoal.records import Message
 
 Respond = Callable[[DeliveryRequest], DeliveryResult]

@@ -264,7 +264,7 @@ DEPLOYMENT = Deployment(
                 # delivery events of its POST attempts (shoal.delivery.events)
                 Grant("bucket", "archive", "write"),
             ),
-            # an invocation waits for a retry's attempt time up to shoal.push.MAX_HOLD_S
+            # an invocation waits for a retry's attempt time up to shoal.push.consumer.MAX_HOLD_S
             timeout_s=120,
         ),
         FunctionDef(

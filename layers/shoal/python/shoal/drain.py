@@ -20,14 +20,16 @@ hand out a T(j) message of a key before that key's last T(j-1) message. The drai
   topics after the first with their stream) is handed out only once T(0..j-1) are fully
   drained and the session has been handed every message of theirs; the session's delivery
   state then remembers ``drained[topic] = j`` so the steady state reads nothing more.
-- **Shared groups** (``GroupGate``): a group stream of T(j) yields nothing until, for every
-  earlier storage topic, it is fully drained and each of the group's streams of it has handed
-  out its last message and has nothing in flight (all acked): another member may hold those.
-- **Push subscriptions** (``PushGate``): the T(j) tap takes nothing for an ordered subscription
-  until its own taps passed the seal of every shard of T(0..j-1) for it (``mark_passed``), or it
-  began reading T(i) after the sealer began; ``shoal.push_delivery`` holds the batch meanwhile.
-  A tap passes a seal only while it runs one lane (another lane may hold earlier records), as
-  the tap of a storage topic behind the produce pointer is made to (``shoal.push_admin``).
+- **Shared groups** (``shoal.groups.gate.GroupGate``): a group stream of T(j) yields nothing
+  until, for every earlier storage topic, it is fully drained and each of the group's streams of
+  it has handed out its last message and has nothing in flight (all acked): another member may
+  hold those.
+- **Push subscriptions** (``shoal.push.gate.PushGate``): the T(j) tap takes nothing for an
+  ordered subscription until its own taps passed the seal of every shard of T(0..j-1) for it
+  (``mark_passed``), or it began reading T(i) after the sealer began; ``shoal.push.main_queue``
+  holds the batch meanwhile. A tap passes a seal only while it runs one lane (another lane may
+  hold earlier records), as the tap of a storage topic behind the produce pointer is made to
+  (``shoal.push.admin``).
 
 The router itself never waits: gating is on the read side, so no retry budget is spent on it.
 """
@@ -36,25 +38,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, to_item
+from shoal.aws.kinesis import OutRecord, Streams
 from shoal.composite.model import (
     EFFECTIVE_DELAY_MS,
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
     storage_of,
-    stream_name,
 )
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.observability import logger
 from shoal.declarations import DEPLOYMENT
 from shoal.records import is_seal, seal_record
-
-if TYPE_CHECKING:
-    from shoal.aws.kinesis import Streams
 
 #: the drain record of a storage topic in the inboxes table
 DRAIN_PREFIX = "drain#"
@@ -260,8 +259,6 @@ class Sealer:
 
         Repeating it is harmless: the router marks a shard drained once however many seals it
         holds."""
-        from shoal.aws.kinesis import OutRecord
-
         now = self.clock.now_ms()
         shards = _open_shards(self.streams, stream)
         for shard_id, start in shards:
@@ -325,73 +322,3 @@ class RouterDrain:
 
 
 # --- the readers' gates ------------------------------------------------------------------------
-
-
-# --- push taps ---------------------------------------------------------------------------------
-
-#: a push subscription that began reading a storage topic less than this after its sealer began
-#: counts as having begun after the seal (clock skew between the reaper and the push admin)
-START_MARGIN_MS = 5_000
-
-
-def push_consumer(name: str, incarnation: str, generation: int) -> str:
-    """The drain's name of one reading of a push subscription: a seek (a new generation) takes
-    the earlier storage topics' seals again, and a subscription made again under its name
-    starts afresh."""
-    return f"{name}#{incarnation}#{generation}"
-
-
-class PushGate:
-    """Whether a push subscription may take records of a storage topic after the first.
-
-    A push tap reads its storage stream itself (not the router's inboxes), so the gate asks
-    about the subscription's own reading: T(j) is open for it once, for every earlier storage
-    topic T(i), its tap took the seal of every shard for it (``DrainStore.mark_passed``), or it
-    began reading T(i) after the sealer began (a subscription made, or moved by a seek, after
-    the seal reads nothing of T(i) it could put out of order, and may never see the seal).
-    True is cached forever per (consumer, storage topic); a seal, once recorded, never changes.
-    """
-
-    def __init__(self, store: DrainStore, clock: Clock, stream_prefix: str) -> None:
-        self.store = store
-        self.clock = clock
-        self.stream_prefix = stream_prefix
-        #: sealed storage topics: (shards, sealed_at)
-        self._sealed: dict[str, tuple[tuple[str, ...], int]] = {}
-        #: (consumer, earlier stream) found passed
-        self._passed: set[tuple[str, str]] = set()
-        self.reads = 0
-
-    @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> PushGate:
-        return cls(DrainStore.from_config(config), clock or SystemClock(), config.stream_prefix)
-
-    def admits(self, consumer: str, stream: str, start_ms: Callable[[str], int]) -> bool:
-        """True if ``consumer`` may take records of ``stream``; ``start_ms(earlier)`` is when
-        it began reading an earlier storage stream (asked only while that is not known passed)."""
-        storage = storage_of(stream, self.stream_prefix)
-        if storage is None:
-            return True
-        topic, index = storage
-        for earlier_index in range(index):
-            earlier = stream_name(self.stream_prefix, topic, earlier_index)
-            if (consumer, earlier) in self._passed:
-                continue
-            if not self._passed_now(consumer, earlier, start_ms):
-                return False
-            self._passed.add((consumer, earlier))
-        return True
-
-    def _passed_now(self, consumer: str, stream: str, start_ms: Callable[[str], int]) -> bool:
-        sealed = self._sealed.get(stream)
-        if sealed is None:
-            self.reads += 1
-            record = self.store.record(stream)
-            if record.sealed is None:
-                return False
-            sealed = self._sealed[stream] = (record.sealed, record.sealed_at or 0)
-        shards, sealed_at = sealed
-        if sealed_at < start_ms(stream) + START_MARGIN_MS:
-            return True
-        self.reads += 1
-        return set(shards) <= self.store.passed(stream, consumer)

@@ -32,7 +32,7 @@ from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService
-from shoal.push_admin import TapHooks
+from shoal.push.admin import TapHooks
 from shoal.router.archive import ArchiveWriter
 from shoal.router.batch import Router
 from shoal.router.fanout import Fanout, SubscriptionCache

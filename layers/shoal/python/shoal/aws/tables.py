@@ -268,7 +268,7 @@ class PushSubscriptionModel(Model):
     tap item holds ``members`` (the subscriptions reading that stream) and a lease that
     serializes changes to the tap's event source mapping; its ``spec`` is the JSON of the
     composite topic and storage topic index the stream belongs to, its ``parallelism`` the
-    lanes its mapping may run (``shoal.push_store``).
+    lanes its mapping may run (``shoal.push.store``).
     """
 
     class Meta:
@@ -302,7 +302,7 @@ class PushBlockedIndex(GlobalSecondaryIndex["PushGroupModel"]):
 
 
 class PushGroupModel(Model):
-    """The group state of one (push subscription, ordering key), see ``shoal.push.GroupState``.
+    """The key state of one (push subscription, ordering key), see ``shoal.push.state.KeyState``.
 
     ``name`` is the subscription's, ``ordering_digest`` a digest of the ordering key (a sort key
     holds 1 KB, an ordering key more); ``state`` is the JSON of the produced and consumed

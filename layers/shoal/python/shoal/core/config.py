@@ -6,10 +6,12 @@ so a handler cannot tell which of the two it runs in.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,6 +97,11 @@ class Config(BaseModel):
     #: ``shoal dev`` and tests shorten the drain's seal grace (``SHOAL_SEAL_GRACE_S``); None:
     #: derived from the deployment's function timeouts (``shoal.drain.seal_grace_ms``)
     seal_grace_s: float | None = None
+    #: push subscriptions may name ``http://`` endpoints on loopback, so that a developer's
+    #: local server can receive pushes (``shoal.push.endpoint.EndpointPolicy``): under
+    #: ``shoal dev``, whose AWS_ENDPOINT_URL names its emulator on loopback (a deployed
+    #: function has no AWS_ENDPOINT_URL at all, so that is the signal that we run locally)
+    push_loopback_http: bool = False
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -119,7 +126,23 @@ class Config(BaseModel):
             seal_grace_s=float(env["SHOAL_SEAL_GRACE_S"])
             if env.get("SHOAL_SEAL_GRACE_S")
             else None,
+            push_loopback_http=_on_loopback(env.get("AWS_ENDPOINT_URL", "")),
         )
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a URL's host name) is this machine: ``localhost`` or a loopback
+    address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address((host or "").strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _on_loopback(url: str) -> bool:
+    return bool(url) and is_loopback(urlsplit(url).hostname)
 
 
 def parse_faults(raw: str) -> dict[str, float]:

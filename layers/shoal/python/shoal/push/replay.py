@@ -3,12 +3,12 @@
 A replay (``pipeline.replay``, target ``push:<name>``) hands archived messages, in per-key
 archive order, to ``PushReplay.replay``. Each message the subscription's filter matches becomes
 an RQ entry due now (attempts 0, so its first POST is attempt 1; reason ``REPLAYED``), reserved
-in the key's group state exactly as a redrive reserves: the key stays blocked while the entries
+in the key's state exactly as a redrive reserves: the key stays blocked while the entries
 are pending, so newer messages of the key (from the push tap or RQ) wait behind them, and they
 go out in the order they were reserved. The endpoint sees the original message (its
 ``Shoal-Message-Id`` is the original id) and can deduplicate against the first delivery. A
 replayed entry counts as published when it was replayed: a seek to a time before the replay
-leaves it alone, a later one skips it (``shoal.push.decide_retry``).
+leaves it alone, a later one skips it (``shoal.push.decisions.decide_retry``).
 
 Per key and call, three steps:
 
@@ -16,9 +16,9 @@ Per key and call, three steps:
    the subscription's DLQ stream, in the key's shard. Nothing consumes that stream; DLQ reads
    skip what is not a queue entry. The staged record is where a reservation says its message
    can be read again (``Source`` kind ``main``, index in the record): an archived message is
-   past the storage stream's retention, and the group state has no room for payloads.
-2. **reserve**: one conditional write of the group state reserves the entries (role ``rp``) and
-   moves the replay's *mark* for the key (``GroupState.replays``: replay -> replay position of
+   past the storage stream's retention, and the key state has no room for payloads.
+2. **reserve**: one conditional write of the key state reserves the entries (role ``rp``) and
+   moves the replay's *mark* for the key (``KeyState.replays``: replay -> replay position of
    the last message reserved). Reservations stay in ``pending`` until RQ consumed them, so a
    consumer that meets a gap (a put that never landed, and a newer entry of the key after it)
    repairs it from the staged record, however many replay batches came since.
@@ -54,23 +54,18 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, SubscriptionNotFound
 from shoal.core.observability import logger
-from shoal.push import (
-    DLQ,
-    REPLAYED,
-    RQ,
-    GroupState,
-    Reservation,
-    Source,
-    partition_key,
-)
-from shoal.push_store import GroupStore, Queues, Subscription, SubscriptionStore, push_parts
+from shoal.push.entries import REPLAYED, Source, partition_key
+from shoal.push.model import DLQ, RQ, PushSubscription
+from shoal.push.queues import Queues
+from shoal.push.state import EntryReservation, KeyState
+from shoal.push.store import KeyStore, PushSubscriptionStore, push_parts
 from shoal.records import Message, encode_record, record_size
 from shoal.topics.filters import matches
 
 #: messages one call takes at most; the caller passes the rest in later calls
 MAX_REPLAY_MESSAGES = 1_000
 #: replayed entries of one key that RQ has not consumed yet, at most (their reservations stay
-#: in the group state item until it does)
+#: in the key state item until it does)
 MAX_UNCONSUMED = 100
 #: replays a key remembers (their marks)
 REPLAY_HISTORY = 16
@@ -86,7 +81,7 @@ class Archived:
     message: Message
     #: sorts in per-key archive order within one replay (the caller's replay position)
     position: str
-    #: the message's main position (``shoal.push.main_position``) when the archive knows it
+    #: the message's main position (``shoal.push.entries.main_position``) when the archive knows it
     main: str = ""
 
 
@@ -121,15 +116,15 @@ class PushReplay:
     def __init__(
         self,
         config: Config,
-        subscriptions: SubscriptionStore,
-        groups: GroupStore,
+        subscriptions: PushSubscriptionStore,
+        key_states: KeyStore,
         queues: Queues,
         *,
         clock: Clock | None = None,
     ) -> None:
         self.prefix = config.stream_prefix
         self.subscriptions = subscriptions
-        self.groups = groups
+        self.key_states = key_states
         self.queues = queues
         self.clock = clock or SystemClock()
 
@@ -164,9 +159,14 @@ class PushReplay:
         return report
 
     def _replay_key(
-        self, sub: Subscription, mark: str, key: str, items: list[Archived], report: ReplayReport
+        self,
+        sub: PushSubscription,
+        mark: str,
+        key: str,
+        items: list[Archived],
+        report: ReplayReport,
     ) -> None:
-        state = self.groups.get(sub.name, key)
+        state = self.key_states.get(sub.name, key)
         reached = state.replays.get(mark, "")
         done = [a for a in items if a.position <= reached]
         todo = [a for a in items if a.position > reached]
@@ -184,14 +184,14 @@ class PushReplay:
             chunk = _chunk(todo, room)
             source = self._stage(sub, key, chunk)
             reservations, new = self._reserve(state, mark, chunk, source)
-            saved = self.groups.save(sub.name, key, new)
+            saved = self.key_states.save(sub.name, key, new)
             if saved is None:
                 # another writer moved the key (a consumer, or this replay run twice at once):
                 # read again; the mark says what that other run of the replay took
                 conflicts += 1
                 if conflicts > _MAX_CONFLICTS:
                     raise ServerBusy("the key's group state kept changing; run the replay again")
-                state = self.groups.get(sub.name, key)
+                state = self.key_states.get(sub.name, key)
                 reached = state.replays.get(mark, "")
                 todo = [a for a in todo if a.position > reached]
                 continue
@@ -205,7 +205,7 @@ class PushReplay:
         if injected:
             report.keys.append(key)
 
-    def _stage(self, sub: Subscription, key: str, chunk: Sequence[Archived]) -> Source:
+    def _stage(self, sub: PushSubscription, key: str, chunk: Sequence[Archived]) -> Source:
         """Put the chunk's messages as one storage record in the DLQ stream: where its
         reservations can be read again."""
         dlq = sub.queue(DLQ, self.prefix)
@@ -220,11 +220,11 @@ class PushReplay:
         return Source(dlq.stream, outcome.shard_id, outcome.sequence_number, 0, "main")
 
     def _reserve(
-        self, state: GroupState, mark: str, chunk: Sequence[Archived], staged: Source
-    ) -> tuple[list[Reservation], GroupState]:
+        self, state: KeyState, mark: str, chunk: Sequence[Archived], staged: Source
+    ) -> tuple[list[EntryReservation], KeyState]:
         now = self.clock.now_ms()
         reservations = [
-            Reservation(
+            EntryReservation(
                 queue=RQ,
                 n=state.rq.p.n + 1 + i,
                 message_id=item.message.message_id,
@@ -247,7 +247,7 @@ class PushReplay:
         pending = {**new.pending, "rp": (*_unconsumed(state), *reservations)}
         return reservations, replace(new, pending=pending, replays=kept)
 
-    def _resume(self, sub: Subscription, state: GroupState, done: Sequence[Archived]) -> None:
+    def _resume(self, sub: PushSubscription, state: KeyState, done: Sequence[Archived]) -> None:
         """Put again the entries of ``done`` that an earlier call reserved and RQ has not
         consumed: that call may have died before its puts (the consumer drops duplicates)."""
         messages = {a.message.message_id: a.message for a in done}
@@ -258,7 +258,7 @@ class PushReplay:
                 self.queues.put(rq, reservation.entry(message))
 
 
-def _unconsumed(state: GroupState) -> tuple[Reservation, ...]:
+def _unconsumed(state: KeyState) -> tuple[EntryReservation, ...]:
     return tuple(r for r in state.reserved("rp") if r.n > state.rq.c.n)
 
 

@@ -1,4 +1,5 @@
-"""Push subscriptions (admin): create, describe, change, delete, seek, list and redrive the DLQ.
+"""Push subscriptions (admin): create, describe, change, delete, seek, list and redrive the DLQ
+(the DLQ's part: ``shoal.push.dead_letters``).
 
 Creating a subscription records it as ``creating``, then creates its RQ and DLQ streams, the
 RQ's mapping and its membership in the push tap of each storage stream of its topic (all
@@ -6,20 +7,20 @@ idempotent), and marks it ``active``; a crash anywhere leaves a ``creating`` sub
 repeating the same request completes. Deleting undoes it in reverse: it marks the subscription
 ``deleting`` (a conditional write; from then on the push function skips it and no other change
 is accepted), leaves its taps (a tap without live members loses its mapping), removes the RQ's
-mapping, the RQ and DLQ streams and the group states, each step idempotent, and deletes the
+mapping, the RQ and DLQ streams and the key states, each step idempotent, and deletes the
 item last; a crash anywhere leaves a ``deleting`` subscription that repeating the delete
 finishes.
 
 A storage topic added to the composite topic later is followed without a PATCH: completing it
 (``shoal.composite``) calls ``TapHooks.storage_topic_added``, which adds it to every
-subscription of
-the topic and places its tap, before the storage topic becomes part of the topic.
+subscription of the topic and places its tap, before the storage topic becomes part of the
+topic.
 
 A tap runs as many lanes per shard as its most parallel member asks, except the tap of a
 storage topic behind the produce pointer, which runs one (``tap_lanes``: only a single-lane tap
-passes the ordered drain's seals, ``shoal.push_delivery``). SwitchProduce refits the taps it
-leaves behind (``TapHooks.produce_switched``); if that fails after the switch, the seals wait (late,
-never out of order) until a PATCH of any subscription of the topic refits its taps.
+passes the ordered drain's seals, ``shoal.push.main_queue``). SwitchProduce refits the taps
+it leaves behind (``TapHooks.produce_switched``); if that fails after the switch, the seals wait
+(late, never out of order) until a PATCH of any subscription of the topic refits its taps.
 
 Seek: a subscription's MQ position moves to a time, to the earliest record or to the latest.
 Each cursor starts again at that time under a new generation (so an invocation that read the
@@ -28,27 +29,12 @@ one that starts at that time (or earlier, for another member). Lambda cannot mov
 a new one (``StartingPosition`` AT_TIMESTAMP / TRIM_HORIZON) is the only way back, and the
 same calls work over ``shoal dev``'s emulator. RQ and DLQ only move forward: entries of
 messages published before the seek time are skipped (as a Pub/Sub seek acks them).
-
-Redrive: exactly one selector, capped. For each key, the redriven entries are the longest
-run of its oldest pending DLQ entries that the selector names (a selected entry behind an
-unselected older one of its key stays, and is reported), moved into RQ in order, ahead of any
-newer message of the key (which waits behind them, as the key stays blocked until they are
-delivered). A key with entries still in RQ is skipped (``retry_pending``): its RQ entries are
-older or newer than the DLQ ones, and only once RQ drains is the order between them known.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
-import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict
 
 from shoal.aws.kinesis import Streams
 from shoal.composite.model import DEFAULT_TOPIC, CompositeTopic, StorageTopic, is_valid_topic_name
@@ -56,9 +42,6 @@ from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import (
-    BadRequest,
-    InvalidCursor,
-    InvalidRedrive,
     InvalidSeek,
     InvalidTopicName,
     ServerBusy,
@@ -67,86 +50,30 @@ from shoal.core.errors import (
     TopicNotFound,
 )
 from shoal.core.observability import logger
-from shoal.push import (
+from shoal.push.api import CreateRequest, RedriveRequest, SeekRequest, UpdateRequest, parse_time
+from shoal.push.dead_letters import DeadLetters
+from shoal.push.endpoint import EndpointPolicy
+from shoal.push.model import (
+    ACTIVE,
+    CREATING,
+    DELETING,
     DLQ,
     RQ,
-    CreateRequest,
-    EndpointPolicy,
-    Entry,
-    GroupState,
-    Reservation,
-    Source,
+    PushSubscription,
     Spec,
-    decode_entry,
+    Tap,
     parse_retry_policy,
     validate_filter,
     validate_name,
     validate_parallelism,
 )
-from shoal.push_store import (
-    ACTIVE,
-    CREATING,
-    DELETING,
-    GroupStore,
-    Queues,
-    ReadBudgetExhausted,
-    Subscription,
-    SubscriptionStore,
-    Tap,
-    push_parts,
-)
-from shoal.records import MalformedRecord
+from shoal.push.queues import Queues
+from shoal.push.store import KeyStore, PushSubscriptionStore, push_parts
 from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level
 
-MAX_REDRIVE_KEYS = 100
-MAX_REDRIVE_IDS = 500
-#: messages one redrive call moves at most; repeat the call for more
-MAX_REDRIVE_MESSAGES = 1_000
-MAX_DLQ_PAGE = 100
 #: blocked keys a description lists (the depths count every blocked key)
 MAX_LISTED_KEYS = 100
-#: a DLQ read starts this much before the time it looks for (Kinesis stamps by its own clock)
-READ_SKEW_MS = 5_000
 _MAX_CONFLICTS = 10
-#: the latest time a seek or redrive accepts (the year 9999)
-_MAX_TIME_MS = 253_402_300_799_999
-
-
-class SeekRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    to_time: Any = None
-    to: Any = None
-
-
-class RedriveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    ordering_keys: Any = None
-    message_ids: Any = None
-    failed_after: Any = None
-
-
-class UpdateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    parallelism: Any = None
-
-
-def parse_time(value: object) -> int | None:
-    """Epoch milliseconds, or an ISO 8601 time (naive means UTC); None if neither."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if 0 <= value <= _MAX_TIME_MS else None
-    if isinstance(value, str):
-        try:
-            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=UTC)
-        ms = int(moment.timestamp() * 1000)
-        return ms if 0 <= ms <= _MAX_TIME_MS else None
-    return None
 
 
 def _base36(number: int) -> str:
@@ -157,22 +84,6 @@ def _base36(number: int) -> str:
         out = digits[rest] + out
         if not number:
             return out
-
-
-@dataclass
-class RedriveReport:
-    redriven: int = 0
-    keys: list[str] = field(default_factory=list)
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    truncated: bool = False
-
-    def document(self) -> dict[str, Any]:
-        return {
-            "redriven": self.redriven,
-            "ordering_keys": self.keys,
-            "skipped": self.skipped,
-            "truncated": self.truncated,
-        }
 
 
 def tap_lanes(parallelisms: Iterable[int], storage_index: int, produce_pointer: int) -> int:
@@ -190,18 +101,12 @@ def tap_lanes(parallelisms: Iterable[int], storage_index: int, produce_pointer: 
     return max(parallelisms, default=1)
 
 
-@dataclass(frozen=True)
-class _Found:
-    entry: Entry
-    source: Source
-
-
 class PushAdmin:
     def __init__(
         self,
         config: Config,
-        subscriptions: SubscriptionStore,
-        groups: GroupStore,
+        subscriptions: PushSubscriptionStore,
+        key_states: KeyStore,
         queues: Queues,
         *,
         clock: Clock | None = None,
@@ -213,22 +118,18 @@ class PushAdmin:
         self.topics = topics or TopicStore.from_config(config)
         self.prefix = config.stream_prefix
         self.subscriptions = subscriptions
-        self.groups = groups
+        self.key_states = key_states
         self.queues = queues
         self.clock = clock or SystemClock()
-        self.endpoints = endpoints or EndpointPolicy()
+        self.endpoints = endpoints or EndpointPolicy.from_config(config)
         #: how long a request waits for new queue streams (as shoal.composite's)
         self.stream_wait_s = stream_wait_s
+        self.dlq = DeadLetters(self.prefix, subscriptions, key_states, queues, self.clock)
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> PushAdmin:
         clock = clock or SystemClock()
-        return cls(
-            config,
-            *push_parts(config, clock),
-            clock=clock,
-            endpoints=EndpointPolicy.from_env(os.environ),
-        )
+        return cls(config, *push_parts(config, clock), clock=clock)
 
     @property
     def push_function(self) -> str:
@@ -283,8 +184,8 @@ class PushAdmin:
                 return topic
         raise TopicNotFound(f"no composite topic {candidates[0]} to read")
 
-    def _complete(self, name: str, topic: CompositeTopic) -> Subscription:
-        sub = self._require(name)
+    def _complete(self, name: str, topic: CompositeTopic) -> PushSubscription:
+        sub = self.subscriptions.require(name)
         if sub.state == DELETING:
             raise SubscriptionNotFound(f"push subscription {name} is being deleted")
         for queue in (RQ, DLQ):
@@ -300,8 +201,8 @@ class PushAdmin:
             self._settle_tap(storage.stream)
         # a storage topic added since the request read the topic: its completion looked for
         # members of the taps before this one joined them
-        self._follow_topic(self._require(name))
-        sub = self._require(name)
+        self._follow_topic(self.subscriptions.require(name))
+        sub = self.subscriptions.require(name)
         for _ in range(_MAX_CONFLICTS):
             if sub.state == ACTIVE:
                 return sub
@@ -309,8 +210,8 @@ class PushAdmin:
                 raise SubscriptionNotFound(f"push subscription {name} is being deleted")
             if self.subscriptions.set_state(sub, ACTIVE):
                 logger.info("push subscription created", extra={"subscription": name})
-                return self._require(name)
-            sub = self._require(name)
+                return self.subscriptions.require(name)
+            sub = self.subscriptions.require(name)
         raise ServerBusy("the subscription is changing; retry")
 
     # -- the push taps ----------------------------------------------------------------------
@@ -380,7 +281,7 @@ class PushAdmin:
 
     def _fit_lanes(self, tap: Tap, mapping: dict[str, Any], lanes: int) -> None:
         """The tap's mapping to ``lanes`` lanes per shard; the tap's ``lanes`` is raised
-        before the mapping runs more and lowered after it runs fewer (``shoal.push_store``)."""
+        before the mapping runs more and lowered after it runs fewer (``shoal.push.store``)."""
         factor = int(mapping.get("ParallelizationFactor") or 1)
         if lanes > tap.lanes:
             self.subscriptions.set_tap_lanes(tap.stream, lanes)
@@ -401,18 +302,12 @@ class PushAdmin:
 
     # -- describe, update, delete ------------------------------------------------------------
 
-    def _require(self, name: str) -> Subscription:
-        sub = self.subscriptions.load(name) if isinstance(name, str) else None
-        if sub is None:
-            raise SubscriptionNotFound(f"no push subscription named {name}")
-        return sub
-
     def describe(self, name: str) -> dict[str, Any]:
-        sub = self._require(name)
+        sub = self.subscriptions.require(name)
         doc = self._document(sub)
         listed: list[str] = []
         retry_depth = dlq_depth = count = 0
-        for blocked in self.groups.blocked(name):
+        for blocked in self.key_states.blocked(name):
             count += 1
             retry_depth += blocked.rq_depth
             dlq_depth += blocked.dlq_depth
@@ -426,7 +321,7 @@ class PushAdmin:
         }
         return doc
 
-    def _document(self, sub: Subscription) -> dict[str, Any]:
+    def _document(self, sub: PushSubscription) -> dict[str, Any]:
         def queue_document(queue: str) -> dict[str, Any]:
             storage = sub.queue(RQ if queue == RQ else DLQ, self.prefix)
             return CompositeTopic(
@@ -454,7 +349,7 @@ class PushAdmin:
     def update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         parallelism = validate_parallelism(request.parallelism)
         for _ in range(_MAX_CONFLICTS):
-            sub = self._require(name)
+            sub = self.subscriptions.require(name)
             if not sub.active:
                 raise SubscriptionNotFound(f"push subscription {name} is {sub.state}")
             if sub.parallelism == parallelism or self.subscriptions.set_parallelism(
@@ -468,13 +363,13 @@ class PushAdmin:
             for mapping in self.queues.mappings(rq_arn, self.push_function):
                 if int(mapping.get("ParallelizationFactor") or 1) != parallelism:
                     self.queues.set_parallelism(str(mapping["UUID"]), parallelism)
-        sub = self._require(name)
+        sub = self.subscriptions.require(name)
         for stream in sub.cursors:
             self._settle_tap(stream)
         self._follow_topic(sub)
         return self.describe(name)
 
-    def _follow_topic(self, sub: Subscription) -> None:
+    def _follow_topic(self, sub: PushSubscription) -> None:
         """Read storage topics the topic gained after the subscription was made (and one
         being added whose stream exists: its completion may have missed this subscription)."""
         topic = self.topics.load(sub.spec.topic)
@@ -490,7 +385,7 @@ class PushAdmin:
     def _follow(self, name: str, topic: str, storage: StorageTopic) -> None:
         """One subscription reads one more storage stream (all of it: the stream is new)."""
         for _ in range(_MAX_CONFLICTS):
-            sub = self._require(name)
+            sub = self.subscriptions.require(name)
             if sub.state == DELETING:
                 return
             if storage.stream in sub.cursors or self.subscriptions.add_streams(
@@ -521,7 +416,7 @@ class PushAdmin:
 
     def delete(self, name: str) -> None:
         for _ in range(_MAX_CONFLICTS):
-            sub = self._require(name)
+            sub = self.subscriptions.require(name)
             if sub.state == DELETING or self.subscriptions.set_state(sub, DELETING):
                 break
         else:
@@ -536,7 +431,7 @@ class PushAdmin:
                 self.queues.delete_mapping(str(mapping["UUID"]))
         self.queues.delete_stream(rq.stream)
         self.queues.delete_stream(dlq.stream)
-        self.groups.delete_all(name)
+        self.key_states.delete_all(name)
         # last: while the item is there, a repeated delete finds what is left to remove
         self.subscriptions.delete(name)
         logger.info("push subscription deleted", extra={"subscription": name})
@@ -557,7 +452,7 @@ class PushAdmin:
                 raise InvalidSeek("to_time is epoch milliseconds or an ISO 8601 time")
             to_ms = parsed
         for _ in range(_MAX_CONFLICTS):
-            sub = self._require(name)
+            sub = self.subscriptions.require(name)
             if not sub.active:
                 raise SubscriptionNotFound(f"push subscription {name} is {sub.state}")
             rewinds = {}
@@ -580,279 +475,20 @@ class PushAdmin:
     def _skip_pending(self, name: str, skip_before_ms: int) -> None:
         """Consume at once the queues whose entries all predate the seek time (the consumers
         skip the rest entry by entry)."""
-        for blocked in list(self.groups.blocked(name, limit=1_000)):
-            state = self.groups.get(name, blocked.ordering_key)
+        for blocked in list(self.key_states.blocked(name, limit=1_000)):
+            state = self.key_states.get(name, blocked.ordering_key)
             skipped = state.skip_before(skip_before_ms)
             if skipped != state:
                 # a conflict means a consumer moved the key; it skips by itself
-                self.groups.save(name, blocked.ordering_key, skipped)
+                self.key_states.save(name, blocked.ordering_key, skipped)
 
     # -- the DLQ ----------------------------------------------------------------------------
 
     def dead_letters(self, name: str, limit: object, after: object) -> dict[str, Any]:
-        try:
-            count = 20 if limit is None else int(str(limit))
-        except ValueError:
-            count = 0
-        if not 1 <= count <= MAX_DLQ_PAGE:
-            raise BadRequest(f"limit is 1-{MAX_DLQ_PAGE}", maximum=MAX_DLQ_PAGE)
-        sub = self._require(name)
-        dlq = sub.queue(DLQ, self.prefix)
-        shards = self.queues.shards(dlq.stream)
-        start_shard, after_seq = _decode_cursor(after) if after else (None, None)
-        if start_shard is not None and start_shard not in shards:
-            raise InvalidCursor("the cursor names no shard of this dead-letter queue")
-        if start_shard is not None:
-            shards = shards[shards.index(start_shard) :]
-        out: list[dict[str, Any]] = []
-        seen: set[tuple[str, int]] = set()
-        for position, shard in enumerate(shards):
-            buffered: list[tuple[str, Entry]] = []
-            last_seq: str | None = after_seq if position == 0 else None
-            exhausted = True
-            try:
-                for record in self.queues.scan(dlq.stream, shard, after=last_seq, max_calls=10):
-                    try:
-                        buffered.append((record.sequence_number, decode_entry(record.data)))
-                    except MalformedRecord:
-                        continue
-            except ReadBudgetExhausted:
-                exhausted = False
-            states = self.groups.get_many(name, {e.ordering_key for _, e in buffered})
-            for seq, entry in buffered:
-                last_seq = seq
-                state = states[entry.ordering_key]
-                key = (entry.ordering_key, entry.n)
-                if key in seen or not _dead(state, entry, sub.skip_before_ms):
-                    continue
-                seen.add(key)
-                out.append(_entry_document(entry))
-                if len(out) >= count:
-                    return {"messages": out, "next": _encode_cursor(shard, seq)}
-            if not exhausted and last_seq is not None:
-                return {"messages": out, "next": _encode_cursor(shard, last_seq)}
-        return {"messages": out, "next": None}
+        return self.dlq.page(name, limit, after)
 
     def redrive(self, name: str, request: RedriveRequest) -> dict[str, Any]:
-        given = [
-            k
-            for k in ("ordering_keys", "message_ids", "failed_after")
-            if getattr(request, k) is not None
-        ]
-        if len(given) != 1:
-            raise InvalidRedrive(
-                'give exactly one of "ordering_keys", "message_ids" and "failed_after"'
-            )
-        sub = self._require(name)
-        report = RedriveReport()
-        if request.ordering_keys is not None:
-            keys = _strings(request.ordering_keys, MAX_REDRIVE_KEYS, "ordering_keys")
-            found, selected = self._by_keys(sub, keys, report)
-        elif request.message_ids is not None:
-            ids = set(_strings(request.message_ids, MAX_REDRIVE_IDS, "message_ids"))
-            found, selected = self._scan(sub, lambda e: e.message.message_id in ids, None)
-        else:
-            after = parse_time(request.failed_after)
-            if after is None:
-                raise InvalidRedrive("failed_after is epoch milliseconds or an ISO 8601 time")
-            found, selected = self._scan(sub, lambda e: e.at_ms > after, after - READ_SKEW_MS)
-        for key in sorted(selected):
-            if report.redriven >= MAX_REDRIVE_MESSAGES:
-                report.truncated = True
-                break
-            self._redrive_key(sub, key, found.get(key, {}), selected[key], report)
-        logger.info("dead letters redriven", extra={"subscription": name, "count": report.redriven})
-        return report.document()
-
-    def _by_keys(
-        self, sub: Subscription, keys: list[str], report: RedriveReport
-    ) -> tuple[dict[str, dict[int, _Found]], dict[str, set[int]]]:
-        dlq = sub.queue(DLQ, self.prefix)
-        shards = self.queues.shards(dlq.stream)
-        states = self.groups.get_many(sub.name, keys)
-        found: dict[str, dict[int, _Found]] = {}
-        selected: dict[str, set[int]] = {}
-        for key in keys:
-            state = states[key]
-            if state.dlq.depth == 0:
-                report.skipped.append({"ordering_key": key, "reason": "nothing_dead_lettered"})
-                continue
-            selected[key] = set(range(state.dlq.c.n + 1, state.dlq.p.n + 1))
-            shard = shards[dlq.partition_for(key)]
-            mine = found.setdefault(key, {})
-            try:
-                for record in self.queues.scan(
-                    dlq.stream, shard, since_ms=state.dlq.since - READ_SKEW_MS, max_calls=50
-                ):
-                    entry = _entry_of(record.data)
-                    if entry is not None and entry.ordering_key == key:
-                        source = Source(dlq.stream, shard, record.sequence_number, 0, "queue")
-                        mine.setdefault(entry.n, _Found(entry, source))
-            except ReadBudgetExhausted:
-                report.truncated = True
-        return found, selected
-
-    def _scan(
-        self, sub: Subscription, wanted: Any, since_ms: int | None
-    ) -> tuple[dict[str, dict[int, _Found]], dict[str, set[int]]]:
-        dlq = sub.queue(DLQ, self.prefix)
-        found: dict[str, dict[int, _Found]] = {}
-        for shard in self.queues.shards(dlq.stream):
-            for record in self.queues.scan(dlq.stream, shard, since_ms=since_ms, max_calls=50):
-                entry = _entry_of(record.data)
-                if entry is not None and wanted(entry):
-                    source = Source(dlq.stream, shard, record.sequence_number, 0, "queue")
-                    found.setdefault(entry.ordering_key, {}).setdefault(
-                        entry.n, _Found(entry, source)
-                    )
-        selected = {key: set(entries) for key, entries in found.items()}
-        return found, selected
-
-    def _redrive_key(
-        self,
-        sub: Subscription,
-        key: str,
-        found: dict[int, _Found],
-        selected: set[int],
-        report: RedriveReport,
-    ) -> None:
-        rq = sub.queue(RQ, self.prefix)
-        for _ in range(_MAX_CONFLICTS):
-            state = self.groups.get(sub.name, key)
-            if state.rq.blocks(sub.skip_before_ms):
-                self._resume_redrive(sub, state)
-                report.skipped.append({"ordering_key": key, "reason": "retry_pending"})
-                return
-            plan: list[_Found] = []
-            n = state.dlq.c.n + 1
-            room = MAX_REDRIVE_MESSAGES - report.redriven
-            while n <= state.dlq.p.n and n in selected and len(plan) < room:
-                item = found.get(n) or self._repair(state, n)
-                if item is None:
-                    break
-                plan.append(item)
-                n += 1
-            if not plan:
-                reason = (
-                    "older_dead_letter_pending"
-                    if any(m > state.dlq.c.n for m in selected)
-                    else "nothing_dead_lettered"
-                )
-                report.skipped.append({"ordering_key": key, "reason": reason})
-                return
-            new = state
-            reservations: list[Reservation] = []
-            now = self.clock.now_ms()
-            for item in plan:
-                entry = item.entry
-                new = new.consume(DLQ, entry.n, entry.main)
-                if entry.message.published_at_ms < sub.skip_before_ms:
-                    continue  # skipped by a seek: consumed, not redelivered
-                reservations.append(
-                    Reservation(
-                        queue=RQ,
-                        n=state.rq.p.n + 1 + len(reservations),
-                        message_id=entry.message.message_id,
-                        main=entry.main,
-                        source=item.source,
-                        attempts=0,
-                        due_ms=now,
-                        reason=None,
-                        status=None,
-                        at_ms=now,
-                        published_at_ms=entry.message.published_at_ms,
-                    )
-                )
-            saved = self.groups.save(sub.name, key, new.reserve("rd", reservations))
-            if saved is None:
-                continue
-            by_id = {item.entry.message.message_id: item.entry.message for item in plan}
-            for reservation in reservations:
-                self.queues.put(rq, reservation.entry(by_id[reservation.message_id]))
-            report.redriven += len(reservations)
-            report.keys.append(key)
-            if any(m >= n for m in selected):
-                report.skipped.append({"ordering_key": key, "reason": "older_dead_letter_pending"})
-            return
-        report.skipped.append({"ordering_key": key, "reason": "busy"})
-
-    def _resume_redrive(self, sub: Subscription, state: GroupState) -> None:
-        """Put again the entries of an earlier redrive of the key that RQ may lack (it failed
-        after its reservation); the consumer drops the ones it has."""
-        rq = sub.queue(RQ, self.prefix)
-        for reservation in state.reserved("rd"):
-            if reservation.n > state.rq.c.n:
-                message = self.queues.read_message(reservation.source)
-                if message is not None:
-                    self.queues.put(rq, reservation.entry(message))
-
-    def _repair(self, state: GroupState, n: int) -> _Found | None:
-        """A DLQ entry that was reserved but never put: read from where its message is."""
-        reservation = state.reservation_for(DLQ, n)
-        if reservation is None:
-            return None
-        message = self.queues.read_message(reservation.source)
-        if message is None:
-            return None
-        return _Found(reservation.entry(message), reservation.source)
-
-
-def _dead(state: GroupState, entry: Entry, skip_before_ms: int) -> bool:
-    return (
-        state.dlq.c.n < entry.n <= state.dlq.p.n and entry.message.published_at_ms >= skip_before_ms
-    )
-
-
-def _entry_of(data: bytes) -> Entry | None:
-    try:
-        return decode_entry(data)
-    except MalformedRecord:
-        return None
-
-
-def _entry_document(entry: Entry) -> dict[str, Any]:
-    message = entry.message
-    return {
-        "id": message.message_id,
-        "topic": message.topic,
-        "ordering_key": message.ordering_key,
-        "payload": base64.b64encode(message.payload).decode("ascii"),
-        "qos": message.qos,
-        "retain": message.retain,
-        "properties": message.properties,
-        "published_at": message.published_at_ms,
-        "reason": entry.reason,
-        "status": entry.status,
-        "attempts": entry.attempts,
-        "failed_at": entry.at_ms,
-        "offset": entry.n,
-    }
-
-
-def _strings(value: object, cap: int, what: str) -> list[str]:
-    if (
-        not isinstance(value, list)
-        or not 1 <= len(value) <= cap
-        or not all(isinstance(v, str) and v for v in value)
-    ):
-        raise InvalidRedrive(f"{what} is a list of 1-{cap} non-empty strings", maximum=cap)
-    return list(dict.fromkeys(value))
-
-
-def _encode_cursor(shard: str, sequence_number: str) -> str:
-    raw = json.dumps({"s": shard, "q": sequence_number}, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: object) -> tuple[str, str]:
-    try:
-        text = str(cursor)
-        raw = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-        shard, seq = str(raw["s"]), str(raw["q"])
-        int(seq)
-    except (binascii.Error, ValueError, KeyError, TypeError):
-        raise InvalidCursor("the cursor is not one this service handed out") from None
-    return shard, seq
+        return self.dlq.redrive(name, request)
 
 
 class TapHooks:
@@ -867,8 +503,8 @@ class TapHooks:
     def _admin(self) -> PushAdmin:
         return PushAdmin(
             self.config,
-            SubscriptionStore(self.clock),
-            GroupStore(),
+            PushSubscriptionStore.from_config(self.config, self.clock),
+            KeyStore.from_config(self.config),
             Queues(self.streams, self.clock),
             clock=self.clock,
         )

@@ -13,14 +13,14 @@ from shoal.cli.main import main
 from shoal.client.errors import ApiError, SessionTakenOver, StateInUse, Unavailable
 from shoal.client.http import ShoalClient
 from shoal.client.state import ClientState
-from shoal.client.support import RetryPolicy
+from shoal.client.support import CallRetry
 from shoal.core.clock import ManualClock
 
 from tests.unit.test_client_support import Crash, FakeAdapter, FakeShoal, serve, transport
 
 URL = "http://shoal.test"
 TOKEN = "header.claims.signature"
-POLICY = RetryPolicy(timeout_s=2.0, attempts=4, backoff_s=0.5, max_backoff_s=4.0)
+POLICY = CallRetry(timeout_s=2.0, attempts=4, backoff_s=0.5, max_backoff_s=4.0)
 
 
 class SleepLog(ManualClock):

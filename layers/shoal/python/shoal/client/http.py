@@ -9,7 +9,7 @@
 Retries (the lazy pirate pattern). Every request has a timeout; a request that times out, loses
 its connection or is answered 429, 502, 503 or 504 is sent again after an exponential backoff
 with jitter (``Retry-After`` is honoured up to the largest backoff), at most
-``RetryPolicy.attempts`` times, then ``Unavailable`` is raised. Every call is safe to repeat:
+``CallRetry.attempts`` times, then ``Unavailable`` is raised. Every call is safe to repeat:
 a publish carries its sequence number, connect registers a newer channel, acks and subscribes
 are idempotent, and a lost ``GET .../messages`` answer only delays those messages until they are
 delivered again. ``409 session_taken_over`` is never retried: another channel owns the client
@@ -58,7 +58,7 @@ from shoal.client.errors import (
     retry_after,
 )
 from shoal.client.state import ClientState
-from shoal.client.support import Connection, Message, PublishResult, RetryPolicy
+from shoal.client.support import CallRetry, Connection, PublishResult, ReceivedMessage
 from shoal.core.clock import Clock, SystemClock
 
 CHANNEL_HEADER = "Shoal-Channel"
@@ -91,7 +91,7 @@ class ShoalClient:
         client_id: str | None = None,
         publisher_id: str | None = None,
         state: ClientState | str | Path | None = None,
-        policy: RetryPolicy | None = None,
+        policy: CallRetry | None = None,
         http: requests.Session | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
@@ -101,7 +101,7 @@ class ShoalClient:
         self.client_id = client_id
         self.state = state if isinstance(state, ClientState) else ClientState(state)
         self._publisher_id = publisher_id
-        self.policy = policy or RetryPolicy()
+        self.policy = policy or CallRetry()
         self.http = http or requests.Session()
         self.clock = clock or SystemClock()
         self.rng = rng or random.Random()
@@ -409,7 +409,7 @@ class ShoalClient:
 
     # -- receiving ----------------------------------------------------------------------
 
-    def fetch(self, max_messages: int = 10, wait_ms: int = 0) -> list[Message]:
+    def fetch(self, max_messages: int = 10, wait_ms: int = 0) -> list[ReceivedMessage]:
         """One ``GET .../messages``: the messages not processed yet. Redelivered ones that were
         processed (their ack was lost) are queued to be acked again, not returned."""
         self._heartbeat_if_due()
@@ -422,10 +422,10 @@ class ShoalClient:
             extra_wait_s=wait_ms / 1000,
         )
         assert self.client_id is not None
-        fresh: list[Message] = []
+        fresh: list[ReceivedMessage] = []
         seen: set[str] = set()
         for raw in answer.get("messages", []):
-            message = Message.from_api(raw)
+            message = ReceivedMessage.from_api(raw)
             if message.id in seen:
                 continue
             seen.add(message.id)
@@ -435,10 +435,10 @@ class ShoalClient:
                 fresh.append(message)
         return fresh
 
-    def mark_processed(self, *messages: Message | str) -> None:
+    def mark_processed(self, *messages: ReceivedMessage | str) -> None:
         """Record messages as processed (durably) and queue their acks for ``flush_acks``."""
         assert self.client_id is not None
-        ids = [m.id if isinstance(m, Message) else m for m in messages]
+        ids = [m.id if isinstance(m, ReceivedMessage) else m for m in messages]
         self.state.record_processed(self.client_id, ids)
         self._unacked.extend(i for i in ids if i not in self._unacked)
 
@@ -452,14 +452,14 @@ class ShoalClient:
             acked += int((answer or {}).get("acked", len(ids)))
         return acked
 
-    def ack(self, *messages: Message | str) -> int:
+    def ack(self, *messages: ReceivedMessage | str) -> int:
         """Record the messages as processed, then ack them (and any queued acks) now."""
         self.mark_processed(*messages)
         return self.flush_acks()
 
     def messages(
         self, *, max_messages: int = 10, wait_ms: int = 20_000, count: int | None = None
-    ) -> Iterator[Message]:
+    ) -> Iterator[ReceivedMessage]:
         """Messages in order, each once. Asking for the next one marks the previous processed;
         acks go out in one request before each fetch and when the iteration ends."""
         handed = 0

@@ -12,7 +12,7 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class CallRetry:
     timeout_s: float = 10.0
     attempts: int = 6
     backoff_s: float = 0.2
@@ -61,7 +61,7 @@ class Connection:
 
 
 @dataclass(frozen=True)
-class Message:
+class ReceivedMessage:
     """A delivered message; ``raw`` is the message object exactly as the API sent it."""
 
     id: str
@@ -76,7 +76,7 @@ class Message:
     raw: Mapping[str, Any] = field(repr=False)
 
     @classmethod
-    def from_api(cls, raw: Mapping[str, Any]) -> Message:
+    def from_api(cls, raw: Mapping[str, Any]) -> ReceivedMessage:
         return cls(
             id=str(raw["id"]),
             topic=str(raw.get("topic", "")),

@@ -15,7 +15,7 @@ from typing import Any
 
 import boto3
 from moto import mock_aws
-from shoal.aws import clients, tables
+from shoal.aws import clients
 from shoal.core.config import get_config
 from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames, provision
@@ -47,7 +47,6 @@ def emulated_account(default_partitions: int = 4) -> Iterator[boto3.Session]:
             clients.reset()
             session = boto3.Session(region_name="us-east-1")
             provision(session, names)
-            tables.bind(get_config())
             yield session
     finally:
         os.environ.clear()

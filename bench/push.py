@@ -31,6 +31,7 @@ from typing import Any
 from unittest import mock
 
 import boto3
+from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.composite.directory import TopicDirectory
@@ -51,7 +52,7 @@ from shoal.push.delivery import PushConsumer
 from shoal.push.endpoint import EndpointPolicy, HttpDeliverer
 from shoal.push.model import RetryPolicy
 from shoal.push.queues import Queues
-from shoal.push.store import KEYS_TABLE, SUBSCRIPTIONS_TABLE, KeyStore, PushSubscriptionStore
+from shoal.push.store import KeyStore, PushSubscriptionStore
 
 from bench.account import CallMeter, emulated_account
 
@@ -132,16 +133,16 @@ class Pipeline:
         local = EndpointPolicy(allow_loopback_http=True)
         self.admin = PushAdmin(
             self.config,
-            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
-            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
+            PushSubscriptionStore(self.dynamo, self.config.table(tables.PUSH_SUBSCRIPTIONS), clock),
+            KeyStore(self.dynamo, self.config.table(tables.PUSH_GROUPS)),
             self.queues,
             clock=clock,
             endpoints=local,
         )
         self.consumer = PushConsumer(
             self.config,
-            PushSubscriptionStore(self.dynamo, self.config.table(SUBSCRIPTIONS_TABLE), clock),
-            KeyStore(self.dynamo, self.config.table(KEYS_TABLE)),
+            PushSubscriptionStore(self.dynamo, self.config.table(tables.PUSH_SUBSCRIPTIONS), clock),
+            KeyStore(self.dynamo, self.config.table(tables.PUSH_GROUPS)),
             self.queues,
             HttpDeliverer(local),
             clock=clock,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 from moto import mock_aws
-from shoal.aws import clients, tables
+from shoal.aws import clients
 from shoal.core.config import get_config
 from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames, provision
@@ -57,6 +57,5 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[boto3.Session]:
         clients.reset()
         session = boto3.Session(region_name="us-east-1")
         provision(session, names)
-        tables.bind(get_config())
         yield session
     get_config.cache_clear()

@@ -14,8 +14,10 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
+from shoal.composite.store import TopicStore
 from shoal.core.config import DeliverySettings, get_config
 from shoal.delivery.inbox import InboxStore, PayloadStore
+from shoal.delivery.retained import RetainedReader
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.local.esm.mappings import EventSourceMappings
@@ -64,8 +66,11 @@ class World:
         self.inbox = InboxStore(dynamo, config.table("inboxes"))
         self.registry.deliveries = self.inbox
         payloads = PayloadStore(session.client("s3"), config.buckets["archive"])
+        retained = RetainedReader(
+            dynamo, config.table("retained"), TopicStore(dynamo, config.table("topics")).names
+        )
         self.subscriptions = SubscriptionService(
-            self.registry, self.store, self.inbox, self.settings, clock=self.clock
+            self.registry, self.store, self.inbox, self.settings, retained, clock=self.clock
         )
         self.delivery = DeliveryService(
             self.registry, self.inbox, self.settings, self.clock, payloads

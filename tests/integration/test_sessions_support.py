@@ -15,7 +15,6 @@ import boto3
 import pytest
 from moto import mock_aws
 from shoal import wiring
-from shoal.aws import tables
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
 from shoal.core.errors import ShoalError
@@ -164,7 +163,6 @@ def account() -> Iterator[boto3.Session]:
         with mock_aws(), serialized_moto():
             session = boto3.Session(region_name="us-east-1")
             provision(session, names)
-            tables.bind(get_config())
             yield session
     get_config.cache_clear()
 

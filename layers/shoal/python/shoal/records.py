@@ -6,6 +6,9 @@ payloads one after another. Its partition key is the ordering key (or its digest
 parallelization factor splits a shard into lanes by partition key, so one key's records stay
 in one lane. A *seal* record of the ordered drain (``shoal.drain``) carries no message; every
 decoder skips it.
+
+A retained message is stored as one item keyed by its topic's digest (``Retained``,
+``retained_key``): written by the publish path, read by subscribe.
 """
 
 from __future__ import annotations
@@ -148,3 +151,35 @@ def seal_record(stream: str, shard: str, at_ms: int) -> bytes:
 
 def is_seal(data: bytes) -> bool:
     return data.startswith(SEAL_MARK)
+
+
+def retained_key(topic: str) -> str:
+    return hashlib.sha256(topic.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Retained:
+    """One stored retained message (the item's attributes, ``shoal.aws.tables.RetainedModel``)."""
+
+    topic: str
+    composite_topic: str
+    message_id: str
+    payload: bytes
+    qos: int
+    published_at_ms: int
+    #: the message's properties as JSON text
+    properties: str | None = None
+    publisher: str | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Retained:
+        return cls(
+            topic=str(record["topic"]),
+            composite_topic=str(record["composite_topic"]),
+            message_id=str(record["message_id"]),
+            payload=bytes(record["payload"]),
+            qos=int(record["qos"]),
+            published_at_ms=int(record["published_at_ms"]),
+            properties=record.get("properties"),
+            publisher=record.get("publisher"),
+        )

@@ -23,6 +23,7 @@ from shoal.core.faults import Faults
 from shoal.delivery.events import Recording
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import InboxStore, PayloadStore
+from shoal.delivery.retained import RetainedReader
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
@@ -126,13 +127,17 @@ def session_registry(config: Config, clock: Clock | None = None) -> SessionRegis
 
 
 def subscription_service(config: Config, clock: Clock | None = None) -> SubscriptionService:
-    tables.bind(config)  # retained messages are read through the pynamodb model
     dynamo = Dynamo.from_config(config)
     return SubscriptionService(
         session_registry(config, clock),
         SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS)),
         InboxStore(dynamo, config.table(tables.INBOXES)),
         config.delivery,
+        RetainedReader(
+            dynamo,
+            config.table(tables.RETAINED),
+            TopicStore(dynamo, config.table(tables.TOPICS)).names,
+        ),
         clock=clock,
         groups=group_service(config, clock, payloads=False),
     )
@@ -193,7 +198,6 @@ def reaper(config: Config, clock: Clock | None = None) -> Reaper:
 
 def sealer(config: Config, clock: Clock | None = None) -> Sealer:
     """Seals the storage topics a SwitchProduce left behind (``shoal.drain``)."""
-    tables.bind(config)
     return Sealer(
         Streams.from_config(config, clock),
         DrainStore.from_config(config),
@@ -207,7 +211,6 @@ def sealer(config: Config, clock: Clock | None = None) -> Sealer:
 
 
 def fanout(config: Config, clock: Clock | None = None) -> Fanout:
-    tables.bind(config)
     dynamo = Dynamo.from_config(config)
     return Fanout(
         SubscriptionCache(SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS))),

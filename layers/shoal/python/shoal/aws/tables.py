@@ -1,8 +1,9 @@
 """DynamoDB tables, defined once as pynamodb models.
 
 The CDK stack, the local runtime and the tests all build their tables from these models
-(``schema``), so key schemas and indexes cannot drift. ``Meta.table_name`` holds the logical
-name until ``bind`` points each model at the physical table named by the configuration.
+(``schema``), so key schemas and indexes cannot drift. ``Meta.table_name`` is the logical name;
+``Config.table`` maps it to the physical one. The models are definitions only: every read and
+write goes through the one adapter, ``shoal.aws.dynamo``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from pynamodb.attributes import (
 )
 from pynamodb.indexes import GlobalSecondaryIndex, IncludeProjection, KeysOnlyProjection
 from pynamodb.models import Model
-
-from shoal.core.config import Config
 
 #: the logical table names (``Config.table`` maps each to its physical name); every context
 #: names its tables by these
@@ -160,16 +159,6 @@ TABLES: tuple[TableDef, ...] = (
     TableDef(PUBLISHERS, PublisherModel),
     TableDef(RETAINED, RetainedModel),
 )
-
-
-def bind(config: Config) -> None:
-    """Point every model at its physical table; called once per cold start."""
-    for table in TABLES:
-        meta: Any = table.model.Meta
-        meta.table_name = config.table(table.logical)
-        meta.region = config.region
-        # a model caches its connection; drop it so the new name and region take effect
-        table.model._connection = None
 
 
 class DueIndex(GlobalSecondaryIndex["SessionItemModel"]):

@@ -1,4 +1,5 @@
-"""Backoff between attempts that raced someone: one rule for every context."""
+"""Backoff between attempts (a raced conditional write, a throttled or failed put): one rule
+for every context."""
 
 from __future__ import annotations
 

@@ -18,15 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from shoal.aws import clients, tables
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.core.config import Config
 from shoal.delivery.model import LEDGER, MAX_ITEM_BYTES, PAYLOADS_PREFIX, STATE, item_key, split_key
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -43,10 +43,6 @@ from shoal.topics.filters import (
     is_valid_filter,
     parse_shared,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 #: filters per subscribe or unsubscribe call: with their buckets' version and change items and
 #: the head they fit one transaction (100 items) with room for retained deliveries

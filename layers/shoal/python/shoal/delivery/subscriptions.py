@@ -56,8 +56,6 @@ from typing import Any
 
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, to_item
-from shoal.aws.tables import RetainedModel, TopicModel
-from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, DeliverySettings
@@ -70,7 +68,6 @@ from shoal.delivery.model import (
     CHANGE_TTL_S,
     MAX_RETAINED_BYTES,
     MAX_RETAINED_PER_CALL,
-    MAX_RETAINED_SCAN,
     MAX_SUBSCRIPTIONS_PER_SESSION,
     RETAINED_SOURCE,
     VERSION_ITEM,
@@ -86,6 +83,8 @@ from shoal.delivery.model import (
     subscription_item,
 )
 from shoal.delivery.ports import MembershipPlan, SharedGroups
+from shoal.delivery.retained import RetainedReader
+from shoal.records import Retained
 from shoal.sessions.model import Head
 from shoal.sessions.registry import SessionRegistry
 from shoal.topics.filters import (
@@ -93,7 +92,6 @@ from shoal.topics.filters import (
     SINGLE_LEVEL,
     first_level,
     is_valid_filter,
-    matches,
     parse_shared,
 )
 
@@ -221,6 +219,7 @@ class SubscriptionService:
         subscriptions: SubscriptionStore,
         inbox: InboxStore,
         settings: DeliverySettings,
+        retained: RetainedReader,
         *,
         clock: Clock | None = None,
         groups: SharedGroups | None = None,
@@ -229,6 +228,7 @@ class SubscriptionService:
         self.subscriptions = subscriptions
         self.inbox = inbox
         self.settings = settings
+        self.retained = retained
         self.clock = clock or SystemClock()
         #: shared subscriptions join and leave their groups (``shoal.groups``)
         self.groups = groups
@@ -312,7 +312,7 @@ class SubscriptionService:
         head: Head,
         accepted: Mapping[str, _Accepted],
         *,
-        retained: list[tuple[_Accepted, RetainedModel]],
+        retained: list[tuple[_Accepted, Retained]],
         incarnations: Mapping[str, str],
         plan: MembershipPlan | None,
     ) -> list[str] | None:
@@ -367,7 +367,7 @@ class SubscriptionService:
 
     # -- retained messages
 
-    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, RetainedModel]]:
+    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, Retained]]:
         """Retained messages the new subscriptions get, per retain_handling, in topic order."""
         wanted = [
             a
@@ -377,48 +377,24 @@ class SubscriptionService:
         ]
         if not wanted:
             return []
-        chosen: dict[str, tuple[_Accepted, RetainedModel]] = {}
-        topics_cache: list[str] | None = None
+        chosen: dict[str, tuple[_Accepted, Retained]] = {}
+        composites: list[str] | None = None
         for a in wanted:
-            level = first_level(a.topic_filter)
-            if level in (SINGLE_LEVEL, MULTI_LEVEL):
-                if topics_cache is None:
-                    topics_cache = sorted(
-                        {t.name for t in TopicModel.scan(attributes_to_get=["name"])}
-                    )
-                composites = [*topics_cache, DEFAULT_TOPIC]
-            elif is_valid_topic_name(level):
-                # the topic's own composite topic, or `default` (it may have been published
-                # before its composite topic existed)
-                composites = [level, DEFAULT_TOPIC]
-            else:
-                # no composite topic has this name ("" of "/a", over 64 characters): `default`
-                composites = [DEFAULT_TOPIC]
-            keys: list[str] = []
-            scanned = 0
-            for composite in dict.fromkeys(composites):
-                for entry in RetainedModel.by_composite.query(composite):
-                    scanned += 1
-                    if matches(a.topic_filter, entry.topic):
-                        keys.append(entry.key)
-                    if scanned >= MAX_RETAINED_SCAN:
-                        break
-                if scanned >= MAX_RETAINED_SCAN:
-                    logger.warning("retained lookup stopped at its bound")
-                    break
-            for r in RetainedModel.batch_get(keys, consistent_read=True):
+            if first_level(a.topic_filter) in (SINGLE_LEVEL, MULTI_LEVEL) and composites is None:
+                composites = sorted(set(self.retained.topic_names()))
+            for r in self.retained.matching(a.topic_filter, composites):
                 # one delivery per retained message, as for published ones: several new
                 # subscriptions of the call matching it send it once, with the highest QoS
-                qos = min(a.request.qos, int(r.qos))
+                qos = min(a.request.qos, r.qos)
                 held = chosen.get(r.topic)
-                if held is None or qos > min(held[0].request.qos, int(held[1].qos)):
+                if held is None or qos > min(held[0].request.qos, held[1].qos):
                     chosen[r.topic] = (a, r)
         return [chosen[topic] for topic in sorted(chosen)]
 
     def _retained_parts(
         self,
         session_id: str,
-        retained: list[tuple[_Accepted, RetainedModel]],
+        retained: list[tuple[_Accepted, Retained]],
         now_ms: int,
         room: int,
     ) -> list[dict[str, Any]]:

@@ -281,11 +281,9 @@ class LocalRuntime:
         self._set_environment(self.aws.url)
         session = self.aws.session()
         provision(session, self.names, self.deployment)
-        from shoal.aws import tables  # after the environment is set, as the functions do
 
         get_config.cache_clear()
         config = get_config()
-        tables.bind(config)
         for hook in START_HOOKS:
             hook(config)
 

@@ -8,54 +8,19 @@ Subscribers read these items through the ``by_composite`` index (``shoal.deliver
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, Expression, to_item
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
-from shoal.records import Message
+from shoal.records import Message, Retained, retained_key
 
-#: the logical name of the retained table (``shoal.aws.tables``)
-TABLE = "retained"
 #: a retained message lives in one DynamoDB item (400 KB); leave room for its attributes
 MAX_RETAINED_BYTES = 350_000
-
-
-def retained_key(topic: str) -> str:
-    return hashlib.sha256(topic.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class Retained:
-    """One stored retained message (the item's attributes, ``shoal.aws.tables.RetainedModel``)."""
-
-    topic: str
-    composite_topic: str
-    message_id: str
-    payload: bytes
-    qos: int
-    published_at_ms: int
-    #: the message's properties as JSON text
-    properties: str | None = None
-    publisher: str | None = None
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Retained:
-        return cls(
-            topic=str(record["topic"]),
-            composite_topic=str(record["composite_topic"]),
-            message_id=str(record["message_id"]),
-            payload=bytes(record["payload"]),
-            qos=int(record["qos"]),
-            published_at_ms=int(record["published_at_ms"]),
-            properties=record.get("properties"),
-            publisher=record.get("publisher"),
-        )
 
 
 class RetainedStore:
@@ -67,7 +32,7 @@ class RetainedStore:
 
     @classmethod
     def from_config(cls, config: Config) -> RetainedStore:
-        return cls(Dynamo.from_config(config), config.table(TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.RETAINED))
 
     def apply(self, message: Message, composite: str) -> None:
         key = retained_key(message.topic)

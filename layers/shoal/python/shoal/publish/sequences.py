@@ -15,14 +15,12 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, Expression, to_item
 from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.topics.filters import first_level
-
-#: the logical name of the publishers table (``shoal.aws.tables``)
-TABLE = "publishers"
 
 #: a reservation is held this long: its holder may put only while it holds it, and a retry
 #: takes it over after it ("lease" is the shared groups' word, for a stream lease).
@@ -129,7 +127,7 @@ class Sequences:
 
     @classmethod
     def from_config(cls, config: Config) -> Sequences:
-        return cls(Dynamo.from_config(config), config.table(TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.PUBLISHERS))
 
     def read(self, key: str) -> PublisherState | None:
         record = self.dynamo.get(self.table, {"key": key})

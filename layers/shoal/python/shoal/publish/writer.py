@@ -28,6 +28,7 @@ from shoal.aws.kinesis import (
 )
 from shoal.core.clock import Clock
 from shoal.core.errors import ServerBusy
+from shoal.core.retry import backoff_s
 from shoal.publish.items import Item
 from shoal.records import encode_record, record_partition_key, record_size
 
@@ -37,6 +38,7 @@ PUT_DEADLINE_MS = PUT_CALL_BOUND_MS + 1_000
 #: Kinesis record attempts per round (the first try and the retries of failed records)
 PUT_ATTEMPTS = 3
 PUT_BACKOFF_S = 0.05
+PUT_BACKOFF_CAP_S = 0.2
 
 
 class RecordWriter:
@@ -114,7 +116,7 @@ class RecordWriter:
         todo = list(range(len(records)))
         for attempt in range(PUT_ATTEMPTS):
             if attempt:
-                self.clock.sleep(PUT_BACKOFF_S * 2 ** (attempt - 1))
+                self.clock.sleep(backoff_s(attempt - 1, PUT_BACKOFF_S, PUT_BACKOFF_CAP_S))
             by_stream: dict[str, list[int]] = {}
             for n in todo:
                 by_stream.setdefault(records[n][0], []).append(n)

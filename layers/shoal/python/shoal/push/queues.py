@@ -16,6 +16,7 @@ from shoal.aws.kinesis import OutRecord, StreamInfo, Streams
 from shoal.composite.model import StorageTopic
 from shoal.core.clock import Clock
 from shoal.core.errors import ServerBusy
+from shoal.core.retry import backoff_s
 from shoal.push.entries import Entry, Source, decode_entry, encode_entry, partition_key
 from shoal.records import MalformedRecord, Message, decode_record
 
@@ -34,6 +35,8 @@ MAPPING: dict[str, Any] = {
     "MaximumRecordAgeInSeconds": -1,
 }
 _PUT_ATTEMPTS = 3
+PUT_BACKOFF_S = 0.05
+PUT_BACKOFF_CAP_S = 0.4
 
 
 class ReadBudgetExhausted(ServerBusy):
@@ -136,7 +139,7 @@ class Queues:
         )
         for attempt in range(_PUT_ATTEMPTS):
             if attempt:
-                self.clock.sleep(0.05 * 2**attempt)
+                self.clock.sleep(backoff_s(attempt, PUT_BACKOFF_S, PUT_BACKOFF_CAP_S))
             if self.streams.put_record(storage.stream, record).ok:
                 return
         raise ServerBusy(f"the {entry.queue} entry could not be put; retry")

@@ -39,6 +39,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from shoal.aws import tables
 from shoal.aws.dynamo import MAX_BATCH_WRITE, Dynamo, Expression, from_item, to_item
 from shoal.aws.kinesis import Streams
 from shoal.core.clock import Clock
@@ -50,10 +51,6 @@ from shoal.push.model import CREATING, DELETING, PushSubscription, ShardCursor, 
 from shoal.push.queues import Queues
 from shoal.push.state import KeyState
 
-#: the logical names of the tables (``shoal.aws.tables``: ``PushSubscriptionModel``,
-#: ``PushGroupModel``)
-SUBSCRIPTIONS_TABLE = "push_subscriptions"
-KEYS_TABLE = "push_groups"
 TAP_PREFIX = "tap#"
 #: a new member starts this long before its creation: Kinesis stamps arrivals by its own clock
 SKEW_MS = 5_000
@@ -105,7 +102,7 @@ class PushSubscriptionStore:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock) -> PushSubscriptionStore:
-        return cls(Dynamo.from_config(config), config.table(SUBSCRIPTIONS_TABLE), clock)
+        return cls(Dynamo.from_config(config), config.table(tables.PUSH_SUBSCRIPTIONS), clock)
 
     def load(self, name: str) -> PushSubscription | None:
         with _busy("the subscription could not be read; retry"):
@@ -311,7 +308,7 @@ class KeyStore:
 
     @classmethod
     def from_config(cls, config: Config) -> KeyStore:
-        return cls(Dynamo.from_config(config), config.table(KEYS_TABLE))
+        return cls(Dynamo.from_config(config), config.table(tables.PUSH_GROUPS))
 
     def get(self, name: str, ordering_key: str) -> KeyState:
         key = {"name": name, "ordering_digest": ordering_digest(ordering_key)}

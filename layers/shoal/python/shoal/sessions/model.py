@@ -12,9 +12,10 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from shoal.core.auth import Principal
 from shoal.core.errors import (
     BadRequest,
@@ -23,10 +24,6 @@ from shoal.core.errors import (
     PayloadTooLarge,
 )
 from shoal.topics.filters import any_matches, is_publishable_topic
-
-if TYPE_CHECKING:
-    pass
-
 
 MAX_U32 = 0xFFFF_FFFF
 HEAD = "head"

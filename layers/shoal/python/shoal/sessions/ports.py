@@ -5,13 +5,10 @@ wiring root (``shoal.wiring``) passes the implementations in."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from shoal.core.observability import logger
 from shoal.sessions.model import Head, WillMessage
-
-if TYPE_CHECKING:
-    pass
 
 
 class WillPublisher(Protocol):

@@ -4,7 +4,6 @@ published), wills after their delay, and session expiry."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.errors import (
@@ -21,9 +20,6 @@ from shoal.sessions.model import (
 )
 from shoal.sessions.ports import SessionEndHook, WillPublisher, call_end_hook
 from shoal.sessions.repository import SessionRepository
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass

@@ -20,9 +20,10 @@ The table holds one partition per client id (``shoal.aws.tables.SessionItemModel
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from botocore.exceptions import ClientError
+
 from shoal.aws import tables
 from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, attribute, error_code, from_item
 from shoal.core.config import Config
@@ -42,9 +43,6 @@ from shoal.sessions.model import (
     due_shard,
     grace_ms,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def _alias(expr: Expression, name: str) -> str:

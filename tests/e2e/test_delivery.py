@@ -94,6 +94,11 @@ def test_two_sessions_overlapping_filters_qos_and_retained(delivery_dev: DevServ
     bob_token = dev.token("bob", clients=["bob-*"], subscribe=["sensors/+/temp"])
     # Given a retained message published before anyone subscribed
     publish(dev, alice_token, "sensors/hall/temp", "19", retain=True)
+    # and routed before anyone subscribes: the router runs on its own schedule (every 0.5 s
+    # under shoal dev), and a record routed after a subscribe reaches that new subscription
+    # too (a known gap, noted on the shared-groups issue: the router does not compare a
+    # message's publish time with the subscription's)
+    time.sleep(2)
     alice, bob = Client(dev, alice_token, "alice-1"), Client(dev, bob_token, "bob-1")
     alice.connect()
     bob.connect()

@@ -21,7 +21,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "publish": {"core", "topics", "aws", "records", "composite"},
     "sessions": {"core", "topics", "aws"},
     "delivery": {"core", "topics", "aws", "records", "composite", "drain", "sessions"},
-    "groups": {"core", "topics", "aws", "composite", "drain", "delivery"},
+    "groups": {"core", "topics", "aws", "composite", "drain", "sessions", "delivery"},
     "router": {"core", "topics", "aws", "records", "composite", "drain", "delivery", "groups"},
     "push": {"core", "topics", "aws", "records", "composite", "drain", "delivery"},
     "wiring": {

@@ -24,6 +24,7 @@ from shoal.aws import clients, tables
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.core.config import Config
 from shoal.delivery.model import LEDGER, MAX_ITEM_BYTES, PAYLOADS_PREFIX, STATE, item_key, split_key
+from shoal.sessions.model import Channel
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class SessionRun:
     #: the key of the item holding the run's first message
     start_item: str
     sent_at_ms: int
-    channel: str
+    channel: Channel
 
     @property
     def end(self) -> int:

@@ -1,24 +1,6 @@
 """Delivery's values and keys: settings, positions and item keys, subscription buckets and
-permissions, request bodies, and the subscription the router holds. No AWS here.
-
-Subscriptions
--------------
-A subscription lives twice, written by one transaction: in the session (``session.subscriptions``
-on the registry's head item, conditional on the channel being live) and in the subscription
-store the router reads (``shoal.aws.tables.SubscriptionItemModel``). The store is cut into *buckets*
-by the filter's first level (``L:<level>``, or ``W`` when it is a wildcard), so the router reads
-only the buckets a batch's topics can touch: ``W`` and the first levels of its topics. Each
-bucket has a version item bumped by every change and one change record per version (kept a
-day), so a router refreshes a bucket incrementally and detects a gap (then reloads it). The
-router reads the versions strongly consistent once per batch: a subscription whose subscribe
-returned before a publish is in the router's view of every batch holding that message.
-
-A subscription has a *sid* (kept when the same filter is subscribed again); deliveries carry it,
-and get drops a delivery whose subscription is gone or was replaced: unsubscribing drops the
-subscription's undelivered messages without a write per message. A ``$share/{ShareName}/...``
-subscription joins its shared group in the subscribe transaction, and leaves it in the
-unsubscribe's (or the ended session's) one; get and ack take in the group streams the session
-leases (``shoal.groups``).
+permissions, request bodies, and the subscription the router holds. No AWS here (the flow is
+in ``shoal.delivery.subscriptions`` and ``shoal.delivery.service``).
 
 Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
 filters: every topic name the requested filter matches must be matched by the allowed one

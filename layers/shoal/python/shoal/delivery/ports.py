@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shoal.sessions.model import Channel
+
 
 @dataclass
 class MembershipPlan:
@@ -37,7 +39,7 @@ class SharedGroups(Protocol):
     def after(self, plan: MembershipPlan) -> None: ...
 
     def get(
-        self, session_id: str, subscriptions: Mapping[str, Any], wanted: int, channel: str = ""
+        self, session_id: str, subscriptions: Mapping[str, Any], wanted: int, channel: Channel = ""
     ) -> list[dict[str, Any]]: ...
 
     def ack(self, session_id: str, subscriptions: Mapping[str, Any], ids: Iterable[str]) -> int: ...

@@ -66,7 +66,7 @@ from shoal.delivery.model import (
 )
 from shoal.delivery.ports import SharedGroups
 from shoal.delivery.subscriptions import channel_of
-from shoal.sessions.model import Head
+from shoal.sessions.model import Channel, Head
 from shoal.sessions.registry import SessionRegistry
 
 # --- get and ack ---------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class DeliveryService:
         self,
         who: Principal,
         client_id: str,
-        channel: str | None,
+        channel: Channel | None,
         max_messages: int = 10,
         wait_ms: int = 0,
     ) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class DeliveryService:
         session_id: str,
         head: Head,
         state: DeliveryState,
-        channel: str,
+        channel: Channel,
         wanted: int,
         now: int,
     ) -> _Plan:
@@ -210,7 +210,9 @@ class DeliveryService:
             )
         return plan
 
-    def _redeliver(self, session_id: str, plan: _Plan, channel: str, wanted: int, now: int) -> None:
+    def _redeliver(
+        self, session_id: str, plan: _Plan, channel: Channel, wanted: int, now: int
+    ) -> None:
         state = plan.state
         timeout_ms = int(self.settings.ack_timeout_s * 1000)
         for run in sorted(state.runs, key=lambda r: r.first):
@@ -277,7 +279,7 @@ class DeliveryService:
         session_id: str,
         head: Head,
         plan: _Plan,
-        channel: str,
+        channel: Channel,
         wanted: int,
         window_left: int,
         now: int,
@@ -440,7 +442,7 @@ class DeliveryService:
     # -- ack
 
     def ack(
-        self, who: Principal, client_id: str, channel: str | None, request: AckRequest
+        self, who: Principal, client_id: str, channel: Channel | None, request: AckRequest
     ) -> dict[str, Any]:
         head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""

@@ -85,7 +85,7 @@ from shoal.delivery.model import (
 from shoal.delivery.ports import MembershipPlan, SharedGroups
 from shoal.delivery.retained import RetainedReader
 from shoal.records import Retained
-from shoal.sessions.model import Head
+from shoal.sessions.model import Channel, Head
 from shoal.sessions.registry import SessionRegistry
 from shoal.topics.filters import (
     MULTI_LEVEL,
@@ -236,7 +236,7 @@ class SubscriptionService:
     # -- subscribe
 
     def subscribe(
-        self, who: Principal, client_id: str, channel: str | None, request: SubscribeRequest
+        self, who: Principal, client_id: str, channel: Channel | None, request: SubscribeRequest
     ) -> dict[str, Any]:
         head = self.registry.require_live(who, client_id, channel)
         granted: list[int | str] = []
@@ -358,7 +358,7 @@ class SubscriptionService:
         return self.subscriptions.dynamo.transact(parts)
 
     def _after_conflict(
-        self, who: Principal, client_id: str, channel: str, reasons: list[str], attempt: int
+        self, who: Principal, client_id: str, channel: Channel, reasons: list[str], attempt: int
     ) -> None:
         if reasons and reasons[0] == "ConditionalCheckFailed":
             # the head's condition: the channel is no longer live (this raises)
@@ -445,7 +445,7 @@ class SubscriptionService:
     # -- unsubscribe
 
     def unsubscribe(
-        self, who: Principal, client_id: str, channel: str | None, request: UnsubscribeRequest
+        self, who: Principal, client_id: str, channel: Channel | None, request: UnsubscribeRequest
     ) -> dict[str, Any]:
         head = self.registry.require_live(who, client_id, channel)
         results: list[str] = []

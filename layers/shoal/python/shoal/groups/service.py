@@ -94,6 +94,7 @@ from shoal.groups.streams import (
     serve,
 )
 from shoal.groups.streams import delivery_id as stream_delivery_id
+from shoal.sessions.model import Channel
 from shoal.topics.filters import parse_shared
 
 # --- the member's side -------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class GroupService:
         session_id: str,
         subscriptions: Mapping[str, Any],
         wanted: int,
-        channel: str = "",
+        channel: Channel = "",
     ) -> list[dict[str, Any]]:
         """Up to ``wanted`` messages from the streams the session holds, in each stream's order."""
         refs = group_refs(subscriptions)
@@ -262,7 +263,7 @@ class GroupService:
         *,
         wanted: int,
         now: int,
-        channel: str,
+        channel: Channel,
     ) -> list[dict[str, Any]]:
         lease = loaded.state.streams[source]
         progress = self.store.progress(ref.key, source)

@@ -46,6 +46,7 @@ from shoal.delivery.inbox import (
     settle,
 )
 from shoal.delivery.model import item_key
+from shoal.sessions.model import Channel
 
 GROUP_PARTITION_PREFIX = "grp#"
 DELIVERY_PREFIX = "g-"
@@ -114,7 +115,7 @@ class StreamRun:
     sent_at_ms: int
     lease: int
     #: the session channel it went to (a reconnect gets its unacked messages again)
-    channel: str = ""
+    channel: Channel = ""
 
     @property
     def end(self) -> int:
@@ -352,7 +353,7 @@ def serve(
     window: int,
     now_ms: int,
     ack_timeout_ms: int,
-    channel: str = "",
+    channel: Channel = "",
     admit: Callable[[InboxItem], bool] | None = None,
     dropped: list[InboxMessage] | None = None,
 ) -> tuple[list[Handed], bool]:

@@ -220,7 +220,7 @@ class PushAdmin:
         """Make the tap's mapping fit its members: none without members, else one that starts
         no later than any member's position and runs ``tap_lanes`` lanes; ``restart_at``
         replaces it (a rewind)."""
-        token = self.subscriptions.acquire_tap_lease(stream)
+        token = self.subscriptions.acquire_tap_lock(stream)
         if token is None:
             raise ServerBusy("the push tap is being changed; retry")
         try:
@@ -277,7 +277,7 @@ class PushAdmin:
                 extra={"stream": stream, "start_ms": start, "lanes": lanes},
             )
         finally:
-            self.subscriptions.release_tap_lease(stream, token)
+            self.subscriptions.release_tap_lock(stream, token)
 
     def _fit_lanes(self, tap: Tap, mapping: dict[str, Any], lanes: int) -> None:
         """The tap's mapping to ``lanes`` lanes per shard; the tap's ``lanes`` is raised
@@ -296,7 +296,7 @@ class PushAdmin:
         ``tap_lanes``); SwitchProduce calls it through ``TapHooks.produce_switched``."""
         for storage in topic.storage_topics[: topic.produce_pointer]:
             # settled even at one lane: a settle that read the pointer before the switch may
-            # still be raising the lanes under the tap's lease, and this one waits for it
+            # still be raising the lanes under the tap's lock, and this one waits for it
             if self.subscriptions.tap(storage.stream) is not None:
                 self._settle_tap(storage.stream)
 
@@ -402,7 +402,7 @@ class PushAdmin:
 
         The members of the taps of the topic's storage streams are its subscriptions (each
         joins all of them). Every step is idempotent and the tap's mapping is placed under
-        the tap's lease, so a completion repeated after a crash ends with one mapping.
+        the tap's lock, so a completion repeated after a crash ends with one mapping.
         """
         names: set[str] = set()
         for existing in topic.storage_topics:

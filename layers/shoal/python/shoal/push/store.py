@@ -54,8 +54,9 @@ from shoal.push.state import KeyState
 TAP_PREFIX = "tap#"
 #: a new member starts this long before its creation: Kinesis stamps arrivals by its own clock
 SKEW_MS = 5_000
-#: tap mapping changes are serialized by a lease this long
-LEASE_MS = 30_000
+#: tap mapping changes are serialized by a lock held this long (its stored attributes keep
+#: their first names, lease_until_ms and lease_token; "lease" in the code is the groups' word)
+TAP_LOCK_MS = 30_000
 #: what the push function and the admin treat as "AWS did not answer": retry later
 INFRASTRUCTURE_ERRORS = (ServerBusy, ClientError, BotoCoreError)
 _TAP_NOT_CHANGED = "the push tap could not be changed; retry"
@@ -260,27 +261,27 @@ class PushSubscriptionStore:
         condition = f"attribute_exists({expr.n('members')})"
         self._change(TAP_PREFIX + stream, expr, condition, _TAP_NOT_CHANGED)
 
-    def acquire_tap_lease(self, stream: str, wait_s: float = 10.0) -> str | None:
-        """A lease on the tap's mapping (one changer at a time); None if not had in time."""
+    def acquire_tap_lock(self, stream: str, wait_s: float = 10.0) -> str | None:
+        """A lock on the tap's mapping (one changer at a time); None if not had in time."""
         token = f"{self.clock.now_ms()}-{id(self)}-{time.monotonic_ns()}"
         deadline = self.clock.now_ms() + int(wait_s * 1000)
         while True:
             now = self.clock.now_ms()
-            expr = Expression().set("lease_until_ms", now + LEASE_MS).set("lease_token", token)
+            expr = Expression().set("lease_until_ms", now + TAP_LOCK_MS).set("lease_token", token)
             until = expr.n("lease_until_ms")
             condition = (
                 f"attribute_exists({expr.n('name')})"
                 f" AND (attribute_not_exists({until}) OR {until} < {expr.v(now)})"
             )
             if self._change(
-                TAP_PREFIX + stream, expr, condition, "the push tap could not be leased; retry"
+                TAP_PREFIX + stream, expr, condition, "the push tap is being changed; retry"
             ):
                 return token
             if now >= deadline:
                 return None
             self.clock.sleep(0.2)
 
-    def release_tap_lease(self, stream: str, token: str) -> None:
+    def release_tap_lock(self, stream: str, token: str) -> None:
         expr = Expression().remove("lease_until_ms", "lease_token")
         condition = f"{expr.n('lease_token')} = {expr.v(token)}"
         try:

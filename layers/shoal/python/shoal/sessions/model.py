@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -82,6 +82,11 @@ DUE_SHARDS = 8
 
 
 _CHANNEL = re.compile(r"(\d{1,15})-([A-Za-z0-9_-]{1,64})", re.ASCII)
+
+
+#: a channel as the API carries it (the ``Shoal-Channel`` header, ``<connected_at_ms>-<nonce>``):
+#: the text form of a ``Version``. A named alias, so signatures say which string they take.
+Channel: TypeAlias = str
 
 
 @dataclass(frozen=True, order=True)
@@ -293,7 +298,7 @@ def after_conflict(
 @dataclass(frozen=True)
 class Connected:
     session_present: bool
-    channel: str
+    channel: Channel
     keepalive_s: int
 
     def as_dict(self) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from shoal.sessions.model import (
     BACKOFF_CAP_MS,
     CONNECT_BUDGET_S,
     MAX_CLOCK_AHEAD_MS,
+    Channel,
     ConflictStep,
     Connected,
     ConnectRequest,
@@ -196,7 +197,7 @@ class SessionRegistry:
 
     # -- session-scoped calls
 
-    def _scope(self, who: Principal, client_id: str, channel: str | None) -> Version:
+    def _scope(self, who: Principal, client_id: str, channel: Channel | None) -> Version:
         # the principal before the request's shape (``shoal.http.caller.session_call``)
         who.require_client(client_id)
         check_client_id(client_id)
@@ -227,7 +228,7 @@ class SessionRegistry:
             return Forbidden("the client id's session belongs to another principal")
         return SessionTakenOver("this channel is no longer the client id's live channel")
 
-    def require_live(self, who: Principal, client_id: str, channel: str | None) -> Head:
+    def require_live(self, who: Principal, client_id: str, channel: Channel | None) -> Head:
         """The head, when ``channel`` is the live channel of ``who``'s session; one read.
 
         For session-scoped routes that read; writes put the liveness condition on themselves
@@ -239,7 +240,7 @@ class SessionRegistry:
             raise self._refuse(who, head)
         return head
 
-    def heartbeat(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
+    def heartbeat(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         version = self._scope(who, client_id, channel)
         now = self.clock.now_ms()
         if self.groups is None:
@@ -252,7 +253,7 @@ class SessionRegistry:
         # the leases of the session's shared groups are renewed; what changed comes back
         return {"leases": self.groups.heartbeat(head.session_id or "", head.subscriptions)}
 
-    def disconnect(self, who: Principal, client_id: str, channel: str | None) -> None:
+    def disconnect(self, who: Principal, client_id: str, channel: Channel | None) -> None:
         version = self._scope(who, client_id, channel)
         if self.repository.disconnect(client_id, version, who.sub, self.clock.now_ms()):
             return
@@ -263,7 +264,7 @@ class SessionRegistry:
             self.repository.deregister(client_id, version)
         raise self._refuse(who, head)
 
-    def session(self, who: Principal, client_id: str, channel: str | None) -> dict[str, Any]:
+    def session(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         head = self.require_live(who, client_id, channel)
         document = session_document(client_id, head)
         if self.groups is not None:

@@ -251,3 +251,31 @@ def test_the_reaper_hands_a_dead_channels_streams_to_live_members(
     loaded = gworld.group("g", "orders/#")
     assert loaded is not None
     assert {x.holder for x in loaded.state.streams.values()} == {gworld.session_id("alice-b")}
+
+
+def test_a_new_shared_subscription_gets_no_retained_message(gworld: GroupWorld) -> None:
+    # Given a retained message on a topic the group's filter matches
+    gworld.publish("orders/kept", "retained", retain=True)
+    gworld.route()
+    # When a session subscribes to it through a shared subscription, and another plainly
+    shared = member(gworld, "alice-a")
+    plain = gworld.connect("alice-p")
+    assert gworld.subscribe("alice-p", plain, {"filter": "orders/#", "qos": 1}) == [1]
+    # Then only the plain one gets it: MQTT 5 §4.8.2, retained messages are not sent when a
+    # session establishes a shared subscription
+    assert [m["topic"] for m in gworld.get("alice-p", plain)] == ["orders/kept"]
+    assert gworld.get("alice-a", shared) == []
+
+
+def test_no_local_on_a_shared_subscription_is_refused_for_that_filter(gworld: GroupWorld) -> None:
+    channel = gworld.connect("alice-a")
+    # When a subscribe asks No Local of a shared subscription, beside a valid filter
+    granted = gworld.subscribe(
+        "alice-a",
+        channel,
+        {"filter": GROUP, "qos": 1, "no_local": True},
+        {"filter": "orders/#", "qos": 1, "no_local": True},
+    )
+    # Then that filter alone is refused ([MQTT-3.8.3-4]: a protocol error), nothing of it kept
+    assert granted == ["no_local_on_shared", 1]
+    assert gworld.group("g", "orders/#") is None

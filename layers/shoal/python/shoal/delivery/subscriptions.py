@@ -243,7 +243,7 @@ class SubscriptionService:
         accepted: dict[str, _Accepted] = {}
         held = set(head.subscriptions)
         for wanted in request.subscriptions:
-            code = self._check(who, wanted.filter)
+            code = self._check(who, wanted)
             if (
                 code is None
                 and wanted.filter not in held
@@ -272,16 +272,20 @@ class SubscriptionService:
         self._commit_subscribe(who, client_id, head, accepted)
         return {"granted": granted}
 
-    def _check(self, who: Principal, text: str) -> str | None:
+    def _check(self, who: Principal, wanted: SubscriptionRequest) -> str | None:
         try:
-            shared = parse_shared(text)
+            shared = parse_shared(wanted.filter)
         except InvalidFilter:
             return "invalid_filter"
-        topic_filter = shared[1] if shared else text
+        topic_filter = shared[1] if shared else wanted.filter
         if not is_valid_filter(topic_filter):
             return "invalid_filter"
         if not may_subscribe(who, topic_filter):
             return "not_authorized"
+        if shared and wanted.no_local:
+            # [MQTT-3.8.3-4]: No Local on a shared subscription is a protocol error; the
+            # HTTP API refuses that filter alone, as it does an unauthorized one
+            return "no_local_on_shared"
         return None
 
     def _commit_subscribe(

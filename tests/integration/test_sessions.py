@@ -64,6 +64,19 @@ def test_reconnect_with_clean_start_false_resumes_the_session(sessions: Sessions
     assert body["channel"] != first
 
 
+def test_taking_over_a_session_that_ends_with_its_channel_finds_none(sessions: Sessions) -> None:
+    # Given a live channel with subscriptions whose session expiry is 0
+    first = sessions.connected(CLIENT, clean_start=False, session_expiry_s=0)
+    sessions.give_session(CLIENT, first, {"devices/+/temp": {"qos": 1}})
+    sessions.clock.advance(1)
+    # When a persistent connect takes it over
+    status, body = sessions.connect(CLIENT, clean_start=False, session_expiry_s=300)
+    # Then no session is present, and the new one starts empty (MQTT 5 §3.1.2.11.2)
+    assert (status, body["session_present"]) == (200, False)
+    view = sessions.view(CLIENT)
+    assert view.head is not None and view.head.subscriptions == {}
+
+
 def test_takeover_keeps_the_session_and_its_subscriptions(sessions: Sessions) -> None:
     # Given a session with subscriptions
     first = sessions.connected(CLIENT, clean_start=False, session_expiry_s=300)

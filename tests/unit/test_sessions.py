@@ -161,6 +161,16 @@ def test_clean_start_false_resumes_a_live_session() -> None:
     assert (plan.decision, plan.session_present, plan.session_id) == (Decision.RESUME, True, "s-1")
 
 
+def test_taking_over_a_channel_whose_session_ends_with_it_presents_no_session() -> None:
+    # Given a live channel whose session expiry is 0 (its session ends with the channel)
+    view = RegistryView(head(session_expiry_s=0), (v(NOW - 10_000),))
+    # When a persistent connect takes it over
+    plan = plan_connect(view, ConnectRequest(clean_start=False), "alice", v(NOW), NOW)
+    # Then the old session is discarded and none is present (MQTT 5 §3.1.2.11.2)
+    assert (plan.decision, plan.session_present) == (Decision.DISCARD, False)
+    assert plan.session_id != "s-1"
+
+
 def test_clean_start_true_discards_the_session() -> None:
     plan = plan_connect(RegistryView(head()), ConnectRequest(), "alice", v(NOW), NOW)
     assert (plan.decision, plan.session_present) == (Decision.DISCARD, False)

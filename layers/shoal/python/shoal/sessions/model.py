@@ -260,7 +260,10 @@ def plan_connect(
     alive = head is not None and head.session_alive(now_ms)
     if head is not None and alive and head.sub != sub:
         raise Forbidden("the client id's session belongs to another principal")
-    if head is not None and alive and not request.clean_start:
+    # a session whose expiry is 0 ends with its channel (MQTT 5 §3.1.2.11.2): taking that
+    # channel over ends it too, so there is nothing to resume and session_present is false
+    resumable = alive and head is not None and not (head.connected and head.session_expiry_s == 0)
+    if head is not None and resumable and not request.clean_start:
         decision, session_id = Decision.RESUME, head.session_id or ""
     else:
         decision = Decision.DISCARD if alive else Decision.NEW

@@ -113,8 +113,12 @@ def group_service(
     )
 
 
-def session_registry(config: Config, clock: Clock | None = None) -> SessionRegistry:
-    groups = group_service(config, clock, payloads=False)
+def session_registry(
+    config: Config, clock: Clock | None = None, groups: GroupService | None = None
+) -> SessionRegistry:
+    """``groups``: the container's groups service, when its function builds one anyway (one
+    service, one drain gate cache, per container)."""
+    groups = groups or group_service(config, clock, payloads=False)
     return SessionRegistry(
         SessionRepository.from_config(config),
         clock,
@@ -128,8 +132,9 @@ def session_registry(config: Config, clock: Clock | None = None) -> SessionRegis
 
 def subscription_service(config: Config, clock: Clock | None = None) -> SubscriptionService:
     dynamo = Dynamo.from_config(config)
+    groups = group_service(config, clock, payloads=False)
     return SubscriptionService(
-        session_registry(config, clock),
+        session_registry(config, clock, groups),
         SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS)),
         InboxStore(dynamo, config.table(tables.INBOXES)),
         config.delivery,
@@ -139,19 +144,20 @@ def subscription_service(config: Config, clock: Clock | None = None) -> Subscrip
             TopicStore(dynamo, config.table(tables.TOPICS)).names,
         ),
         clock=clock,
-        groups=group_service(config, clock, payloads=False),
+        groups=groups,
     )
 
 
 def delivery_service(config: Config, clock: Clock | None = None) -> DeliveryService:
     events = Recording.from_config(config, clock)
+    groups = group_service(config, clock, events=events)
     return DeliveryService(
-        session_registry(config, clock),
+        session_registry(config, clock, groups),
         InboxStore.from_config(config),
         config.delivery,
         clock,
         PayloadStore.from_config(config),
-        groups=group_service(config, clock, events=events),
+        groups=groups,
         events=events,
         drain=SessionGate.from_config(config, clock),
     )

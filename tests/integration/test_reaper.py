@@ -10,12 +10,15 @@ import pytest
 from shoal.core.clock import SystemClock
 from shoal.core.config import get_config
 from shoal.core.errors import TopicNotFound
+from shoal.core.faults import InjectedFault
 from shoal.sessions.model import WILL_RETRY_MS, Version, WillMessage
 from shoal.sessions.reaper import Reaper
+from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
 from shoal.wiring import ServiceWillPublisher
 
 import functions.reaper.app as reaper_app
+import functions.sessions.app as sessions_app
 from tests.helpers import FakeContext, load_event
 from tests.integration.test_publish_harness import Harness
 from tests.integration.test_sessions_support import (
@@ -154,17 +157,6 @@ def test_resume_within_the_delay_suppresses_the_will(
     assert publisher.published == []
 
 
-def test_takeover_of_a_live_channel_disarms_its_will(
-    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
-) -> None:
-    sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
-    sessions.clock.advance(5)
-    sessions.connected(CLIENT, clean_start=False, keepalive_s=0, session_expiry_s=300)
-    sessions.clock.advance(3600)
-    report = reaper.run()
-    assert (report.channels_expired, publisher.published) == (0, [])
-
-
 def test_resume_after_the_delay_does_not_stop_the_will(
     sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
 ) -> None:
@@ -231,6 +223,185 @@ def test_overlapping_reapers_publish_a_will_once(
     for thread in threads:
         thread.join()
     assert len(publisher.published) == 1
+
+
+# --- wills of live channels taken over (MQTT 5 §3.1.2.5, §3.1.3.2.2, [MQTT-3.1.4-3])
+
+
+def take_over(
+    sessions: Sessions, *, delay_s: int, clean_start: bool, session_expiry_s: int = 300
+) -> tuple[str, bool]:
+    """A live channel with a will of ``delay_s``, taken over 5 s later by a connect without a
+    will (and without a keepalive, so only the first channel's will can come out): the first
+    channel, and whether the takeover found the session present."""
+    first = sessions.connected(
+        CLIENT,
+        clean_start=False,
+        keepalive_s=10,
+        session_expiry_s=session_expiry_s,
+        will={**WILL, "delay_s": delay_s},
+    )
+    sessions.clock.advance(5)
+    status, body = sessions.connect(
+        CLIENT, clean_start=clean_start, keepalive_s=0, session_expiry_s=300
+    )
+    assert status == 200, body
+    present: bool = body["session_present"]
+    return first, present
+
+
+def published_once(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher, channel: str, delay_s: int
+) -> None:
+    """The reaper's next run (no time passed) publishes ``channel``'s will, and no run after."""
+    report = reaper.run()
+    assert (report.channels_expired, report.wills_published) == (0, 1)
+    will = WillMessage.model_validate({**WILL, "delay_s": delay_s})
+    assert publisher.published == [("alice", CLIENT, will, channel)]
+    sessions.clock.advance(3600)
+    reaper.run()
+    assert len(publisher.published) == 1
+    assert sessions.view(CLIENT).wills == ()
+
+
+def test_takeover_resuming_the_session_publishes_a_will_without_delay(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    first, present = take_over(sessions, delay_s=0, clean_start=False)
+    assert present
+    published_once(sessions, reaper, publisher, first, delay_s=0)
+
+
+def test_takeover_resuming_the_session_within_the_will_delay_withholds_the_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    _, present = take_over(sessions, delay_s=30, clean_start=False)
+    assert present
+    assert sessions.view(CLIENT).wills == ()
+    report = reaper.run()
+    sessions.clock.advance(3600)
+    reaper.run()
+    assert (report.channels_expired, publisher.published) == (0, [])
+
+
+@pytest.mark.parametrize("delay_s", [0, 30])
+def test_clean_start_takeover_publishes_the_will_at_once(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher, delay_s: int
+) -> None:
+    # the old session ends with the takeover, before any delay runs out
+    first, present = take_over(sessions, delay_s=delay_s, clean_start=True)
+    assert not present
+    published_once(sessions, reaper, publisher, first, delay_s)
+
+
+@pytest.mark.parametrize("delay_s", [0, 30])
+def test_takeover_of_a_session_ending_with_its_channel_publishes_the_will_at_once(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher, delay_s: int
+) -> None:
+    # a session expiry of 0: the session ended with the channel, so nothing was resumed
+    first, present = take_over(sessions, delay_s=delay_s, clean_start=False, session_expiry_s=0)
+    assert not present
+    published_once(sessions, reaper, publisher, first, delay_s)
+
+
+@pytest.mark.parametrize("clean_start", [False, True])
+def test_connect_after_a_clean_disconnect_publishes_no_will(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher, clean_start: bool
+) -> None:
+    channel = sessions.connected(
+        CLIENT, keepalive_s=10, session_expiry_s=300, will={**WILL, "delay_s": 0}
+    )
+    assert sessions.disconnect(CLIENT, channel)[0] == 204
+    sessions.connected(CLIENT, clean_start=clean_start, keepalive_s=0, session_expiry_s=300)
+    reaper.run()
+    assert publisher.published == []
+
+
+def interleaved(sessions: Sessions, monkeypatch: pytest.MonkeyPatch) -> Interleaved:
+    """The handler's registry over a repository the test can act inside of."""
+    repository = Interleaved(sessions.repository)
+    registry = SessionRegistry(repository, sessions.clock)
+    monkeypatch.setattr(sessions_app, "registry", lambda: registry)
+    sessions.registry = registry
+    return repository
+
+
+def test_takeover_will_is_written_once_when_a_racer_took_over_first(
+    sessions: Sessions,
+    reaper: Reaper,
+    publisher: RecordingPublisher,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = sessions.clock.now_ms()
+    first = sessions.connected(
+        CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL, connected_at_ms=now - 10
+    )
+    repository = interleaved(sessions, monkeypatch)
+
+    def racer() -> None:
+        sessions.connected(CLIENT, clean_start=True, keepalive_s=0, connected_at_ms=now - 5)
+
+    # Given an older racer that takes the first channel over between our read and our commit
+    repository.on_register = racer
+    # When our connect's transaction fails on the racer's head and is retried against it
+    sessions.connected(CLIENT, clean_start=True, keepalive_s=0, connected_at_ms=now)
+    assert sessions.registry.stats.retries == 1
+    # Then the first channel's will was written by the racer's takeover alone, and goes once
+    assert [w.version.channel for w in sessions.view(CLIENT).wills] == [first]
+    published_once(sessions, reaper, publisher, first, delay_s=30)
+
+
+def test_takeover_will_survives_a_lost_commit_answer(
+    sessions: Sessions,
+    reaper: Reaper,
+    publisher: RecordingPublisher,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    sessions.clock.advance(1)
+    # Given a takeover whose transaction landed but whose answer said it failed (COMMITTED)
+    interleaved(sessions, monkeypatch).lose_own_commit = True
+    sessions.connected(CLIENT, clean_start=True, keepalive_s=0)
+    published_once(sessions, reaper, publisher, first, delay_s=30)
+
+
+@pytest.mark.parametrize("crash", ["before", "after"])
+def test_connect_crashing_around_its_transaction_publishes_the_will_once(
+    sessions: Sessions,
+    reaper: Reaper,
+    publisher: RecordingPublisher,
+    monkeypatch: pytest.MonkeyPatch,
+    crash: str,
+) -> None:
+    first = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    sessions.clock.advance(1)
+    dynamo = sessions.repository.dynamo
+    transact = dynamo.transact
+
+    def crashing(parts: list[dict[str, Any]]) -> list[str] | None:
+        monkeypatch.setattr(dynamo, "transact", transact)  # once
+        if crash == "after":
+            assert transact(parts) is None
+        raise InjectedFault(f"the connect's invocation died {crash} its transaction")
+
+    monkeypatch.setattr(dynamo, "transact", crashing)
+    # Given a takeover whose invocation dies before, or after, its transaction
+    assert sessions.connect(CLIENT, clean_start=True, keepalive_s=0)[0] == 500
+    view = sessions.view(CLIENT)
+    assert view.head is not None
+    if crash == "before":
+        # Then neither the takeover nor the will was written: the channel lives, armed
+        assert (view.head.channel, view.wills) == (first, ())
+        assert view.head.will is not None
+    else:
+        # Then both were: the new channel owns the head and the old will is due
+        assert view.head.channel != first and view.head.will is None
+        assert [w.version.channel for w in view.wills] == [first]
+    # When the client retries the connect (a new connect: a later version)
+    sessions.clock.advance(1)
+    sessions.connected(CLIENT, clean_start=True, keepalive_s=0)
+    # Then the first channel's will goes once, either way
+    published_once(sessions, reaper, publisher, first, delay_s=30)
 
 
 # --- session expiry

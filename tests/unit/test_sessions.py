@@ -11,6 +11,7 @@ from shoal.core.errors import BadRequest, Forbidden
 from shoal.sessions.model import (
     DUE_SHARDS,
     ConflictStep,
+    ConnectPlan,
     ConnectRequest,
     Decision,
     Head,
@@ -225,6 +226,62 @@ def test_clean_start_ends_the_session_so_waiting_wills_fire_now() -> None:
     view = RegistryView(head(connected=False, session_expires_at_ms=NOW + 60_000), wills=(waiting,))
     plan = plan_connect(view, ConnectRequest(clean_start=True), "alice", v(NOW), NOW)
     assert (plan.cancel_wills, plan.fire_wills) == ((), (waiting,))
+
+
+# --- the will of a live channel a connect takes over (MQTT 5 §3.1.2.5, §3.1.3.2.2)
+
+
+def armed(delay_s: int, **changes: Any) -> RegistryView:
+    """A live channel with a will of ``delay_s``, as a takeover reads it."""
+    stored = head(will=WillMessage(topic="t", text="gone", delay_s=delay_s), **changes)
+    return RegistryView(stored, (stored.newest,))
+
+
+def published_at_once(plan: ConnectPlan, view: RegistryView) -> None:
+    assert view.head is not None and view.head.will is not None
+    expected = ScheduledWill(view.head.newest, view.head.will, NOW, sub="alice")
+    assert plan.takeover_will == expected
+    assert plan.takeover_will.item == "will#" + view.head.newest.key
+
+
+def test_resume_of_a_live_channel_publishes_its_will_without_delay() -> None:
+    view = armed(delay_s=0)
+    plan = plan_connect(view, ConnectRequest(clean_start=False), "alice", v(NOW), NOW)
+    assert plan.decision is Decision.RESUME
+    published_at_once(plan, view)
+
+
+def test_resume_of_a_live_channel_within_the_will_delay_withholds_its_will() -> None:
+    plan = plan_connect(armed(delay_s=30), ConnectRequest(clean_start=False), "alice", v(NOW), NOW)
+    assert (plan.decision, plan.takeover_will) == (Decision.RESUME, None)
+
+
+@pytest.mark.parametrize("delay_s", [0, 30])
+def test_clean_start_over_a_live_channel_publishes_its_will_at_once(delay_s: int) -> None:
+    # the old session ends with the takeover, before any delay runs out
+    view = armed(delay_s)
+    plan = plan_connect(view, ConnectRequest(clean_start=True), "alice", v(NOW), NOW)
+    assert plan.decision is Decision.DISCARD
+    published_at_once(plan, view)
+
+
+@pytest.mark.parametrize("delay_s", [0, 30])
+def test_taking_over_a_channel_whose_session_ends_with_it_publishes_its_will_at_once(
+    delay_s: int,
+) -> None:
+    view = armed(delay_s, session_expiry_s=0)
+    plan = plan_connect(view, ConnectRequest(clean_start=False), "alice", v(NOW), NOW)
+    assert plan.decision is Decision.DISCARD
+    published_at_once(plan, view)
+
+
+@pytest.mark.parametrize("clean_start", [False, True])
+def test_a_channel_without_a_will_or_no_longer_live_has_none_to_publish(clean_start: bool) -> None:
+    request = ConnectRequest(clean_start=clean_start)
+    assert plan_connect(RegistryView(head()), request, "alice", v(NOW), NOW).takeover_will is None
+    # a disconnected head has no armed will (a disconnect or expiry removed it), even if read
+    gone = armed(0, connected=False, session_expires_at_ms=NOW + 60_000)
+    assert plan_connect(gone, request, "alice", v(NOW), NOW).takeover_will is None
 
 
 # --- step 3: after a failed condition

@@ -246,6 +246,9 @@ class ConnectPlan:
     cancel_wills: tuple[ScheduledWill, ...] = ()
     #: waiting wills whose session this connect ends: published at once (MQTT 5, 3.1.3.2.2)
     fire_wills: tuple[ScheduledWill, ...] = ()
+    #: the will of the live channel this connect takes over, when it is published now: written
+    #: due at once in the connect's transaction, for the reaper (``takeover_will``)
+    takeover_will: ScheduledWill | None = None
 
     @property
     def session_present(self) -> bool:
@@ -272,9 +275,28 @@ def plan_connect(
     # a will that is due or claimed is the reaper's: its delay ran out before this connect
     waiting = tuple(w for w in view.wills if w.claimed_at_ms is None and w.due_at_ms > now_ms)
     waiting = waiting[:MAX_CLEANUP]
+    fired = takeover_will(head, decision, now_ms)
     if decision is Decision.RESUME:
-        return ConnectPlan(decision, session_id, stale, cancel_wills=waiting)
-    return ConnectPlan(decision, session_id, stale, fire_wills=waiting)
+        return ConnectPlan(decision, session_id, stale, cancel_wills=waiting, takeover_will=fired)
+    return ConnectPlan(decision, session_id, stale, fire_wills=waiting, takeover_will=fired)
+
+
+def takeover_will(head: Head | None, decision: Decision, now_ms: int) -> ScheduledWill | None:
+    """The will of the live channel a connect takes over, due now when it is published.
+
+    A takeover ends the old channel without a DISCONNECT, so its will stands (MQTT 5
+    §3.1.2.5, [MQTT-3.1.4-3]); it is sent after its Will Delay Interval unless the session is
+    resumed within it, or at once when the session ends first (§3.1.3.2.2). The new connect
+    is that moment: a resumed session (RESUME) withholds a delayed will, and publishes one
+    without a delay; a session this connect does not resume (DISCARD: clean start, or a
+    session expiry of 0, which ended with its channel) publishes it at once, whatever its
+    delay. Only a connected head has a will (a disconnect or keepalive expiry removes it).
+    """
+    if head is None or not head.connected or head.will is None:
+        return None
+    if decision is Decision.RESUME and head.will.delay_s > 0:
+        return None
+    return ScheduledWill(head.newest, head.will, now_ms, sub=head.sub)
 
 
 class ConflictStep(Enum):

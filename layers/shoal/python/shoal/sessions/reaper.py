@@ -1,5 +1,6 @@
 """The reaper's sessions work, run on a schedule: keepalive expiry (the will armed or
-published), wills after their delay, and session expiry."""
+published), wills after their delay (or due at once: a takeover or a session's end wrote them
+so), and session expiry."""
 
 from __future__ import annotations
 

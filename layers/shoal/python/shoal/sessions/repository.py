@@ -14,7 +14,9 @@ The table holds one partition per client id (``shoal.aws.tables.SessionItemModel
 - ``reg#<version>``: one registration, a bag entry per channel. Deregistration deletes exactly
   its own entry, whose key is its version, so it can never remove a newer registration. A
   connect also deletes the older entries it read (the "takeover end" of those channels).
-- ``will#<version>``: a will waiting out its delay after its channel's keepalive expired.
+- ``will#<version>``: a will waiting out its delay after its channel's keepalive expired, or
+  due at once: its session ended first, or a connect took its live channel over (MQTT 5
+  §3.1.3.2.2, ``shoal.sessions.model.takeover_will``).
 """
 
 from __future__ import annotations
@@ -202,6 +204,13 @@ class SessionRepository:
             fire = Expression().set("due_at_ms", now_ms)
             due = f"{fire.n('due_at_ms')} = {fire.v(will.due_at_ms)}"
             items.append({"Update": self._on(client_id, will.item, fire, due)})
+        if plan.takeover_will is not None:
+            # the taken-over channel's will, due now: the reaper publishes it (will_id = its
+            # channel). Written with the head, so never without the takeover; the head's
+            # condition lets this transaction land once, so the will is written once.
+            taken = plan.takeover_will
+            item = _will_item(client_id, taken.version, taken.sub, taken.message, taken.due_at_ms)
+            items.append({"Put": {"TableName": self.table, "Item": item}})
         return self._transact(items)
 
     def heartbeat(self, client_id: str, version: Version, sub: str, now_ms: int) -> bool:
@@ -303,14 +312,7 @@ class SessionRepository:
             {"Delete": self._on(client_id, REG_PREFIX + head.newest.key)},
         ]
         if head.will is not None and will_due_ms is not None:
-            will = {
-                **self._key(client_id, WILL_PREFIX + head.newest.key),
-                "channel": attribute(head.channel),
-                "sub": attribute(head.sub),
-                "will": attribute(head.will.model_dump(exclude_none=True)),
-                "due_shard": attribute(due_shard(client_id)),
-                "due_at_ms": attribute(will_due_ms),
-            }
+            will = _will_item(client_id, head.newest, head.sub, head.will, will_due_ms)
             items.append({"Put": {"TableName": self.table, "Item": will}})
         return self._transact(items)
 
@@ -363,6 +365,21 @@ def _registration_item(client_id: str, ours: Version, sub: str, now_ms: int) -> 
         "connected_at_ms": attribute(ours.connected_at_ms),
         "sub": attribute(sub),
         "registered_at_ms": attribute(now_ms),
+    }
+
+
+def _will_item(
+    client_id: str, version: Version, sub: str, will: WillMessage, due_at_ms: int
+) -> dict[str, Any]:
+    """A ``will#<version>`` item: the will of ``version``'s channel, due at ``due_at_ms``."""
+    return {
+        "client_id": attribute(client_id),
+        "item": attribute(WILL_PREFIX + version.key),
+        "channel": attribute(version.channel),
+        "sub": attribute(sub),
+        "will": attribute(will.model_dump(exclude_none=True)),
+        "due_shard": attribute(due_shard(client_id)),
+        "due_at_ms": attribute(due_at_ms),
     }
 
 

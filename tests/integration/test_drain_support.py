@@ -92,7 +92,7 @@ class Drain:
                 self.store.dynamo,
                 self.store.table,
                 config.stream_prefix,
-                groups.store.progress,
+                groups.store.lane_progress,
             )
             groups.drain = self.group_gate
         self.sealer = Sealer(

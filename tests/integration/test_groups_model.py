@@ -9,6 +9,10 @@ At every step: no lease number of a stream is held by two members, and at most o
 can commit on a stream (it holds ids of the stream's current lease and the fence names it).
 At the end, once everyone heartbeats, gets and acks for long enough: every published message
 was acked, none twice for the group, and per ordering key in publish order.
+
+The same machine runs on a group of four lanes per shard (``LaneMachine``), publishing
+unkeyed messages too: a lane is a stream to the leader, so the same promises hold per lane,
+and the order promise holds for every explicit ordering key.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, ClassVar
 
+import boto3
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -51,7 +57,8 @@ class GroupMachine(RuleBasedStateMachine):
         self.sessions: dict[str, str] = {}
         self.members: set[str] = set()
         self.outstanding: dict[str, list[dict[str, Any]]] = {c: [] for c in CLIENTS}
-        self.published: list[tuple[str, str]] = []
+        #: (message id, its ordering key or None: unkeyed)
+        self.published: list[tuple[str, str | None]] = []
         self.acked: list[str] = []
 
     # -- helpers
@@ -215,12 +222,39 @@ class GroupMachine(RuleBasedStateMachine):
         assert self.world.group(self.share, "orders/#") is None
 
 
+class LaneMachine(GroupMachine):
+    @rule(count=st.integers(1, 4))
+    def publish_unkeyed(self, count: int) -> None:
+        for n in range(count):
+            message_id = self.world.publish(f"orders/u{n}", "m", qos=1)
+            self.published.append((message_id, None))
+        self.world.route()
+
+
 def test_shared_groups_keep_their_promises_under_random_operations(gworld: GroupWorld) -> None:
     GroupMachine.world = gworld
     run_state_machine_as_test(
         GroupMachine,
         settings=settings(
             max_examples=20,
+            stateful_step_count=40,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+def test_lanes_keep_the_promises_under_random_operations(
+    aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world = GroupWorld(aws, monkeypatch, lanes=4)
+    world.topic("default", 2)
+    LaneMachine.world = world
+    run_state_machine_as_test(
+        LaneMachine,
+        settings=settings(
+            max_examples=15,
             stateful_step_count=40,
             deadline=None,
             database=None,

@@ -84,7 +84,7 @@ def groups(aws: boto3.Session) -> Groups:
         dynamo,
         config.table("groups"),
         config.table("inboxes"),
-        settings=GroupSettings(lease_timeout_s=LEASE_S),
+        settings=GroupSettings(lease_timeout_s=LEASE_S, lanes=1),
         clock=clock,
     )
     service = GroupService(

@@ -3,6 +3,8 @@
 A ``GroupWorld`` is the delivery tests' ``World`` (every handler over moto, one ManualClock,
 the router through the emulated event source mappings) with the groups wired in as each
 function's ``from_config`` wires them, but on the world's clock and a short lease timeout.
+Groups have one lane unless a test asks for more (a lane is then a stream: what these tests
+say of streams holds for each lane, and the lane tests say what lanes add).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ LEASE_S = 10.0
 
 class GroupWorld(World):
     def __init__(
-        self, session: boto3.Session, monkeypatch: pytest.MonkeyPatch, lease_s: float = LEASE_S
+        self,
+        session: boto3.Session,
+        monkeypatch: pytest.MonkeyPatch,
+        lease_s: float = LEASE_S,
+        lanes: int = 1,
     ) -> None:
         super().__init__(session, monkeypatch)
         config = get_config()
@@ -35,7 +41,7 @@ class GroupWorld(World):
             dynamo,
             config.table("groups"),
             config.table("inboxes"),
-            settings=GroupSettings(lease_timeout_s=lease_s),
+            settings=GroupSettings(lease_timeout_s=lease_s, lanes=lanes),
             clock=self.clock,
         )
         self.groups = GroupService(
@@ -54,7 +60,7 @@ class GroupWorld(World):
             Dynamo(session.client("dynamodb")),
             config.table("groups"),
             config.table("inboxes"),
-            settings=GroupSettings(lease_timeout_s=lease_s),
+            settings=GroupSettings(lease_timeout_s=lease_s, lanes=lanes),
             clock=self.clock,
         )
         self.fanout.groups = StreamRegistrar(router_store)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from shoal.cli.main import main
 from shoal.client.errors import ApiError, SessionTakenOver, StateInUse, Unavailable
-from shoal.client.http import ShoalClient
+from shoal.client.http import GROUP_HEARTBEAT_MS, ShoalClient
 from shoal.client.state import ClientState
 from shoal.client.support import CallRetry
 from shoal.core.clock import ManualClock
@@ -319,7 +319,10 @@ def test_a_shared_group_member_heartbeats_within_the_group_lease_and_polls_short
     ]
     # and long-polls no longer than its heartbeat interval
     assert clients.adapter is not None
-    assert clients.adapter.timeouts[-1] == (POLICY.timeout_s, POLICY.timeout_s + 5.0)
+    assert clients.adapter.timeouts[-1] == (
+        POLICY.timeout_s,
+        POLICY.timeout_s + GROUP_HEARTBEAT_MS / 1000,
+    )
 
 
 # -- receiving ---------------------------------------------------------------------------------

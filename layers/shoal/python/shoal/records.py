@@ -48,6 +48,9 @@ class Message:
     publisher_id: str | None = None
     publisher_seq: int | None = None
     properties: dict[str, Any] = field(default_factory=dict)
+    #: the publisher named its ordering key; an unkeyed message's key is its topic, and a
+    #: shared group spreads such messages over its members (``shoal.groups.streams``, lanes)
+    keyed: bool = True
 
     def header(self) -> bytes:
         meta: dict[str, Any] = {
@@ -65,6 +68,8 @@ class Message:
             meta["seq"] = self.publisher_seq
         if self.properties:
             meta["props"] = self.properties
+        if not self.keyed:
+            meta["uk"] = 1
         return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -130,6 +135,8 @@ def decode_record(data: bytes) -> list[Message]:
                     publisher_id=meta.get("pid"),
                     publisher_seq=meta.get("seq"),
                     properties=dict(meta.get("props") or {}),
+                    # records written before the flag existed: keyed (their order is kept)
+                    keyed=not meta.get("uk"),
                 )
             )
     except (ValueError, KeyError, TypeError) as exc:

@@ -109,7 +109,7 @@ def group_service(
         clock=clock,
         payloads=PayloadStore.from_config(config) if payloads else None,
         events=events,
-        drain=group_gate(config, clock or store.clock, store.progress),
+        drain=group_gate(config, clock or store.clock, store.lane_progress),
     )
 
 

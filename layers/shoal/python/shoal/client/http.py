@@ -67,8 +67,8 @@ MAX_ACK_IDS = 1000
 #: the pause between empty polls when the poll itself waits less than this
 IDLE_POLL_MS = 500
 #: a member of a shared group heartbeats this often (a third of the server's default group lease
-#: timeout, 15 s) and long-polls no longer, or it loses its group streams between two heartbeats
-GROUP_HEARTBEAT_MS = 5_000
+#: timeout, 6 s) and long-polls no longer, or it loses its group streams between two heartbeats
+GROUP_HEARTBEAT_MS = 2_000
 
 
 def _digest(body: Mapping[str, Any]) -> str:

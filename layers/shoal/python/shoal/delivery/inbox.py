@@ -46,6 +46,9 @@ class InboxMessage:
     retain: bool = False
     #: the payload's key in the archive bucket, when it was too large to keep inline
     payload_ref: str | None = None
+    #: a shared group's copy of a message its publisher keyed: a digest of the ordering key,
+    #: which picks the message's lane (``shoal.groups.streams``); None: unkeyed
+    key_hash: int | None = None
 
     def data(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -66,6 +69,8 @@ class InboxMessage:
             out["r"] = True
         if self.payload_ref is not None:
             out["ref"] = self.payload_ref
+        if self.key_hash is not None:
+            out["k"] = self.key_hash
         return out
 
     @classmethod
@@ -83,6 +88,7 @@ class InboxMessage:
             properties=dict(data.get("pr") or {}),
             retain=bool(data.get("r", False)),
             payload_ref=data.get("ref"),
+            key_hash=int(data["k"]) if data.get("k") is not None else None,
         )
 
     def size(self) -> int:
@@ -98,6 +104,7 @@ class InboxMessage:
             + len(self.sid)
             + props
             + len(self.payload_ref or "")
+            + (12 if self.key_hash is not None else 0)
         )
 
 

@@ -200,6 +200,9 @@ class SubscriptionRequest(BaseModel):
     qos: StrictInt = Field(default=1, ge=0, le=2)
     no_local: StrictBool = False
     retain_handling: StrictInt = Field(default=0, ge=0, le=2)
+    #: a shared filter's lanes per shard when this subscribe creates its group (how many
+    #: members read one shard at once; ``shoal.groups.streams``); a group keeps its count
+    lanes: StrictInt | None = Field(default=None, ge=1, le=64)
 
 
 class SubscribeRequest(BaseModel):

@@ -17,6 +17,9 @@ class MembershipPlan:
 
     parts: list[dict[str, Any]] = field(default_factory=list)
     incarnations: dict[str, str] = field(default_factory=dict)
+    #: groups it joins that existed (their leaders advance once it committed: a join is
+    #: granted its streams at once, not at the next call)
+    joined: list[str] = field(default_factory=list)
     #: groups it leaves that stay (their leaders advance once it committed)
     left: list[str] = field(default_factory=list)
     #: groups it removes: (key, incarnation)
@@ -34,6 +37,7 @@ class SharedGroups(Protocol):
         *,
         joins: Iterable[str] = (),
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
+        lanes: Mapping[str, int] | None = None,
     ) -> MembershipPlan: ...
 
     def after(self, plan: MembershipPlan) -> None: ...

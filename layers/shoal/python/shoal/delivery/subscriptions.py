@@ -286,6 +286,9 @@ class SubscriptionService:
             # [MQTT-3.8.3-4]: No Local on a shared subscription is a protocol error; the
             # HTTP API refuses that filter alone, as it does an unauthorized one
             return "no_local_on_shared"
+        if not shared and wanted.lanes is not None:
+            # lanes split a shared group's work; a filter of one session has nothing to split
+            return "lanes_not_shared"
         return None
 
     def _commit_subscribe(
@@ -293,6 +296,11 @@ class SubscriptionService:
     ) -> None:
         session_id = head.session_id or ""
         shared = [text for text, a in accepted.items() if a.share is not None]
+        lanes = {
+            text: a.request.lanes
+            for text, a in accepted.items()
+            if a.share is not None and a.request.lanes is not None
+        }
         # the join of a shared subscription's group is read again on every attempt
         joining = self.groups if shared else None
         incarnations: Mapping[str, str] = {}
@@ -300,12 +308,15 @@ class SubscriptionService:
         for attempt in range(ATTEMPTS):
             plan = None
             if joining is not None:
-                plan = joining.membership(client_id, session_id, joins=shared)
+                plan = joining.membership(client_id, session_id, joins=shared, lanes=lanes)
                 incarnations = plan.incarnations
             reasons = self._try_subscribe(
                 client_id, head, accepted, retained=retained, incarnations=incarnations, plan=plan
             )
             if reasons is None:
+                if joining is not None and plan is not None:
+                    # a member that joined is granted its streams now, not at its next call
+                    joining.after(plan)
                 return
             self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
         raise ServerBusy("subscriptions of this session are contended; retry")

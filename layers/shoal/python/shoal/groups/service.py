@@ -92,6 +92,7 @@ from shoal.groups.streams import (
     group_partition,
     parse_delivery_id,
     serve,
+    source_of,
 )
 from shoal.groups.streams import delivery_id as stream_delivery_id
 from shoal.sessions.model import Channel
@@ -143,20 +144,24 @@ class GroupService:
         *,
         joins: Iterable[str] = (),
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
+        lanes: Mapping[str, int] | None = None,
     ) -> MembershipPlan:
-        """The group parts of a subscribe (``joins``: filter texts), an unsubscribe or a
-        session's end (``leaves``: filter text -> the session's option for it). Read fresh on
-        every attempt of the caller's transaction."""
+        """The group parts of a subscribe (``joins``: filter texts; ``lanes``: the lane count
+        a filter asks its group to be created with), an unsubscribe or a session's end
+        (``leaves``: filter text -> the session's option for it). Read fresh on every attempt
+        of the caller's transaction."""
         now = self.clock.now_ms()
         plan = MembershipPlan()
         for text in joins:
             shared = parse_shared(text)
             if shared is None:
                 continue
-            ref = GroupRef(text, shared[0], shared[1], 1, None)
+            ref = GroupRef(text, shared[0], shared[1], 1, None, (lanes or {}).get(text))
             inc, parts = self.store.join_parts(ref, session_id, client_id, now)
             plan.incarnations[text] = inc
             plan.parts += parts
+            if parts and "Update" in parts[0]:
+                plan.joined.append(ref.key)
         for ref in group_refs(leaves or {}):
             parts, removed = self.store.leave_parts(ref, session_id)
             plan.parts += parts
@@ -171,6 +176,11 @@ class GroupService:
         on, and a removed group's items and backlog go. Best effort: the next advance does
         the former, TTL the latter."""
         now = self.clock.now_ms()
+        for key in plan.joined:
+            try:
+                self.store.advance(key, now, operation="join")
+            except Exception:
+                logger.exception("advancing a group after a join failed")
         for key in plan.left:
             try:
                 self.store.advance(key, now, operation="leave")
@@ -202,7 +212,9 @@ class GroupService:
         records: list[dict[str, Any]] = []
         changes: list[dict[str, Any]] = []
         for ref in group_refs(subscriptions):
-            loaded = self.store.advance(ref.key, now, renewing=session_id, operation="heartbeat")
+            loaded = self.store.advance(
+                ref.key, now, renewing=session_id, acting=session_id, operation="heartbeat"
+            )
             if loaded is None or not _same(ref, loaded) or session_id not in loaded.state.members:
                 continue
             view = loaded.views.get(session_id, AgentView())
@@ -231,28 +243,57 @@ class GroupService:
             return out
         now = self.clock.now_ms()
         self._turn += 1
+        # lanes of one source read the same items: once per get
+        reader = self.reader.cached()
         for ref in _rotated(refs, self._turn):
             if len(out) >= wanted:
                 break
-            loaded = self.store.advance(ref.key, now)
+            loaded = self.store.advance(ref.key, now, renewing=session_id, acting=session_id)
             if loaded is None or not _same(ref, loaded):
                 continue
+            self._renew_if_due(ref.key, loaded, session_id, now)
             mine = sorted(
                 s for s, x in loaded.state.streams.items() if x.holder == session_id and x.held
             )
-            for source in _rotated(mine, self._turn):
+            known = self._progresses(ref.key, mine)
+            for stream in _rotated(mine, self._turn):
                 if len(out) >= wanted:
                     break
                 out += self._serve(
                     ref,
                     loaded,
-                    source,
+                    stream,
                     session_id,
                     wanted=wanted - len(out),
                     now=now,
                     channel=channel,
+                    reader=reader,
+                    progress=known.get(stream),
                 )
         return out
+
+    def _progresses(self, key: str, streams: Sequence[str]) -> dict[str, StreamProgress]:
+        """The progress of the lanes among ``streams`` that share a source with another, one
+        query per such source (the others are read as they are served)."""
+        by_source: dict[str, list[str]] = {}
+        for stream in streams:
+            by_source.setdefault(source_of(stream), []).append(stream)
+        out: dict[str, StreamProgress] = {}
+        for source, held in by_source.items():
+            if len(held) > 1:
+                found = self.store.lane_progress(key, source)
+                out.update({s: found[s] for s in held if s in found})
+        return out
+
+    def _renew_if_due(self, key: str, loaded: Loaded, member_id: str, now: int) -> None:
+        """A member that gets is alive: its renewal is written once a third of the lease
+        timeout passed since the last (a client that long-polls keeps its streams between
+        heartbeats, and a get costs no write for it most of the time)."""
+        member = loaded.state.members.get(member_id)
+        if member is None:
+            return
+        if now - member.renewed_at_ms >= self.store.settings.lease_timeout_ms // 3:
+            self.store.renew(key, loaded.state.incarnation, member_id, now)
 
     def _serve(
         self,
@@ -264,10 +305,14 @@ class GroupService:
         wanted: int,
         now: int,
         channel: Channel,
+        reader: StreamReader | None = None,
+        progress: StreamProgress | None = None,
     ) -> list[dict[str, Any]]:
         lease = loaded.state.streams[source]
-        progress = self.store.progress(ref.key, source)
+        if progress is None:
+            progress = self.store.progress(ref.key, source)
         partition = group_partition(loaded.state.incarnation)
+        lanes = loaded.state.lanes
         gate = self.drain
         for attempt in range(ATTEMPTS):
             if progress is None:
@@ -285,7 +330,7 @@ class GroupService:
             dropped: list[InboxMessage] = []
             handed, changed = serve(
                 work,
-                reader=self.reader,
+                reader=reader or self.reader,
                 partition=partition,
                 granted=lease.state is StreamState.GRANTED,
                 qos=ref.qos,
@@ -294,18 +339,19 @@ class GroupService:
                 now_ms=now,
                 ack_timeout_ms=int(self.delivery.ack_timeout_s * 1000),
                 channel=channel,
-                admit=None if gate is None else partial(gate.admits, ref.key, partition),
+                admit=None if gate is None else partial(gate.admits, ref.key, partition, lanes),
                 dropped=dropped,
+                lanes=lanes,
             )
             if not changed:
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
-                    self.store.advance(ref.key, now)
+                    self.store.advance(ref.key, now, operation="revoked")
                 return []
             work.pv = expected + 1
             if self.store.save_progress(ref.key, work, expected, member_id):
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
                     # nothing left in flight: that was the final progress, hand it over
-                    self.store.advance(ref.key, now)
+                    self.store.advance(ref.key, now, operation="revoked")
                 answers = [
                     answer(
                         group_key=ref.key,
@@ -353,15 +399,28 @@ class GroupService:
             by_lease = wanted.setdefault((parsed.group_key, parsed.source), {})
             by_lease.setdefault(parsed.lease, set()).add(parsed.ordinal)
         total = 0
+        known: dict[str, dict[str, StreamProgress]] = {}
+        for key in sorted({k for k, _ in wanted}):
+            # lanes of one source acked together are read in one query
+            known[key] = self._progresses(key, [s for k, s in wanted if k == key])
         for (key, source), by_lease in sorted(wanted.items()):
-            total += self._ack_stream(refs[key], source, by_lease, session_id)
+            total += self._ack_stream(
+                refs[key], source, by_lease, session_id, known[key].get(source)
+            )
         return total
 
     def _ack_stream(
-        self, ref: GroupRef, source: str, by_lease: Mapping[int, set[int]], member_id: str
+        self,
+        ref: GroupRef,
+        source: str,
+        by_lease: Mapping[int, set[int]],
+        member_id: str,
+        known: StreamProgress | None = None,
     ) -> int:
         for attempt in range(ATTEMPTS):
-            progress = self.store.progress(ref.key, source)
+            progress = known if known is not None and attempt == 0 else None
+            if progress is None:
+                progress = self.store.progress(ref.key, source)
             if progress is None or (
                 ref.incarnation is not None and progress.incarnation != ref.incarnation
             ):
@@ -383,7 +442,7 @@ class GroupService:
             if self.store.save_progress(ref.key, progress, expected, member_id):
                 if progress.state is StreamState.REVOKING and progress.in_flight() == 0:
                     # the holder's final progress: hand the stream over now
-                    self.store.advance(ref.key, self.clock.now_ms())
+                    self.store.advance(ref.key, self.clock.now_ms(), operation="revoked")
                 self._record_acks(ref, source, by_lease, progress, member_id)
                 return count
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
@@ -428,6 +487,7 @@ class GroupService:
                 {
                     "group": ref.text,
                     "members": len(loaded.state.members),
+                    "lanes": loaded.state.lanes,
                     "leases": [
                         {"stream": s, "lease": x.lease, "state": x.state.value}
                         for s, x in sorted(loaded.state.holdings(session_id).items())

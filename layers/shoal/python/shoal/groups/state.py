@@ -10,6 +10,8 @@ from enum import StrEnum
 from shoal.groups.streams import (
     StaleLease,
     StreamState,
+    is_lane,
+    lane_streams,
 )
 
 #: streams one transition grants or takes at most: each is a write of the stream's item in the
@@ -56,6 +58,8 @@ class GroupState:
     created_at_ms: int = 0
     members: Mapping[str, Member] = field(default_factory=dict)
     streams: Mapping[str, StreamLease] = field(default_factory=dict)
+    #: lanes per source (``shoal.groups.streams``), set when the group is created
+    lanes: int = 1
 
     def holdings(self, member_id: str) -> dict[str, StreamLease]:
         """The streams a member holds (granted or revoking), by source."""
@@ -73,6 +77,7 @@ def stored_view(state: GroupState) -> tuple[object, ...]:
     """What a transition changes in the leader's item (not renewals, not progress)."""
     return (
         state.incarnation,
+        state.lanes,
         tuple(
             sorted(
                 (m, x.client_id, x.joined_at_ms, x.set_version) for m, x in state.members.items()
@@ -87,8 +92,10 @@ def stored_view(state: GroupState) -> tuple[object, ...]:
     )
 
 
-def new_group(share: str, topic_filter: str, incarnation: str, now_ms: int) -> GroupState:
-    return GroupState(share, topic_filter, incarnation, created_at_ms=now_ms)
+def new_group(
+    share: str, topic_filter: str, incarnation: str, now_ms: int, lanes: int = 1
+) -> GroupState:
+    return GroupState(share, topic_filter, incarnation, created_at_ms=now_ms, lanes=lanes)
 
 
 def join(state: GroupState, member_id: str, client_id: str, now_ms: int) -> GroupState:
@@ -121,8 +128,14 @@ def renew(state: GroupState, member_id: str, now_ms: int) -> GroupState:
 
 
 def add_streams(state: GroupState, sources: Iterable[str]) -> GroupState:
-    """Streams the router has written to and the leader does not know yet: nobody holds them."""
-    new = {s: StreamLease() for s in sources if s not in state.streams}
+    """Streams the router has written to and the leader does not know yet: nobody holds them.
+    A source of a group of several lanes is its lanes (a lane's name passes as it is)."""
+    names: list[str] = []
+    for source in sources:
+        names += (
+            [source] if is_lane(source) or state.lanes == 1 else lane_streams(source, state.lanes)
+        )
+    new = {s: StreamLease() for s in names if s not in state.streams}
     if not new:
         return state
     return replace(state, streams={**state.streams, **new})
@@ -216,9 +229,44 @@ def rebalance(
     return _bump_members(replace(state, streams=streams), touched)
 
 
+#: rounds of expiry and rebalance one advance runs at most
+ADVANCE_ROUNDS = 3
+
+
 def advance(state: GroupState, now_ms: int, timeout_ms: int) -> GroupState:
-    """What any invocation touching the group runs: expiry, then rebalance."""
-    return rebalance(expire(state, now_ms, timeout_ms), now_ms, timeout_ms)
+    """What any invocation touching the group runs: expiry, then rebalance, again until
+    nothing changes. A revoke whose holder has nothing in flight is finished and granted in
+    the same step: a join or a leave hands an idle stream over in one transaction, where one
+    round per step left it with nobody until the next invocation."""
+    for _ in range(ADVANCE_ROUNDS):
+        new = rebalance(expire(state, now_ms, timeout_ms), now_ms, timeout_ms)
+        if new is state:
+            break
+        state = new
+    return state
+
+
+def concerns(
+    old: GroupState, new: GroupState, member_id: str, now_ms: int, timeout_ms: int
+) -> bool:
+    """Whether a transition from ``old`` to ``new`` is ``member_id``'s to write: it changes
+    that member's streams, the member holds fewer than its share (the transition works for
+    it), or the member is the group's steward (its first live member).
+
+    Members that are not concerned leave the write to those that are: racing heartbeats and
+    gets of a large group would otherwise all try the same transaction and all but one lose.
+    A transition always concerns a live member when one exists (the steward), so it is never
+    left undone while live members call.
+    """
+    before = old.members.get(member_id)
+    after = new.members.get(member_id)
+    if before is None or after is None or before.set_version != after.set_version:
+        return True
+    live = old.live_members(now_ms, timeout_ms)
+    if not live or live[0] == member_id:
+        return True
+    held = sum(1 for x in old.streams.values() if x.holder == member_id and x.held)
+    return held < len(old.streams) // len(live)
 
 
 def _free(lease: StreamLease, now_ms: int) -> StreamLease:

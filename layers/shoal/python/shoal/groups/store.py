@@ -26,6 +26,7 @@ from shoal.groups.state import (
     add_streams,
     advance,
     agent_lost,
+    concerns,
     join,
     new_group,
     renew,
@@ -37,6 +38,7 @@ from shoal.groups.streams import (
     StreamProgress,
     StreamState,
     group_partition,
+    source_of,
     stream_item,
 )
 from shoal.topics.filters import parse_shared
@@ -79,6 +81,8 @@ class GroupRef:
     qos: int
     #: the incarnation the session joined (absent for subscriptions older than groups)
     incarnation: str | None
+    #: the lanes a subscribe asked the group to be created with (None: the default)
+    lanes: int | None = None
 
     @property
     def key(self) -> str:
@@ -123,6 +127,7 @@ def leader_record(key: str, state: GroupState) -> dict[str, Any]:
         },
         # one JSON value: a transition rewrites the whole item anyway
         "st": json.dumps(streams, separators=(",", ":"), sort_keys=True),
+        "ln": state.lanes,
     }
 
 
@@ -231,6 +236,7 @@ class GroupStore:
             "r",
             "vw",
             "lost",
+            "ln",
         )
         names = {f"#a{n}": a for n, a in enumerate(attributes)}
         rows = self.dynamo.query(
@@ -287,6 +293,8 @@ class GroupStore:
             created_at_ms=int(leader.get("at", 0)),
             members=members,
             streams=streams,
+            # groups created before lanes existed have one
+            lanes=int(leader.get("ln", 1)),
         )
         state = add_streams(state, sorted(fences))
         return Loaded(key, state, fences, views)
@@ -294,6 +302,23 @@ class GroupStore:
     def progress(self, key: str, source: str) -> StreamProgress | None:
         raw = self.dynamo.get(self.table, {"group": key, "item": stream_item(source)})
         return StreamProgress.from_record(raw) if raw else None
+
+    def lane_progress(self, key: str, source: str) -> dict[str, StreamProgress]:
+        """The progress of every lane of a shard source that has one, by stream (one query:
+        a member holding several lanes of a source reads them at once)."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#g = :g AND begins_with(#i, :s)",
+            ExpressionAttributeNames={"#g": "group", "#i": "item"},
+            ExpressionAttributeValues=to_item({":g": key, ":s": stream_item(source)}),
+            ConsistentRead=True,
+        )
+        out: dict[str, StreamProgress] = {}
+        for row in rows:
+            progress = StreamProgress.from_record(row)
+            if source_of(progress.source) == source:
+                out[progress.source] = progress
+        return out
 
     # -- the leader's transitions
 
@@ -382,10 +407,17 @@ class GroupStore:
         return reasons is None
 
     def advance(
-        self, key: str, now_ms: int, *, renewing: str | None = None, operation: str = "advance"
+        self,
+        key: str,
+        now_ms: int,
+        *,
+        renewing: str | None = None,
+        acting: str | None = None,
+        operation: str = "advance",
     ) -> Loaded | None:
         """Load the group and advance its leader (``renewing``: a member known live now); the
-        state as written, or None when the group does not exist."""
+        state as written, or None when the group does not exist. ``acting``: the member on
+        whose call this runs, which writes only a transition that concerns it (``concerns``)."""
         timeout = self.settings.lease_timeout_ms
         for attempt in range(ATTEMPTS):
             loaded = self.load(key)
@@ -397,6 +429,9 @@ class GroupStore:
             new = advance(state, now_ms, timeout)
             if new.same_assignment(loaded.state):
                 return replace(loaded, state=new)
+            if acting is not None and not concerns(state, new, acting, now_ms, timeout):
+                # another member's to write: this call goes on with the leader as it is
+                return replace(loaded, state=state)
             if self.commit(loaded, new, operation):
                 return self._applied(loaded, new)
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
@@ -465,6 +500,20 @@ class GroupStore:
         if records:
             self.dynamo.batch_put(self.table, list(records))
 
+    def renew(self, key: str, incarnation: str, member_id: str, now_ms: int) -> None:
+        """A member's renewal alone (its view stays as it is): no condition a racing member
+        can fail, and no write of the leader."""
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"group": key, "item": member_item(member_id)}),
+            UpdateExpression="SET #r = :r, #inc = :inc",
+            # an item an earlier incarnation left behind is the heartbeat's to replace
+            ConditionExpression="attribute_not_exists(#inc) OR #inc = :inc",
+            ExpressionAttributeNames={"#r": "r", "#inc": "inc"},
+            ExpressionAttributeValues=to_item({":r": now_ms, ":inc": incarnation}),
+        )
+
     def lost(self, key: str, member_id: str) -> None:
         """A member's write was fenced off: its agent goes back to connecting."""
         self.dynamo.conditional(
@@ -512,8 +561,9 @@ class GroupStore:
         raw = self.leader_raw(key)
         if raw is None:
             inc = new_incarnation()
+            lanes = ref.lanes or self.settings.lanes
             state = join(
-                new_group(ref.share, ref.filter, inc, now_ms), member_id, client_id, now_ms
+                new_group(ref.share, ref.filter, inc, now_ms, lanes), member_id, client_id, now_ms
             )
             return inc, [
                 {

@@ -23,14 +23,33 @@ partition, see ``shoal.groups``), the only item a holder writes while it reads:
   (the previous holder's unacked messages go to the next holder, ``dup`` true), and so is one
   sent to an older channel of the holder (a reconnect); others after the ack timeout.
 
-A delivery's id is ``g-<group key>.<source>.<lease>.<ordinal>``: an ack names the lease it was
+A delivery's id is ``g-<group key>.<stream>.<lease>.<ordinal>``: an ack names the lease it was
 delivered under, and only that lease's holder can ack it.
+
+Lanes
+-----
+One shard is one stream of messages in order; read by one member at a time, it would put a
+group of any size at the pace of one worker. So a group of ``lanes`` > 1 splits each source
+into lanes: a message's lane is a digest of its ordering key when its publisher named one
+(``key_hash``, written by the router with the group's copy), else of its message id, modulo
+the lane count. Each lane is a stream of its own to the leader: leased, fenced, handed off and
+progressed as above (its item is ``s#<source>-<lane>``; the router's ``s#<source>`` only makes
+the source known). Messages of one ordering key share a lane, so they keep their order within
+the group; unkeyed messages spread over all lanes, so over up to ``lanes`` members.
+
+The router writes a group's messages once, as before: a lane is a filter over its source's
+items, not a copy. Its holder reads the source and passes over other lanes' messages (its
+cursor moves over them: the next read starts after them). Passing over costs reads, which are
+cheaper than the writes one copy per lane would cost the router; a get of several lanes of one
+source shares its reads (``CachedReader``).
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import json
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -56,6 +75,13 @@ SOURCE_END = "~"
 ITEMS_PER_QUERY = 10
 #: queries one serve makes while looking for new messages
 MAX_QUERIES = 16
+#: a lane stream's name is "<source>-<lane>" (a source is hex: it holds no "-")
+LANE_SEPARATOR = "-"
+#: the most lanes a group may have (its leases ride in the leader's one item)
+MAX_LANES = 64
+#: a serve that only passed over other lanes' messages saves its cursor once it passed this
+#: many items (fewer are cheaper to read again than to write)
+SKIP_SAVE_ITEMS = ITEMS_PER_QUERY
 
 
 class StreamState(StrEnum):
@@ -68,6 +94,54 @@ class StreamState(StrEnum):
 
 class StaleLease(Exception):
     """A progress write or ack under a lease that is not the stream's current one."""
+
+
+def key_hash(ordering_key: str) -> int:
+    """The digest of an ordering key that picks its lane (stable across processes)."""
+    return zlib.crc32(ordering_key.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One lane of a source: the messages whose lane digest is ``index`` modulo ``count``."""
+
+    index: int = 0
+    count: int = 1
+
+    def holds(self, message: InboxMessage) -> bool:
+        if self.count == 1:
+            return True
+        digest = message.key_hash
+        if digest is None:
+            # unkeyed: any lane keeps its order, so spread by the message's own id
+            digest = zlib.crc32(message.message_id.encode("utf-8", "surrogatepass"))
+        return digest % self.count == self.index
+
+
+def lane_stream(source: str, index: int, lanes: int) -> str:
+    """The stream name of a source's lane (the source itself when the group has one lane)."""
+    return source if lanes == 1 else f"{source}{LANE_SEPARATOR}{index}"
+
+
+def lane_streams(source: str, lanes: int) -> list[str]:
+    return [lane_stream(source, n, lanes) for n in range(lanes)]
+
+
+def stream_lane(stream: str, lanes: int) -> tuple[str, Lane]:
+    """A stream's source and lane."""
+    source, separator, index = stream.partition(LANE_SEPARATOR)
+    if not separator:
+        return source, Lane()
+    return source, Lane(int(index), lanes)
+
+
+def source_of(stream: str) -> str:
+    """The shard source a stream (a lane, or a whole source) reads."""
+    return stream.partition(LANE_SEPARATOR)[0]
+
+
+def is_lane(stream: str) -> bool:
+    return LANE_SEPARATOR in stream
 
 
 def group_partition(incarnation: str) -> str:
@@ -301,9 +375,8 @@ class StreamReader:
             request["Limit"] = limit
         return [InboxItem.from_record(r) for r in self.dynamo.query(self.table, **request)]
 
-    def after(self, partition: str, progress: StreamProgress) -> Iterator[Found]:
-        """The messages after the cursor, in order (a bounded number of queries)."""
-        source = progress.source
+    def after(self, partition: str, source: str, progress: StreamProgress) -> Iterator[Found]:
+        """The source's messages after the cursor, in order (a bounded number of queries)."""
         lower = progress.at_item or f"{source}#"
         upper = f"{source}#{SOURCE_END}"
         for _ in range(MAX_QUERIES):
@@ -318,16 +391,65 @@ class StreamReader:
             # character that sorts after nothing a position holds, so BETWEEN excludes it)
             lower = items[-1].key + "\x00"
 
-    def run(self, partition: str, source: str, run: StreamRun) -> list[Found] | None:
-        """A run's messages in order, exactly as many as it has ordinals (else None: expired)."""
+    def run(
+        self, partition: str, source: str, run: StreamRun, lane: Lane = Lane()
+    ) -> list[Found] | None:
+        """A run's messages of ``lane`` in order, exactly as many as it has ordinals (else
+        None: they expired)."""
         items = self._query(partition, run.start_item, item_key(source, run.upto), None)
         found: dict[str, Found] = {}
         for item in items:
             for message in item.messages:
-                if run.after < message.position <= run.upto and message.position not in found:
+                if (
+                    run.after < message.position <= run.upto
+                    and message.position not in found
+                    and lane.holds(message)
+                ):
                     found[message.position] = Found(item, message)
         ordered = sorted(found.values(), key=lambda f: f.message.position)
         return ordered if len(ordered) == run.count else None
+
+    def cached(self) -> CachedReader:
+        """A reader for one call: lanes of one source read the same items once."""
+        return CachedReader(self.dynamo, self.table)
+
+
+@dataclass
+class _Segment:
+    lower: str
+    #: every item from ``lower`` up to this key was read
+    complete_to: str
+    keys: list[str]
+    items: list[InboxItem]
+
+
+class CachedReader(StreamReader):
+    """A ``StreamReader`` that answers a query from what it read before, when that covers the
+    range. For one call only: an item is written once (a retried batch writes it the same), so
+    the only thing a cache misses is what the router wrote meanwhile, which the next get reads."""
+
+    def __init__(self, dynamo: Dynamo, table: str) -> None:
+        super().__init__(dynamo, table)
+        self._segments: dict[str, list[_Segment]] = {}
+        #: queries answered from the cache (for the benchmark)
+        self.hits = 0
+
+    def _query(self, partition: str, lower: str, upper: str, limit: int | None) -> list[InboxItem]:
+        for segment in self._segments.get(partition, ()):
+            if segment.lower > lower:
+                continue
+            start = bisect.bisect_left(segment.keys, lower)
+            stop = bisect.bisect_right(segment.keys, upper)
+            candidate = segment.items[start:stop]
+            if segment.complete_to >= upper or (limit is not None and len(candidate) >= limit):
+                self.hits += 1
+                return candidate[:limit] if limit is not None else candidate
+        items = super()._query(partition, lower, upper, limit)
+        complete_to = upper if limit is None or len(items) < limit else items[-1].key
+        self._segments.setdefault(partition, []).append(
+            _Segment(lower, complete_to, [i.key for i in items], items)
+        )
+        return items
 
 
 # --- serving a stream --------------------------------------------------------------------------
@@ -356,13 +478,16 @@ def serve(
     channel: Channel = "",
     admit: Callable[[InboxItem], bool] | None = None,
     dropped: list[InboxMessage] | None = None,
+    lanes: int = 1,
 ) -> tuple[list[Handed], bool]:
     """Plan one get on one stream the caller holds: due runs again, then (while the stream is
     granted, not revoking) new messages after the cursor. Changes ``progress`` in place;
     answers what goes out and whether ``progress`` changed. ``admit`` holds back new messages
     of an item it refuses (a later storage topic not drained yet: ``shoal.drain``). New
     messages that expired before going out are done at once and added to ``dropped`` (delivery
-    events: the audit must not count them lost)."""
+    events: the audit must not count them lost). ``lanes``: the group's lane count (the stream
+    is one lane of its source when it is more than one)."""
+    source, lane = stream_lane(progress.source, lanes)
     out: list[Handed] = []
     changed = False
     for run in sorted(progress.runs, key=lambda r: r.first):
@@ -375,7 +500,7 @@ def serve(
         )
         if not due:
             continue
-        found = reader.run(partition, progress.source, run)
+        found = reader.run(partition, source, run, lane)
         changed = True
         if found is None:
             # its deliveries are gone (retention ran out): nothing left to send again
@@ -425,11 +550,18 @@ def serve(
     room = min(wanted - len(out), window - progress.in_flight())
     if granted and room > 0:
         current: StreamRun | None = None
-        scanned = 0
-        for f in reader.after(partition, progress):
+        passed: set[str] = set()
+        for f in reader.after(partition, source, progress):
             if room <= 0 or (admit is not None and not admit(f.item)):
                 break
-            scanned += 1
+            if not lane.holds(f.message):
+                # another lane's: the cursor passes over it (saved with this lane's next
+                # change, or once it passed enough items to be worth a write)
+                progress.cursor = f.message.position
+                progress.at_item = f.item.key
+                passed.add(f.item.key)
+                changed = changed or len(passed) > SKIP_SAVE_ITEMS
+                continue
             ordinal = progress.next
             progress.next += 1
             if current is None:

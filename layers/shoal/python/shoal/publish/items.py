@@ -72,6 +72,7 @@ class Item:
             publisher_id=request.publisher_id,
             publisher_seq=request.publisher_seq,
             properties=properties,
+            keyed=request.ordering_key is not None,
         )
 
 

@@ -51,7 +51,7 @@ from shoal.delivery.subscriptions import SubscriptionStore
 from shoal.drain import RouterDrain
 from shoal.groups.service import StreamRegistrar
 from shoal.groups.store import group_key
-from shoal.groups.streams import group_partition
+from shoal.groups.streams import group_partition, key_hash
 from shoal.records import MalformedRecord, Message, decode_record
 from shoal.topics.index import FilterIndex
 
@@ -233,6 +233,8 @@ class Fanout:
                 if len(payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
                     ref = self.payloads.put(message.message_id, payload)
                     payload = b""
+                # a group's copy of a keyed message names its key's lane; sessions need none
+                keyed = key_hash(message.ordering_key) if message.keyed else None
                 for session_id, (qos, subscription) in chosen.items():
                     deliveries.setdefault(session_id, []).append(
                         InboxMessage(
@@ -251,6 +253,7 @@ class Fanout:
                                 if k != "message_expiry_s"
                             },
                             payload_ref=ref,
+                            key_hash=keyed if session_id in streams else None,
                         )
                     )
         if not deliveries:

@@ -17,9 +17,13 @@ from tests.integration.test_groups_support import GroupWorld
 SHARED = {"filter": "$share/g/orders/#", "qos": 1}
 
 
-@pytest.fixture
-def gworld(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[GroupWorld]:
-    w = GroupWorld(aws, monkeypatch)
+@pytest.fixture(params=[1, 4], ids=["one-lane", "four-lanes"])
+def gworld(
+    aws: boto3.Session, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[GroupWorld]:
+    # with lanes, every lane of T0's shards must be past the seal (the key's lane, and the
+    # lanes that only pass over its messages)
+    w = GroupWorld(aws, monkeypatch, lanes=request.param)
     w.topic("default", 1)
     w.topic("orders", 4)
     yield w

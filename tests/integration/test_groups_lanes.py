@@ -151,3 +151,31 @@ def test_a_subscribe_sets_its_groups_lanes_and_a_plain_filter_refuses_them(
     ) == [1]
     loaded = w.group("big", "orders/#")
     assert loaded is not None and loaded.state.lanes == 16
+
+
+def test_a_member_that_only_gets_keeps_its_lanes(lanes_world: GroupWorld) -> None:
+    w = lanes_world
+    # Given two members, one of which never heartbeats but keeps getting
+    getter = member(w, "alice-getter")
+    other = member(w, "alice-other")
+    w.heartbeat("alice-other", other)
+    for n in range(8):
+        w.publish("jobs/a", f"m{n}")
+    w.route()
+    w.get("alice-getter", getter, 1)
+    before = w.group("w", "jobs/#")
+    assert before is not None
+    held = {s for s, x in before.state.streams.items() if x.holder == w.session_id("alice-getter")}
+    assert held
+    # When twice the lease timeout passes in small steps, the getter calling get each step
+    for _ in range(8):
+        w.clock.advance(LEASE_S / 4)
+        w.get("alice-getter", getter, 1)
+        w.heartbeat("alice-other", other)
+    # Then it still holds its lanes (a get renews), under the same leases
+    after = w.group("w", "jobs/#")
+    assert after is not None
+    assert {s: after.state.streams[s].lease for s in held} == {
+        s: before.state.streams[s].lease for s in held
+    }
+    assert all(after.state.streams[s].holder == w.session_id("alice-getter") for s in held)

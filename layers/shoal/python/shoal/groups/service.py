@@ -289,10 +289,10 @@ class GroupService:
         """A member that gets is alive: its renewal is written once a third of the lease
         timeout passed since the last (a client that long-polls keeps its streams between
         heartbeats, and a get costs no write for it most of the time)."""
-        member = loaded.state.members.get(member_id)
-        if member is None:
+        if member_id not in loaded.state.members:
             return
-        if now - member.renewed_at_ms >= self.store.settings.lease_timeout_ms // 3:
+        stored = loaded.renewed.get(member_id, 0)
+        if now - stored >= self.store.settings.lease_timeout_ms // 3:
             self.store.renew(key, loaded.state.incarnation, member_id, now)
 
     def _serve(

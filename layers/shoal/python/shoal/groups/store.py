@@ -169,6 +169,8 @@ class Loaded:
     state: GroupState
     fences: dict[str, Fence]
     views: dict[str, AgentView]
+    #: members' renewals as stored (``state`` may hold a renewal not written yet)
+    renewed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -297,7 +299,7 @@ class GroupStore:
             lanes=int(leader.get("ln", 1)),
         )
         state = add_streams(state, sorted(fences))
-        return Loaded(key, state, fences, views)
+        return Loaded(key, state, fences, views, {m: x.renewed_at_ms for m, x in members.items()})
 
     def progress(self, key: str, source: str) -> StreamProgress | None:
         raw = self.dynamo.get(self.table, {"group": key, "item": stream_item(source)})
@@ -457,7 +459,11 @@ class GroupStore:
                 pv=fence.pv + 1 if source in fences else 0,
             )
         return Loaded(
-            loaded.key, replace(new, version=loaded.state.version + 1), fences, loaded.views
+            loaded.key,
+            replace(new, version=loaded.state.version + 1),
+            fences,
+            loaded.views,
+            loaded.renewed,
         )
 
     # -- progress

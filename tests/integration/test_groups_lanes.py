@@ -10,6 +10,9 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal import wiring
+from shoal.core.config import get_config
+from shoal.groups.store import group_key
 from shoal.groups.streams import CachedReader, parse_delivery_id
 
 from tests.integration.test_groups_support import LEASE_S, GroupWorld, gworld
@@ -179,3 +182,21 @@ def test_a_member_that_only_gets_keeps_its_lanes(lanes_world: GroupWorld) -> Non
         s: before.state.streams[s].lease for s in held
     }
     assert all(after.state.streams[s].holder == w.session_id("alice-getter") for s in held)
+
+
+@pytest.mark.parametrize(("partitions", "lanes"), [(1, 8), (4, 2), (8, 1)])
+def test_a_new_group_gets_lanes_for_its_topics_partitions(
+    aws: boto3.Session, monkeypatch: pytest.MonkeyPatch, partitions: int, lanes: int
+) -> None:
+    # Given the groups service as a deployed function wires it (default parallelism 8)
+    w = GroupWorld(aws, monkeypatch)
+    w.topic("default", 1)
+    w.topic("wide", partitions)
+    service = wiring.group_service(get_config(), w.clock)
+    # When the first member's subscribe creates a group reading that topic
+    text = "$share/pool/wide/#"
+    plan = service.membership("alice-a", "session-a", joins=[text])
+    assert service.store.dynamo.transact(plan.parts) is None
+    # Then its shards have ceil(8 / partitions) lanes
+    loaded = service.store.load(group_key("pool", "wide/#"))
+    assert loaded is not None and loaded.state.lanes == lanes

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 from shoal.core.clock import ManualClock
-from shoal.core.config import DEFAULT_GROUP_LANES, Config
+from shoal.core.config import DEFAULT_GROUP_PARALLELISM, Config
 from shoal.delivery.inbox import InboxMessage
 from shoal.groups.state import (
     add_streams,
@@ -16,6 +16,7 @@ from shoal.groups.state import (
     join,
     new_group,
 )
+from shoal.groups.store import default_lanes
 from shoal.groups.streams import (
     Lane,
     StreamState,
@@ -134,6 +135,14 @@ def test_a_transition_is_written_by_the_members_it_concerns_or_the_steward() -> 
     assert "m3" in concerned and "m0" in concerned and "m2" not in concerned
 
 
-def test_lanes_come_from_the_environment() -> None:
-    assert Config.from_env({}).groups.lanes == DEFAULT_GROUP_LANES
+def test_lanes_and_parallelism_come_from_the_environment() -> None:
+    assert Config.from_env({}).groups.lanes is None
+    assert Config.from_env({}).groups.parallelism == DEFAULT_GROUP_PARALLELISM
     assert Config.from_env({"SHOAL_GROUP_LANES": "16"}).groups.lanes == 16
+    assert Config.from_env({"SHOAL_GROUP_PARALLELISM": "4"}).groups.parallelism == 4
+
+
+def test_a_groups_default_lanes_spread_it_over_its_parallelism_on_any_partition_count() -> None:
+    # one partition: 8 lanes; 4 partitions: 2 each; 8 or more: none needed
+    assert [default_lanes(8, p) for p in (None, 1, 2, 3, 4, 8, 12, 64)] == [8, 8, 4, 3, 2, 1, 1, 1]
+    assert default_lanes(200, 1) == 64  # at most MAX_LANES

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Generic, TypeVar
 
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.composite.directory import TopicDirectory
+from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
@@ -41,6 +43,7 @@ from shoal.sessions.model import WillMessage
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
+from shoal.topics.filters import first_level
 
 T = TypeVar("T")
 
@@ -102,6 +105,9 @@ def group_service(
     """Shared groups; ``payloads`` False for those that never hand out messages (subscribe,
     the session's end)."""
     store = GroupStore.from_config(config, clock)
+    store.partitions_of = partial(
+        partitions_of, TopicStore(store.dynamo, config.table(tables.TOPICS)), clock or store.clock
+    )
     return GroupService(
         store,
         StreamReader(store.dynamo, config.table(tables.INBOXES)),
@@ -111,6 +117,18 @@ def group_service(
         events=events,
         drain=group_gate(config, clock or store.clock, store.lane_progress),
     )
+
+
+def partitions_of(topics: TopicStore, clock: Clock, topic_filter: str) -> int | None:
+    """The partitions a filter's messages are written to now: its first level's composite
+    topic, else ``default``'s (as a publish routes); None when neither exists. Read when a
+    shared group is created (its lanes per shard)."""
+    level = first_level(topic_filter)
+    names = [level] if is_valid_topic_name(level) else []
+    found = topics.load_many([*names, DEFAULT_TOPIC])
+    topic = found.get(level) or found.get(DEFAULT_TOPIC)
+    storage = topic.producing(clock.now_ms()) if topic is not None else None
+    return storage.partitions if storage is not None else None
 
 
 def session_registry(

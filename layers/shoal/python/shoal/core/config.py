@@ -26,8 +26,8 @@ DEFAULT_RETENTION_S = 14 * 24 * 3600
 #: shared groups' default lease timeout (``shoal.groups``): with a heartbeat every third of it,
 #: a lost member's streams move within about 8 s (EMQX's tests expect 10 s)
 DEFAULT_LEASE_TIMEOUT_S = 6.0
-#: lanes per shard of a shared group (``shoal.groups.streams``): 8 members read one shard
-DEFAULT_GROUP_LANES = 8
+#: a shared group's work spreads over at least this many members (``shoal.groups.streams``)
+DEFAULT_GROUP_PARALLELISM = 8
 
 
 class DeliverySettings(BaseModel):
@@ -62,9 +62,12 @@ class GroupSettings(BaseModel):
     #: a member that has not renewed (heartbeat) for this long loses its streams; a revoke
     #: that is not finished in this long is finished by the leader
     lease_timeout_s: float = Field(default=DEFAULT_LEASE_TIMEOUT_S, gt=0)
-    #: lanes per shard of a group created without its own count: how many members can read
-    #: one shard at once (``shoal.groups.streams``)
-    lanes: int = Field(default=DEFAULT_GROUP_LANES, ge=1, le=64)
+    #: how many members a group created without its own lane count spreads over at least:
+    #: its lanes per shard are this divided by its topic's partitions, rounded up
+    #: (``shoal.groups.streams``; a topic of 8 partitions needs no lanes for 8 members)
+    parallelism: int = Field(default=DEFAULT_GROUP_PARALLELISM, ge=1, le=64)
+    #: lanes per shard of every group created without its own count (None: from parallelism)
+    lanes: int | None = Field(default=None, ge=1, le=64)
 
     @property
     def lease_timeout_ms(self) -> int:
@@ -77,6 +80,8 @@ class GroupSettings(BaseModel):
             values["lease_timeout_s"] = float(raw)
         if raw := env.get("SHOAL_GROUP_LANES"):
             values["lanes"] = int(raw)
+        if raw := env.get("SHOAL_GROUP_PARALLELISM"):
+            values["parallelism"] = int(raw)
         return cls(**values)
 
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from shoal.groups.state import (
 )
 from shoal.groups.streams import (
     FENCE_ATTRIBUTES,
+    MAX_LANES,
     STREAM_PREFIX,
     Fence,
     StreamProgress,
@@ -61,6 +62,13 @@ def group_key(share: str, topic_filter: str) -> str:
     """The group's partition: a digest of (ShareName, filter); a filter reaches 64 KB."""
     raw = f"{share}\x00{topic_filter}".encode("utf-8", "surrogatepass")
     return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def default_lanes(parallelism: int, partitions: int | None) -> int:
+    """Lanes per shard for a group to spread over at least ``parallelism`` members on a topic
+    of ``partitions`` shards (unknown: one). Lanes cost a progress write per lane a get or an
+    ack touches, so a topic with shards enough gets none."""
+    return max(1, min(MAX_LANES, -(-parallelism // max(1, partitions or 1))))
 
 
 def member_item(member_id: str) -> str:
@@ -204,7 +212,10 @@ class GroupStore:
         settings: GroupSettings | None = None,
         clock: Clock | None = None,
         stats: GroupStats | None = None,
+        partitions_of: Callable[[str], int | None] | None = None,
     ) -> None:
+        #: a filter -> the partitions of the topic it reads (a new group's lane count)
+        self.partitions_of = partitions_of
         self.dynamo = dynamo
         self.table = table
         self.inbox_table = inbox_table
@@ -548,6 +559,10 @@ class GroupStore:
 
     # -- membership (parts of the subscribe, unsubscribe and session-end transactions)
 
+    def _default_lanes(self, topic_filter: str) -> int:
+        partitions = self.partitions_of(topic_filter) if self.partitions_of else None
+        return default_lanes(self.settings.parallelism, partitions)
+
     def leader_raw(self, key: str) -> dict[str, Any] | None:
         return self.dynamo.get(self.table, {"group": key, "item": LEADER})
 
@@ -567,7 +582,7 @@ class GroupStore:
         raw = self.leader_raw(key)
         if raw is None:
             inc = new_incarnation()
-            lanes = ref.lanes or self.settings.lanes
+            lanes = ref.lanes or self.settings.lanes or self._default_lanes(ref.filter)
             state = join(
                 new_group(ref.share, ref.filter, inc, now_ms, lanes), member_id, client_id, now_ms
             )

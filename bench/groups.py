@@ -967,7 +967,10 @@ def report(figures: dict[str, Any]) -> str:
         "the lanes a member holds and falls with the messages each lane has per get. What "
         "lanes buy is the spread: "
         "with one lane at most one member per partition receives, with "
-        f"{lanes} up to {lanes} per partition.",
+        f"{lanes} up to {lanes} per partition. A group created without its own count gets "
+        "ceil(8 / partitions) lanes (`SHOAL_GROUP_PARALLELISM`): the 8-lane rows of 1 "
+        "partition are the default, those of 8 partitions what a subscribe asking "
+        "`lanes: 8` costs (the default there is the 1-lane row).",
         "",
     ]
     work = figures.get("throughput_with_work") or []

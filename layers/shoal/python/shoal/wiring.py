@@ -15,12 +15,12 @@ from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.composite.directory import TopicDirectory
-from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
+from shoal.core.errors import TopicNotFound
 from shoal.core.faults import Faults
 from shoal.delivery.events import Recording
 from shoal.delivery.gate import SessionGate
@@ -43,7 +43,6 @@ from shoal.sessions.model import WillMessage
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
-from shoal.topics.filters import first_level
 
 T = TypeVar("T")
 
@@ -106,7 +105,8 @@ def group_service(
     the session's end)."""
     store = GroupStore.from_config(config, clock)
     store.partitions_of = partial(
-        partitions_of, TopicStore(store.dynamo, config.table(tables.TOPICS)), clock or store.clock
+        partitions_of,
+        TopicDirectory(TopicStore(store.dynamo, config.table(tables.TOPICS)), clock or store.clock),
     )
     return GroupService(
         store,
@@ -119,16 +119,12 @@ def group_service(
     )
 
 
-def partitions_of(topics: TopicStore, clock: Clock, topic_filter: str) -> int | None:
-    """The partitions a filter's messages are written to now: its first level's composite
-    topic, else ``default``'s (as a publish routes); None when neither exists. Read when a
+def partitions_of(topics: TopicDirectory, topic_filter: str) -> int | None:
+    """The partitions a filter's messages are written to now, found as a publish routes (its
+    first level's composite topic, else ``default``'s); None when neither exists. Read when a
     shared group is created (its lanes per shard)."""
-    level = first_level(topic_filter)
-    names = [level] if is_valid_topic_name(level) else []
-    found = topics.load_many([*names, DEFAULT_TOPIC])
-    topic = found.get(level) or found.get(DEFAULT_TOPIC)
-    storage = topic.producing(clock.now_ms()) if topic is not None else None
-    return storage.partitions if storage is not None else None
+    found = topics.destinations([topic_filter])[0]
+    return None if isinstance(found, TopicNotFound) else found.storage.partitions
 
 
 def session_registry(

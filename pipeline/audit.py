@@ -15,7 +15,10 @@ judges each pair from the delivery events (``shoal.delivery.events``):
   delivered to it twice as new); a redelivery (``dup``) keeps its id and is not a duplicate.
   ``delivered_after_ack`` counts pairs handed out again after their first ack.
 * **reordered** - per consumer and ordering key, messages acked after a message published
-  later (publish order: storage topic index, then Kinesis sequence number and position).
+  later (publish order: storage topic index, then Kinesis sequence number and position). A
+  shared group promises order only for explicit ordering keys: it spreads unkeyed messages
+  over its lanes (MQTT 5 §4.8.2 gives shared subscriptions no order), so a group's unkeyed
+  messages are not judged for order. A session's are, per topic, as MQTT requires (§4.6).
 * **latency** - publish to first ack, p50/p90/p99 per consumer.
 
 QoS 0 pairs are at most once and are not judged. The time the data is complete up to
@@ -97,6 +100,8 @@ def published(messages: DataFrame) -> DataFrame:
         "topic",
         "composite_topic",
         "ordering_key",
+        # archives from before the flag have none: their order was kept, count them keyed
+        F.coalesce(F.col("keyed"), F.lit(True)).alias("keyed"),
         "qos",
         "published_at",
         F.row_number().over(order).alias("publish_rank"),
@@ -255,9 +260,9 @@ def reorderings(events: DataFrame, messages: DataFrame) -> DataFrame:
         .select(*PAIR, "at", "seq")
     )
     ranked = acks.join(
-        messages.select("message_id", "composite_topic", "ordering_key", "publish_rank"),
+        messages.select("message_id", "composite_topic", "ordering_key", "keyed", "publish_rank"),
         "message_id",
-    )
+    ).where((F.col("consumer_kind") != "group") | F.col("keyed"))
     before = (
         Window.partitionBy(*CONSUMER, "composite_topic", "ordering_key")
         .orderBy("at", "seq", "publish_rank")

@@ -51,6 +51,8 @@ def message_schema() -> Any:
             T.StructField("qos", T.IntegerType()),
             T.StructField("retain", T.BooleanType()),
             T.StructField("ordering_key", T.StringType()),
+            # null in archives written before the flag: counted as keyed
+            T.StructField("keyed", T.BooleanType()),
             T.StructField("publisher", T.StringType()),
             T.StructField("publisher_id", T.StringType()),
             T.StructField("publisher_seq", T.LongType()),

@@ -66,6 +66,18 @@ def test_a_consumed_batch_is_archived_by_topic_date_and_hour(
     assert [base64.b64decode(line["payload"]) for line in lines] == [b"m0", b"m1", b"m2"]
     assert {(line["composite_topic"], line["storage_topic"]) for line in lines} == {("orders", 0)}
     assert lines[0]["topic"] == "orders/eu/1" and lines[0]["publisher"] == "alice"
+    assert [(line["ordering_key"], line["keyed"]) for line in lines] == [("k", True)] * 3
+
+
+def test_an_unkeyed_message_is_archived_as_unkeyed(harness: Harness, aws: boto3.Session) -> None:
+    # Given a message published without an ordering key
+    publish_call({"topic": "orders/eu/1", "text": "m"})
+    # When the router archives it
+    handler(kinesis_event(harness, "shoal-orders-0"), FakeContext())
+    # Then its line says so (the audit judges a shared group's order per explicit key only),
+    # and its key is its topic, the order a session keeps
+    ((_, (line,)),) = archive(aws).items()
+    assert (line["ordering_key"], line["keyed"]) == ("orders/eu/1", False)
 
 
 def test_a_retried_batch_overwrites_its_own_objects(harness: Harness, aws: boto3.Session) -> None:

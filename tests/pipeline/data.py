@@ -32,6 +32,7 @@ def message(
     message_id: str | None = None,
     composite: str = "default",
     payload: str = "aGVsbG8=",
+    keyed: bool | None = None,
 ) -> dict[str, Any]:
     """The n-th message: published n seconds after T0, n-th in its shard unless told."""
     return {
@@ -48,6 +49,8 @@ def message(
         "qos": qos,
         "retain": False,
         "ordering_key": key or topic,
+        # None: an archive written before the flag (counted keyed)
+        "keyed": keyed,
         "publisher": "alice",
         "publisher_id": None,
         "publisher_seq": None,

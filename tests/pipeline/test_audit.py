@@ -63,6 +63,18 @@ def _stories() -> tuple[list[Scenario], list[dict[str, Any]]]:
     s.clean(1, ack_after_s=2)  # T0 + 3 s
     s.clean(2, ack_after_s=0.5)  # T0 + 2.5 s
 
+    # acked m0, m2, m1 without an explicit key: a group spreads such messages over its lanes
+    for name, kind, keyed in (
+        ("group-unkeyed", "group", False),
+        ("group-keyed", "group", True),
+        ("session-unkeyed", "session", False),
+    ):
+        s = story(name, kind)
+        key = f"{name}/k" if keyed else None  # the archive records an unkeyed one's topic
+        s.clean(0, ack_after_s=1, keyed=keyed, key=key)
+        s.clean(1, ack_after_s=2, keyed=keyed, key=key)
+        s.clean(2, ack_after_s=0.5, keyed=keyed, key=key)
+
     s = story("per-key")  # m1 (key b) acked before m0 (key a)
     s.clean(0, ack_after_s=5, key="per-key/a")
     s.clean(1, ack_after_s=0.1, key="per-key/b")
@@ -189,6 +201,18 @@ def test_acks_out_of_publish_order_on_one_key_are_reordered(
     assert rows["reorder"]["reordered"] == 1
 
 
+def test_a_groups_unkeyed_messages_are_not_judged_for_order(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given m0, m1, m2 acked m0, m2, m1 by a group (unkeyed and explicitly keyed) and by a
+    # session (unkeyed)
+    # Then only the group's unkeyed messages may come in any order (its lanes spread them);
+    # explicit keys keep order in a group, and a session keeps per-topic order
+    assert rows["group-unkeyed"]["reordered"] == 0
+    assert rows["group-keyed"]["reordered"] == 1
+    assert rows["session-unkeyed"]["reordered"] == 1
+
+
 def test_order_is_judged_per_ordering_key(rows: dict[str, dict[str, Any]]) -> None:
     # Given m1 (key b) acked before m0 (key a)
     # Then no key saw its messages out of order
@@ -258,9 +282,13 @@ def test_report_json_carries_per_consumer_counts_and_examples(audited: AuditResu
     assert set(by_name["lost"]["latency_ms"]) == {"p50", "p90", "p99", "max"}
     assert doc["totals"]["lost"] == 2  # lost, subscribed
     assert doc["totals"]["duplicated"] == 1
-    assert doc["totals"]["reordered"] == 1
+    assert doc["totals"]["reordered"] == 3  # reorder, group-keyed, session-unkeyed
     assert {e["message_id"] for e in doc["examples"]["lost"]} == {"lost/m1", "subscribed/m1"}
-    assert [e["message_id"] for e in doc["examples"]["reordered"]] == ["reorder/m1"]
+    assert {e["message_id"] for e in doc["examples"]["reordered"]} == {
+        "reorder/m1",
+        "group-keyed/m1",
+        "session-unkeyed/m1",
+    }
     assert doc["clean"] is False
 
 

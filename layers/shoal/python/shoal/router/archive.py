@@ -97,6 +97,9 @@ class ArchiveBatch:
                 "qos": message.qos,
                 "retain": message.retain,
                 "ordering_key": message.ordering_key,
+                # False: no explicit key (ordering_key is the topic); a shared group spreads
+                # such messages over its lanes, so the audit checks their order per session only
+                "keyed": message.keyed,
                 "publisher": message.sub,
                 "publisher_id": message.publisher_id,
                 "publisher_seq": message.publisher_seq,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jsonschema
+from shoal.delivery.inbox import InboxItem
 from shoal.groups.streams import group_partition, parse_delivery_id
 from shoal.sessions.model import WillMessage
 
@@ -76,7 +77,8 @@ def test_the_router_writes_a_message_once_per_group_and_one_member_gets_it(
         ExpressionAttributeNames={"#p": "inbox"},
         ExpressionAttributeValues={":p": {"S": partition}},
     )
-    assert sorted(m["i"] for r in rows for m in r["m"]) == sorted(ids)
+    stored = [InboxItem.from_record(r) for r in rows]
+    assert sorted(m.message_id for i in stored for m in i.messages) == sorted(ids)
     got = gworld.drain("alice-a", a) + gworld.drain("alice-b", b)
     assert sorted(m["message_id"] for m in got) == sorted(ids)
     assert all(m["subscription"] == GROUP and not m["dup"] for m in got)

@@ -7,7 +7,9 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal.aws.dynamo import plain
 from shoal.core.config import get_config
+from shoal.delivery.inbox import InboxItem
 from shoal.local.esm.invocation import event_of
 from shoal.records import Message
 from shoal.router.fanout import Fanout
@@ -32,17 +34,16 @@ def event_for(world: World, stream: str, first: int = 0, last: int | None = None
     return event_of(chosen, stream=stream, shard_id=shard)
 
 
-def inbox_items(session: boto3.Session) -> list[dict[str, Any]]:
+def inbox_items(session: boto3.Session) -> list[InboxItem]:
+    """The delivery items of every inbox, decoded (state and ledger items left out)."""
     table = session.resource("dynamodb").Table(get_config().table("inboxes"))
     items: list[dict[str, Any]] = table.scan(ConsistentRead=True)["Items"]
-    return [i for i in items if "m" in i]
+    return [InboxItem.from_record(plain(i)) for i in items if "b" in i]
 
 
 def positions(session: boto3.Session) -> Counter[tuple[str, str, str]]:
     return Counter(
-        (str(i["inbox"]), str(i["position"]).partition("#")[0], str(m["o"]))
-        for i in inbox_items(session)
-        for m in i["m"]
+        (i.session_id, i.source, m.position) for i in inbox_items(session) for m in i.messages
     )
 
 
@@ -101,7 +102,7 @@ def test_small_messages_of_one_batch_share_one_item_per_session(world: World) ->
     world.route()
     # Then one item per session holds all 25 deliveries (one write each)
     items = inbox_items(world.session)
-    assert sorted(len(i["m"]) for i in items) == [25, 25]
+    assert sorted(len(i.messages) for i in items) == [25, 25]
     assert len(texts(world.drain("alice-a", a))) == 25
 
 

@@ -6,12 +6,16 @@ archived."""
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import shoal.aws.dynamo as dynamo_module
+from shoal.aws.dynamo import plain
 from shoal.core.config import get_config
+from shoal.delivery.inbox import InboxItem
 from shoal.router.archive import ArchiveBatch, ArchiveWriter
 
 import functions.router.app as router_app
@@ -39,6 +43,7 @@ class Faults:
         self.tried: set[tuple[str, ...]] = set()
         self.crashes: list[str] = []
         self.steps_seen: list[int] = []
+        self.lock = threading.Lock()
 
     def start(self, event: dict[str, Any]) -> None:
         self.invocation += 1
@@ -48,9 +53,12 @@ class Faults:
         self.tried.add(batch)
 
     def point(self, name: str) -> None:
-        self.step += 1
-        if self.fail_at(self.invocation, self.first_try, self.step):
-            self.crashes.append(f"{self.invocation}:{self.step}:{name}")
+        # the inbox writes pass their points from the writer threads at once
+        with self.lock:
+            self.step += 1
+            step = self.step
+        if self.fail_at(self.invocation, self.first_try, step):
+            self.crashes.append(f"{self.invocation}:{step}:{name}")
             raise Crash(name)
 
     def end(self) -> None:
@@ -76,12 +84,12 @@ def install(
     inbox = world.fanout.inbox
     for attribute in ("ledger", "advance_ledger", "covered"):
         faults.wrap(inbox, attribute, monkeypatch)
-    # each session's item in a call of its own, each call an injection point: a crash between
-    # two leaves some sessions written and others not (as a crash between BatchWriteItem calls,
-    # or unprocessed items, would)
-    put = inbox.put
-    monkeypatch.setattr(inbox, "put", lambda items: [put([item]) for item in items])
-    faults.wrap(inbox.dynamo, "batch_put", monkeypatch)
+    # each session's encoded item in a BatchWriteItem call of its own, the calls sent at once
+    # (as the deployed router sends a round's calls), each call an injection point: a crash in
+    # one leaves some sessions written and others not, while the calls beside it still land
+    monkeypatch.setattr(dynamo_module, "MAX_BATCH_WRITE", 1)
+    inbox.write_concurrency = 3
+    faults.wrap(inbox.dynamo, "_write_chunk", monkeypatch)
     faults.wrap(world.fanout.cache.subscriptions, "versions", monkeypatch)
     writer = ArchiveWriter.from_config(get_config())
     faults.wrap(writer, "write", monkeypatch)
@@ -163,11 +171,12 @@ def written(world: World) -> Counter[tuple[str, str, str]]:
     """How many inbox items hold each (session, source, position)."""
     table = world.session.resource("dynamodb").Table(get_config().table("inboxes"))
     found: Counter[tuple[str, str, str]] = Counter()
-    for item in table.scan(ConsistentRead=True)["Items"]:
-        source = str(item["position"]).partition("#")[0]
-        messages: list[Any] = item.get("m", [])  # type: ignore[assignment]
-        for message in messages:
-            found[(str(item["inbox"]), source, str(message["o"]))] += 1
+    for raw in table.scan(ConsistentRead=True)["Items"]:
+        if "b" not in raw:
+            continue  # the state and the ledger
+        item = InboxItem.from_record(plain(raw))
+        for message in item.messages:
+            found[(item.session_id, item.source, message.position)] += 1
     return found
 
 
@@ -204,8 +213,8 @@ def test_a_clean_run_passes_every_injection_point(
 
 
 #: injection points of one invocation whose batch delivers to three sessions: subscription
-#: versions, ledger read, ledger advance, three inbox writes, archive (before and after each),
-#: and the handler's return
+#: versions, ledger read, ledger advance, three concurrent inbox writes, archive (before and
+#: after each), and the handler's return
 STEPS = 15
 
 

@@ -234,7 +234,7 @@ def fanout(config: Config, clock: Clock | None = None) -> Fanout:
     dynamo = Dynamo.from_config(config)
     return Fanout(
         SubscriptionCache(SubscriptionStore(dynamo, config.table(tables.SUBSCRIPTIONS))),
-        InboxStore(dynamo, config.table(tables.INBOXES)),
+        InboxStore.writer(config),
         config.delivery,
         payloads=PayloadStore.from_config(config),
         clock=clock,

@@ -10,8 +10,10 @@ keys and conditions; this module holds none.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 
@@ -44,6 +46,23 @@ MAX_TRANSACTION = 100
 
 _serializer = TypeSerializer()
 _deserializer = TypeDeserializer()
+
+#: threads that send a container's concurrent batch writes (``Dynamo.batch_write``)
+MAX_WRITE_THREADS = 16
+_pool: list[ThreadPoolExecutor] = []
+_pool_lock = threading.Lock()
+
+
+def _writer_pool() -> ThreadPoolExecutor:
+    """The process's threads for concurrent batch writes, made on first use (a container that
+    never writes concurrently starts none)."""
+    if not _pool:
+        with _pool_lock:
+            if not _pool:
+                _pool.append(
+                    ThreadPoolExecutor(MAX_WRITE_THREADS, thread_name_prefix="shoal-writes")
+                )
+    return _pool[0]
 
 
 def plain(value: Any) -> Any:
@@ -142,8 +161,12 @@ class Dynamo:
         self.clock = clock or SystemClock()
 
     @classmethod
-    def from_config(cls, config: Config, clock: Clock | None = None) -> Dynamo:
-        return cls(clients.client("dynamodb", config.region), clock)
+    def from_config(
+        cls, config: Config, clock: Clock | None = None, *, profile: str = "default"
+    ) -> Dynamo:
+        """``profile``: a client profile of ``shoal.aws.clients.PROFILES`` (``hot_writer`` for
+        the router's inbox writes)."""
+        return cls(clients.client("dynamodb", config.region, profile), clock)
 
     def call(self, operation: str, **request: Any) -> dict[str, Any]:
         """One call; throttling is ``ServerBusy``, any other error the SDK's own."""
@@ -241,15 +264,40 @@ class Dynamo:
     def batch_delete(self, table: str, keys: Sequence[Mapping[str, Any]]) -> None:
         self.batch_write(table, [{"DeleteRequest": {"Key": to_item(k)}} for k in keys])
 
-    def batch_write(self, table: str, requests: Sequence[Mapping[str, Any]]) -> None:
-        for start in range(0, len(requests), MAX_BATCH_WRITE):
-            pending: dict[str, Any] = {table: list(requests[start : start + MAX_BATCH_WRITE])}
-            for attempt in range(BATCH_ATTEMPTS):
-                response = self.call("batch_write_item", RequestItems=pending)
-                pending = response.get("UnprocessedItems") or {}
-                if not pending:
-                    break
-                # throttled: back off (DynamoDB's own advice for unprocessed items)
-                self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
-            else:
-                raise ServerBusy("the store did not take every write; retry")
+    def batch_write(
+        self, table: str, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 1
+    ) -> None:
+        """Every request, 25 a call. ``concurrency`` > 1 sends up to that many calls at once,
+        for callers whose writes may land in any order; it returns (or raises the first
+        failure) only once every call has ended, so no write is still in flight after it."""
+        chunks = [
+            list(requests[start : start + MAX_BATCH_WRITE])
+            for start in range(0, len(requests), MAX_BATCH_WRITE)
+        ]
+        if concurrency <= 1 or len(chunks) <= 1:
+            for chunk in chunks:
+                self._write_chunk(table, chunk)
+            return
+        pool = _writer_pool()
+        failure: BaseException | None = None
+        for start in range(0, len(chunks), concurrency):
+            calls: list[Future[None]] = [
+                pool.submit(self._write_chunk, table, chunk)
+                for chunk in chunks[start : start + concurrency]
+            ]
+            for call in calls:
+                error = call.exception()
+                failure = failure or error
+            if failure is not None:
+                raise failure
+
+    def _write_chunk(self, table: str, chunk: list[Mapping[str, Any]]) -> None:
+        pending: dict[str, Any] = {table: chunk}
+        for attempt in range(BATCH_ATTEMPTS):
+            response = self.call("batch_write_item", RequestItems=pending)
+            pending = response.get("UnprocessedItems") or {}
+            if not pending:
+                return
+            # throttled: back off (DynamoDB's own advice for unprocessed items)
+            self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
+        raise ServerBusy("the store did not take every write; retry")

@@ -32,23 +32,48 @@ MAX_RECORD_BYTES = 1024 * 1024
 MAX_PUT_RECORDS = 500
 MAX_PUT_RECORDS_BYTES = 5 * 1024 * 1024
 
-#: How the router consumes a storage stream. Unlimited retries and no maximum record age keep
-#: DESIGN.md's property 1 (a message is never dropped): a batch the router cannot process
-#: blocks its shard, which the IteratorAge alarm reports, instead of being skipped. The router
-#: itself never fails on a malformed record (it archives it as such), so only an AWS outage
-#: blocks a shard. With unlimited retries an on-failure destination would never be used, so
-#: none is configured. ParallelizationFactor stays 1: one Kinesis record may carry several
-#: ordering keys of its partition (see shoal.publish.writer), so only whole-shard order keeps
-#: per-key order.
-ROUTER_MAPPING: dict[str, Any] = {
-    "StartingPosition": "TRIM_HORIZON",
-    "BatchSize": 100,
-    "MaximumBatchingWindowInSeconds": 0,
+#: Every mapping of Shoal's (the router's, push's): unlimited retries and no maximum record age
+#: keep DESIGN.md's property 1 (a message is never dropped): a batch that cannot be processed
+#: blocks its shard, which the IteratorAge alarm reports, instead of being skipped. Shoal's
+#: functions never fail on a malformed record (they archive or dead-letter it), so only an AWS
+#: outage blocks a shard. With unlimited retries an on-failure destination would never be
+#: used, so none is configured.
+NEVER_SKIP: dict[str, Any] = {
     "FunctionResponseTypes": ["ReportBatchItemFailures"],
     "BisectBatchOnFunctionError": True,
     "MaximumRetryAttempts": -1,
     "MaximumRecordAgeInSeconds": -1,
+}
+
+#: How the router consumes a storage stream; the invocation sizes of every mapping are
+#: declared here, chosen from bench/'s router figures (docs/operations.md, "Router
+#: throughput"):
+#:
+#: - BatchSize 500: a batch writes one inbox item per matching session, and an item costs at
+#:   least one write unit, so more records a batch put more deliveries in each item. At the
+#:   bench's 12 deliveries a message over 200 sessions, 100 records made 6 deliveries an item
+#:   (0.17 WCU each: the floor of one unit an item) and 500 make 30 (0.10). Lambda reads a
+#:   shard about once a second, so at a shard's full rate (1,000 records/s) 100 a batch would
+#:   need ten invocations a second, one after the other.
+#: - MaximumBatchingWindowInSeconds 0: a light shard is delivered at once; a busy one fills
+#:   its batches between polls anyway.
+#: - ParallelizationFactor 1: one Kinesis record may carry several ordering keys of its
+#:   partition (see shoal.publish.writer), so only whole-shard order keeps per-key order.
+ROUTER_MAPPING: dict[str, Any] = {
+    "StartingPosition": "TRIM_HORIZON",
+    "BatchSize": 500,
+    "MaximumBatchingWindowInSeconds": 0,
     "ParallelizationFactor": 1,
+    **NEVER_SKIP,
+}
+
+#: How push reads its tap streams (``shoal.push.queues``; its ParallelizationFactor is the
+#: subscription's lanes): 100 records, since each is an HTTP call to the subscriber's
+#: endpoint and a batch must end well within the function's timeout.
+PUSH_MAPPING: dict[str, Any] = {
+    "BatchSize": 100,
+    "MaximumBatchingWindowInSeconds": 0,
+    **NEVER_SKIP,
 }
 
 KINESIS_THROTTLED = frozenset(

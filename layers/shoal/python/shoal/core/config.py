@@ -26,6 +26,9 @@ DEFAULT_RETENTION_S = 14 * 24 * 3600
 #: shared groups' default lease timeout (``shoal.groups``): with a heartbeat every third of it,
 #: a lost member's streams move within about 8 s (EMQX's tests expect 10 s)
 DEFAULT_LEASE_TIMEOUT_S = 6.0
+#: on AWS a BatchWriteItem is a round trip of ~10 ms; 4 at once hide most of a batch's 8 of them
+#: (docs/operations.md, "Router throughput")
+DEFAULT_WRITE_CONCURRENCY = 4
 #: a shared group's work spreads over at least this many members (``shoal.groups.streams``)
 DEFAULT_GROUP_PARALLELISM = 8
 
@@ -40,6 +43,8 @@ class DeliverySettings(BaseModel):
     #: unacked QoS 1/2 deliveries a session may have (MQTT's receive maximum)
     window: int = Field(default=DEFAULT_WINDOW, ge=1, le=1000)
     retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
+    #: the router's inbox batch writes in flight at once (``InboxStore.put``)
+    write_concurrency: int = Field(default=DEFAULT_WRITE_CONCURRENCY, ge=1, le=16)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DeliverySettings:
@@ -48,6 +53,7 @@ class DeliverySettings(BaseModel):
             ("ack_timeout_s", "SHOAL_ACK_TIMEOUT_S"),
             ("window", "SHOAL_INFLIGHT_WINDOW"),
             ("retention_s", "SHOAL_INBOX_RETENTION_S"),
+            ("write_concurrency", "SHOAL_ROUTER_WRITE_CONCURRENCY"),
         ):
             if env.get(key):
                 values[name] = env[key]

@@ -207,3 +207,10 @@ class SubscriptionExists(Conflict):
     """A push subscription of that name exists (or is being created with another spec)."""
 
     code = "subscription_exists"
+
+
+class UnknownEncoding(ShoalError):
+    """An inbox item in an encoding this release does not know (written by a newer one): a
+    500, since the reader must be upgraded (``shoal.delivery.codec``)."""
+
+    code = "unknown_item_encoding"

@@ -15,7 +15,6 @@ then it first reads, per session, how far the session's items already cover
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -23,89 +22,17 @@ from typing import Any, Protocol, TypeVar
 from shoal.aws import clients, tables
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.core.config import Config
-from shoal.delivery.model import LEDGER, MAX_ITEM_BYTES, PAYLOADS_PREFIX, STATE, item_key, split_key
+from shoal.delivery import codec
+from shoal.delivery.model import (
+    LEDGER,
+    MAX_ITEM_BYTES,
+    PAYLOADS_PREFIX,
+    STATE,
+    InboxMessage,
+    item_key,
+    split_key,
+)
 from shoal.sessions.model import Channel
-
-
-@dataclass(frozen=True)
-class InboxMessage:
-    """One delivery in an inbox item."""
-
-    position: str
-    message_id: str
-    topic: str
-    payload: bytes
-    #: the granted QoS: min(subscription, message)
-    qos: int
-    #: the filter that matched (the highest-QoS one when several of the session's did)
-    subscription: str
-    sid: str
-    published_at_ms: int
-    expires_at_ms: int | None = None
-    properties: Mapping[str, Any] = field(default_factory=dict)
-    retain: bool = False
-    #: the payload's key in the archive bucket, when it was too large to keep inline
-    payload_ref: str | None = None
-    #: a shared group's copy of a message its publisher keyed: a digest of the ordering key,
-    #: which picks the message's lane (``shoal.groups.streams``); None: unkeyed
-    key_hash: int | None = None
-
-    def data(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "o": self.position,
-            "i": self.message_id,
-            "t": self.topic,
-            "p": self.payload,
-            "q": self.qos,
-            "s": self.subscription,
-            "g": self.sid,
-            "a": self.published_at_ms,
-        }
-        if self.expires_at_ms is not None:
-            out["x"] = self.expires_at_ms
-        if self.properties:
-            out["pr"] = dict(self.properties)
-        if self.retain:
-            out["r"] = True
-        if self.payload_ref is not None:
-            out["ref"] = self.payload_ref
-        if self.key_hash is not None:
-            out["k"] = self.key_hash
-        return out
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> InboxMessage:
-        return cls(
-            position=str(data["o"]),
-            message_id=str(data["i"]),
-            topic=str(data["t"]),
-            payload=bytes(data.get("p") or b""),
-            qos=int(data["q"]),
-            subscription=str(data["s"]),
-            sid=str(data["g"]),
-            published_at_ms=int(data["a"]),
-            expires_at_ms=int(data["x"]) if data.get("x") is not None else None,
-            properties=dict(data.get("pr") or {}),
-            retain=bool(data.get("r", False)),
-            payload_ref=data.get("ref"),
-            key_hash=int(data["k"]) if data.get("k") is not None else None,
-        )
-
-    def size(self) -> int:
-        """Roughly what it adds to an item (for packing; DynamoDB counts names and values)."""
-        props = len(json.dumps(self.properties)) if self.properties else 0
-        return (
-            60
-            + len(self.position)
-            + len(self.message_id)
-            + len(self.topic.encode("utf-8", "surrogatepass"))
-            + len(self.payload)
-            + len(self.subscription.encode("utf-8", "surrogatepass"))
-            + len(self.sid)
-            + props
-            + len(self.payload_ref or "")
-            + (12 if self.key_hash is not None else 0)
-        )
 
 
 @dataclass(frozen=True)
@@ -125,23 +52,43 @@ class InboxItem:
         return split_key(self.key)[0]
 
     def record(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "inbox": self.session_id,
             "position": self.key,
             "l": self.covered,
-            "m": [m.data() for m in self.messages],
+            "b": codec.encode(self.messages),
             "expires_at": self.expires_at,
         }
         if self.stream is not None:
             out["st"] = self.stream
         return out
 
+    def wire(self) -> dict[str, Any]:
+        """``record()`` in DynamoDB's wire form, built directly: the router's hot path writes
+        hundreds of these an invocation, and five plain values need no general serializer."""
+        out: dict[str, Any] = {
+            "inbox": {"S": self.session_id},
+            "position": {"S": self.key},
+            "l": {"S": self.covered},
+            "b": {"B": codec.encode(self.messages)},
+            "expires_at": {"N": str(int(self.expires_at))},
+        }
+        if self.stream is not None:
+            out["st"] = {"S": self.stream}
+        return out
+
     @classmethod
     def from_record(cls, raw: Mapping[str, Any]) -> InboxItem:
+        packed = raw.get("b")
+        if packed is not None:
+            messages = tuple(codec.decode(bytes(packed)))
+        else:
+            # written before the compact encoding: a list of maps
+            messages = tuple(InboxMessage.from_data(m) for m in raw.get("m") or [])
         return cls(
             session_id=str(raw["inbox"]),
             key=str(raw["position"]),
-            messages=tuple(InboxMessage.from_data(m) for m in raw.get("m") or []),
+            messages=messages,
             covered=str(raw.get("l", "")),
             expires_at=int(raw.get("expires_at") or 0),
             stream=str(raw["st"]) if raw.get("st") else None,
@@ -365,19 +312,41 @@ def ledger_partition(source: str) -> str:
 class InboxStore:
     """The inboxes table: deliveries, each session's delivery state, the router's ledgers."""
 
-    def __init__(self, dynamo: Dynamo, table: str) -> None:
+    def __init__(self, dynamo: Dynamo, table: str, *, write_concurrency: int = 1) -> None:
         self.dynamo = dynamo
         self.table = table
+        #: batch writes ``put`` sends at once (``DeliverySettings.write_concurrency``)
+        self.write_concurrency = write_concurrency
 
     @classmethod
     def from_config(cls, config: Config) -> InboxStore:
         return cls(Dynamo.from_config(config), config.table(tables.INBOXES))
 
+    @classmethod
+    def writer(cls, config: Config) -> InboxStore:
+        """The router's store: the hot client (no client-side parameter validation) and
+        concurrent batch writes."""
+        return cls(
+            Dynamo.from_config(config, profile="hot_writer"),
+            config.table(tables.INBOXES),
+            write_concurrency=config.delivery.write_concurrency,
+        )
+
     # -- deliveries
 
     def put(self, items: Sequence[InboxItem]) -> None:
         """Write items; a session's later items of one source only after its earlier ones, so a
-        get never sees a later delivery before an earlier one."""
+        get never sees a later delivery before an earlier one.
+
+        Items go in rounds: each (session, source) pair's first item in the first round, its
+        second in the second, and so on (an item holds up to 64 KB of deliveries, so a batch is
+        mostly one round). Rounds go one after the other; the calls of one round go out at
+        once, because their order cannot matter: a round holds at most one item per pair, a
+        get reads each pair's items in key order and hands out only what it finds, and the
+        router's retry check (``covered``) reads one pair at a time. A crash in the middle of
+        a round leaves some pairs written and others not, which a retried batch completes
+        exactly as it would after calls made one by one (``docs/design.md``).
+        """
         rounds: list[list[InboxItem]] = []
         seen: dict[tuple[str, str], int] = {}
         for item in items:
@@ -387,10 +356,14 @@ class InboxStore:
                 rounds.append([])
             rounds[n].append(item)
         for batch in rounds:
-            self.dynamo.batch_put(self.table, [i.record() for i in batch])
+            self.dynamo.batch_write(
+                self.table,
+                [{"PutRequest": {"Item": i.wire()}} for i in batch],
+                concurrency=self.write_concurrency,
+            )
 
     def put_transaction_part(self, item: InboxItem) -> dict[str, Any]:
-        return {"Put": {"TableName": self.table, "Item": to_item(item.record())}}
+        return {"Put": {"TableName": self.table, "Item": item.wire()}}
 
     def after(self, session_id: str, key: str, *, inclusive: bool, limit: int) -> list[InboxItem]:
         """Up to ``limit`` items of the session from ``key`` on, in key order."""

@@ -1,5 +1,6 @@
 """Delivery's values and keys: settings, positions and item keys, subscription buckets and
-permissions, request bodies, and the subscription the router holds. No AWS here (the flow is
+permissions, request bodies, the subscription the router holds and one delivery of an inbox
+item (``InboxMessage``; its encoding is ``shoal.delivery.codec``). No AWS here (the flow is
 in ``shoal.delivery.subscriptions`` and ``shoal.delivery.service``).
 
 Permissions: a requested filter must be *covered* by one of the principal's ``shoal:subscribe``
@@ -10,8 +11,9 @@ filters: every topic name the requested filter matches must be matched by the al
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -298,3 +300,66 @@ class Change:
         if data.get("op") == "del":
             return cls(key, None)
         return cls(key, Subscription.from_data(key, data["d"]))
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    """One delivery in an inbox item."""
+
+    position: str
+    message_id: str
+    topic: str
+    payload: bytes
+    #: the granted QoS: min(subscription, message)
+    qos: int
+    #: the filter that matched (the highest-QoS one when several of the session's did)
+    subscription: str
+    sid: str
+    published_at_ms: int
+    expires_at_ms: int | None = None
+    properties: Mapping[str, Any] = field(default_factory=dict)
+    retain: bool = False
+    #: the payload's key in the archive bucket, when it was too large to keep inline
+    payload_ref: str | None = None
+    #: a shared group's copy of a message its publisher keyed: a digest of the ordering key,
+    #: which picks the message's lane (``shoal.groups.streams``); None: unkeyed
+    key_hash: int | None = None
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> InboxMessage:
+        """A delivery as items stored it before ``shoal.delivery.codec`` (a map under ``m``:
+        ``o`` position, ``i`` id, ``t`` topic, ``p`` payload, ``q`` QoS, ``s`` filter, ``g``
+        sid, ``a`` publish time, ``x`` expiry, ``pr`` properties, ``r`` retain, ``ref``,
+        ``k``)."""
+        return cls(
+            position=str(data["o"]),
+            message_id=str(data["i"]),
+            topic=str(data["t"]),
+            payload=bytes(data.get("p") or b""),
+            qos=int(data["q"]),
+            subscription=str(data["s"]),
+            sid=str(data["g"]),
+            published_at_ms=int(data["a"]),
+            expires_at_ms=int(data["x"]) if data.get("x") is not None else None,
+            properties=dict(data.get("pr") or {}),
+            retain=bool(data.get("r", False)),
+            payload_ref=data.get("ref"),
+            key_hash=int(data["k"]) if data.get("k") is not None else None,
+        )
+
+    def size(self) -> int:
+        """At least what it adds to an encoded item (``pack`` keeps items under
+        ``MAX_ITEM_BYTES`` by it; the encoding is smaller)."""
+        props = len(json.dumps(self.properties)) if self.properties else 0
+        return (
+            60
+            + len(self.position)
+            + len(self.message_id)
+            + len(self.topic.encode("utf-8", "surrogatepass"))
+            + len(self.payload)
+            + len(self.subscription.encode("utf-8", "surrogatepass"))
+            + len(self.sid)
+            + props
+            + len(self.payload_ref or "")
+            + (12 if self.key_hash is not None else 0)
+        )

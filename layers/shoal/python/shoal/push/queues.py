@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from botocore.exceptions import ClientError
 
 from shoal.aws.clients import error_code
-from shoal.aws.kinesis import OutRecord, StreamInfo, Streams
+from shoal.aws.kinesis import PUSH_MAPPING, OutRecord, StreamInfo, Streams
 from shoal.composite.model import StorageTopic
 from shoal.core.clock import Clock
 from shoal.core.errors import ServerBusy
@@ -25,15 +25,6 @@ if TYPE_CHECKING:
     from mypy_boto3_lambda import LambdaClient
 
 
-#: how a mapping reads: as the router's, so that nothing is skipped (see shoal.aws.kinesis)
-MAPPING: dict[str, Any] = {
-    "BatchSize": 100,
-    "MaximumBatchingWindowInSeconds": 0,
-    "FunctionResponseTypes": ["ReportBatchItemFailures"],
-    "BisectBatchOnFunctionError": True,
-    "MaximumRetryAttempts": -1,
-    "MaximumRecordAgeInSeconds": -1,
-}
 _PUT_ATTEMPTS = 3
 PUT_BACKOFF_S = 0.05
 PUT_BACKOFF_CAP_S = 0.4
@@ -243,7 +234,7 @@ class Queues:
         at_ms: int = 0,
     ) -> str:
         options: dict[str, Any] = {
-            **MAPPING,
+            **PUSH_MAPPING,
             "ParallelizationFactor": parallelism,
             "StartingPosition": start,
         }

@@ -185,8 +185,8 @@ def _router_scenario(
             if per_record == 1:
                 publisher.publish(who, PublishRequest.model_validate(messages[0]))
             else:
-                request = BatchRequest.model_validate({"messages": messages})
-                publisher.publish_batch(who, request.messages)
+                batched = BatchRequest.model_validate({"messages": messages})
+                publisher.publish_batch(who, batched.messages)
         events = _kinesis_events(session, f"{config.stream_prefix}-default-0", batch)
 
         fanout = router_app.router().fanout

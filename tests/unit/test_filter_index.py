@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from itertools import chain
+
 import pytest
 import shoal.topics.filters as topics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 from shoal.core.errors import InvalidFilter
-from shoal.topics.index import FilterIndex
+from shoal.topics.index import MAX_CACHED_TOPIC, FilterIndex
 
 # Few distinct level names, so that random filters and topics overlap often; '' and '$x' keep
 # the empty-level and $-topic rules in play.
@@ -25,6 +28,32 @@ subscriptions = st.lists(st.tuples(topic_filters, st.integers(0, 5)), max_size=3
 
 def expected(pairs: list[tuple[str, int]] | set[tuple[str, int]], topic: str) -> set[int]:
     return {value for topic_filter, value in pairs if topics.matches(topic_filter, topic)}
+
+
+def flattened(index: FilterIndex[int], topic: str) -> Counter[int]:
+    """The values of the topic's buckets, counted: a value held under two matching filters is
+    in two buckets."""
+    return Counter(chain.from_iterable(index.buckets(topic)))
+
+
+def keys_by_name(index: FilterIndex[int]) -> Counter[str]:
+    """How many nodes each level name keys, checking that they share one string per name."""
+    found: Counter[str] = Counter()
+    nodes = [index._root]
+    while nodes:
+        node = nodes.pop()
+        for name, child in node.children.items():
+            assert name is index._names[name]
+            found[name] += 1
+            nodes.append(child)
+        if node.plus is not None:
+            nodes.append(node.plus)
+    return found
+
+
+def contents(index: FilterIndex[str], topic: str) -> list[list[str]]:
+    """The topic's buckets by their contents, in a fixed order (empty buckets included)."""
+    return sorted(sorted(bucket) for bucket in index.buckets(topic))
 
 
 def test_hash_matches_the_parent_level_and_every_descendant() -> None:
@@ -74,8 +103,14 @@ def test_invalid_topic_names_match_nothing() -> None:
     index: FilterIndex[str] = FilterIndex()
     index.add("#", "all")
     index.add("a/+", "plus")
-    for name in ("", "a/+", "a/#", "a\x00"):
+    # a lone surrogate is not UTF-8; 65,536 bytes are one too many, in ASCII or not
+    for name in ("", "a/+", "a/#", "a\x00", "a/\udc80", "a" * 65_536, "\u00e9" * 32_768):
         assert index.match(name) == set()
+        assert index.buckets(name) == ()
+    # and the longest names are valid, in ASCII or not
+    assert index.match("a" * 65_535) == {"all"}
+    assert index.match("\u00e9" * 32_767) == {"all"}
+    assert index.match("a/\u00e9") == {"all", "plus"}
 
 
 @pytest.mark.parametrize("topic_filter", ["", "a/#/b", "a+", "#a", "$share/g/a#"])
@@ -120,9 +155,10 @@ def test_remove_prunes_the_nodes_it_empties() -> None:
     assert root.plus is None and not root.hash_values and list(root.children) == ["a"]
     a = root.children["a"]
     assert a.plus is None and list(a.children) == ["b"] and a.children["b"].children == {}
-    # and removing the last one leaves an empty root
+    # and removing the last one leaves an empty root, and no level name kept
     assert index.remove("a/b", "s")
     assert root.is_empty()
+    assert index._names == {} and index._name_uses == {}
 
 
 @given(subscriptions, st.lists(topic_names, min_size=1, max_size=10))
@@ -135,6 +171,93 @@ def test_match_equals_a_scan_with_topics_matches(
     assert len(index) == len(set(pairs))
     for name in names:
         assert index.match(name) == expected(pairs, name)
+
+
+@given(
+    st.lists(st.tuples(topic_filters, st.integers(0, 3)), max_size=30),
+    st.lists(topic_names, min_size=1, max_size=10),
+)
+def test_buckets_flattened_are_the_pairs_a_scan_matches(
+    subscribers: list[tuple[str, int]], names: list[str]
+) -> None:
+    # Given values that name their filter, so a bucket's values say which filter matched
+    pairs = [(topic_filter, (topic_filter, n)) for topic_filter, n in subscribers]
+    index: FilterIndex[tuple[str, int]] = FilterIndex()
+    for topic_filter, value in pairs:
+        index.add(topic_filter, value)
+    for name in names:
+        # Then every held pair whose filter matches is in exactly one bucket, and nothing else is
+        found = Counter(chain.from_iterable(index.buckets(name)))
+        scanned = Counter(
+            value for topic_filter, value in set(pairs) if topics.matches(topic_filter, name)
+        )
+        assert found == scanned
+        assert all(index.buckets(name))  # no empty bucket
+
+
+def test_a_cached_answer_sees_an_add_that_makes_a_new_node() -> None:
+    # Given 'a/b/c' answered (and cached) while only wildcards match it
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/+/c", "plus")
+    assert contents(index, "a/b/c") == [["plus"]]
+    # When filters are added on nodes that did not exist: an exact one, a '#' on an inner node
+    index.add("a/b/c", "exact")
+    index.add("a/b/#", "hash")
+    # Then the next answer has their buckets
+    assert contents(index, "a/b/c") == [["exact"], ["hash"], ["plus"]]
+    # and a value added to a bucket that existed shows too
+    index.add("a/b/c", "exact2")
+    assert contents(index, "a/b/c") == [["exact", "exact2"], ["hash"], ["plus"]]
+
+
+def test_a_cached_answer_sees_a_remove_that_prunes_a_node() -> None:
+    # Given 'a/b/c' answered (and cached) with an exact filter and '#'
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/b/c", "exact")
+    index.add("#", "all")
+    assert contents(index, "a/b/c") == [["all"], ["exact"]]
+    # When the exact filter goes, and its nodes with it
+    assert index.remove("a/b/c", "exact")
+    assert list(index._root.children) == []
+    # Then the next answer is without its bucket (not with it emptied)
+    assert contents(index, "a/b/c") == [["all"]]
+    # and a node made again in the same place is found
+    index.add("a/b/c", "again")
+    assert contents(index, "a/b/c") == [["again"], ["all"]]
+
+
+def test_changes_that_change_nothing_keep_the_cache() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("a/+", "s")
+    answer = index.buckets("a/b")
+    # a pair held already, and pairs never held
+    index.add("a/+", "s")
+    assert not index.remove("a/b", "s")
+    assert not index.remove("a/+", "t")
+    assert index.buckets("a/b") is answer
+
+
+def test_the_cache_stays_bounded() -> None:
+    # Given a cache of 4 answers
+    index: FilterIndex[str] = FilterIndex(cache_size=4)
+    index.add("t/+", "s")
+    # When 10 topics are looked up, twice
+    for _ in range(2):
+        for n in range(10):
+            # Then every answer is right, and the cache never holds more than 4
+            assert index.match(f"t/{n}") == {"s"}
+            assert len(index._answers) <= 4
+    # a hot topic is answered from the cache
+    assert index.buckets("t/9") is index.buckets("t/9")
+
+
+def test_long_topic_names_are_answered_but_not_cached() -> None:
+    index: FilterIndex[str] = FilterIndex()
+    index.add("#", "all")
+    longest_cached = "a" * MAX_CACHED_TOPIC
+    assert index.match(longest_cached + "b") == {"all"}
+    assert index.match(longest_cached) == {"all"}
+    assert list(index._answers) == [longest_cached]
 
 
 @given(subscriptions, st.data())
@@ -165,10 +288,11 @@ def test_match_equals_a_scan_after_random_removes(
     for pair in list(held):
         assert index.remove(*pair)
     assert index._root.is_empty()
+    assert index._names == {} and index._name_uses == {}
 
 
 class IndexMachine(RuleBasedStateMachine):
-    """Interleaved adds, removes and lookups against a plain set of pairs."""
+    """Interleaved adds, removes and lookups (cached between changes) against a set of pairs."""
 
     pairs = Bundle("pairs")
 
@@ -192,9 +316,21 @@ class IndexMachine(RuleBasedStateMachine):
     def match(self, name: str) -> None:
         assert self.index.match(name) == expected(self.model, name)
 
+    @rule(name=topic_names)
+    def buckets(self, name: str) -> None:
+        # answers are cached between changes: a stale one would miss or keep a pair
+        held = Counter(v for f, v in self.model if topics.matches(f, name))
+        assert flattened(self.index, name) == held
+
     @invariant()
     def size(self) -> None:
         assert len(self.index) == len(self.model)
+
+    @invariant()
+    def level_names(self) -> None:
+        # one string per level name, counted by the nodes it keys: none kept once unused
+        assert keys_by_name(self.index) == self.index._name_uses
+        assert set(self.index._names) == set(self.index._name_uses)
 
 
 TestIndexMachine = IndexMachine.TestCase

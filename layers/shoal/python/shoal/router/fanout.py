@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import DeliverySettings
@@ -125,13 +126,16 @@ class SubscriptionCache:
             self.buckets[name] = bucket
             self.stats.full_loads += 1
 
-    def match(self, topic: str) -> set[Subscription]:
-        found: set[Subscription] = set()
+    def match(self, topic: str) -> Iterable[Subscription]:
+        """The subscriptions whose filters match the topic, in no particular order, each once (it
+        sits under one filter of one bucket); to be read before the next refresh."""
+        found: list[set[Subscription]] = []
         for name in dict.fromkeys((WILDCARD_BUCKET, bucket_of(topic))):
             bucket = self.buckets.get(name)
             if bucket is not None:
-                found |= bucket.index.match(topic)
-        return found
+                # the index's own sets, not a union of them: the caller only iterates
+                found += bucket.index.buckets(topic)
+        return chain.from_iterable(found)
 
     def __len__(self) -> int:
         return sum(len(b.subscriptions) for b in self.buckets.values())
@@ -300,6 +304,8 @@ class Fanout:
         """Per matching session, or shared group: the granted QoS and the subscription that
         grants it (a group gets each message once, however many members match)."""
         chosen: dict[str, tuple[int, Subscription]] = {}
+        # in no fixed order: the choice below depends on it only between a group's members of
+        # one filter and QoS, whose deliveries are the same
         for subscription in self.cache.match(message.topic):
             target = subscription.session_id
             if subscription.share is not None and subscription.group is not None and self.groups:

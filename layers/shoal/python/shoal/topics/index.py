@@ -55,6 +55,13 @@ CACHE_SIZE = 16_384
 #: longer names are not cached: names reach 64 KB, and the cache must stay small whatever the
 #: traffic; hot topics are short
 MAX_CACHED_TOPIC = 256
+#: the cache judges itself every this many misses: when fewer than ``MIN_HIT_SHARE`` of the
+#: lookups since were hits (traffic spread over more topics than it holds), it keeps only one
+#: miss in ``SAMPLE_MISSES`` until hits come back; storing every answer of such traffic costs
+#: the walk about a tenth and buys nothing
+JUDGE_EVERY = 4096
+MIN_HIT_SHARE = 0.25
+SAMPLE_MISSES = 16
 
 
 class _Node(Generic[V]):
@@ -81,6 +88,11 @@ class FilterIndex(Generic[V]):
         self._cache_size = cache_size
         #: topic name -> its buckets, valid until the next change of the index
         self._answers: dict[str, tuple[set[V], ...]] = {}
+        #: lookups answered from the cache, and misses, since the cache last judged itself
+        self._hits = 0
+        self._misses = 0
+        #: keep one miss in this many (1: every one)
+        self._keep_every = 1
         #: level name -> the string that keys it in every node, and how many nodes it keys
         self._names: dict[str, str] = {}
         self._name_uses: dict[str, int] = {}
@@ -190,6 +202,7 @@ class FilterIndex(Generic[V]):
         change them or keep them past the next ``add`` or ``remove``."""
         answer = self._answers.get(topic)
         if answer is not None:
+            self._hits += 1
             return answer
         # (the walk is inline rather than a method of its own, to spare a miss a call)
         # is_valid_topic's rule, without its encoding for an ASCII name (one byte a character)
@@ -254,7 +267,12 @@ class FilterIndex(Generic[V]):
                 if child.hash_values is not None:
                     append(child.hash_values)
         answer = tuple(found)
-        if len(topic) <= MAX_CACHED_TOPIC:
+        misses = self._misses = self._misses + 1
+        if misses >= JUDGE_EVERY:
+            share = self._hits / (self._hits + misses)
+            self._keep_every = 1 if share >= MIN_HIT_SHARE else SAMPLE_MISSES
+            self._hits = self._misses = 0
+        if len(topic) <= MAX_CACHED_TOPIC and not misses % self._keep_every:
             if len(self._answers) >= self._cache_size:
                 # emptied rather than evicted one by one (an LRU would reorder on every hit): the
                 # hot topics come back with their next lookups

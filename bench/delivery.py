@@ -10,11 +10,15 @@
   items the router writes, by DynamoDB's rule (1 KB units per item, rounded up; a transaction
   counts twice), since the emulator reports a flat unit per call. Then every session gets and
   acks what it received, and the same is counted for get/ack.
-- **End to end** (a real ``shoal dev`` process, its router on the emulated event source
-  mappings): 10 sessions subscribe to one filter, one publisher sends messages one by one, each
-  session gets (max 100) and acks what it got, in rounds, one HTTP request at a time (see
-  ``_end_to_end``). Measured: delivered messages/s and publish-to-get latency (p50, p99), which
-  includes the mappings' 0.5 s poll interval and the round-robin of the one client thread.
+- **End to end** (a real ``shoal dev`` process of this checkout, its router on the emulated
+  event source mappings): 10 sessions subscribe to one filter, each on a client thread of its
+  own that long-polls its messages (max 100, ``wait_ms`` 5000) and acks what it got; one
+  publisher thread publishes 200 messages one by one at 20 a second (a late answer delays the
+  next publish: ``publishing_s`` tells), each carrying its publish time. Measured per
+  delivery: publish-to-get latency (p50, p99, max; the client's clock, from just before the
+  publish to the get's answer), beside the mappings' poll interval (an idle shard is read
+  again after it); delivered messages/s; and that every session got every message exactly
+  once, and only its own (missing, duplicate and foreign deliveries are counted).
 - **Recording cost**: in the router and get/ack runs, the time spent in the delivery-event
   recorder (``shoal.delivery.events``: buffering every event and its one PutObject per
   invocation) as a share of the whole, and its extra AWS calls per message.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import inspect
 import json
 import math
 import os
@@ -33,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +51,7 @@ from shoal import wiring
 from shoal.aws.kinesis import ROUTER_MAPPING
 from shoal.local.context import LambdaContext
 from shoal.local.esm.invocation import event_of
+from shoal.local.esm.mappings import EventSourceMappings
 from shoal.wiring import topic_service
 
 from bench.account import CallMeter, emulated_account, item_size
@@ -58,8 +65,13 @@ BATCH_SWEEP = (100, 250, 500, 1000)
 #: sessions that get and ack after a router run (a sample: per-delivery figures need no more)
 CONSUMERS = 50
 E2E_SESSIONS = 10
-E2E_MESSAGES = 150
-E2E_PER_ROUND = 5
+E2E_MESSAGES = 200
+#: messages published per second, one at a time
+E2E_RATE = 20
+#: each session's long poll
+E2E_WAIT_MS = 5000
+#: how long the pollers may take to get the last messages after the last publish
+E2E_DRAIN_S = 15
 EVENT = Path(__file__).resolve().parent.parent / "events" / "http_api_request.json"
 CLAIMS = {
     "sub": "bench",
@@ -327,13 +339,23 @@ def _shoal() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
 
 
+def _environment() -> dict[str, str]:
+    """The child's environment: this checkout's code first (the ``shoal`` script's editable
+    install may point at another checkout), no AWS endpoint of the caller's."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+    paths = [str(root / "layers" / "shoal" / "python"), str(root)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+    env["POWERTOOLS_LOG_LEVEL"] = "WARNING"
+    return env
+
+
 @contextmanager
 def _dev_server() -> Iterator[tuple[str, Path]]:
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         state = Path(tmp) / "state"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
-        env["POWERTOOLS_LOG_LEVEL"] = "WARNING"
+        env = _environment()
         args = [*_shoal(), "dev", "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state)]
         args += ["--default-partitions", "2"]
         log = open(Path(tmp) / "dev.log", "wb")  # noqa: SIM115 - closed below
@@ -365,7 +387,7 @@ def _dev_server() -> Iterator[tuple[str, Path]]:
 def _token(state: Path) -> str:
     args = [*_shoal(), "token", "--sub", "bench", "--state-dir", str(state)]
     args += ["--clients", "bench-*", "--publish", "#", "--subscribe", "#"]
-    done = subprocess.run(args, capture_output=True, check=True, timeout=60)
+    done = subprocess.run(args, capture_output=True, check=True, timeout=60, env=_environment())
     return done.stdout.decode().strip().splitlines()[-1]
 
 
@@ -396,6 +418,9 @@ def _request(
 
 
 def _end_to_end() -> dict[str, Any]:
+    """Publish at a steady pace; every session long-polls on a thread of its own (see the module
+    docstring). Latency is the client's clock from just before the publish to the get's answer;
+    ``published_at`` (the time publish accepted the message) splits it in two."""
     with _dev_server() as (url, state):
         token = _token(state)
         channels = {}
@@ -415,66 +440,159 @@ def _end_to_end() -> dict[str, Any]:
                 channel=channels[client_id],
             )
             assert status == 200, body
-        # One client thread, one request at a time: shoal dev runs every handler in one
-        # process, and Powertools keeps the current event on a class all resolvers share, so
-        # concurrent requests can see each other's event (reported: shoal.http.resolver needs a
-        # per-thread current event). Each round publishes a few messages, then every session
-        # gets (max 100, no wait) and acks.
-        latencies: list[float] = []
-        received = dict.fromkeys(channels, 0)
-        last_received = 0.0
-        sent = 0
+        # a delivery's id names its session: a get answered with another session's event (as
+        # with a resolver holding one current event for all threads) would show
+        received = {}
+        for client_id, channel in channels.items():
+            status, body = _request(url, "GET", f"/v1/sessions/{client_id}", token, channel=channel)
+            assert status == 200, body
+            received[client_id] = _Received(client_id, channel, body["session_id"])
+        stop = threading.Event()
+        pollers = [
+            threading.Thread(
+                target=_poll_session,
+                args=(url, token, received[c], stop),
+                name=f"e2e-{c}",
+                daemon=True,
+            )
+            for c in channels
+        ]
+        for poller in pollers:
+            poller.start()
+        #: message number -> seconds its publish took, for the publishes accepted
+        accepted: dict[int, float] = {}
+        publish_errors = 0
         started = time.time()
-        published = started
-        deadline = time.monotonic() + 300
-        while min(received.values()) < E2E_MESSAGES and time.monotonic() < deadline:
-            for _ in range(min(E2E_PER_ROUND, E2E_MESSAGES - sent)):
-                status, body = _request(
-                    url,
-                    "POST",
-                    "/v1/messages",
-                    token,
-                    {"topic": f"e2e/{sent % 10}", "text": repr(time.time()), "qos": 1},
-                )
-                assert status == 201, body
-                sent += 1
-                published = time.time()
-            for client_id, channel in channels.items():
-                status, body = _request(
-                    url,
-                    "GET",
-                    f"/v1/sessions/{client_id}/messages?max=100&wait_ms=0",
-                    token,
-                    channel=channel,
-                )
-                if status != 200 or not body["messages"]:
-                    continue
-                now = time.time()
-                latencies += [now - float(base64.b64decode(m["payload"])) for m in body["messages"]]
-                received[client_id] += len(body["messages"])
-                last_received = now
-                ids = [m["id"] for m in body["messages"]]
-                _request(
-                    url,
-                    "POST",
-                    f"/v1/sessions/{client_id}/acks",
-                    token,
-                    {"ids": ids},
-                    channel=channel,
-                )
-        delivered = sum(received.values())
-        elapsed = max(last_received - started, 1e-9)
-        latencies.sort()
-        return {
-            "sessions": E2E_SESSIONS,
-            "messages_published": E2E_MESSAGES,
-            "publishing_s": round(published - started, 2),
-            "deliveries": delivered,
-            "deliveries_expected": E2E_MESSAGES * E2E_SESSIONS,
-            "delivered_per_s": round(delivered / elapsed, 1),
-            "latency_p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
-            "latency_p99_ms": round(1000 * latencies[int(len(latencies) * 0.99) - 1], 1),
-        }
+        for n in range(E2E_MESSAGES):
+            pause = started + n / E2E_RATE - time.time()
+            if pause > 0:
+                time.sleep(pause)
+            sent = time.time()
+            payload = json.dumps({"n": n, "t": sent})
+            status, body = _request(
+                url,
+                "POST",
+                "/v1/messages",
+                token,
+                {"topic": f"e2e/{n % 10}", "text": payload, "qos": 1},
+            )
+            if status == 201:
+                accepted[n] = time.time() - sent
+            else:
+                publish_errors += 1
+        published = time.time()
+        deadline = published + E2E_DRAIN_S
+        for poller in pollers:
+            poller.join(max(deadline - time.time(), 0))
+        stop.set()
+        for poller in pollers:
+            poller.join(E2E_WAIT_MS / 1000 + 5)
+    latencies = sorted(x for r in received.values() for x in r.latencies)
+    to_accept = sorted(x for r in received.values() for x in r.to_accept)
+    last = max((r.last for r in received.values()), default=published)
+    delivered = sum(len(r.latencies) for r in received.values())
+    expected = set(accepted)
+    return {
+        "sessions": E2E_SESSIONS,
+        "client_threads": len(pollers) + 1,
+        "wait_ms": E2E_WAIT_MS,
+        "messages_published": len(accepted),
+        "publish_errors": publish_errors,
+        "publish_rate_per_s": E2E_RATE,
+        "publishing_s": round(published - started, 2),
+        "publish_p50_ms": _ms(_percentile(sorted(accepted.values()), 0.50)),
+        "deliveries": delivered,
+        "deliveries_expected": len(accepted) * E2E_SESSIONS,
+        "missing": sum(len(expected - set(r.counts)) for r in received.values()),
+        "duplicates": sum(c - 1 for r in received.values() for c in r.counts.values()),
+        "redelivered_dup_flag": sum(r.dup_flags for r in received.values()),
+        "foreign_deliveries": sum(r.foreign for r in received.values()),
+        "get_errors": sum(r.errors for r in received.values()),
+        "gets": sum(r.gets for r in received.values()),
+        "delivered_per_s": round(delivered / max(last - started, 1e-9), 1),
+        "latency_p50_ms": _ms(_percentile(latencies, 0.50)),
+        "latency_p99_ms": _ms(_percentile(latencies, 0.99)),
+        "latency_max_ms": _ms(latencies[-1] if latencies else math.nan),
+        "accept_to_get_p50_ms": _ms(_percentile(to_accept, 0.50)),
+        "esm_poll_interval_s": _esm_poll_interval_s(),
+    }
+
+
+class _Received:
+    """One session's client, and what it got: per message number, how often; latencies in
+    seconds."""
+
+    def __init__(self, client_id: str, channel: str, session_id: str) -> None:
+        self.client_id = client_id
+        self.channel = channel
+        self.session_id = session_id
+        #: deliveries whose id names another session
+        self.foreign = 0
+        self.counts: dict[int, int] = {}
+        self.latencies: list[float] = []
+        self.to_accept: list[float] = []
+        self.dup_flags = 0
+        self.errors = 0
+        self.gets = 0
+        self.last = 0.0
+
+
+def _poll_session(url: str, token: str, got: _Received, stop: threading.Event) -> None:
+    """One session's client: long-poll, ack what came, until it has every message or ``stop``."""
+    path, channel = f"/v1/sessions/{got.client_id}", got.channel
+    while not stop.is_set() and len(got.counts) < E2E_MESSAGES:
+        status, body = _request(
+            url,
+            "GET",
+            f"{path}/messages?max=100&wait_ms={E2E_WAIT_MS}",
+            token,
+            channel=channel,
+        )
+        now = time.time()
+        got.gets += 1
+        if status != 200:
+            got.errors += 1
+            time.sleep(0.1)
+            continue
+        messages = body["messages"]
+        if not messages:
+            continue
+        for m in messages:
+            sent = json.loads(base64.b64decode(m["payload"]))
+            got.counts[sent["n"]] = got.counts.get(sent["n"], 0) + 1
+            got.latencies.append(now - sent["t"])
+            got.to_accept.append(now - m["published_at"] / 1000)
+            got.dup_flags += bool(m["dup"])
+            got.foreign += m["id"].rsplit(".", 1)[0] != got.session_id
+        got.last = now
+        status, _ = _request(
+            url,
+            "POST",
+            f"{path}/acks",
+            token,
+            {"ids": [m["id"] for m in messages]},
+            channel=channel,
+        )
+        if status != 200:
+            got.errors += 1
+
+
+def _percentile(values: list[float], share: float) -> float:
+    """Nearest rank of sorted ``values``."""
+    if not values:
+        return math.nan
+    return values[max(math.ceil(share * len(values)) - 1, 0)]
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 1)
+
+
+def _esm_poll_interval_s() -> float:
+    """How long ``shoal dev``'s event source mappings sleep after a poll that found nothing
+    (the runtime takes ``EventSourceMappings``' default)."""
+    parameter = inspect.signature(EventSourceMappings.__init__).parameters["poll_interval_s"]
+    return float(parameter.default)
 
 
 def run() -> dict[str, Any]:
@@ -553,13 +671,19 @@ def report(figures: dict[str, Any]) -> str:
     e = figures["end_to_end"]
     lines += [
         "",
-        f"End to end over `shoal dev` ({e['sessions']} sessions on one filter, "
-        f"{e['messages_published']} messages; one client thread, one request at a time: each "
-        f"round publishes {E2E_PER_ROUND}, then every session gets (max 100) and acks): "
-        f"{e['deliveries']}/{e['deliveries_expected']} delivered, "
-        f"{e['delivered_per_s']} deliveries/s, publish-to-get latency p50 "
-        f"{e['latency_p50_ms']} ms, p99 {e['latency_p99_ms']} ms (the event source mapping "
-        "polls every 0.5 s; every request passes the JWT authorizer and the emulator).\n",
+        f"End to end over `shoal dev` ({e['sessions']} sessions on one filter, each on its own "
+        f"client thread long-polling (wait_ms {e['wait_ms']}, max 100) and acking; one "
+        f"publisher thread, {e['messages_published']} messages one by one at "
+        f"{e['publish_rate_per_s']}/s, sent in {e['publishing_s']} s; {e['client_threads']} "
+        "client threads): "
+        f"{e['deliveries']}/{e['deliveries_expected']} delivered, {e['missing']} missing, "
+        f"{e['duplicates']} duplicates, {e['foreign_deliveries']} to the wrong session, "
+        f"{e['delivered_per_s']} deliveries/s; publish-to-get "
+        f"latency p50 {e['latency_p50_ms']} ms, p99 {e['latency_p99_ms']} ms, max "
+        f"{e['latency_max_ms']} ms, against the event source mapping's poll interval of "
+        f"{1000 * e['esm_poll_interval_s']:.0f} ms (publish answered in "
+        f"{e['publish_p50_ms']} ms p50; every request passes the JWT authorizer, and every AWS "
+        "call the emulator's one lock).\n",
         "Delivery-event recording (share of the time in the recorder; extra PutObject calls):",
     ]
     for key, label in (

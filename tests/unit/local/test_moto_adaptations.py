@@ -1,0 +1,209 @@
+"""What the emulator changes in moto answers as moto did: a Query reads only the queried
+partition; attribute values are written into responses directly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+from moto.core.serialize import BaseJSONSerializer
+from moto.dynamodb.models.dynamo_type import Item
+from moto.dynamodb.models.table import Table
+from shoal.local.aws import _attribute_value_json, _NotAnAttributeValue, adapt_moto
+
+
+@pytest.fixture
+def table() -> Iterator[Any]:
+    adapt_moto()
+    with mock_aws():
+        dynamodb = boto3.resource("dynamodb", region_name="us-east-1")
+        table = dynamodb.create_table(
+            TableName="t",
+            KeySchema=[
+                {"AttributeName": "p", "KeyType": "HASH"},
+                {"AttributeName": "k", "KeyType": "RANGE"},
+            ],
+            AttributeDefinitions=[
+                {"AttributeName": "p", "AttributeType": "S"},
+                {"AttributeName": "k", "AttributeType": "N"},
+                {"AttributeName": "g", "AttributeType": "S"},
+            ],
+            GlobalSecondaryIndexes=[
+                {
+                    "IndexName": "by_g",
+                    "KeySchema": [{"AttributeName": "g", "KeyType": "HASH"}],
+                    "Projection": {"ProjectionType": "ALL"},
+                }
+            ],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        with table.batch_writer() as batch:
+            for p in ("a", "b", "c"):
+                for k in (5, 1, 10, 3, 7):
+                    batch.put_item(Item={"p": p, "k": k, "g": f"g{k % 2}", "v": f"{p}{k}"})
+        yield table
+
+
+def _values(answer: dict[str, Any]) -> list[str]:
+    return [i["v"] for i in answer["Items"]]
+
+
+def test_a_table_query_never_reads_the_whole_table(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given moto's whole-table read made to fail
+    def whole_table(self: Table) -> list[Any]:
+        raise AssertionError("the query read every item of the table")
+
+    monkeypatch.setattr(Table, "all_items", whole_table)
+
+    # When a partition is queried, forwards, backwards, under a key condition
+    forward = table.query(
+        KeyConditionExpression="p = :p AND k > :k", ExpressionAttributeValues={":p": "b", ":k": 3}
+    )
+    backward = table.query(
+        KeyConditionExpression="p = :p",
+        ExpressionAttributeValues={":p": "c"},
+        ScanIndexForward=False,
+    )
+    nothing = table.query(KeyConditionExpression="p = :p", ExpressionAttributeValues={":p": "z"})
+
+    # Then it answers that partition's items in key order, as DynamoDB does
+    assert _values(forward) == ["b5", "b7", "b10"]
+    assert _values(backward) == ["c10", "c7", "c5", "c3", "c1"]
+    assert _values(nothing) == []
+
+
+def test_a_table_query_sizes_only_the_items_its_key_condition_names(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given moto's item sizes watched
+    sized: set[tuple[str, str]] = set()
+    size = Item.size
+
+    def watched(self: Item) -> int:
+        sized.add((str(self.hash_key.value), str(self.range_key.value)))
+        return size(self)
+
+    monkeypatch.setattr(Item, "size", watched)
+
+    # When one partition's items past a key are queried
+    answer = table.query(
+        KeyConditionExpression="p = :p AND k > :k", ExpressionAttributeValues={":p": "a", ":k": 5}
+    )
+
+    # Then only those items were sized, and answered
+    assert _values(answer) == ["a7", "a10"]
+    assert sized == {("a", "7"), ("a", "10")}
+
+
+def test_a_limited_table_query_pages_through_the_partition(table: Any) -> None:
+    # Given a query of two items a page
+    pages: list[list[str]] = []
+    kwargs: dict[str, Any] = {}
+    while True:
+        answer = table.query(
+            KeyConditionExpression="p = :p",
+            ExpressionAttributeValues={":p": "a"},
+            Limit=2,
+            **kwargs,
+        )
+        pages.append(_values(answer))
+        if "LastEvaluatedKey" not in answer:
+            break
+        kwargs = {"ExclusiveStartKey": answer["LastEvaluatedKey"]}
+
+    # Then the pages hold the partition once, in key order
+    assert pages == [["a1", "a3"], ["a5", "a7"], ["a10"]]
+
+
+def test_an_index_query_still_finds_items_of_every_partition(table: Any) -> None:
+    answer = table.query(
+        IndexName="by_g", KeyConditionExpression="g = :g", ExpressionAttributeValues={":g": "g0"}
+    )
+    assert sorted(_values(answer)) == ["a10", "b10", "c10"]
+
+
+EVERY_KIND: dict[str, Any] = {
+    "p": {"S": "every"},
+    "k": {"N": "1.50"},
+    "empty": {"S": ""},
+    "bin": {"B": b"\x00\xffhi"},
+    "yes": {"BOOL": True},
+    "no": {"BOOL": False},
+    "null": {"NULL": True},
+    "strings": {"SS": ["x", "y"]},
+    "numbers": {"NS": ["1", "-2.5"]},
+    "binaries": {"BS": [b"a", b"\x01"]},
+    "none": {"L": []},
+    "map": {
+        "M": {
+            "empty": {"M": {}},
+            "list": {"L": [{"S": "q"}, {"B": b"zz"}, {"L": []}, {"M": {"n": {"N": "-3"}}}]},
+            "null": {"NULL": True},
+        }
+    },
+}
+
+
+def _reads(client: Any) -> list[dict[str, Any]]:
+    key = {"p": {"S": "every"}, "k": {"N": "1.5"}}
+    answers = [
+        # first, so that both rounds of reads see the same item
+        client.update_item(
+            TableName="t",
+            Key=key,
+            UpdateExpression="SET extra = :v",
+            ExpressionAttributeValues={":v": {"B": b"q"}},
+            ReturnValues="ALL_NEW",
+        ),
+        client.get_item(TableName="t", Key=key),
+        client.query(
+            TableName="t",
+            KeyConditionExpression="p = :p",
+            ExpressionAttributeValues={":p": {"S": "every"}},
+        ),
+        client.query(
+            TableName="t",
+            KeyConditionExpression="p = :p",
+            ExpressionAttributeValues={":p": {"S": "a"}},
+            Limit=2,
+        ),
+        client.scan(TableName="t", Limit=4),
+        client.batch_get_item(RequestItems={"t": {"Keys": [key]}}),
+        client.transact_get_items(TransactItems=[{"Get": {"TableName": "t", "Key": key}}]),
+    ]
+    return [{k: v for k, v in a.items() if k != "ResponseMetadata"} for a in answers]
+
+
+def test_attribute_values_are_written_as_moto_writes_them(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an item holding every kind of attribute value, nested ones too
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    client.put_item(TableName="t", Item=EVERY_KIND)
+    assert getattr(BaseJSONSerializer._serialize, "_attribute_values", False)
+
+    # When the same reads are answered directly and by moto's own serializer
+    direct = _reads(client)
+    monkeypatch.setattr(
+        BaseJSONSerializer,
+        "_serialize",
+        BaseJSONSerializer._serialize.__wrapped__,
+    )
+    generic = _reads(client)
+
+    # Then the clients read the same answers
+    assert direct == generic
+    assert direct[1]["Item"]["bin"] == {"B": b"\x00\xffhi"}
+
+
+@pytest.mark.parametrize(
+    "value", [{}, {"S": "x", "N": "1"}, {"X": "y"}, {"M": {"a": "not a value"}}, "S"]
+)
+def test_what_is_not_an_attribute_value_goes_the_generic_way(value: Any) -> None:
+    with pytest.raises(_NotAnAttributeValue):
+        _attribute_value_json(value)

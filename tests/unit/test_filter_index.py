@@ -7,6 +7,7 @@ from itertools import chain
 
 import pytest
 import shoal.topics.filters as topics
+import shoal.topics.index as index_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
@@ -335,3 +336,26 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=50, stateful_step_count=40)
+
+
+def test_the_cache_keeps_few_answers_of_spread_traffic_and_all_of_hot_traffic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given an index that judges its cache every 64 misses
+    monkeypatch.setattr(index_module, "JUDGE_EVERY", 64)
+    index: FilterIndex[str] = FilterIndex(cache_size=10_000)
+    index.add("t/+", "s1")
+    # When traffic spreads over more topics than repeat (every lookup a miss)
+    for n in range(640):
+        assert index.buckets(f"t/{n}") == ({"s1"},)
+    # Then after its first judgement it keeps one miss in SAMPLE_MISSES, not each
+    kept = len(index._answers)
+    assert 64 <= kept < 64 + 640 // 8
+    # And when traffic turns to a few hot topics, they are cached again and answered from it
+    hot = [f"h/{n}" for n in range(4)]
+    index.add("h/#", "s2")  # (a change empties the cache)
+    for _ in range(200):
+        for name in hot:
+            assert index.buckets(name) == ({"s2"},)
+    assert set(index._answers) == set(hot)
+    assert index._keep_every == 1

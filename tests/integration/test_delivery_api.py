@@ -557,3 +557,34 @@ def test_a_session_holds_a_bounded_number_of_subscriptions(
     monkeypatch.setattr("shoal.delivery.subscriptions.MAX_SUBSCRIPTIONS_PER_SESSION", 2)
     channel = connected(world)
     assert world.subscribe(CLIENT, channel, "a", "b", "c", "a") == [2, 2, "quota_exceeded", 2]
+
+
+def test_a_get_past_many_consumed_items_reads_one_of_them_to_find_its_cursor(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a session whose inbox holds 12 consumed items (one per routed batch; they stay
+    # until TTL)
+    channel = connected(world)
+    world.subscribe(CLIENT, channel, "old/#")
+    for n in range(12):
+        world.publish("old/x", f"m{n}")
+        world.route()
+    assert len(world.drain(CLIENT, channel)) == 12
+    # and one new message
+    world.publish("old/x", "new")
+    world.route()
+    read: list[int] = []
+    after = world.inbox.after
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        items = after(*args, **kwargs)
+        read.append(len(items))
+        return items
+
+    monkeypatch.setattr(world.inbox, "after", counted)
+    # When the session gets
+    got = world.get(CLIENT, channel)
+    # Then it gets the new message, having read one consumed item to learn where to jump, then
+    # the new one (a query is billed for every item it reads, up to 64 KB each)
+    assert texts(got) == ["new"]
+    assert read[:2] == [1, 1] and sum(read) == 2

@@ -91,6 +91,10 @@ class _Plan:
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
 
 
+#: items a scan's query asks for after its first (``DeliveryService._scan``)
+SCAN_PAGE = 10
+
+
 class DeliveryService:
     """Get and ack for a live channel."""
 
@@ -339,11 +343,16 @@ class DeliveryService:
         """The session's messages after each source's cursor, source by source, in order.
 
         Consumed items stay until TTL, so when the scan runs into a source's consumed items it
-        jumps to that source's cursor (one query per source with old items, no more).
+        jumps to that source's cursor (one query per source with old items, no more). The first
+        query asks for one item: the partition's first items are mostly consumed ones, up to
+        64 KB each, and a query is billed for every item it reads, so reading ten of them to
+        learn where to jump cost up to 160 read units a get.
         """
         lower, inclusive = STATE, False
+        limit = 1
         for _ in range(MAX_QUERIES_PER_GET):
-            items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=10)
+            items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=limit)
+            page, limit = limit, SCAN_PAGE
             if not items:
                 return
             jumped = False
@@ -374,7 +383,7 @@ class DeliveryService:
                 for n, message in enumerate(fresh):
                     yield _Found(source, item, message, n == len(fresh) - 1)
             if not jumped:
-                if len(items) < 10:
+                if len(items) < page:
                     return
                 lower, inclusive = items[-1].key, False
                 if held is not None:

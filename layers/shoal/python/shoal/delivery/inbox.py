@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from shoal.aws import clients, tables
-from shoal.aws.dynamo import Dynamo, to_item
+from shoal.aws.dynamo import Dynamo, from_item, to_item
 from shoal.core.config import Config
 from shoal.delivery import codec
 from shoal.delivery.model import (
@@ -52,19 +52,11 @@ class InboxItem:
         return split_key(self.key)[0]
 
     def record(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "inbox": self.session_id,
-            "position": self.key,
-            "l": self.covered,
-            "b": codec.encode(self.messages),
-            "expires_at": self.expires_at,
-        }
-        if self.stream is not None:
-            out["st"] = self.stream
-        return out
+        """The stored item as plain values (what ``from_record`` reads back)."""
+        return from_item(self.wire())
 
     def wire(self) -> dict[str, Any]:
-        """``record()`` in DynamoDB's wire form, built directly: the router's hot path writes
+        """The stored item in DynamoDB's wire form, built directly: the router's hot path writes
         hundreds of these an invocation, and five plain values need no general serializer."""
         out: dict[str, Any] = {
             "inbox": {"S": self.session_id},

@@ -115,6 +115,17 @@ def publish(dev: DevServer, token: str, topic_prefix: str, count: int, keys: int
     return ids
 
 
+def holding(member: Member) -> list[str]:
+    """The ids of the first messages ``member`` gets (heartbeating until some come), which it
+    then holds unacked."""
+    held: list[str] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not held and time.monotonic() < deadline:
+        member.heartbeat()
+        held = [m["message_id"] for m in member.get()]
+    return held
+
+
 class Tally:
     """What members got and acked: every accepted ack, in the order the test saw them."""
 
@@ -185,11 +196,7 @@ def test_a_killed_members_unacked_messages_reach_the_others_after_the_lease_time
     published = publish(dev, token, "orders/us", 150, keys=12)
     # Given the first member holding messages it never acks, then killed (it calls no more)
     victim, survivors = members[0], members[1:]
-    held: list[str] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while not held and time.monotonic() < deadline:
-        victim.heartbeat()
-        held = [m["message_id"] for m in victim.get()]
+    held = holding(victim)
     assert held
     # When the others keep heartbeating, getting and acking
     tally = Tally()
@@ -293,11 +300,7 @@ def test_a_killed_members_unacked_messages_of_one_partition_move_within_the_leas
     published = publish(dev, token, "jobs/c", 120, keys=0)
     # Given the first member holding messages of its lanes it never acks, then killed
     victim, survivors = members[0], members[1:]
-    held: list[str] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while not held and time.monotonic() < deadline:
-        victim.heartbeat()
-        held = [m["message_id"] for m in victim.get()]
+    held = holding(victim)
     assert held
     killed_at = time.monotonic()
     # When the others keep heartbeating, getting and acking

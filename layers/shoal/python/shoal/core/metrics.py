@@ -1,0 +1,47 @@
+"""The custom metrics Shoal emits, declared once: the functions emit them (EMF through Powertools)
+and the stack's dashboard and alarms read the same names.
+
+Every metric is in the ``Shoal`` namespace with one dimension, ``service``: the function's
+name (a handful of values). Never a client id, a topic name or a group name as a dimension:
+each distinct value is a billed custom metric, and a client id would make them unbounded.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+NAMESPACE: Final = "Shoal"
+# Powertools puts the service name in this dimension on every metric it flushes.
+DIMENSION: Final = "service"
+
+# Counts (Unit.Count), each summed over a function's invocations.
+PUBLISHED: Final = "MessagesPublished"  # publish: messages accepted (not duplicates)
+ROUTED: Final = "MessagesRouted"  # router: messages read from the storage topics
+DELIVERIES: Final = "DeliveriesWritten"  # router: deliveries written to inboxes
+DELIVERED: Final = "MessagesDelivered"  # messages: deliveries handed out by a get
+ACKED: Final = "MessagesAcked"  # messages: deliveries acknowledged
+REDELIVERED: Final = "MessagesRedelivered"  # messages/push: deliveries sent again (dup)
+DEAD_LETTERED: Final = "MessagesDeadLettered"  # push: messages moved to the DLQ
+REDRIVEN: Final = "MessagesRedriven"  # pushadmin: DLQ messages sent back
+REPLAYED: Final = "MessagesReplayed"  # seek/replay: messages delivered again on request
+REBALANCES: Final = "GroupRebalances"  # shared groups: lane or member assignments changed
+
+# Lag (Unit.Milliseconds): age of the oldest record of an invocation's batch, measured from
+# Kinesis' ApproximateArrivalTimestamp. The same quantity as the mapping's IteratorAge, but
+# per function and available under `shoal dev`, where no IteratorAge exists.
+ROUTER_LAG: Final = "RouterLag"
+PUSH_LAG: Final = "PushLag"
+
+COUNTS: Final = (
+    PUBLISHED,
+    ROUTED,
+    DELIVERIES,
+    DELIVERED,
+    ACKED,
+    REDELIVERED,
+    DEAD_LETTERED,
+    REDRIVEN,
+    REPLAYED,
+    REBALANCES,
+)
+LAGS: Final = (ROUTER_LAG, PUSH_LAG)

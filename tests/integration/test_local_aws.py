@@ -282,3 +282,46 @@ def test_a_failed_journal_append_stops_all_service(
     with pytest.raises(ClientError) as refused:
         ddb.get_item(TableName=TABLE, Key={"pk": {"S": "lost"}})
     assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+
+
+def test_this_process_calls_in_process_and_answers_as_over_http(tmp_path: Path) -> None:
+    """The functions' calls skip the socket (shoal.local.transport) yet get the answers a call
+    over HTTP gets: errors, streamed bodies, journaling."""
+    over_http = EmbeddedAws(state_dir=tmp_path / "http", in_process=False)
+    over_http.start()
+    try:
+        answers_http = _same_calls(over_http)
+        assert over_http._transport is None
+    finally:
+        over_http.stop()
+    aws = EmbeddedAws(state_dir=tmp_path / "in-process")
+    aws.start()
+    try:
+        answers = _same_calls(aws)
+        assert aws._transport is not None and aws._transport.calls >= 6
+    finally:
+        aws.stop()
+    assert answers == answers_http
+    assert journal_length(tmp_path / "in-process") == journal_length(tmp_path / "http") == 4
+    # a stopped emulator's clients meet its closed port, as they would over HTTP
+    with pytest.raises(Exception, match="Could not connect"):
+        client(aws, "s3").list_buckets()
+
+
+def _same_calls(aws: EmbeddedAws) -> list[Any]:
+    ddb = create_counter_table(aws)
+    ddb.put_item(TableName=TABLE, Item={"pk": {"S": "a"}, "n": {"N": "1"}})
+    with pytest.raises(ClientError) as failed:
+        ddb.put_item(
+            TableName=TABLE, Item={"pk": {"S": "a"}}, ConditionExpression="attribute_not_exists(pk)"
+        )
+    s3 = client(aws, "s3")
+    s3.create_bucket(Bucket="archive")
+    s3.put_object(Bucket="archive", Key="k", Body=b"x" * 100_000, Metadata={"my_key": "v"})
+    obj = s3.get_object(Bucket="archive", Key="k")
+    return [
+        failed.value.response["Error"]["Code"],
+        ddb.get_item(TableName=TABLE, Key={"pk": {"S": "a"}})["Item"],
+        len(obj["Body"].read()),
+        obj["Metadata"],
+    ]

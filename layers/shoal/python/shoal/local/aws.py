@@ -40,6 +40,8 @@ from urllib.parse import parse_qs
 import boto3
 
 from shoal.local.serialize import BACKEND_LOCK
+from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
+from shoal.local.transport import InProcessTransport
 
 log = logging.getLogger("shoal-dev.aws")
 
@@ -85,7 +87,6 @@ _DROPPED_HEADERS = frozenset(
         "HTTP_CONTENT_LENGTH",
     }
 )
-_PRESERVED_NAMES_KEY = "moto.preserved_header_names"
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -695,13 +696,21 @@ class EmbeddedAws:
     """moto on ``host:port`` (port 0: any free port), serialized, journaled under ``state_dir``.
 
     moto's backends are process-wide, so one EmbeddedAws runs per process at a time; ``start``
-    empties them before replaying the journal.
+    empties them before replaying the journal. With ``in_process`` (the default), SDK clients
+    made in this process after ``start`` reach it without a socket (``shoal.local.transport``).
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, state_dir: Path | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        state_dir: Path | None = None,
+        *,
+        in_process: bool = True,
     ) -> None:
         self.host = host
+        self.in_process = in_process
+        self._transport: InProcessTransport | None = None
         self.port = port
         self.state_dir = state_dir
         self.journal: Journal | None = None
@@ -753,6 +762,10 @@ class EmbeddedAws:
             self.host, self.port, app, threaded=True, request_handler=QuietHandler
         )
         self.port = self._server.server_address[1]
+        if self.in_process:
+            # this process's SDK calls to the emulator skip the socket (shoal.local.transport)
+            self._transport = InProcessTransport(self.url, app)
+            self._transport.install()
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="shoal-aws", daemon=True
         )
@@ -766,6 +779,9 @@ class EmbeddedAws:
         return EndpointSession(self.url)
 
     def stop(self) -> None:
+        if self._transport is not None:
+            self._transport.uninstall()
+            self._transport = None
         if self._server is not None:
             if self._thread is not None:
                 self._server.shutdown()

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 from shoal.core import metrics
-from shoal.core.observability import carried, count, invocation, lag, observed, service_scope
+from shoal.core.observability import (
+    InvocationMetrics,
+    carried,
+    count,
+    invocation,
+    lag,
+    observed,
+    service_scope,
+)
 from shoal.declarations import DEPLOYMENT, function_environment
 from shoal.local.provision import LocalNames
 from shoal.local.runtime import Functions, _Sandboxes
@@ -71,6 +79,23 @@ def test_counting_outside_an_invocation_and_an_invocation_without_counts_write_n
     with invocation():
         count(metrics.PUBLISHED, 0)
     assert capsys.readouterr().out == ""
+
+
+def test_a_flush_that_fails_fails_no_invocation(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: InvocationMetrics, service: str) -> None:
+        raise ValueError("no EMF today")
+
+    monkeypatch.setattr(InvocationMetrics, "document", broken)
+
+    @observed
+    def handler(event: dict[str, Any], context: Any) -> str:
+        count(metrics.PUBLISHED)
+        return "answered"
+
+    assert handler({}, FakeContext()) == "answered"
+    assert lines(capsys.readouterr().out) == []
 
 
 def test_each_function_is_its_own_service_deployed_and_under_shoal_dev(

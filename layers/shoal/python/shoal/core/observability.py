@@ -140,7 +140,11 @@ def invocation() -> Iterator[InvocationMetrics]:
         yield recorder
     finally:
         _current.reset(token)
-        recorder.flush(service_name())
+        try:
+            recorder.flush(service_name())
+        except Exception as error:
+            # counting never fails a request (nor hides the error the invocation raised)
+            logger.warning("metrics not flushed", extra={"error_type": type(error).__name__})
 
 
 Handler = Callable[[dict[str, Any], Any], Any]

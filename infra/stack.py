@@ -43,6 +43,7 @@ from shoal.declarations import (
     FunctionDef,
     Grant,
     environment,
+    function_environment,
 )
 
 from infra.bundling import PipLayerBundling
@@ -348,9 +349,10 @@ class ShoalStack(cdk.Stack):
             layers=[layer],
             memory_size=fdef.memory_mb,
             timeout=cdk.Duration.seconds(fdef.timeout_s),
-            tracing=lambda_.Tracing.ACTIVE,
+            # no X-Ray: its cost and per-call overhead buy little here (docs/design.md)
+            tracing=lambda_.Tracing.DISABLED,
             log_group=log_group,
-            environment=dict(env),
+            environment={**env, **function_environment(fdef)},
         )
 
     def _grant(self, fdef: FunctionDef, grant: Grant) -> None:

@@ -11,14 +11,14 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal.composite.model import DEFAULT_TOPIC
 from shoal.composite.service import ensure_default_topic
 from shoal.core.config import get_config
-from shoal.core.observability import logger
+from shoal.core.observability import observed
 from shoal.wiring import topic_service
 
 #: the bootstrap may wait for a new stream as long as its function's timeout allows
 STREAM_WAIT_S = 240.0
 
 
-@logger.inject_lambda_context(clear_state=True)
+@observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     physical = event.get("PhysicalResourceId") or f"shoal-topic-{DEFAULT_TOPIC}"
     if event.get("RequestType") not in ("Create", "Update"):

@@ -8,13 +8,13 @@ queue.
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from shoal.core.observability import logger
+from shoal.core.observability import observed
 from shoal.push.delivery import PushConsumer
 from shoal.wiring import PerConfig
 
 service = PerConfig(PushConsumer.from_config)
 
 
-@logger.inject_lambda_context(clear_state=True)
+@observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return service().handle(event, context.get_remaining_time_in_millis())

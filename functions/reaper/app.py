@@ -9,7 +9,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal import wiring
 from shoal.core.config import get_config
-from shoal.core.observability import logger
+from shoal.core.observability import logger, observed
 from shoal.drain import Sealer
 from shoal.sessions.reaper import Reaper
 
@@ -24,7 +24,7 @@ def sealer() -> Sealer:
     return wiring.sealer(get_config())
 
 
-@logger.inject_lambda_context(clear_state=True)
+@observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report = reaper().run().as_dict()
     # after the sessions' work: a failing seal fails the run (the next one seals again)

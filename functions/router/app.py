@@ -5,12 +5,12 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal import wiring
-from shoal.core.observability import logger
+from shoal.core.observability import observed
 from shoal.wiring import PerConfig
 
 router = PerConfig(wiring.router)
 
 
-@logger.inject_lambda_context(clear_state=True)
+@observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return router().handle(event, context)

@@ -193,11 +193,14 @@ def test_one_function_per_declaration_with_handler_runtime_layer_and_env(deploye
         assert props["Runtime"] == "python3.12"
         assert props["Architectures"] == ["arm64"]
         assert props["Layers"] == [{"Ref": layer}]
-        assert props["TracingConfig"] == {"Mode": "Active"}
+        # X-Ray is off (docs/design.md, "Metrics and tracing")
+        assert "TracingConfig" not in props
         assert props["MemorySize"] == fdef.memory_mb
         assert props["Timeout"] == fdef.timeout_s
         assert "ReservedConcurrentExecutions" not in props
         env = props["Environment"]["Variables"]
+        # the `service` dimension of the function's metrics: its own name, bounded
+        assert env["POWERTOOLS_SERVICE_NAME"] == fdef.name
         for table in deployed.deployment.tables:
             ref = {"Ref": logical_id(table.logical, "Table")}
             assert env[f"SHOAL_TABLE_{table.logical.upper()}"] == ref

@@ -310,3 +310,10 @@ def environment(
     env["SHOAL_DEFAULT_PARTITIONS"] = str(default_partitions)
     env["POWERTOOLS_SERVICE_NAME"] = "shoal"
     return env
+
+
+def function_environment(fn: FunctionDef) -> dict[str, str]:
+    """What one function's environment adds to ``environment``: its service name, the
+    ``service`` dimension of its metrics and the ``service`` key of its log lines (the
+    function's folder name: a handful of values, a bounded dimension)."""
+    return {"POWERTOOLS_SERVICE_NAME": fn.name}

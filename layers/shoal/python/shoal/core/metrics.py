@@ -18,13 +18,16 @@ DIMENSION: Final = "service"
 PUBLISHED: Final = "MessagesPublished"  # publish: messages accepted (not duplicates)
 ROUTED: Final = "MessagesRouted"  # router: messages read from the storage topics
 DELIVERIES: Final = "DeliveriesWritten"  # router: deliveries written to inboxes
-DELIVERED: Final = "MessagesDelivered"  # messages: deliveries handed out by a get
-ACKED: Final = "MessagesAcked"  # messages: deliveries acknowledged
+# messages: deliveries handed out by a get for the first time; push: first POSTs
+DELIVERED: Final = "MessagesDelivered"
+ACKED: Final = "MessagesAcked"  # messages: deliveries acknowledged; push: POSTs answered 2xx
 REDELIVERED: Final = "MessagesRedelivered"  # messages/push: deliveries sent again (dup)
 DEAD_LETTERED: Final = "MessagesDeadLettered"  # push: messages moved to the DLQ
 REDRIVEN: Final = "MessagesRedriven"  # pushadmin: DLQ messages sent back
-REPLAYED: Final = "MessagesReplayed"  # seek/replay: messages delivered again on request
-REBALANCES: Final = "GroupRebalances"  # shared groups: lane or member assignments changed
+# push: archived messages a replay put back in a retry queue, at their first POST since
+REPLAYED: Final = "MessagesReplayed"
+# shared groups: a leader's transition that changed who holds which stream, once committed
+REBALANCES: Final = "GroupRebalances"
 
 # Lag (Unit.Milliseconds): age of the oldest record of an invocation's batch, measured from
 # Kinesis' ApproximateArrivalTimestamp. The same quantity as the mapping's IteratorAge, but

@@ -34,11 +34,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shoal.core import metrics
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import DeliverySettings
 from shoal.core.errors import BadRequest, ServerBusy
-from shoal.core.observability import logger
+from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import Recording, record_answers
 from shoal.delivery.gate import SessionGate
@@ -180,6 +181,9 @@ class DeliveryService:
             if self.groups is not None and len(out) < wanted:
                 out += self.groups.get(session_id, head.subscriptions, wanted - len(out), channel)
             if out:
+                redelivered = sum(1 for m in out if m.get("dup"))
+                count(metrics.DELIVERED, len(out) - redelivered)
+                count(metrics.REDELIVERED, redelivered)
                 return {"messages": out}
             left_ms = deadline - self.clock.now_ms()
             if left_ms <= 0:
@@ -458,6 +462,7 @@ class DeliveryService:
         # group deliveries (``g-...`` ids) are acked on their streams, fenced by their lease
         grouped = self.groups.ack(session_id, head.subscriptions, request.ids) if self.groups else 0
         ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
+        count(metrics.ACKED, grouped)
         if not ordinals:
             return {"acked": grouped}
         for attempt in range(ATTEMPTS):
@@ -473,6 +478,7 @@ class DeliveryService:
             expires = self.clock.now_ms() // 1000 + self.settings.retention_s
             if self.inbox.write_state(session_id, state, expected, expires):
                 self._record_ack(session_id, state, ordinals)
+                count(metrics.ACKED, len(fresh))
                 return {"acked": len(fresh) + grouped}
             self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")

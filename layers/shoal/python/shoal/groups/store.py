@@ -13,9 +13,11 @@ from typing import Any
 
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, to_item
+from shoal.core import metrics
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, GroupSettings
 from shoal.core.errors import ServerBusy
+from shoal.core.observability import count
 from shoal.core.retry import backoff_s
 from shoal.groups.state import (
     AgentState,
@@ -446,6 +448,8 @@ class GroupStore:
                 # another member's to write: this call goes on with the leader as it is
                 return replace(loaded, state=state)
             if self.commit(loaded, new, operation):
+                # the assignment changed (checked above): one rebalance of the group
+                count(metrics.REBALANCES)
                 return self._applied(loaded, new)
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this shared group is contended; retry")

@@ -21,7 +21,7 @@ from shoal.core.errors import (
     RouteNotFound,
     ShoalError,
 )
-from shoal.core.observability import logger
+from shoal.core.observability import logger, observed
 
 
 def _dumps(body: Any) -> str:
@@ -107,9 +107,10 @@ def make_resolver() -> APIGatewayHttpResolver:
 def lambda_handler(
     app: APIGatewayHttpResolver,
 ) -> Callable[[dict[str, Any], LambdaContext], dict[str, Any]]:
-    """The Lambda entry point for a resolver, with the request id in every log line."""
+    """The Lambda entry point for a resolver, with the request id in every log line and one
+    metrics flush per invocation (``shoal.core.observability.observed``)."""
 
-    @logger.inject_lambda_context(clear_state=True)
+    @observed
     def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         return app.resolve(event, context)
 

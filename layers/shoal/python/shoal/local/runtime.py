@@ -26,7 +26,8 @@ from typing import Any
 
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
-from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef
+from shoal.core.observability import SERVICE_ENV, service_scope
+from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef, function_environment
 from shoal.local.authorizer import (
     DEFAULT_AUDIENCE,
     IssuerSettings,
@@ -50,7 +51,10 @@ CHECKPOINTS_DIR = "checkpoints"
 
 #: What every function's process sees besides the declared environment: fake credentials (the
 #: emulator checks none, and no real account can be reached with them), one region, few SDK
-#: retries (nothing throttles locally; a retry only hides a bug), no X-Ray daemon.
+#: retries (nothing throttles locally; a retry only hides a bug), no X-Ray daemon, and metrics
+#: kept out of the console: no CloudWatch reads them, and one EMF line per invocation would
+#: bury the request log (they go to the function log at DEBUG: --log-level is the runtime's
+#: own; POWERTOOLS_LOG_LEVEL=DEBUG shows them).
 BASE_ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -64,6 +68,7 @@ BASE_ENVIRONMENT = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     "POWERTOOLS_TRACE_DISABLED": "1",
     "POWERTOOLS_METRICS_NAMESPACE": "Shoal",
+    "POWERTOOLS_METRICS_DISABLED": "true",
 }
 
 StartHook = Callable[[Config], object]
@@ -187,13 +192,19 @@ class Functions:
     def invoke_def(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
         sandboxes = self._sandboxes[fn.name]
         handler = sandboxes.acquire()
+        # the function's own environment (its service name) for this invocation only: every
+        # function shares the process's environment here
+        service = function_environment(fn)[SERVICE_ENV]
         try:
-            return handler(
-                event,
-                LambdaContext(
-                    self.names.functions[fn.name], memory_mb=fn.memory_mb, timeout_s=fn.timeout_s
-                ),
-            )
+            with service_scope(service):
+                return handler(
+                    event,
+                    LambdaContext(
+                        self.names.functions[fn.name],
+                        memory_mb=fn.memory_mb,
+                        timeout_s=fn.timeout_s,
+                    ),
+                )
         finally:
             sandboxes.release(handler)
 

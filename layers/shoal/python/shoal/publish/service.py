@@ -47,6 +47,7 @@ from shoal.aws.kinesis import MAX_RECORD_BYTES, Streams
 from shoal.composite.directory import TopicDirectory
 from shoal.composite.model import StorageTopic
 from shoal.composite.store import TopicStore
+from shoal.core import metrics
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -61,7 +62,7 @@ from shoal.core.errors import (
     ShoalError,
 )
 from shoal.core.faults import CrashPoint
-from shoal.core.observability import logger
+from shoal.core.observability import count, logger
 from shoal.publish.items import Item, Ticket
 from shoal.publish.request import PublishRequest, bad_request
 from shoal.publish.retained import MAX_RETAINED_BYTES, RetainedStore
@@ -187,6 +188,8 @@ class PublishService:
                 item.destination, item.partition = first.destination, first.partition
                 item.answer = first.answer
                 item.duplicate = True
+        # one count per request, not per message
+        count(metrics.PUBLISHED, sum(1 for i in items if i.error is None and not _duplicate(i)))
         return items
 
     def _prepare(
@@ -511,7 +514,7 @@ class PublishService:
             storage_index, partition = item.answer
         else:
             storage_index, partition = item.storage.index, item.partition
-        duplicate = item.duplicate or (item.ticket is not None and item.ticket.recovery)
+        duplicate = _duplicate(item)
         body = {
             "message_id": item.message_id,
             "topic": item.request.topic,
@@ -520,6 +523,11 @@ class PublishService:
             "duplicate": duplicate,
         }
         return (200 if duplicate else 201), body
+
+
+def _duplicate(item: Item) -> bool:
+    """Answered 200 ``duplicate``: a seq seen before, or a crashed publish's put read back."""
+    return item.duplicate or (item.ticket is not None and item.ticket.recovery)
 
 
 def _utf8(text: str) -> bool:

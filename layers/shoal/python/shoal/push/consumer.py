@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.core import metrics
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
-from shoal.core.observability import logger
+from shoal.core.observability import carried, count, logger
 from shoal.delivery.events import EventKind, PerConsumer, Recording
 from shoal.push.endpoint import Deliverer, DeliveryResult, delivery_request
 from shoal.push.entries import Entry, Source
@@ -112,7 +113,7 @@ class Consumer:
                 step(work)
             return
         with ThreadPoolExecutor(min(parallelism, len(works))) as pool:
-            list(pool.map(step, works))
+            list(pool.map(carried(step), works))
 
     def _reservation(
         self,
@@ -145,8 +146,10 @@ class Consumer:
 
     def _put(self, sub: PushSubscription, entry: Entry) -> None:
         self.queues.put(sub.queue(entry.queue, self.prefix), entry)
-        if self._recorders is not None and entry.queue == DLQ:
-            self._record(sub, entry.message, "dead_lettered", entry.attempts, entry.reason)
+        if entry.queue == DLQ:
+            count(metrics.DEAD_LETTERED)
+            if self._recorders is not None:
+                self._record(sub, entry.message, "dead_lettered", entry.attempts, entry.reason)
 
     def _record(
         self,
@@ -175,6 +178,10 @@ class Consumer:
         result = self.deliverer.deliver(
             delivery_request(sub.name, sub.spec.endpoint, message, attempt)
         )
+        # one POST per count: the counting costs nothing next to it
+        count(metrics.DELIVERED if attempt == 1 else metrics.REDELIVERED)
+        if result.ok:
+            count(metrics.ACKED)
         if self._recorders is not None:
             self._record(sub, message, "delivered" if attempt == 1 else "redelivered", attempt)
             if result.ok:

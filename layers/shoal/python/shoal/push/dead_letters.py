@@ -16,8 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.core import metrics
 from shoal.core.clock import Clock
 from shoal.core.errors import BadRequest, InvalidCursor, InvalidRedrive
+from shoal.core.observability import count as count_metric
 from shoal.core.observability import logger
 from shoal.push.api import RedriveRequest, parse_time
 from shoal.push.entries import Entry, Source, decode_entry
@@ -206,6 +208,7 @@ class DeadLetters:
                 report.truncated = True
                 break
             self._redrive_key(sub, key, found.get(key, {}), selected[key], report)
+        count_metric(metrics.REDRIVEN, report.redriven)
         logger.info("dead letters redriven", extra={"subscription": name, "count": report.redriven})
         return report.document()
 

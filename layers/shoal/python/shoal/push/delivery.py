@@ -13,8 +13,10 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.data_classes import KinesisStreamEvent
 
+from shoal.core import metrics
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
+from shoal.core.observability import lag
 from shoal.delivery.events import PerConsumer, Recording
 from shoal.push.consumer import Budget, InRecord
 from shoal.push.endpoint import EndpointPolicy, HttpDeliverer
@@ -76,6 +78,9 @@ class PushConsumer(MainQueueConsumer, RetryQueueConsumer):
         budget = Budget(deadline, min(now + int(self.max_hold_s * 1000), deadline))
         queue = parse_queue_stream(self.prefix, stream)
         if queue is None:
+            # a tap's lag: one shard's records come in order, the first is the oldest (a retry
+            # queue's records wait on purpose, so its age is no lag)
+            lag(metrics.PUSH_LAG, now - records[0].arrival_ms)
             failed = self.consume_main(stream, records, budget)
         elif queue[2] == RQ:
             failed = self.consume_retry(queue[0], queue[1], stream, records, budget)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shoal.core.errors import ServerBusy
-from shoal.core.observability import logger
+from shoal.core.observability import carried, logger
 from shoal.drain import RECHECK_MS
 from shoal.push.consumer import MAX_CONFLICTS, Budget, Consumer, InRecord, KeyWork
 from shoal.push.decisions import MainAction, Outcome, decide_main, judge
@@ -80,7 +80,7 @@ class MainQueueConsumer(Consumer):
             stops = [one(s) for s in subs]
         else:
             with ThreadPoolExecutor(min(len(subs), 16)) as pool:
-                stops = list(pool.map(one, subs))
+                stops = list(pool.map(carried(one), subs))
         if unsealed is not None:
             self._hold_seal(stream, budget)
         return min((s for s in [*stops, *unmarked, unsealed] if s is not None), default=None)

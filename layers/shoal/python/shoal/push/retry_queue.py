@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.core import metrics
 from shoal.core.errors import ServerBusy
-from shoal.core.observability import logger
+from shoal.core.observability import count, logger
 from shoal.push.consumer import MAX_CONFLICTS, Budget, Consumer, InRecord, KeyWork
 from shoal.push.decisions import Outcome, RetryAction, decide_retry, judge
 from shoal.push.endpoint import DeliveryResult
-from shoal.push.entries import BLOCKED, Entry, Source, decode_entry
+from shoal.push.entries import BLOCKED, REPLAYED, Entry, Source, decode_entry
 from shoal.push.model import DLQ, RQ, PushSubscription
 from shoal.push.state import EntryReservation, KeyState, RetryHead
 from shoal.push.store import INFRASTRUCTURE_ERRORS
@@ -191,6 +192,9 @@ class RetryQueueConsumer(Consumer):
                 result = results.get(attempt)
                 if result is None:
                     result = results[attempt] = self._deliver(sub, entry.message, attempt)
+                    if attempt == 1 and entry.reason == REPLAYED:
+                        # an archived message sent again on request (``shoal.push.replay``)
+                        count(metrics.REPLAYED)
                 outcome = judge(result, policy, attempt)
                 if outcome is Outcome.DONE:
                     new = state.consume(RQ, entry.n, entry.main)

@@ -23,7 +23,9 @@ from aws_lambda_powertools.utilities.batch import (
 from aws_lambda_powertools.utilities.parser.models import KinesisDataStreamRecord
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
+from shoal.core import metrics
 from shoal.core.faults import ROUTER_STEPS, Faults
+from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
 from shoal.router.archive import ArchiveWriter
 from shoal.router.fanout import Fanout
@@ -41,6 +43,7 @@ class Router:
         self.faults = faults
 
     def handle(self, event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+        self._lag(event)
         batch = self.archive.batch()
         records: list[tuple[str, bytes]] = []
 
@@ -64,7 +67,10 @@ class Router:
         fault.at("before_inbox")
         if routed:
             events = self.recording.new()
-            self.fanout.route_records(batch.stream, batch.shard, routed, events)
+            report = self.fanout.route_records(batch.stream, batch.shard, routed, events)
+            # per batch: the fan-out counted them already
+            count(metrics.ROUTED, report.messages)
+            count(metrics.DELIVERIES, report.deliveries)
             fault.at("after_inbox")
             fault.at("before_events")
             events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
@@ -73,3 +79,12 @@ class Router:
         self.archive.write(batch.objects(cut))
         fault.at("after_archive")
         return dict(response)
+
+    def _lag(self, event: dict[str, Any]) -> None:
+        """The age of the batch's first record: one shard's records come in order, so the
+        first is the oldest (the mapping's IteratorAge, per invocation)."""
+        records = event.get("Records") or ()
+        if records:
+            arrived = records[0].get("kinesis", {}).get("approximateArrivalTimestamp")
+            if arrived is not None:
+                lag(metrics.ROUTER_LAG, self.fanout.clock.now_ms() - int(float(arrived) * 1000))

@@ -1,0 +1,763 @@
+"""What a million delivered messages cost: counted AWS usage times public list prices.
+
+Each scenario runs the real handlers (publish, router, push, messages) in-process over moto,
+as Lambda would invoke them, and counts with the bench's call counter (``bench.account``) and
+two hooks on the same botocore clients: every AWS call, DynamoDB write and read units from the
+items' sizes (DynamoDB's rules: writes per 1 KB, reads per 4 KB), Kinesis records and their PUT
+payload units (25 KB each), S3 requests, HTTP API requests, Lambda invocations and their
+GB-seconds (each invocation's wall time in-process times its function's declared memory).
+Only the traffic is counted: the sessions' connects and subscribes, and the warm-up round that
+makes the clients, come before the meters start.
+
+The counts are then priced (``PRICES``, us-east-1 list prices, each with its page) and divided
+by the deliveries: dollars per million delivered messages, per line, next to what the same
+traffic costs on AWS IoT Core and on SNS+SQS (``alternatives``).
+
+Steady load: every get returns a full page (no empty long polls), publishers batch 100
+messages over ``KEYS`` ordering keys, and Kinesis shards run at ``SHARD_UTILIZATION`` of their
+write limit (shard-hours per message follow from the records' counted sizes).
+
+Not counted: storage (DynamoDB items until acked or expired, S3 archive objects: per GB-month,
+not per message), session heartbeats (per session and keepalive, not per message), CloudWatch
+Logs ingestion of the functions' log lines, data transfer out, and free tiers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from shoal.aws import clients
+from shoal.aws.kinesis import PUSH_MAPPING, ROUTER_MAPPING
+from shoal.core.config import get_config
+from shoal.declarations import DEPLOYMENT
+from shoal.local.context import LambdaContext
+from shoal.local.esm.invocation import StreamRecord, kinesis_event
+
+from bench.account import CallMeter, emulated_account, item_size
+from bench.delivery import WriteUnits
+from bench.push import Endpoint
+
+EVENT = Path(__file__).resolve().parent.parent / "events" / "http_api_request.json"
+CLAIMS = {
+    "sub": "bench",
+    "shoal:clients": "[bench-*]",
+    "shoal:publish": "[#]",
+    "shoal:subscribe": "[#]",
+}
+PAYLOAD = "x" * 256
+#: ordering keys over which a batched publisher spreads its 100 messages (a gateway batching
+#: the readings of 10 devices): Kinesis records per message fall with messages per key
+KEYS = 10
+#: share of a shard's write limit used at steady load (headroom for bursts)
+SHARD_UTILIZATION = 0.5
+SHARD_RECORDS_PER_S = 1000
+SHARD_BYTES_PER_S = 1024 * 1024
+
+
+# --- prices ----------------------------------------------------------------------------------
+
+#: region and date the prices were read for
+REGION = "us-east-1"
+PRICED_ON = "2026-11-25"
+
+
+@dataclass(frozen=True)
+class Price:
+    dollars: float
+    per: float
+    unit: str
+    source: str
+
+    def cost(self, quantity: float) -> float:
+        return quantity * self.dollars / self.per
+
+
+#: Each price's ``source``: the AWS pricing page, then where the figure was read for us-east-1
+#: on ``PRICED_ON`` (stored copies of pages found with the search tool); "not in the stored
+#: copies" marks a figure taken from the AWS page as remembered, to be checked before quoting.
+PRICES: dict[str, Price] = {
+    "api_requests": Price(
+        1.00,
+        1e6,
+        "HTTP API request (first 300M a month, 512 KB increments)",
+        "https://aws.amazon.com/api-gateway/pricing/; figure: AWS whitepaper "
+        "docs.aws.amazon.com/whitepapers/latest/best-practices-api-gateway-private-apis-"
+        "integration/cost-optimization.html (Table 4, us-east-1)",
+    ),
+    "lambda_requests": Price(
+        0.20,
+        1e6,
+        "Lambda request",
+        "https://aws.amazon.com/lambda/pricing/; figure: cloudchipr.com/blog/aws-lambda-pricing "
+        "(US East)",
+    ),
+    "lambda_gb_s": Price(
+        0.0000133334,
+        1,
+        "Lambda GB-second, arm64 (first 7.5 billion GB-s a month)",
+        "https://aws.amazon.com/lambda/pricing/; figure: cloudchipr.com/blog/aws-lambda-pricing "
+        "(US East, ARM, first tier)",
+    ),
+    "dynamodb_wru": Price(
+        0.625,
+        1e6,
+        "DynamoDB on-demand write request unit (1 KB; a transactional write counts 2)",
+        "https://aws.amazon.com/dynamodb/pricing/on-demand/; figure: airbyte.com/data-"
+        "engineering-resources/dynamodb-pricing (US East, after the reduction of Nov 2024)",
+    ),
+    "dynamodb_rru": Price(
+        0.125,
+        1e6,
+        "DynamoDB on-demand read request unit (4 KB strongly consistent; counted as such)",
+        "https://aws.amazon.com/dynamodb/pricing/on-demand/; figure: as for write units",
+    ),
+    "kinesis_put_units": Price(
+        0.014,
+        1e6,
+        "Kinesis PUT payload unit (25 KB of a record), provisioned mode",
+        "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab; the unit's "
+        "definition is in the stored copy); figure: github.com/EveryMundo/aws-kinesis-client "
+        "docs/why-we-created-this-package.md ($0.014/M, the lowest regional rate)",
+    ),
+    "kinesis_shard_hours": Price(
+        0.015,
+        1,
+        "Kinesis shard-hour, provisioned mode",
+        "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab); figure not "
+        "in the stored copies",
+    ),
+    "s3_puts": Price(
+        0.005,
+        1000,
+        "S3 Standard PUT, COPY, POST, LIST request",
+        "https://aws.amazon.com/s3/pricing/ (requests tab); figure: cloudkaramchari.com/blog/"
+        "understanding-per-1000-put-copy-post-or-list-requests-in-amazon-s3-pricing",
+    ),
+    "s3_gets": Price(
+        0.0004,
+        1000,
+        "S3 Standard GET request",
+        "https://aws.amazon.com/s3/pricing/ (requests tab); figure not in the stored copies",
+    ),
+}
+
+#: the alternatives' prices (same region and date)
+IOT_MESSAGE = Price(
+    1.00,
+    1e6,
+    "IoT Core message (5 KB increments; first billion a month): a PUBLISH in, each PUBLISH "
+    "out, and each PUBACK a QoS 1 subscriber sends",
+    "https://aws.amazon.com/iot-core/pricing/ (metering rules: its additional-details page, "
+    "in the stored copies); figure not in the stored copies",
+)
+IOT_RULE = Price(
+    0.15,
+    1e6,
+    "IoT Core rule triggered, plus $0.15/M actions (an HTTP action for push)",
+    "https://aws.amazon.com/iot-core/pricing/ (rules engine); figure not in the stored copies",
+)
+SNS_PUBLISH = Price(
+    0.50,
+    1e6,
+    "SNS standard topic publish request (64 KB chunks; PublishBatch of 10 is one request)",
+    "https://aws.amazon.com/sns/pricing/; figure: factualminds.com/blog/amazon-sns-pricing-"
+    "publishes-fanout-protocols",
+)
+SNS_HTTP = Price(
+    0.60,
+    1e6,
+    "SNS HTTP/S delivery",
+    "https://aws.amazon.com/sns/pricing/; figure: as for publishes",
+)
+SQS_REQUEST = Price(
+    0.40,
+    1e6,
+    "SQS standard request (64 KB chunks): SNS's send into a queue, a receive or delete of up to 10",
+    "https://aws.amazon.com/sqs/pricing/; figure: cloudburn.io/blog/amazon-sqs-pricing "
+    "(us-east-1, March 2026)",
+)
+
+
+# --- what is counted -------------------------------------------------------------------------
+
+
+class ReadUnits:
+    """DynamoDB read units of one client's calls, from the items they return: per 4 KB,
+    rounded up per item (GetItem, BatchGetItem) or per call (Query, Scan), at least one a
+    call, all as strongly consistent reads (an eventually consistent one costs half)."""
+
+    def __init__(self) -> None:
+        self.units = 0.0
+
+    def attach(self, client: Any) -> None:
+        client.meta.events.register("after-call.dynamodb.*", self._record)
+
+    def _record(self, parsed: dict[str, Any], model: Any, **_: Any) -> None:
+        name = model.name
+        if name == "GetItem":
+            item = parsed.get("Item")
+            self.units += max(1, math.ceil(item_size(item) / 4096)) if item else 1
+        elif name == "BatchGetItem":
+            for items in parsed.get("Responses", {}).values():
+                self.units += sum(max(1, math.ceil(item_size(i) / 4096)) for i in items)
+        elif name in ("Query", "Scan"):
+            size = sum(item_size(i) for i in parsed.get("Items", []))
+            self.units += max(1, math.ceil(size / 4096))
+        elif name == "TransactGetItems":
+            for response in parsed.get("Responses", []):
+                item = response.get("Item")
+                self.units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+
+
+class PutUnits:
+    """Kinesis PUT payload units (25 KB each, per record) and bytes of one client's puts."""
+
+    def __init__(self) -> None:
+        self.units = 0
+        self.bytes = 0
+
+    def attach(self, client: Any) -> None:
+        client.meta.events.register("before-parameter-build.kinesis.*", self._record)
+
+    def _record(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        if model.name == "PutRecords":
+            records = params.get("Records", [])
+        elif model.name == "PutRecord":
+            records = [params]
+        else:
+            return
+        for record in records:
+            size = len(record.get("Data", b"")) + len(record.get("PartitionKey", "").encode())
+            self.bytes += size
+            self.units += max(1, math.ceil(size / (25 * 1024)))
+
+
+@dataclass
+class Counts:
+    """What one scenario's traffic used, counted; ``delivered`` is what clients received."""
+
+    scenario: str
+    published: int = 0
+    delivered: int = 0
+    api_requests: int = 0
+    lambda_requests: int = 0
+    lambda_gb_s: float = 0.0
+    dynamodb_wru: float = 0.0
+    dynamodb_rru: float = 0.0
+    kinesis_records: int = 0
+    kinesis_put_units: int = 0
+    kinesis_bytes: int = 0
+    s3_puts: int = 0
+    s3_gets: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+    invocations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kinesis_shard_hours(self) -> float:
+        """Shard-hours at steady load: shards sized to ``SHARD_UTILIZATION`` of the write
+        limit the counted records reach first (records or bytes a second)."""
+        if not self.kinesis_records:
+            return 0.0
+        per_record = self.kinesis_bytes / self.kinesis_records
+        records_per_s = min(SHARD_RECORDS_PER_S, SHARD_BYTES_PER_S / max(per_record, 1))
+        seconds = self.kinesis_records / (records_per_s * SHARD_UTILIZATION)
+        return seconds / 3600
+
+
+class Meters:
+    """The meters on every client the functions made (one per service and profile)."""
+
+    def __init__(self) -> None:
+        self.calls = CallMeter()
+        self.writes = WriteUnits()
+        self.reads = ReadUnits()
+        self.puts = PutUnits()
+        self._attached: list[Any] = []
+
+    def attach_all(self) -> None:
+        # clients.client makes one client per (service, region, profile) per process
+        for client in list(clients._clients.values()):
+            if any(c is client for c in self._attached):
+                continue
+            self._attached.append(client)
+            self.calls.attach(client)
+            service = client.meta.service_model.service_name
+            if service == "dynamodb":
+                self.writes.attach(client)
+                self.reads.attach(client)
+            elif service == "kinesis":
+                self.puts.attach(client)
+
+    def reset(self) -> None:
+        self.calls.reset()
+        self.writes.units = 0.0
+        self.writes.by_operation.clear()
+        self.reads.units = 0.0
+        self.puts.units = self.puts.bytes = 0
+
+
+# --- one scenario ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    #: messages per publish request (1: POST /v1/messages; else :batch)
+    batch: int = 100
+    #: sessions with a plain subscription to every message
+    subscribers: int = 1
+    #: members of one shared group ($share/g/...) instead of plain subscribers
+    group: int = 0
+    #: one push subscription instead of sessions
+    push: bool = False
+    #: a get's max
+    get_max: int = 100
+    messages: int = 1000
+    lever: str = ""
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "single publish",
+        batch=1,
+        messages=500,
+        lever="batching: one API request, one Lambda request and one Kinesis record per "
+        "message, where a batch of 100 shares them",
+    ),
+    Scenario(
+        "batched publish (100), 1 subscriber",
+        lever="the S3 objects of delivery events and the get/ack requests per page",
+    ),
+    Scenario(
+        "10 subscribers per message",
+        subscribers=10,
+        messages=500,
+        lever="the publish side is shared by 10 deliveries; the inbox writes and the "
+        "subscribers' own gets and acks are not",
+    ),
+    Scenario(
+        "shared group (4 members)",
+        subscribers=0,
+        group=4,
+        lever="members' gets that find their lanes empty, and lane progress writes",
+    ),
+    Scenario(
+        "push subscription",
+        subscribers=0,
+        push=True,
+        lever="no client requests and one cursor write per batch; Lambda time per POST, "
+        "so the endpoint's latency (the bench's answers at once)",
+    ),
+    Scenario(
+        "long-poll with max=10",
+        get_max=10,
+        lever="max: 10 messages a get make ten times the gets and acks of max=100",
+    ),
+)
+
+
+def _http(
+    method: str,
+    path: str,
+    *,
+    route: str | None = None,
+    body: Any = None,
+    query: dict[str, str] | None = None,
+    parameters: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    event: dict[str, Any] = copy.deepcopy(json.loads(EVENT.read_text()))
+    event["routeKey"] = event["requestContext"]["routeKey"] = f"{method} {route or path}"
+    event["rawPath"] = event["requestContext"]["http"]["path"] = path
+    event["requestContext"]["http"]["method"] = method
+    event["requestContext"]["authorizer"]["jwt"]["claims"] = CLAIMS
+    event["requestContext"]["timeEpoch"] = int(time.time() * 1000)
+    event["queryStringParameters"] = query
+    event["rawQueryString"] = "&".join(f"{k}={v}" for k, v in (query or {}).items())
+    event["pathParameters"] = parameters
+    event["headers"].update({k.lower(): v for k, v in (headers or {}).items()})
+    event["body"] = json.dumps(body) if body is not None else None
+    return event
+
+
+class Run:
+    """One scenario's account, its handlers, and what they used."""
+
+    def __init__(self, session: boto3.Session, scenario: Scenario) -> None:
+        import functions.messages.app as messages_app
+        import functions.publish.app as publish_app
+        import functions.push.app as push_app
+        import functions.router.app as router_app
+        import functions.sessions.app as sessions_app
+        import functions.subscriptions.app as subscriptions_app
+
+        self.session = session
+        self.scenario = scenario
+        self.handlers: dict[str, Callable[[dict[str, Any], Any], Any]] = {
+            "publish": publish_app.handler,
+            "router": router_app.handler,
+            "push": push_app.handler,
+            "messages": messages_app.handler,
+            "sessions": sessions_app.handler,
+            "subscriptions": subscriptions_app.handler,
+        }
+        self.push_app: Any = push_app
+        self.meters = Meters()
+        self.counts = Counts(scenario.name)
+        self.metering = False
+        self.kinesis = session.client("kinesis")  # the bench's own reads: not metered
+        self.position: str | None = None
+        self.sent = 0
+
+    # -- invoking, as Lambda and API Gateway would
+
+    def invoke(self, function: str, event: dict[str, Any], *, http: bool = True) -> Any:
+        fdef = DEPLOYMENT.function(function)
+        context = LambdaContext(
+            f"shoal-{function}", memory_mb=fdef.memory_mb, timeout_s=fdef.timeout_s
+        )
+        started = time.perf_counter()
+        answer = self.handlers[function](event, context)
+        elapsed = time.perf_counter() - started
+        if self.metering:
+            c = self.counts
+            c.lambda_requests += 1
+            c.api_requests += int(http)
+            # billed per started millisecond
+            c.lambda_gb_s += fdef.memory_mb / 1024 * math.ceil(elapsed * 1000) / 1000
+            c.invocations[function] = c.invocations.get(function, 0) + 1
+        if http and answer["statusCode"] >= 300:
+            raise RuntimeError(f"{function}: {answer['statusCode']} {answer['body'][:200]}")
+        return json.loads(answer["body"]) if http and answer.get("body") else answer
+
+    def session_call(
+        self, function: str, method: str, client: str, suffix: str = "", **kw: Any
+    ) -> Any:
+        return self.invoke(
+            function,
+            _http(
+                method,
+                f"/v1/sessions/{client}{suffix}",
+                route=f"/v1/sessions/{{client_id}}{suffix}",
+                parameters={"client_id": client},
+                **kw,
+            ),
+        )
+
+    # -- the traffic
+
+    def publish(self, count: int) -> None:
+        batch = self.scenario.batch
+        for start in range(0, count, batch):
+            messages = [
+                {
+                    "topic": f"bench/{(self.sent + n) % 16}",
+                    "text": PAYLOAD,
+                    "qos": 1,
+                    "ordering_key": f"device-{(self.sent + n) % KEYS}",
+                }
+                for n in range(min(batch, count - start))
+            ]
+            self.sent += len(messages)
+            if batch == 1:
+                self.invoke("publish", _http("POST", "/v1/messages", body=messages[0]))
+            else:
+                self.invoke(
+                    "publish", _http("POST", "/v1/messages:batch", body={"messages": messages})
+                )
+
+    def _events(self, per_batch: int) -> list[dict[str, Any]]:
+        """The router's (or push tap's) events for what was published since the last call."""
+        stream = "shoal-default-0"
+        shard = self.kinesis.list_shards(StreamName=stream)["Shards"][0]["ShardId"]
+        if self.position is None:
+            kind: dict[str, Any] = {"ShardIteratorType": "TRIM_HORIZON"}
+        else:
+            kind = {
+                "ShardIteratorType": "AFTER_SEQUENCE_NUMBER",
+                "StartingSequenceNumber": self.position,
+            }
+        iterator = self.kinesis.get_shard_iterator(StreamName=stream, ShardId=shard, **kind)[
+            "ShardIterator"
+        ]
+        raw = self.kinesis.get_records(ShardIterator=iterator, Limit=10_000)["Records"]
+        if not raw:
+            return []
+        self.position = raw[-1]["SequenceNumber"]
+        records = [StreamRecord.from_get_records(dict(r)) for r in raw]
+        arn = self.kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+            "StreamARN"
+        ]
+        return [
+            kinesis_event(
+                records[i : i + per_batch],
+                shard_id=shard,
+                stream_arn=arn,
+                region="us-east-1",
+                role_arn="arn:aws:iam::123456789012:role/bench",
+            )
+            for i in range(0, len(records), per_batch)
+        ]
+
+    def consume(self, sessions: list[tuple[str, str]], wanted: int) -> int:
+        """Every session gets and acks, page by page, until ``wanted`` messages came; a page
+        shorter than max ends a plain subscriber's turn (at steady load the next get finds
+        new messages: no empty long poll is counted)."""
+        got = 0
+        active = list(sessions)
+        idle_rounds = 0
+        while active and got < wanted:
+            progressed = False
+            for client, channel in list(active):
+                page = self.session_call(
+                    "messages",
+                    "GET",
+                    client,
+                    "/messages",
+                    query={"max": str(self.scenario.get_max)},
+                    headers={"Shoal-Channel": channel},
+                )["messages"]
+                if page:
+                    progressed = True
+                    got += len(page)
+                    self.session_call(
+                        "messages",
+                        "POST",
+                        client,
+                        "/acks",
+                        body={"ids": [m["id"] for m in page]},
+                        headers={"Shoal-Channel": channel},
+                    )
+                if not self.scenario.group and len(page) < self.scenario.get_max:
+                    active.remove((client, channel))
+            idle_rounds = 0 if progressed else idle_rounds + 1
+            if idle_rounds > 3:
+                raise RuntimeError(f"{self.scenario.name}: {got} of {wanted} messages came")
+        return got
+
+    def route(self) -> None:
+        for event in self._events(int(ROUTER_MAPPING["BatchSize"])):
+            self.invoke("router", event, http=False)
+
+    def push(self, endpoint: Any) -> int:
+        before = endpoint.calls
+        for event in self._events(int(PUSH_MAPPING["BatchSize"])):
+            answer = self.invoke("push", event, http=False)
+            assert answer == {"batchItemFailures": []}, answer
+        return int(endpoint.calls - before)
+
+
+def counted_run(scenario: Scenario) -> Counts:
+    """Run ``scenario`` in a fresh emulated account and count what its traffic used."""
+    with emulated_account(default_partitions=1) as session:
+        from shoal.composite.service import ensure_default_topic
+        from shoal.wiring import topic_service
+
+        config = get_config()
+        ensure_default_topic(topic_service(config, stream_wait_s=30.0), 1)
+        run = Run(session, scenario)
+        endpoint = None
+        sessions: list[tuple[str, str]] = []
+        try:
+            if scenario.push:
+                # the subscriber's endpoint on loopback, answering 204 (bench.push's)
+                endpoint = Endpoint()
+                _push_subscription(run, endpoint.url)
+            members = scenario.group or scenario.subscribers
+            for n in range(members):
+                client = f"bench-{n}"
+                channel = run.session_call(
+                    "sessions",
+                    "PUT",
+                    client,
+                    body={"clean_start": False, "session_expiry_s": 3600, "keepalive_s": 600},
+                )["channel"]
+                wanted = "$share/g/bench/#" if scenario.group else "bench/#"
+                run.session_call(
+                    "subscriptions",
+                    "POST",
+                    client,
+                    "/subscriptions",
+                    body={"subscriptions": [{"filter": wanted, "qos": 1}]},
+                    headers={"Shoal-Channel": channel},
+                )
+                sessions.append((client, channel))
+            per_round = 1 if scenario.group else members
+
+            def traffic(messages: int) -> int:
+                run.publish(messages)
+                if endpoint is not None:
+                    return run.push(endpoint)
+                run.route()
+                return run.consume(sessions, messages * per_round)
+
+            # warm-up: every client made, caches filled; then only the traffic is metered
+            traffic(scenario.batch)
+            run.meters.attach_all()
+            run.meters.reset()
+            run.metering = True
+            delivered = traffic(scenario.messages)
+            run.metering = False
+            run.meters.attach_all()  # a client made during the run was counted by nobody
+        finally:
+            if endpoint is not None:
+                endpoint.close()
+    counts = run.counts
+    meters = run.meters
+    counts.published = scenario.messages
+    counts.delivered = delivered
+    counts.calls = dict(sorted(meters.calls.calls.items()))
+    counts.dynamodb_wru = meters.writes.units
+    counts.dynamodb_rru = meters.reads.units
+    counts.kinesis_records = meters.calls.records
+    counts.kinesis_put_units = meters.puts.units
+    counts.kinesis_bytes = meters.puts.bytes
+    counts.s3_puts = sum(v for k, v in counts.calls.items() if k in _S3_PUTS)
+    counts.s3_gets = sum(v for k, v in counts.calls.items() if k in _S3_GETS)
+    return counts
+
+
+_S3_PUTS = frozenset({"s3.PutObject", "s3.CopyObject", "s3.ListObjectsV2", "s3.ListObjects"})
+_S3_GETS = frozenset({"s3.GetObject", "s3.HeadObject"})
+
+
+def _push_subscription(run: Run, url: str) -> None:
+    """A push subscription to every message, whose endpoint on loopback the consumer may
+    reach (``shoal dev`` allows loopback; the in-process emulator has no endpoint URL)."""
+    from shoal.push.admin import PushAdmin
+    from shoal.push.api import CreateRequest
+    from shoal.push.delivery import PushConsumer
+
+    config = get_config().model_copy(update={"push_loopback_http": True})
+    PushAdmin.from_config(config).create(
+        CreateRequest.model_validate({"name": "bench", "filter": "bench/#", "endpoint": url})
+    )
+    consumer = PushConsumer.from_config(config)
+    run.push_app.service = lambda: consumer
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+def price(counts: Counts) -> dict[str, float]:
+    """Dollars per million delivered messages, per priced quantity of ``PRICES``."""
+    per = 1e6 / counts.delivered
+    quantities = {
+        "api_requests": counts.api_requests,
+        "lambda_requests": counts.lambda_requests,
+        "lambda_gb_s": counts.lambda_gb_s,
+        "dynamodb_wru": counts.dynamodb_wru,
+        "dynamodb_rru": counts.dynamodb_rru,
+        "kinesis_put_units": counts.kinesis_put_units,
+        "kinesis_shard_hours": counts.kinesis_shard_hours,
+        "s3_puts": counts.s3_puts,
+        "s3_gets": counts.s3_gets,
+    }
+    return {k: PRICES[k].cost(q) * per for k, q in quantities.items()}
+
+
+def alternatives(scenario: Scenario, payload_bytes: int = len(PAYLOAD)) -> dict[str, float]:
+    """What the scenario's traffic costs per million delivered messages on AWS IoT Core
+    (MQTT, QoS 1) and on SNS+SQS (a queue per subscriber; a shared group is one queue with
+    competing consumers; push is SNS's HTTP delivery)."""
+    fanout = scenario.subscribers if not (scenario.group or scenario.push) else 1
+    iot_units = math.ceil(payload_bytes / 5120)
+    # IoT: the publish in (shared by the fan-out), the PUBLISH out and the subscriber's PUBACK
+    # (metered as a message, QoS 1); push is a rule with an HTTP action instead of a device
+    if scenario.push:
+        iot = IOT_MESSAGE.cost(iot_units) + 2 * IOT_RULE.cost(1)
+    else:
+        iot = IOT_MESSAGE.cost(iot_units * (1 / fanout + 2))
+    iot *= 1e6
+    publishes = 1 / fanout / (10 if scenario.batch >= 10 else 1)  # PublishBatch of 10
+    if scenario.push:
+        sns_sqs = SNS_PUBLISH.cost(publishes) + SNS_HTTP.cost(1)
+    else:
+        page = min(scenario.get_max, 10)  # SQS hands out at most 10 messages a receive
+        sns_sqs = SNS_PUBLISH.cost(publishes) + SQS_REQUEST.cost(1 + 2 / page)
+    return {"iot_core": iot, "sns_sqs": sns_sqs * 1e6}
+
+
+LINES = {
+    "api_requests": "API Gateway",
+    "lambda_requests": "Lambda requests",
+    "lambda_gb_s": "Lambda GB-s",
+    "dynamodb_wru": "DynamoDB writes",
+    "dynamodb_rru": "DynamoDB reads",
+    "kinesis_put_units": "Kinesis PUT units",
+    "kinesis_shard_hours": "Kinesis shard-hours",
+    "s3_puts": "S3 PUTs",
+    "s3_gets": "S3 GETs",
+}
+
+#: the goal for batched clients at steady load (dollars per million delivered messages)
+GOAL = 0.10
+
+
+def run(scenarios: tuple[Scenario, ...] = SCENARIOS) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "region": REGION,
+        "priced_on": PRICED_ON,
+        "prices": {k: asdict(p) for k, p in PRICES.items()},
+        "scenarios": {},
+    }
+    for scenario in scenarios:
+        counts = counted_run(scenario)
+        lines = price(counts)
+        total = sum(lines.values())
+        out["scenarios"][scenario.name] = {
+            "lever": scenario.lever,
+            "counts": asdict(counts) | {"kinesis_shard_hours": counts.kinesis_shard_hours},
+            "per_million_delivered": {k: round(v, 5) for k, v in lines.items()},
+            "total": round(total, 4),
+            "dominant": max(lines, key=lambda k: lines[k]),
+            "alternatives": {k: round(v, 3) for k, v in alternatives(scenario).items()},
+        }
+    return out
+
+
+def report(figures: dict[str, Any]) -> str:
+    lines = [
+        "## What a million delivered messages cost",
+        "",
+        f"List prices of {figures['region']} read on {figures['priced_on']} (the sources are in "
+        "`bench/cost.py`), times what each scenario's traffic used, counted on the real handlers "
+        "over moto: 256-byte messages at QoS 1, batches of 100 over 10 ordering keys, shards at "
+        "half their write limit, every get a full page. Dollars per million delivered messages:",
+        "",
+        "| scenario | " + " | ".join(LINES.values()) + " | total | IoT Core | SNS+SQS |",
+        "|---|" + "---|" * (len(LINES) + 3),
+    ]
+    for name, f in figures["scenarios"].items():
+        cells = " | ".join(f"{f['per_million_delivered'][k]:.4f}" for k in LINES)
+        alt = f["alternatives"]
+        lines.append(
+            f"| {name} | {cells} | **{f['total']:.3f}** | {alt['iot_core']:.2f} "
+            f"| {alt['sns_sqs']:.2f} |"
+        )
+    lines += ["", "What moves each line:", ""]
+    for name, f in figures["scenarios"].items():
+        lines.append(f"- {name}: dominated by {LINES[f['dominant']]}; {f['lever']}.")
+    batched = figures["scenarios"].get("batched publish (100), 1 subscriber")
+    if batched is not None:
+        total = batched["total"]
+        verdict = (
+            f"reached (${total:.3f})"
+            if total <= GOAL
+            else f"missed by ${total - GOAL:.3f} (${total:.3f}, {total / GOAL:.1f}x), "
+            f"mostly {LINES[batched['dominant']]}"
+        )
+        lines += [
+            "",
+            f"Goal of ${GOAL:.2f} per million for batched clients at steady load: {verdict}.",
+        ]
+    lines.append("")
+    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Synthesizing the stack for tests, and a test-only deployment that uses every feature.
 
 ``VARIANT`` exercises what the real declarations may not declare yet: every grant kind, a
-schedule, the bootstrap custom resource, a TTL table, an expiring bucket.
+schedule, the bootstrap and teardown custom resources, a TTL table, an expiring bucket.
 """
 
 from __future__ import annotations
@@ -161,6 +161,13 @@ VARIANT = Deployment(
             Grant("event_source_mappings", "router", "read_write"),
         ),
         _fn("reaper", Grant("table", "leases", "read_write"), schedule_s=30),
+        # the runtime resources' custom resource (retainStreams=true in the variant's context)
+        _fn(
+            "teardown",
+            Grant("table", "topics", "read"),
+            Grant("streams", "shoal", "read_write"),
+            Grant("event_source_mappings", "router", "read_write"),
+        ),
         _fn(
             "bootstrap",
             Grant("table", "topics", "read_write"),

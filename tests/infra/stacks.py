@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +56,14 @@ class Synth:
     template: Template
     deployment: Deployment
 
+    @cached_property
+    def template_json(self) -> dict[str, Any]:
+        """The template, read from jsii once (each ``to_json`` call crosses to Node)."""
+        return dict(self.template.to_json())
+
     @property
     def resources(self) -> dict[str, dict[str, Any]]:
-        return dict(self.template.to_json()["Resources"])
+        return dict(self.template_json["Resources"])
 
     def of_type(self, kind: str) -> dict[str, dict[str, Any]]:
         return {k: v for k, v in self.resources.items() if v["Type"] == kind}

@@ -424,7 +424,7 @@ def test_alarms_watch_every_function_and_the_api(deployed: Synth) -> None:
 
 
 def test_outputs_name_the_api_tables_and_buckets(deployed: Synth) -> None:
-    outputs = deployed.template.to_json()["Outputs"]
+    outputs = deployed.template_json["Outputs"]
     assert "ApiUrl" in outputs
     for table in deployed.deployment.tables:
         assert outputs[logical_id(table.logical, "TableName")]["Value"] == {

@@ -177,6 +177,10 @@ class ShoalStack(cdk.Stack):
         functions_dir: Path = FUNCTIONS_DIR,
         **kwargs: Any,
     ) -> None:
+        # Stack tags (CloudFormation puts them on every resource it creates): with the
+        # @aws-cdk/core:explicitStackTags flag (cdk.json), Tags.of(self) below tags only the
+        # resources in the template, so the stack's own tag is given here
+        kwargs["tags"] = {"app": "shoal", **(kwargs.get("tags") or {})}
         super().__init__(scope, construct_id, **kwargs)
         self.deployment = deployment
         self.settings = settings or Settings.from_context(self.node)

@@ -264,3 +264,7 @@ def test_no_feature_flag_is_left_unconfigured(deployed: Synth) -> None:
         != flag.get("recommendedValue")
     ]
     assert unconfigured == []
+    # And explicitStackTags, which stops Tags.of(stack) from tagging the stack itself, leaves
+    # the stack's tag (CloudFormation copies it onto every resource it creates) as it was
+    stack = manifest["artifacts"][deployed.stack.artifact_id]
+    assert stack["properties"]["tags"] == {"app": "shoal"}

@@ -214,6 +214,11 @@ class Teardown:
             for i, name in enumerate(left):
                 if i and pace_s:
                     self.clock.sleep(pace_s)
+                if self.clock.now_ms() > deadline_ms:
+                    # end before Lambda's timeout would, with a message CloudFormation shows
+                    raise TeardownIncomplete(
+                        f"{len(left) - i} resources not deleted yet; delete again to finish"
+                    )
                 outcome = delete(name)
                 if outcome is None:
                     busy.append(name)

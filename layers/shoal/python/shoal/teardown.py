@@ -217,7 +217,8 @@ class Teardown:
                 if self.clock.now_ms() > deadline_ms:
                     # end before Lambda's timeout would, with a message CloudFormation shows
                     raise TeardownIncomplete(
-                        f"{len(left) - i} resources not deleted yet; delete again to finish"
+                        f"{len(busy) + len(left) - i} resources not deleted yet; "
+                        "delete again to finish"
                     )
                 outcome = delete(name)
                 if outcome is None:

@@ -47,6 +47,8 @@ from shoal.declarations import (
 )
 
 from infra.bundling import PipLayerBundling
+from infra.lifecycle import runtime_resources
+from infra.observability import Observability
 from infra.pipeline import PipelineJobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +117,9 @@ class Settings:
     #: storage streams are "<stream_prefix>-<topic>-<index>"; None: the declarations' prefix
     stream_prefix: str | None = None
     alarm_email: str | None = None
+    #: keep the Kinesis streams and event source mappings made at run time when the stack is
+    #: deleted (infra/lifecycle.py); by default they go with it, every shard being billed
+    retain_streams: bool = False
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -143,6 +148,7 @@ class Settings:
             retain_data=_flag(get("retainData"), default=True),
             stream_prefix=get("streamPrefix"),
             alarm_email=get("alarmEmail"),
+            retain_streams=_flag(get("retainStreams"), default=False),
         )
 
 
@@ -172,6 +178,10 @@ class ShoalStack(cdk.Stack):
         functions_dir: Path = FUNCTIONS_DIR,
         **kwargs: Any,
     ) -> None:
+        # Stack tags (CloudFormation puts them on every resource it creates): with the
+        # @aws-cdk/core:explicitStackTags flag (cdk.json), Tags.of(self) below tags only the
+        # resources in the template, so the stack's own tag is given here
+        kwargs["tags"] = {"app": "shoal", **(kwargs.get("tags") or {})}
         super().__init__(scope, construct_id, **kwargs)
         self.deployment = deployment
         self.settings = settings or Settings.from_context(self.node)
@@ -221,6 +231,10 @@ class ShoalStack(cdk.Stack):
         # the PySpark jobs over the archive (infra/pipeline.py)
         if "archive" in self.buckets:
             self.pipeline = PipelineJobs(self, "Pipeline", archive=self.buckets["archive"])
+        # the dashboard, and alarms on lag, dead letters and table throttling
+        self.observability = Observability(self, self.alarm_topic)
+        # the runtime-made streams and mappings go with the stack (unless retainStreams)
+        self.runtime_resources = runtime_resources(self)
 
     # -- data ------------------------------------------------------------------------------
 
@@ -538,8 +552,8 @@ class ShoalStack(cdk.Stack):
                 "DefaultPartitions": self.settings.default_partitions,
             },
         )
-        # Retained data: CloudFormation never sends Delete, so the default topic's streams
-        # outlive the stack like its tables do.
+        # The bootstrap's Delete keeps the topic; its streams and mapping are removed, with
+        # every other topic's, by the teardown resource (infra/lifecycle.py).
         default_topic.apply_removal_policy(self.removal)
         # The bootstrap may create event source mappings for other functions, which must
         # exist (with their policies) first.
@@ -553,6 +567,7 @@ class ShoalStack(cdk.Stack):
         topic = sns.Topic(self, "AlarmTopic", display_name=f"{self.stack_name} alarms")
         if self.settings.alarm_email:
             topic.add_subscription(sns_subscriptions.EmailSubscription(self.settings.alarm_email))
+        self.alarm_topic = topic
         notify = cloudwatch_actions.SnsAction(topic)
 
         def alarm(cid: str, name: str, metric: cloudwatch.IMetric, description: str) -> None:

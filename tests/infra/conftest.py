@@ -1,7 +1,7 @@
 """Synthesized templates, built once per session: a synth costs seconds.
 
 ``deployed`` is the stack of the real declarations; ``variant`` is the test-only ``VARIANT``
-deployment, synthesized with -c defaultPartitions=4 -c retainData=false.
+deployment, synthesized with -c defaultPartitions=4 -c retainData=false -c retainStreams=true.
 """
 
 from __future__ import annotations
@@ -24,5 +24,7 @@ def variant(tmp_path_factory: pytest.TempPathFactory) -> Synth:
         (functions_dir / fn.name).mkdir()
         (functions_dir / fn.name / "app.py").write_text("def handler(event, context):\n    pass\n")
     return synth(
-        VARIANT, context(defaultPartitions="4", retainData="false"), functions_dir=functions_dir
+        VARIANT,
+        context(defaultPartitions="4", retainData="false", retainStreams="true"),
+        functions_dir=functions_dir,
     )

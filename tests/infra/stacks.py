@@ -1,7 +1,7 @@
 """Synthesizing the stack for tests, and a test-only deployment that uses every feature.
 
 ``VARIANT`` exercises what the real declarations may not declare yet: every grant kind, a
-schedule, the bootstrap custom resource, a TTL table, an expiring bucket.
+schedule, the bootstrap and teardown custom resources, a TTL table, an expiring bucket.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +56,14 @@ class Synth:
     template: Template
     deployment: Deployment
 
+    @cached_property
+    def template_json(self) -> dict[str, Any]:
+        """The template, read from jsii once (each ``to_json`` call crosses to Node)."""
+        return dict(self.template.to_json())
+
     @property
     def resources(self) -> dict[str, dict[str, Any]]:
-        return dict(self.template.to_json()["Resources"])
+        return dict(self.template_json["Resources"])
 
     def of_type(self, kind: str) -> dict[str, dict[str, Any]]:
         return {k: v for k, v in self.resources.items() if v["Type"] == kind}
@@ -161,6 +167,13 @@ VARIANT = Deployment(
             Grant("event_source_mappings", "router", "read_write"),
         ),
         _fn("reaper", Grant("table", "leases", "read_write"), schedule_s=30),
+        # the runtime resources' custom resource (retainStreams=true in the variant's context)
+        _fn(
+            "teardown",
+            Grant("table", "topics", "read"),
+            Grant("streams", "shoal", "read_write"),
+            Grant("event_source_mappings", "router", "read_write"),
+        ),
         _fn(
             "bootstrap",
             Grant("table", "topics", "read_write"),

@@ -24,6 +24,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "groups": {"core", "topics", "aws", "composite", "drain", "sessions", "delivery"},
     "router": {"core", "topics", "aws", "records", "composite", "drain", "delivery", "groups"},
     "push": {"core", "topics", "aws", "records", "composite", "drain", "delivery"},
+    "teardown": {"core", "aws", "composite", "push"},
     "wiring": {
         "core",
         "topics",
@@ -38,6 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "groups",
         "router",
         "push",
+        "teardown",
     },
     #: shoal dev runs the whole deployment: its start hooks do what the bootstrap function does
     "local": {"core", "aws", "declarations", "composite", "wiring"},

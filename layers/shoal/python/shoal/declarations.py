@@ -173,6 +173,21 @@ DEPLOYMENT = Deployment(
             timeout_s=300,
         ),
         FunctionDef(
+            name="teardown",
+            description="Custom resource: on stack deletion, removes runtime streams and mappings",
+            grants=(
+                # where the runtime streams are recorded (shoal.teardown)
+                Grant("table", "topics", "read"),
+                Grant("table", "push_subscriptions", "read"),
+                # read_write: DeleteStream (with describe, to tell "being deleted" apart)
+                Grant("streams", "storage", "read_write"),
+                # the mappings made at run time invoke these two (shoal.teardown.MAPPED_FUNCTIONS)
+                Grant("event_source_mappings", "router", "read_write"),
+                Grant("event_source_mappings", "push", "read_write"),
+            ),
+            timeout_s=300,
+        ),
+        FunctionDef(
             name="sessions",
             description="Connect, disconnect, heartbeat and read sessions (the session registry)",
             routes=(

@@ -43,6 +43,7 @@ from shoal.sessions.model import WillMessage
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
+from shoal.teardown import Teardown
 
 T = TypeVar("T")
 
@@ -85,6 +86,11 @@ def topic_service(
         hooks=TapHooks(config, streams, clock),
         stream_wait_s=stream_wait_s,
     )
+
+
+def teardown(config: Config) -> Teardown:
+    """What the stack made at run time, removed when it is deleted (infra/lifecycle.py)."""
+    return Teardown.from_config(config)
 
 
 def topic_directory(config: Config, clock: Clock) -> TopicDirectory:

@@ -210,7 +210,7 @@ class Teardown:
         deleted = 0
         attempt = 0
         while left:
-            busy = []
+            busy: list[str] = []
             for i, name in enumerate(left):
                 if i and pace_s:
                     self.clock.sleep(pace_s)

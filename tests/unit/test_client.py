@@ -416,7 +416,8 @@ def test_processed_ids_are_a_bounded_window_of_the_most_recent(state_path: Path)
     state.close()
     reopened = ClientState(state_path)
     assert [reopened.was_processed("c1", i) for i in "abcde"] == [False, False, True, True, True]
-    assert json.loads(state_path.read_text())["sessions"]["c1"]["delivered"] == ["c", "d", "e"]
+    (scope,) = json.loads(state_path.read_text())["scopes"].values()
+    assert scope["sessions"]["c1"]["delivered"] == ["c", "d", "e"]
     reopened.close()
 
 

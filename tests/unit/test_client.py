@@ -466,7 +466,7 @@ def test_shoal_publish_and_subscribe_over_http(
         assert [p["publisher_seq"] for p in published] == [1, 2]
         assert published[0]["publisher_id"] == published[1]["publisher_id"]
         # and `shoal subscribe` prints one JSON line each, then ends
-        assert main(["subscribe", *sub, "--count", "2", "--wait-ms", "0"]) == 0
+        assert main(["subscribe", *sub, "--json", "--count", "2", "--wait-ms", "0"]) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(m["topic"], m.get("text")) for m in lines] == [
         ("news/today", "hello"),

@@ -222,6 +222,19 @@ class ShoalClient:
             {"uncertain": uncertain},
         )
 
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One call of any route (the admin ones: topics, push subscriptions), with the same
+        retries and errors as the rest; the parsed answer."""
+        answer, _ = self._send(method, path, body=body, params=params)
+        return answer
+
     # -- publishing ---------------------------------------------------------------------
 
     @property
@@ -573,6 +586,11 @@ class ShoalClient:
             self.connection = None
             raise
         return answer
+
+    def call_session(self, method: str, suffix: str, *, body: Any = None) -> Any:
+        """One call of a session route (``suffix`` after ``/v1/sessions/{client_id}``) on
+        this client's channel, connecting on demand."""
+        return self._session_call(method, suffix, body=body)
 
     def disconnect(self) -> None:
         """``DELETE /v1/sessions/{client_id}``: a clean end, no will."""

@@ -232,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`| head`): nothing to say to it; stdout is closed for good so
+        # the interpreter's own flush at exit stays quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except UsageError as exc:
         _say(str(exc))
         return 2

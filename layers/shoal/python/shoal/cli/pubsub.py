@@ -35,6 +35,9 @@ RETAIN_HANDLING = {
     2: "never send them",
 }
 
+#: exit status of `shoal subscribe -C N -W SECONDS` when fewer than N came in time (mosquitto_sub)
+TIMED_OUT = 27
+
 Arguments = Callable[[argparse.ArgumentParser], None]
 
 
@@ -182,20 +185,27 @@ def run_publish(args: argparse.Namespace) -> int:
         if args.discard_pending:
             dropped = client.discard_pending()
             note(f"forgot {dropped} message(s) left in flight" if dropped else "nothing in flight")
-        if args.stdin_line:
-            status = _publish_lines(client, args, settings)
-        elif message is not None:
-            result = client.publish(
-                args.topic,
-                qos=args.qos,
-                retain=args.retain,
-                ordering_key=args.ordering_key,
-                **message,
-            )
-            print(json.dumps(result.as_dict()), flush=True)
-            status = 0
-        else:
-            status = 0
+        try:
+            if args.stdin_line:
+                status = _publish_lines(client, args, settings)
+            elif message is not None:
+                result = client.publish(
+                    args.topic,
+                    qos=args.qos,
+                    retain=args.retain,
+                    ordering_key=args.ordering_key,
+                    **message,
+                )
+                print(json.dumps(result.as_dict()), flush=True)
+                status = 0
+            else:
+                status = 0
+        except Unavailable as exc:
+            left = len(client.pending_publishes)
+            raise ClientError(
+                f"{args.url} did not answer ({exc.message}); {left} message(s) stay in flight "
+                f"for the next shoal publish to {args.url} (--discard-pending forgets them)"
+            ) from exc
         if args.debug:
             note(f"{client.requests_sent} request(s) sent")
     return status
@@ -296,6 +306,13 @@ def subscribe_arguments(parser: argparse.ArgumentParser, client_arguments: Argum
         type=int,
         metavar="N",
         help="stop after N messages (0: subscribe and exit; default: run until Ctrl-C)",
+    )
+    parser.add_argument(
+        "-W",
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop after this long; exit status 27 when -C N messages did not all come in it",
     )
     output = parser.add_mutually_exclusive_group()
     output.add_argument(
@@ -418,8 +435,15 @@ def run_subscribe(args: argparse.Namespace) -> int:
         ]
         if refused:
             raise ClientError(f"subscription refused ({', '.join(refused)})")
+        until_ms = None
+        if args.timeout is not None:
+            until_ms = client.clock.now_ms() + int(args.timeout * 1000)
+        printed = 0
         try:
-            for message in client.messages(count=args.count, wait_ms=args.wait_ms):
+            for message in client.messages(
+                count=args.count, wait_ms=args.wait_ms, until_ms=until_ms
+            ):
+                printed += 1
                 if args.json:
                     out.write(message.as_json_line().encode() + b"\n")
                 elif args.verbose:
@@ -430,4 +454,5 @@ def run_subscribe(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         client.close(disconnect=True)
-    return 0
+    # as mosquitto_sub -W: the time ran out before -C N messages came
+    return TIMED_OUT if args.count is not None and printed < args.count else 0

@@ -714,18 +714,25 @@ class ShoalClient:
         count: int | None = None,
         flow: FlowControl | None = None,
         auto_ack: bool = True,
+        until_ms: int | None = None,
     ) -> Iterator[ReceivedMessage]:
         """Messages in order, each once.
 
         With ``auto_ack`` (the default), asking for the next one marks the previous processed;
         acks go out in one request before each fetch and when the iteration ends. Without it,
         a message stays outstanding until ``mark_processed`` (from any thread) or ``ack``, and
-        ``flow`` bounds what is outstanding: no fetch while it is full.
+        ``flow`` bounds what is outstanding: no fetch while it is full. ``until_ms`` (the
+        client clock's time) ends the iteration then, whatever ``count`` says.
         """
         handed = 0
         try:
             while count is None or handed < count:
                 self.flush_acks()
+                if until_ms is not None:
+                    left_ms = until_ms - self.clock.now_ms()
+                    if left_ms <= 0:
+                        return
+                    wait_ms = min(wait_ms, left_ms)
                 wanted = max_messages if count is None else min(max_messages, count - handed)
                 room = self._room(flow, wanted)
                 if room == 0:

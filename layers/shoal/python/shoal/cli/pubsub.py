@@ -455,4 +455,5 @@ def run_subscribe(args: argparse.Namespace) -> int:
             pass
         client.close(disconnect=True)
     # as mosquitto_sub -W: the time ran out before -C N messages came
-    return TIMED_OUT if args.count is not None and printed < args.count else 0
+    timed_out = args.timeout is not None and args.count is not None and printed < args.count
+    return TIMED_OUT if timed_out else 0

@@ -65,8 +65,13 @@ class ClientState:
         """Work on ``scope`` from now on (a client learns its URL and principal after the
         state is opened)."""
         self.save_delivered()
-        self.scope = scope
         scopes: dict[str, Any] = self._file["scopes"]
+        if self._data and not (
+            self._data.get("publisher_id") or self._data["publishers"] or self._data["sessions"]
+        ):
+            # a scope only looked at leaves no trace in the file
+            scopes.pop(scope_key(self.scope), None)
+        self.scope = scope
         self._data = scopes.setdefault(
             scope_key(scope),
             {"url": scope[0], "principal": scope[1], "publishers": {}, "sessions": {}},

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import audit, delivery, filter_index, frontdoor, groups, publish, push, sessions
+from bench import audit, client, delivery, filter_index, frontdoor, groups, publish, push, sessions
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
@@ -26,6 +26,7 @@ BENCHMARKS = {
     "push": push,
     "audit": audit,
     "frontdoor": frontdoor,
+    "client": client,
 }
 
 

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from shoal.cli.common import UsageError, note, policy_of, token_of
 from shoal.cli.dev import DEFAULT_STATE_DIR
+from shoal.client.batch import PublisherClosed
 from shoal.client.errors import ApiError, ClientError, Unavailable
 from shoal.client.http import ShoalClient
 from shoal.client.support import MAX_BATCH, BatchSettings, PublishResult, principal_of
@@ -202,9 +203,11 @@ def run_publish(args: argparse.Namespace) -> int:
                 status = 0
         except Unavailable as exc:
             left = len(client.pending_publishes)
+            unread = "; the lines after them were not sent" if args.stdin_line else ""
             raise ClientError(
                 f"{args.url} did not answer ({exc.message}); {left} message(s) stay in flight "
                 f"for the next shoal publish to {args.url} (--discard-pending forgets them)"
+                + unread
             ) from exc
         if args.debug:
             note(f"{client.requests_sent} request(s) sent")
@@ -250,19 +253,23 @@ def _publish_lines(client: ShoalClient, args: argparse.Namespace, settings: Batc
         sys.stdout.flush()
 
     with client.batch_publisher(settings) as publisher:
-        for message in _lines():
-            futures.append(
-                publisher.publish(
-                    args.topic,
-                    qos=args.qos,
-                    retain=args.retain,
-                    ordering_key=args.ordering_key,
-                    **message,
+        try:
+            for message in _lines():
+                futures.append(
+                    publisher.publish(
+                        args.topic,
+                        qos=args.qos,
+                        retain=args.retain,
+                        ordering_key=args.ordering_key,
+                        **message,
+                    )
                 )
-            )
-            # print what is settled as it settles, in order, so a long stream shows progress
-            while futures and futures[0].done():
-                settle([futures.pop(0)])
+                # print what is settled as it settles, in order, so a long stream shows progress
+                while futures and futures[0].done():
+                    settle([futures.pop(0)])
+        except PublisherClosed as exc:
+            # a batch could not be sent: its error, not the closed publisher's
+            raise publisher.failure or exc from None
     settle(futures)
     if args.debug:
         note(f"{publisher.messages} message(s) in {publisher.requests} request(s)")

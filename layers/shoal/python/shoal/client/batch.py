@@ -78,6 +78,11 @@ class BatchPublisher:
             self._changed.notify_all()
         return future
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the publisher stopped early (a batch that could not be sent), if it did."""
+        return self._failed
+
     def _stopped(self) -> bool:
         return self._closing or self._failed is not None
 

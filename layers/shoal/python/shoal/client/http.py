@@ -17,19 +17,30 @@ id now, so the client forgets its channel, raises ``SessionTakenOver``, and conn
 starting clean) only when it is asked to do another session call.
 
 Crash safety. The client keeps a small state file, rewritten atomically (temporary file, fsync,
-rename, fsync of the folder) and locked for the life of the client, with:
+rename, fsync of the folder) and locked for the life of the client. Everything in it is keyed by
+(URL, principal), the principal being the token's ``sub`` read without verifying it: what was
+left for one server or principal is never sent to another. It holds:
 
-- per publisher id, the last sequence number the server accepted and the publish *in flight*
-  (its seq and body). The in-flight publish is written before it is sent, so a client killed
-  at any point resends it with the same seq: publishing the same message again after a
-  restart reuses it (the server answers ``duplicate``), and publishing a different one first
-  finishes the in-flight one. The next seq always continues after the last one;
+- per publisher id, the last sequence number the server accepted and the publishes *in flight*
+  (seq and body each). They are written before they are sent, so a client killed at any point
+  resends them with the same seqs: publishing the same message again after a restart reuses
+  its seq (the server answers ``duplicate``), and publishing a different one first finishes
+  them (``on_resend`` is told). The next seq always continues after the last one;
 - per client id, the ids of recently processed messages (a bounded, most-recent window). An id
   is recorded before it is acked; a message redelivered because its ack was lost is acked
   again without being handed to the application.
 
+Batching. ``publish_many`` numbers a list of messages, writes them in one state write and sends
+them as ``POST /v1/messages:batch`` (``BatchSettings`` bounds a request's count and bytes);
+``batch_publisher()`` batches by count, bytes and delay in a thread (``shoal.client.batch``).
+A message the server refuses is settled with its error; the messages after it then get
+``409 publisher_seq_gap`` with the seq the server expects, and are renumbered from it, in order
+(a seq is only reused when the server says it holds nothing from it on).
+
 A message counts as processed once the application asks ``messages()`` for the next one (or
-calls ``ack``). One that was being processed when the process died comes again: processing is
+calls ``ack``); with ``auto_ack=False`` it stays outstanding until ``mark_processed``, and
+``FlowControl`` bounds how many messages and bytes are outstanding (no fetch while full).
+One that was being processed when the process died comes again: processing is
 at-least-once at that boundary, unless the application records its own progress atomically
 with its side effect.
 """

@@ -326,3 +326,8 @@ def test_the_dev_log_is_json_lines_without_tracebacks_for_dropped_polls(shoal: S
     # and every log line of the runtime (not the banner on stdout) is one JSON object
     gateway = [line for line in shoal.log_lines() if line.get("logger") == "shoal-dev.gateway"]
     assert gateway and all({"method", "path", "status", "ms"} <= set(line) for line in gateway)
+
+
+def test_the_emulator_port_is_kept_in_the_state_dir(shared_dev: DevServer) -> None:
+    # the next start on this state dir without --aws-port serves the emulator there again
+    assert (shared_dev.state_dir / "aws-port").read_text() == f"{shared_dev.aws_port}\n"

@@ -16,6 +16,7 @@ from typing import Any
 
 from bench import (
     audit,
+    client,
     cost,
     delivery,
     filter_index,
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "audit": audit,
     "frontdoor": frontdoor,
     "cost": cost,
+    "client": client,
 }
 
 

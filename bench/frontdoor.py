@@ -198,6 +198,10 @@ def _log_summary(text: str) -> dict[str, Any]:
             if isinstance(record, dict):
                 level = str(record.get("level", ""))
                 message = str(record.get("message", ""))
+                # shoal dev's gateway: one JSON line per request, with its status and ms
+                if str(record.get("logger", "")).endswith("gateway") and "status" in record:
+                    gateway[str(record["status"])] += 1
+                    slowest_ms = max(slowest_ms, float(record.get("ms", 0.0)))
         elif match := _PLAIN.match(line):
             level, logger, message = match.groups()
             answer = _GATEWAY.match(message) if logger.endswith("gateway") else None

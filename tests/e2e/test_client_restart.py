@@ -159,6 +159,7 @@ def test_exactly_once_through_client_restarts(dev: DevServer, tmp_path: Path) ->
     published_state, consumed_state = tmp_path / "publisher.json", tmp_path / "consumer.json"
     subscribe = [*shoal_command(), "subscribe", "--url", dev.url, "--client-id", CLIENT_ID]
     subscribe += ["--filter", "relay/orders/#", "--qos", "1", "--state", str(consumed_state)]
+    subscribe += ["--json"]
 
     # Given a durable subscription made by `shoal subscribe` before anything is published
     done = _run([*subscribe, "--count", "0"], token)
@@ -220,8 +221,8 @@ def test_exactly_once_through_client_restarts(dev: DevServer, tmp_path: Path) ->
     # and the messages fetched but never processed by the killed consumer came again as dup
     assert any(m["dup"] for m in _lines(final.stdout))
     # and the consumer's state file remembers every processed id
-    state = json.loads(consumed_state.read_text())
-    assert len(state["sessions"][CLIENT_ID]["delivered"]) == MESSAGES
+    (scope,) = json.loads(consumed_state.read_text())["scopes"].values()
+    assert len(scope["sessions"][CLIENT_ID]["delivered"]) == MESSAGES
 
 
 if __name__ == "__main__":

@@ -416,7 +416,8 @@ def test_processed_ids_are_a_bounded_window_of_the_most_recent(state_path: Path)
     state.close()
     reopened = ClientState(state_path)
     assert [reopened.was_processed("c1", i) for i in "abcde"] == [False, False, True, True, True]
-    assert json.loads(state_path.read_text())["sessions"]["c1"]["delivered"] == ["c", "d", "e"]
+    (scope,) = json.loads(state_path.read_text())["scopes"].values()
+    assert scope["sessions"]["c1"]["delivered"] == ["c", "d", "e"]
     reopened.close()
 
 
@@ -465,7 +466,7 @@ def test_shoal_publish_and_subscribe_over_http(
         assert [p["publisher_seq"] for p in published] == [1, 2]
         assert published[0]["publisher_id"] == published[1]["publisher_id"]
         # and `shoal subscribe` prints one JSON line each, then ends
-        assert main(["subscribe", *sub, "--count", "2", "--wait-ms", "0"]) == 0
+        assert main(["subscribe", *sub, "--json", "--count", "2", "--wait-ms", "0"]) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(m["topic"], m.get("text")) for m in lines] == [
         ("news/today", "hello"),

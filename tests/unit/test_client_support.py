@@ -94,6 +94,8 @@ class FakeShoal:
         with self.lock:
             if path == "/v1/messages" and method == "POST":
                 return self._publish(body)
+            if path == "/v1/messages:batch" and method == "POST":
+                return self._publish_batch(body)
             parts = path.split("/")
             if parts[:3] != ["", "v1", "sessions"] or len(parts) < 4:
                 return _error(404, "route_not_found")
@@ -106,6 +108,15 @@ class FakeShoal:
             if session is None or channel != session.channel:
                 return _error(409, "session_taken_over")
             return self._session_call(session, method, action, query, body)
+
+    def _publish_batch(self, body: dict[str, Any]) -> tuple[int, Any]:
+        results = []
+        for message in body["messages"]:
+            status, answer = self._publish(message)
+            if status >= 400:
+                answer["error"]["status"] = status
+            results.append(answer)
+        return 200, {"results": results}
 
     def _publish(self, body: dict[str, Any]) -> tuple[int, Any]:
         topic = body["topic"]

@@ -11,12 +11,15 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
 
 DEFAULT_STATE_DIR = Path(".shoal")
+#: in the state directory: the AWS emulator's port of the last run, used again by the next
+AWS_PORT_FILE = "aws-port"
 ADMIN_TOKEN_TTL_S = 12 * 3600
 #: what the embedded AWS emulator imports (``moto[server]``: moto and its Flask server)
 EMULATOR_MODULES = ("moto", "flask")
@@ -38,22 +41,55 @@ def _without_dev_extra(command: str, missing: list[str]) -> int:
     return 2
 
 
-def _configure_logging(level: str) -> None:
-    """The runtime's own lines (loggers "shoal-dev.*") as text on stderr.
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as the emulator's server binds: a port in TIME_WAIT counts as free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
-    They get a handler of their own: Powertools filters every record whose logger name holds
-    its service name ("shoal") out of the root logger's handlers. Everything else (moto,
-    botocore) reaches stderr through the root logger from WARNING up.
+
+def _emulator_port(args: argparse.Namespace) -> int | None:
+    """The port for the AWS emulator, or None when it cannot be had (said on stderr).
+
+    ``--aws-port`` is a promise: taken, ``shoal dev`` will not start. Without it, a state
+    directory keeps the port of its last run, so an ``AWS_ENDPOINT_URL`` a developer exported
+    keeps working across restarts; if another program took that port since, a free one is used
+    and the line saying so names it (the banner prints the new URL).
     """
-    line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    formatter = logging.Formatter(line)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter)
-    runtime_log = logging.getLogger("shoal-dev")
-    runtime_log.addHandler(handler)
-    runtime_log.setLevel(level)
-    runtime_log.propagate = False
-    logging.basicConfig(level=logging.WARNING, format=line, stream=sys.stderr)
+    if args.aws_port is not None:
+        if args.aws_port and not _port_free(args.aws_host, args.aws_port):
+            print(f"shoal dev: cannot start: --aws-port {args.aws_port} is in use", file=sys.stderr)
+            return None
+        return int(args.aws_port)
+    if args.state_dir is None:
+        return 0
+    try:
+        saved = int((args.state_dir / AWS_PORT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    if _port_free(args.aws_host, saved):
+        return saved
+    print(
+        f"shoal dev: the emulator's port of the last run, {saved}, is in use; "
+        "taking a free one (AWS_ENDPOINT_URL changes: see below)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
+
+
+def _remember_emulator_port(state_dir: Path | None, aws_url: str) -> None:
+    if state_dir is None:
+        return
+    port = aws_url.rsplit(":", 1)[1].rstrip("/")
+    tmp = state_dir / f"{AWS_PORT_FILE}.tmp"
+    tmp.write_text(port + "\n")
+    tmp.replace(state_dir / AWS_PORT_FILE)
 
 
 def run_dev(args: argparse.Namespace) -> int:
@@ -62,14 +98,18 @@ def run_dev(args: argparse.Namespace) -> int:
     if missing:
         return _without_dev_extra("dev", missing)
     # imported here: only `shoal dev` needs the local runtime, the other commands start faster
+    from shoal.local.logs import configure
     from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
 
-    _configure_logging(args.log_level.upper())
+    configure(args.log_level.upper())
+    aws_port = _emulator_port(args)
+    if aws_port is None:
+        return 1
     options = DevOptions(
         host=args.host,
         port=args.port,
         aws_host=args.aws_host,
-        aws_port=args.aws_port,
+        aws_port=aws_port,
         state_dir=args.state_dir.resolve() if args.state_dir else None,
         default_partitions=args.default_partitions,
         issuer=args.issuer,
@@ -93,6 +133,7 @@ def run_dev(args: argparse.Namespace) -> int:
         return 1
     try:
         assert runtime.aws is not None
+        _remember_emulator_port(options.state_dir, runtime.aws_url)
         replay = runtime.aws.replay_stats
         state = str(options.state_dir) if options.state_dir else "(temporary, gone on exit)"
         token = runtime.mint_token("admin", admin=True, ttl_s=ADMIN_TOKEN_TTL_S)

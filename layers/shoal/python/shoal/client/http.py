@@ -17,19 +17,30 @@ id now, so the client forgets its channel, raises ``SessionTakenOver``, and conn
 starting clean) only when it is asked to do another session call.
 
 Crash safety. The client keeps a small state file, rewritten atomically (temporary file, fsync,
-rename, fsync of the folder) and locked for the life of the client, with:
+rename, fsync of the folder) and locked for the life of the client. Everything in it is keyed by
+(URL, principal), the principal being the token's ``sub`` read without verifying it: what was
+left for one server or principal is never sent to another. It holds:
 
-- per publisher id, the last sequence number the server accepted and the publish *in flight*
-  (its seq and body). The in-flight publish is written before it is sent, so a client killed
-  at any point resends it with the same seq: publishing the same message again after a
-  restart reuses it (the server answers ``duplicate``), and publishing a different one first
-  finishes the in-flight one. The next seq always continues after the last one;
+- per publisher id, the last sequence number the server accepted and the publishes *in flight*
+  (seq and body each). They are written before they are sent, so a client killed at any point
+  resends them with the same seqs: publishing the same message again after a restart reuses
+  its seq (the server answers ``duplicate``), and publishing a different one first finishes
+  them (``on_resend`` is told). The next seq always continues after the last one;
 - per client id, the ids of recently processed messages (a bounded, most-recent window). An id
   is recorded before it is acked; a message redelivered because its ack was lost is acked
   again without being handed to the application.
 
+Batching. ``publish_many`` numbers a list of messages, writes them in one state write and sends
+them as ``POST /v1/messages:batch`` (``BatchSettings`` bounds a request's count and bytes);
+``batch_publisher()`` batches by count, bytes and delay in a thread (``shoal.client.batch``).
+A message the server refuses is settled with its error; the messages after it then get
+``409 publisher_seq_gap`` with the seq the server expects, and are renumbered from it, in order
+(a seq is only reused when the server says it holds nothing from it on).
+
 A message counts as processed once the application asks ``messages()`` for the next one (or
-calls ``ack``). One that was being processed when the process died comes again: processing is
+calls ``ack``); with ``auto_ack=False`` it stays outstanding until ``mark_processed``, and
+``FlowControl`` bounds how many messages and bytes are outstanding (no fetch while full).
+One that was being processed when the process died comes again: processing is
 at-least-once at that boundary, unless the application records its own progress atomically
 with its side effect.
 """
@@ -41,9 +52,11 @@ import contextlib
 import hashlib
 import json
 import random
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import requests
@@ -58,8 +71,19 @@ from shoal.client.errors import (
     retry_after,
 )
 from shoal.client.state import ClientState
-from shoal.client.support import CallRetry, Connection, PublishResult, ReceivedMessage
+from shoal.client.support import (
+    BatchSettings,
+    CallRetry,
+    Connection,
+    FlowControl,
+    PublishResult,
+    ReceivedMessage,
+    principal_of,
+)
 from shoal.core.clock import Clock, SystemClock
+
+if TYPE_CHECKING:
+    from shoal.client.batch import BatchPublisher
 
 CHANNEL_HEADER = "Shoal-Channel"
 #: ids per ack request (the API's limit)
@@ -95,12 +119,24 @@ class ShoalClient:
         http: requests.Session | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        on_resend: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self._token = token
         self.client_id = client_id
+        #: whose sequences and sessions these are: the token's subject (read, not verified)
+        self.principal = principal_of(token)
         self.state = state if isinstance(state, ClientState) else ClientState(state)
+        self.state.use_scope((self.url, self.principal))
         self._publisher_id = publisher_id
+        self._named_publisher = publisher_id is not None
+        #: called with the bodies of publishes an earlier run left in flight, before they are
+        #: sent again (the CLI says so on stderr)
+        self.on_resend = on_resend
+        # marks the in-flight entries this client made, to tell them from an earlier run's
+        self._run = uuid.uuid4().hex[:12]
+        #: HTTP requests sent, retries included (requests per message in the bench and tests)
+        self.requests_sent = 0
         self.policy = policy or CallRetry()
         self.http = http or requests.Session()
         self.clock = clock or SystemClock()
@@ -112,6 +148,9 @@ class ShoalClient:
         self._in_group = False
         # processed (recorded) ids whose ack has not been sent yet
         self._unacked: list[str] = []
+        # handed out without auto_ack and not processed yet: id -> payload bytes (flow control)
+        self._outstanding: dict[str, int] = {}
+        self._outstanding_changed = threading.Condition(threading.RLock())
 
     def __enter__(self) -> ShoalClient:
         return self
@@ -158,6 +197,7 @@ class ShoalClient:
             if attempt:
                 wait_s = retry_after(last)
                 self.clock.sleep(self.policy.delay_s(attempt - 1, self.rng, wait_s))
+            self.requests_sent += 1
             try:
                 response = self.http.request(
                     method,
@@ -193,27 +233,93 @@ class ShoalClient:
             {"uncertain": uncertain},
         )
 
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One call of any route (the admin ones: topics, push subscriptions), with the same
+        retries and errors as the rest; the parsed answer."""
+        answer, _ = self._send(method, path, body=body, params=params)
+        return answer
+
     # -- publishing ---------------------------------------------------------------------
 
     @property
     def publisher_id(self) -> str:
-        """The given one, else one made once per state file (a restart keeps it)."""
+        """The given one, else one made once per (URL, principal) (a restart keeps it)."""
         if self._publisher_id is None:
             self._publisher_id = self.state.default_publisher_id()
         return self._publisher_id
 
+    def _publisher(self) -> dict[str, Any]:
+        return self.state.publisher(self.publisher_id)
+
     @property
     def next_seq(self) -> int:
-        """The seq the next publish will carry (the in-flight one's, if one is in flight)."""
-        publisher = self.state.publisher(self.publisher_id)
+        """The seq the next publish will carry (the first in-flight one's, if any)."""
+        publisher = self._publisher()
         in_flight = publisher["in_flight"]
-        return int(in_flight["seq"]) if in_flight else int(publisher["last_seq"]) + 1
+        return int(in_flight[0]["seq"]) if in_flight else int(publisher["last_seq"]) + 1
 
     @property
     def pending_publish(self) -> dict[str, Any] | None:
-        """The body of the publish in flight (sent but not known to be accepted), if any."""
-        in_flight = self.state.publisher(self.publisher_id)["in_flight"]
-        return dict(in_flight["body"]) if in_flight else None
+        """The body of the first publish in flight (sent but not known to be accepted)."""
+        in_flight = self._publisher()["in_flight"]
+        return dict(in_flight[0]["body"]) if in_flight else None
+
+    @property
+    def pending_publishes(self) -> list[dict[str, Any]]:
+        """The bodies of every publish in flight, in seq order."""
+        return [dict(entry["body"]) for entry in self._publisher()["in_flight"]]
+
+    def discard_pending(self) -> int:
+        """Forget the publishes in flight; the number forgotten.
+
+        The server may hold some of their seqs, so the sequence must not be reused: a default
+        publisher id is replaced by a new one; a named one goes on after the highest forgotten
+        seq (a gap the server reports is closed by renumbering, see ``_settle``).
+        """
+        publisher = self._publisher()
+        dropped = list(publisher["in_flight"])
+        if not dropped:
+            return 0
+        publisher["in_flight"] = []
+        publisher["last_seq"] = max(int(publisher["last_seq"]), *(int(e["seq"]) for e in dropped))
+        if self._named_publisher:
+            self.state.save()
+        else:
+            self._publisher_id = self.state.new_default_publisher_id()
+        return len(dropped)
+
+    @staticmethod
+    def message_body(
+        topic: str,
+        *,
+        text: str | None = None,
+        payload: bytes | None = None,
+        qos: int = 1,
+        retain: bool = False,
+        ordering_key: str | None = None,
+        properties: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The JSON body of one message (without its publisher id and seq)."""
+        if (text is None) == (payload is None):
+            raise ValueError("give exactly one of text and payload")
+        body: dict[str, Any] = {"topic": topic, "qos": qos, "retain": retain}
+        if text is not None:
+            body["text"] = text
+        else:
+            assert payload is not None
+            body["payload"] = base64.b64encode(payload).decode("ascii")
+        if ordering_key is not None:
+            body["ordering_key"] = ordering_key
+        if properties:
+            body["properties"] = dict(properties)
+        return body
 
     def publish(
         self,
@@ -228,75 +334,203 @@ class ShoalClient:
     ) -> PublishResult:
         """Publish one message exactly once (``POST /v1/messages`` with the next seq).
 
-        When a publish is in flight from before (its answer never came, or the process died),
-        the same message reuses its seq, and a different one first finishes it.
+        When publishes are in flight from before (their answer never came, or the process
+        died), the same message reuses its seq, and a different one first finishes them.
         """
-        if (text is None) == (payload is None):
-            raise ValueError("give exactly one of text and payload")
-        body: dict[str, Any] = {"topic": topic, "qos": qos, "retain": retain}
-        if text is not None:
-            body["text"] = text
-        else:
-            assert payload is not None
-            body["payload"] = base64.b64encode(payload).decode("ascii")
-        if ordering_key is not None:
-            body["ordering_key"] = ordering_key
-        if properties:
-            body["properties"] = dict(properties)
+        body = self.message_body(
+            topic,
+            text=text,
+            payload=payload,
+            qos=qos,
+            retain=retain,
+            ordering_key=ordering_key,
+            properties=properties,
+        )
         digest = _digest(body)
-        publisher = self.state.publisher(self.publisher_id)
-        in_flight = publisher["in_flight"]
-        if in_flight is not None and in_flight["digest"] != digest:
-            self.finish_pending()
-        if publisher["in_flight"] is not None:
-            return self._send_in_flight(publisher, fresh=False)
-        publisher["in_flight"] = {
-            "seq": int(publisher["last_seq"]) + 1,
-            "digest": digest,
-            "body": body,
-        }
-        # durable before it is sent: a crash from here on resends it with this seq
-        self.state.save()
-        return self._send_in_flight(publisher, fresh=True)
+        publisher = self._publisher()
+        entry = next((e for e in publisher["in_flight"] if e["digest"] == digest), None)
+        if entry is None:
+            (entry,) = self._enqueue([body])
+        outcome = self._drain(until=entry).get(id(entry))
+        if isinstance(outcome, ApiError):
+            raise outcome
+        assert outcome is not None
+        return outcome
 
-    def finish_pending(self) -> PublishResult | None:
-        """Resend the publish in flight with its own seq, if there is one."""
-        publisher = self.state.publisher(self.publisher_id)
-        if publisher["in_flight"] is None:
-            return None
-        return self._send_in_flight(publisher, fresh=False)
+    def publish_many(
+        self, bodies: Sequence[Mapping[str, Any]], settings: BatchSettings | None = None
+    ) -> list[PublishResult | ApiError]:
+        """Publish messages (bodies of ``message_body``) exactly once, in order, in batches of
+        ``POST /v1/messages:batch``: the result or refusal of each.
 
-    def _send_in_flight(self, publisher: dict[str, Any], *, fresh: bool) -> PublishResult:
-        in_flight = publisher["in_flight"]
-        seq = int(in_flight["seq"])
-        request = {
-            **in_flight["body"],
-            "publisher_id": self.publisher_id,
-            "publisher_seq": seq,
-        }
+        They are numbered and written to the state file in one write before anything is sent;
+        ``Unavailable`` leaves the unsent ones in flight, to be finished by the next publish.
+        """
+        entries = self._enqueue(bodies)
+        outcomes = self._drain(settings, until=entries[-1] if entries else None)
+        return [outcomes[id(e)] for e in entries]
+
+    def finish_pending(self) -> list[PublishResult | ApiError]:
+        """Send the publishes in flight with their own seqs."""
+        return list(self._drain().values())
+
+    def _enqueue(self, bodies: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        publisher = self._publisher()
+        in_flight: list[dict[str, Any]] = publisher["in_flight"]
+        seq = int(in_flight[-1]["seq"]) if in_flight else int(publisher["last_seq"])
+        entries = []
+        for body in bodies:
+            seq += 1
+            entry = {
+                "seq": seq,
+                "digest": _digest(body),
+                "body": dict(body),
+                "tries": 0,
+                "run": self._run,
+            }
+            entries.append(entry)
+        in_flight.extend(entries)
+        # saved (durably) before the first send in _drain: a crash from there resends them
+        return entries
+
+    def _drain(
+        self, settings: BatchSettings | None = None, *, until: dict[str, Any] | None = None
+    ) -> dict[int, PublishResult | ApiError]:
+        """Send the publishes in flight in order, chunk by chunk (``settings`` bounds a chunk's
+        count and bytes), until ``until`` is settled (default: all of them).
+
+        Outcomes are keyed by ``id(entry)``. A chunk answered with refusals only, or busy
+        answers for ``policy.attempts`` rounds, ends the drain with its error.
+        """
+        settings = settings or BatchSettings()
+        publisher = self._publisher()
+        outcomes: dict[int, PublishResult | ApiError] = {}
+        busy_rounds = 0
+        while publisher["in_flight"] and (until is None or id(until) not in outcomes):
+            chunk = _chunk(publisher["in_flight"], settings)
+            earlier = [e for e in chunk if e.get("run") != self._run]
+            if earlier and self.on_resend is not None:
+                self.on_resend([dict(e["body"]) | {"publisher_seq": e["seq"]} for e in earlier])
+            for entry in chunk:
+                entry["tries"] = int(entry.get("tries", 0)) + 1
+                entry["run"] = self._run
+            # durable before it is sent: a crash from here on resends it with this seq
+            self.state.save()
+            answers, uncertain = self._post(chunk)
+            progress, busy = self._settle(publisher, chunk, answers, uncertain, outcomes)
+            if busy and not progress:
+                busy_rounds += 1
+                if busy_rounds >= self.policy.attempts:
+                    raise Unavailable(busy.status, busy.code, busy.message, {"uncertain": True})
+                self.clock.sleep(self.policy.delay_s(busy_rounds - 1, self.rng, retry_after(busy)))
+            elif not progress:
+                # refused without being freed: a later run may finish it (or discard it)
+                first = next(o for e in chunk if isinstance(o := answers[id(e)], ApiError))
+                raise first
+            else:
+                busy_rounds = 0
+        return outcomes
+
+    def _post(self, chunk: list[dict[str, Any]]) -> tuple[dict[int, Any], bool]:
+        """One request for ``chunk``: an answer (``PublishResult`` fields or ``ApiError``) per
+        entry, and whether an earlier attempt of it may have been carried out unheard."""
+        requests_ = [
+            {**e["body"], "publisher_id": self.publisher_id, "publisher_seq": int(e["seq"])}
+            for e in chunk
+        ]
+        if len(chunk) == 1:
+            try:
+                answer, uncertain = self._send("POST", "/v1/messages", body=requests_[0])
+            except Unavailable:
+                raise  # the outcome is unknown: it stays in flight
+            except ApiError as exc:
+                return {id(chunk[0]): exc}, bool(exc.details.get("uncertain"))
+            return {id(chunk[0]): answer}, uncertain
         try:
-            answer, _ = self._send("POST", "/v1/messages", body=request)
+            answer, uncertain = self._send(
+                "POST", "/v1/messages:batch", body={"messages": requests_}
+            )
         except Unavailable:
-            raise  # the outcome is unknown: it stays in flight
-        except ApiError as exc:
-            # Refused outright (invalid, forbidden, a seq gap): the seq is free again, unless
-            # some earlier attempt, here or before a restart, may have been carried out.
-            if fresh and not exc.details.get("uncertain"):
-                publisher["in_flight"] = None
-                self.state.save()
             raise
-        publisher["last_seq"] = seq
-        publisher["in_flight"] = None
+        except ApiError as exc:
+            # the whole request refused (401, a body too large): the same refusal for each
+            return {id(e): exc for e in chunk}, bool(exc.details.get("uncertain"))
+        results = list((answer or {}).get("results", []))
+        out: dict[int, Any] = {}
+        for entry, result in zip(chunk, results, strict=False):
+            if isinstance(result, dict) and isinstance(result.get("error"), dict):
+                status = int(result["error"].get("status", 400))
+                out[id(entry)] = error_of(status, result)
+            else:
+                out[id(entry)] = result
+        for entry in chunk[len(results) :]:
+            out[id(entry)] = Unavailable(0, "no_result", "the batch answer lacks a result", {})
+        return out, uncertain
+
+    def _settle(
+        self,
+        publisher: dict[str, Any],
+        chunk: list[dict[str, Any]],
+        answers: dict[int, Any],
+        uncertain: bool,
+        outcomes: dict[int, PublishResult | ApiError],
+    ) -> tuple[bool, ApiError | None]:
+        """Apply one chunk's answers: (whether anything was settled or renumbered, a busy
+        answer to back off for)."""
+        in_flight: list[dict[str, Any]] = publisher["in_flight"]
+        progress = False
+        busy: ApiError | None = None
+        renumber_from: int | None = None
+        for entry in chunk:
+            answer = answers[id(entry)]
+            seq = int(entry["seq"])
+            if not isinstance(answer, ApiError):
+                publisher["last_seq"] = max(int(publisher["last_seq"]), seq)
+                in_flight.remove(entry)
+                outcomes[id(entry)] = self._result(entry, answer)
+                progress = True
+            elif answer.code == "publisher_seq_gap" and isinstance(
+                answer.details.get("expected"), int
+            ):
+                # the server holds every seq below `expected` and none from it: what is in
+                # flight from there on is renumbered from it, in order
+                expected = int(answer.details["expected"])
+                renumber_from = min(renumber_from or expected, expected)
+            elif answer.status in self.policy.retry_statuses or answer.status >= 500:
+                busy = busy or answer  # tried again with the same seq: the server may hold it
+            elif int(entry["tries"]) == 1 and not uncertain:
+                # refused on its only attempt: never accepted, its seq is free (a later one in
+                # flight is told of the gap and renumbered)
+                in_flight.remove(entry)
+                outcomes[id(entry)] = answer
+                progress = True
+        if renumber_from is not None:
+            seq = renumber_from
+            for entry in in_flight:
+                if int(entry["seq"]) >= renumber_from:
+                    entry["seq"], entry["tries"] = seq, 0
+                    seq += 1
+            progress = True
         self.state.save()
+        return progress, busy
+
+    def _result(self, entry: dict[str, Any], answer: Mapping[str, Any]) -> PublishResult:
         return PublishResult(
             message_id=str(answer["message_id"]),
-            topic=str(answer.get("topic", request["topic"])),
+            topic=str(answer.get("topic", entry["body"]["topic"])),
             storage_topic=answer.get("storage_topic"),
             partition=answer.get("partition"),
             duplicate=bool(answer.get("duplicate", False)),
             publisher_id=self.publisher_id,
-            publisher_seq=seq,
+            publisher_seq=int(entry["seq"]),
         )
+
+    def batch_publisher(self, settings: BatchSettings | None = None) -> BatchPublisher:
+        """A publisher that batches by count, bytes and delay in a thread of its own (see
+        ``shoal.client.batch``); close it (or use it as a context manager) to flush."""
+        from shoal.client.batch import BatchPublisher
+
+        return BatchPublisher(self, settings or BatchSettings())
 
     # -- the session --------------------------------------------------------------------
 
@@ -363,6 +597,11 @@ class ShoalClient:
             self.connection = None
             raise
         return answer
+
+    def call_session(self, method: str, suffix: str, *, body: Any = None) -> Any:
+        """One call of a session route (``suffix`` after ``/v1/sessions/{client_id}``) on
+        this client's channel, connecting on demand."""
+        return self._session_call(method, suffix, body=body)
 
     def disconnect(self) -> None:
         """``DELETE /v1/sessions/{client_id}``: a clean end, no will."""
@@ -436,38 +675,84 @@ class ShoalClient:
         return fresh
 
     def mark_processed(self, *messages: ReceivedMessage | str) -> None:
-        """Record messages as processed (durably) and queue their acks for ``flush_acks``."""
+        """Record messages as processed (durably) and queue their acks for ``flush_acks``.
+
+        Safe from any thread: a receiving loop with ``auto_ack=False`` sends the acks and
+        fetches again once flow control has room."""
         assert self.client_id is not None
         ids = [m.id if isinstance(m, ReceivedMessage) else m for m in messages]
-        self.state.record_processed(self.client_id, ids)
-        self._unacked.extend(i for i in ids if i not in self._unacked)
+        with self._outstanding_changed:
+            self.state.record_processed(self.client_id, ids)
+            self._unacked.extend(i for i in ids if i not in self._unacked)
+            for message_id in ids:
+                self._outstanding.pop(message_id, None)
+            self._outstanding_changed.notify_all()
 
     def flush_acks(self) -> int:
         """``POST .../acks`` with every processed id not acked yet; the number acked now."""
         acked = 0
-        while self._unacked:
-            ids = self._unacked[:MAX_ACK_IDS]
+        while True:
+            with self._outstanding_changed:
+                ids = self._unacked[:MAX_ACK_IDS]
+            if not ids:
+                return acked
             answer = self._session_call("POST", "/acks", body={"ids": ids})
-            del self._unacked[: len(ids)]
+            with self._outstanding_changed:
+                del self._unacked[: len(ids)]
             acked += int((answer or {}).get("acked", len(ids)))
-        return acked
 
     def ack(self, *messages: ReceivedMessage | str) -> int:
         """Record the messages as processed, then ack them (and any queued acks) now."""
         self.mark_processed(*messages)
         return self.flush_acks()
 
+    def _room(self, flow: FlowControl | None, wanted: int) -> int:
+        """How many messages a fetch may ask for under ``flow`` (0: wait for acks)."""
+        if flow is None:
+            return wanted
+        with self._outstanding_changed:
+            held = len(self._outstanding)
+            held_bytes = sum(self._outstanding.values())
+        if held >= flow.max_messages or held_bytes >= flow.max_bytes:
+            return 0
+        return min(wanted, flow.max_messages - held)
+
     def messages(
-        self, *, max_messages: int = 10, wait_ms: int = 20_000, count: int | None = None
+        self,
+        *,
+        max_messages: int = 10,
+        wait_ms: int = 20_000,
+        count: int | None = None,
+        flow: FlowControl | None = None,
+        auto_ack: bool = True,
+        until_ms: int | None = None,
     ) -> Iterator[ReceivedMessage]:
-        """Messages in order, each once. Asking for the next one marks the previous processed;
-        acks go out in one request before each fetch and when the iteration ends."""
+        """Messages in order, each once.
+
+        With ``auto_ack`` (the default), asking for the next one marks the previous processed;
+        acks go out in one request before each fetch and when the iteration ends. Without it,
+        a message stays outstanding until ``mark_processed`` (from any thread) or ``ack``, and
+        ``flow`` bounds what is outstanding: no fetch while it is full. ``until_ms`` (the
+        client clock's time) ends the iteration then, whatever ``count`` says.
+        """
         handed = 0
         try:
             while count is None or handed < count:
                 self.flush_acks()
+                if until_ms is not None:
+                    left_ms = until_ms - self.clock.now_ms()
+                    if left_ms <= 0:
+                        return
+                    wait_ms = min(wait_ms, left_ms)
                 wanted = max_messages if count is None else min(max_messages, count - handed)
-                batch = self.fetch(wanted, wait_ms)
+                room = self._room(flow, wanted)
+                if room == 0:
+                    # full: wait for acks, heartbeating so the session and leases stay alive
+                    self._heartbeat_if_due()
+                    with self._outstanding_changed:
+                        self._outstanding_changed.wait(IDLE_POLL_MS / 1000)
+                    continue
+                batch = self.fetch(room, wait_ms)
                 if not batch and not self._unacked and wait_ms < IDLE_POLL_MS:
                     # the server did not wait: do not ask again at once
                     self.clock.sleep(IDLE_POLL_MS / 1000)
@@ -475,13 +760,35 @@ class ShoalClient:
                     if count is not None and handed >= count:
                         break  # the rest stay in flight and come again
                     handed += 1
+                    if not auto_ack:
+                        with self._outstanding_changed:
+                            self._outstanding[message.id] = len(message.payload)
                     yield message
-                    self.mark_processed(message)
+                    if auto_ack:
+                        self.mark_processed(message)
         finally:
             # best effort: a processed id that misses its ack is acked when it comes again
             if self.connection is not None:
                 with contextlib.suppress(ClientError):
                     self.flush_acks()
+
+
+def _chunk(in_flight: list[dict[str, Any]], settings: BatchSettings) -> list[dict[str, Any]]:
+    """The first publishes in flight that fit one request (at least one)."""
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for entry in in_flight[: settings.max_messages]:
+        weight = _weight(entry["body"])
+        if chunk and size + weight > settings.max_bytes:
+            break
+        chunk.append(entry)
+        size += weight
+    return chunk
+
+
+def _weight(body: Mapping[str, Any]) -> int:
+    """About the bytes a message adds to a batch request (its payload dominates)."""
+    return len(str(body.get("payload") or body.get("text") or "")) + len(body["topic"]) + 64
 
 
 def _json(response: requests.Response) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import random
 from collections.abc import Mapping
@@ -116,3 +117,54 @@ def _payload(raw: Mapping[str, Any]) -> bytes:
     if isinstance(raw.get("text"), str):
         return str(raw["text"]).encode("utf-8")
     return b""
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """When a batch of publishes goes out, as Google Pub/Sub's publisher ``BatchSettings``:
+    once it holds ``max_messages`` (at most the API's 500 per ``POST /v1/messages:batch``) or
+    ``max_bytes``, or ``max_latency_s`` after its first message arrived."""
+
+    max_messages: int = 100
+    max_bytes: int = 1_000_000
+    max_latency_s: float = 0.01
+    #: messages waiting to be sent at most; ``publish`` blocks beyond (publisher flow control)
+    max_queued: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_messages <= MAX_BATCH:
+            raise ValueError(f"max_messages must be 1 to {MAX_BATCH}")
+        if self.max_bytes < 1 or self.max_latency_s < 0 or self.max_queued < 1:
+            raise ValueError("max_bytes, max_queued: positive; max_latency_s: not negative")
+
+
+#: messages in one POST /v1/messages:batch (the API's limit)
+MAX_BATCH = 500
+
+
+@dataclass(frozen=True)
+class FlowControl:
+    """How much a subscriber holds unacked at most, as Google Pub/Sub's subscriber
+    ``FlowControl``: no more messages are fetched while ``max_messages`` handed out (or their
+    ``max_bytes`` of payload) wait for their ack."""
+
+    max_messages: int = 1000
+    max_bytes: int = 100 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_messages < 1 or self.max_bytes < 1:
+            raise ValueError("max_messages and max_bytes must be positive")
+
+
+def principal_of(token: str) -> str:
+    """The token's subject, read without verifying it (the server verifies): the client keys
+    its state by it. A token it cannot read is known by a digest of it, never by itself."""
+    try:
+        claims = token.split(".")[1]
+        data = json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))
+        sub = data.get("sub") if isinstance(data, dict) else None
+        if isinstance(sub, str) and sub:
+            return sub
+    except (IndexError, ValueError, binascii.Error, UnicodeDecodeError):
+        pass
+    return "token-" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]

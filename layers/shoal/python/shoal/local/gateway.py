@@ -21,6 +21,7 @@ import json
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -471,12 +472,14 @@ class _Handler(BaseHTTPRequestHandler):
                 response = internal_server_error()
         self._respond(response)
         # method, path and status only: never the query string, headers or bodies
+        ms = round((time.perf_counter() - started) * 1000, 1)
         log.info(
             "%s %s %d %.1fms",
             self.command,
             path,
             response.status,
-            (time.perf_counter() - started) * 1000,
+            ms,
+            extra={"method": self.command, "path": path, "status": response.status, "ms": ms},
         )
 
     def _respond(self, response: HttpResponse) -> None:
@@ -622,6 +625,19 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
     gateway: Handles
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """socketserver prints a traceback for whatever a connection's thread raised; a client
+        that hangs up (a long poll it gave up on, a Ctrl-C) is routine: one debug line. Anything
+        else: one error line with where it was raised, never its message (it may quote a
+        request)."""
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return
+        if isinstance(exc, OSError):
+            log.debug("client went away: %s", type(exc).__name__)
+            return
+        log.error("connection failed: %s\n%s", type(exc).__name__, frames(exc))
 
 
 class _Server6(_Server):

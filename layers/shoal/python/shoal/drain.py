@@ -79,13 +79,13 @@ def seal_grace_ms(override_s: float | None = None) -> int:
     margin = EFFECTIVE_DELAY_MS - TOPIC_CACHE_TTL_MS
     if override_s is not None:
         return int(override_s * 1000)
-    # those with the put grant (``read_write`` is stream management: admin, bootstrap, and
-    # push admin's redrive, whose 29 s are below the others anyway)
+    # those with the put grant (``read_write`` is stream management: admin, bootstrap and
+    # teardown put nothing; push admin's redrive does, and its 29 s are below the others)
     longest = max(
         f.timeout_s
         for f in DEPLOYMENT.functions
         if any(g.kind == "streams" and g.access in ("write", "read_write") for g in f.grants)
-        and f.name not in ("admin", "bootstrap")
+        and f.name not in ("admin", "bootstrap", "teardown")
     )
     return longest * 1000 + margin
 

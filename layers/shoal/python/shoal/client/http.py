@@ -62,6 +62,7 @@ from urllib.parse import quote
 import requests
 
 from shoal import __version__
+from shoal.client.batch import BatchPublisher
 from shoal.client.errors import (
     ApiError,
     ClientError,
@@ -528,8 +529,6 @@ class ShoalClient:
     def batch_publisher(self, settings: BatchSettings | None = None) -> BatchPublisher:
         """A publisher that batches by count, bytes and delay in a thread of its own (see
         ``shoal.client.batch``); close it (or use it as a context manager) to flush."""
-        from shoal.client.batch import BatchPublisher
-
         return BatchPublisher(self, settings or BatchSettings())
 
     # -- the session --------------------------------------------------------------------

@@ -69,6 +69,7 @@ from shoal.delivery.model import (
     MAX_RETAINED_BYTES,
     MAX_RETAINED_PER_CALL,
     MAX_SUBSCRIPTIONS_PER_SESSION,
+    RETAINED_GUARD_S,
     RETAINED_SOURCE,
     VERSION_ITEM,
     Change,
@@ -80,6 +81,7 @@ from shoal.delivery.model import (
     may_subscribe,
     position,
     record_end,
+    retained_mark,
     subscription_item,
 )
 from shoal.delivery.ports import MembershipPlan, SharedGroups
@@ -210,6 +212,16 @@ class _Accepted:
     new: bool
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """A retained message a subscribe sends: under ``accepted``'s subscription (the highest
+    QoS), and every subscription of the call it matched (``sids``)."""
+
+    accepted: _Accepted
+    retained: Retained
+    sids: tuple[str, ...]
+
+
 class SubscriptionService:
     """Subscribe and unsubscribe for a live channel, and retained messages on subscribe."""
 
@@ -327,7 +339,7 @@ class SubscriptionService:
         head: Head,
         accepted: Mapping[str, _Accepted],
         *,
-        retained: list[tuple[_Accepted, Retained]],
+        retained: list[_Sent],
         incarnations: Mapping[str, str],
         plan: MembershipPlan | None,
     ) -> list[str] | None:
@@ -369,7 +381,12 @@ class SubscriptionService:
         if plan is not None:
             parts += plan.parts
         if retained:
-            parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
+            # every subscription the session holds once this commits: marks of others go
+            sids = [str(o["sid"]) for o in head.subscriptions.values() if o.get("sid")]
+            sids += [o["sid"] for o in options.values()]
+            parts += self._retained_parts(
+                session_id, retained, now, room=100 - len(parts), sids=sids
+            )
         return self.subscriptions.dynamo.transact(parts)
 
     def _after_conflict(
@@ -382,7 +399,7 @@ class SubscriptionService:
 
     # -- retained messages
 
-    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, Retained]]:
+    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[_Sent]:
         """Retained messages the new subscriptions get, per retain_handling, in topic order."""
         wanted = [
             a
@@ -393,6 +410,7 @@ class SubscriptionService:
         if not wanted:
             return []
         chosen: dict[str, tuple[_Accepted, Retained]] = {}
+        matched: dict[str, list[str]] = {}
         composites: list[str] | None = None
         for a in wanted:
             if first_level(a.topic_filter) in (SINGLE_LEVEL, MULTI_LEVEL) and composites is None:
@@ -404,22 +422,29 @@ class SubscriptionService:
                 held = chosen.get(r.topic)
                 if held is None or qos > min(held[0].request.qos, held[1].qos):
                     chosen[r.topic] = (a, r)
-        return [chosen[topic] for topic in sorted(chosen)]
+                matched.setdefault(r.topic, []).append(a.sid)
+        return [_Sent(*chosen[topic], tuple(matched[topic])) for topic in sorted(chosen)]
 
     def _retained_parts(
         self,
         session_id: str,
-        retained: list[tuple[_Accepted, Retained]],
+        retained: list[_Sent],
         now_ms: int,
         room: int,
+        sids: list[str],
     ) -> list[dict[str, Any]]:
-        """The state's version bump and the inbox items holding the retained deliveries."""
+        """The state's version bump and the inbox items holding the retained deliveries.
+
+        The state remembers the ones the router may still be behind on (``retained_mark``),
+        in this same transaction: a crash leaves either both or neither."""
         state = self.inbox.state(session_id)
         expected = state.version
         state.version += 1
         messages: list[InboxMessage] = []
         total = 0
-        for n, (a, r) in enumerate(retained):
+        by_id = {sent.retained.message_id: sent.sids for sent in retained}
+        for n, sent in enumerate(retained):
+            a, r = sent.accepted, sent.retained
             properties = json.loads(r.properties) if r.properties else {}
             expiry = properties.get("message_expiry_s")
             expires_at = None if expiry is None else int(r.published_at_ms) + int(expiry) * 1000
@@ -451,6 +476,23 @@ class SubscriptionService:
         items = pack(session_id, RETAINED_SOURCE, messages, record_end(state.version), expires)[
             : max(0, room - 1)
         ]
+        # MQTT 5 §3.8.3.1 (Retain Handling), §4.1: a message published before the SUBSCRIBE
+        # reaches the new subscriptions as a retained message only; a router behind on it would
+        # route it there too, once it sees them. Marked under each subscription of this call
+        # it matched (the router names the one of highest QoS, so perhaps not the one the
+        # retained copy names), for the messages published within RETAINED_GUARD_S (an older
+        # one the router passed long ago); get consumes their routed copies
+        guard_ms = RETAINED_GUARD_S * 1000
+        state.forget(now_ms, sids)
+        state.remember(
+            {
+                retained_mark(sid, m.message_id): (m.published_at_ms + guard_ms) // 1000 + 1
+                for item in items
+                for m in item.messages
+                if m.published_at_ms + guard_ms > now_ms
+                for sid in by_id[m.message_id]
+            }
+        )
         parts: list[dict[str, Any]] = [
             {"Put": self.inbox.state_part(session_id, state, expected, expires)}
         ]

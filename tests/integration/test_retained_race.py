@@ -71,22 +71,25 @@ def test_a_second_subscribe_sends_retained_again_but_never_routed(world: World) 
     assert kinds(first) + kinds(again) == [("kept", True), ("kept", True)]
 
 
-def test_an_unsubscribe_forgets_the_marks_and_a_new_subscription_gets_it_routed(
-    world: World,
-) -> None:
+def test_retain_handling_2_gets_neither_the_retained_nor_a_routed_copy(world: World) -> None:
     world.publish("r/a", "kept", retain=True)
     channel = connected(world)
-    world.subscribe(CLIENT, channel, {"filter": "r/#", "qos": 1, "retain_handling": 0})
+    world.subscribe(CLIENT, channel, {"filter": "r/#", "qos": 1, "retain_handling": 2})
+    world.publish("r/a", "later")
+    world.route()
+    assert kinds(world.drain(CLIENT, channel)) == [("later", False)]
+
+
+def test_an_unsubscribe_forgets_the_subscriptions_marks(world: World) -> None:
+    world.publish("r/a", "kept", retain=True)
+    channel = connected(world)
+    world.subscribe(CLIENT, channel, "r/#", "other")
     got = world.drain(CLIENT, channel)
     assert kinds(got) == [("kept", True)] and len(marks(world, got)) == 1
-    # a new subscription (another sid) with retain handling 2 got nothing retained: the routed
-    # copy is its one delivery, and the old subscription's mark goes at the next get
     status, _ = world.unsubscribe(CLIENT, channel, "r/#")
     assert status == 200
-    world.subscribe(CLIENT, channel, {"filter": "r/a", "qos": 1, "retain_handling": 2})
-    world.route()
-    routed = world.drain(CLIENT, channel)
-    assert kinds(routed) == [("kept", False)]
+    # the next get drops them (and the router's copy would go as unsubscribed anyway)
+    assert world.get(CLIENT, channel) == []
     assert marks(world, got) == {}
 
 

@@ -217,7 +217,8 @@ class _Sent:
     """A retained message a subscribe sends: under ``accepted``'s subscription (the highest
     QoS), and every subscription of the call it matched (``sids``)."""
 
-    accepted: _Accepted
+    #: None: sent to none (only new subscriptions of retain handling 2 matched it)
+    accepted: _Accepted | None
     retained: Retained
     sids: tuple[str, ...]
 
@@ -400,30 +401,39 @@ class SubscriptionService:
     # -- retained messages
 
     def _retained(self, accepted: Mapping[str, _Accepted]) -> list[_Sent]:
-        """Retained messages the new subscriptions get, per retain_handling, in topic order."""
-        wanted = [
+        """Retained messages the new subscriptions get, per retain_handling, in topic order;
+        and those a new subscription of retain handling 2 matches, sent to none (marked only:
+        ``_retained_parts``)."""
+        looked_up = [
             a
             for a in accepted.values()
-            if a.share is None
-            and (a.request.retain_handling == 0 or (a.request.retain_handling == 1 and a.new))
+            # shared subscriptions get no retained messages (MQTT 5 §3.8.3.1, Retain Handling)
+            if a.share is None and (a.request.retain_handling == 0 or a.new)
         ]
-        if not wanted:
+        if not looked_up:
             return []
         chosen: dict[str, tuple[_Accepted, Retained]] = {}
+        found: dict[str, Retained] = {}
         matched: dict[str, list[str]] = {}
         composites: list[str] | None = None
-        for a in wanted:
+        for a in looked_up:
             if first_level(a.topic_filter) in (SINGLE_LEVEL, MULTI_LEVEL) and composites is None:
                 composites = sorted(set(self.retained.topic_names()))
             for r in self.retained.matching(a.topic_filter, composites):
+                found[r.topic] = r
+                matched.setdefault(r.topic, []).append(a.sid)
+                if a.request.retain_handling == 2:
+                    continue
                 # one delivery per retained message, as for published ones: several new
                 # subscriptions of the call matching it send it once, with the highest QoS
                 qos = min(a.request.qos, r.qos)
                 held = chosen.get(r.topic)
                 if held is None or qos > min(held[0].request.qos, held[1].qos):
                     chosen[r.topic] = (a, r)
-                matched.setdefault(r.topic, []).append(a.sid)
-        return [_Sent(*chosen[topic], tuple(matched[topic])) for topic in sorted(chosen)]
+        return [
+            _Sent(chosen[t][0] if t in chosen else None, found[t], tuple(matched[t]))
+            for t in sorted(found)
+        ]
 
     def _retained_parts(
         self,
@@ -443,8 +453,8 @@ class SubscriptionService:
         messages: list[InboxMessage] = []
         total = 0
         by_id = {sent.retained.message_id: sent.sids for sent in retained}
-        for n, sent in enumerate(retained):
-            a, r = sent.accepted, sent.retained
+        sending = [(sent.accepted, sent.retained) for sent in retained if sent.accepted]
+        for n, (a, r) in enumerate(sending):
             properties = json.loads(r.properties) if r.properties else {}
             expiry = properties.get("message_expiry_s")
             expires_at = None if expiry is None else int(r.published_at_ms) + int(expiry) * 1000
@@ -470,7 +480,9 @@ class SubscriptionService:
                     retain=True,
                 )
             )
-        if not messages:
+        # new subscriptions of retain handling 2 get none, and no routed copy either
+        silent = [sent for sent in retained if sent.accepted is None]
+        if not messages and not silent:
             return []
         expires = now_ms // 1000 + self.settings.retention_s
         items = pack(session_id, RETAINED_SOURCE, messages, record_end(state.version), expires)[
@@ -491,6 +503,14 @@ class SubscriptionService:
                 for m in item.messages
                 if m.published_at_ms + guard_ms > now_ms
                 for sid in by_id[m.message_id]
+            }
+            | {
+                retained_mark(sid, s.retained.message_id): (
+                    (s.retained.published_at_ms + guard_ms) // 1000 + 1
+                )
+                for s in silent
+                if s.retained.published_at_ms + guard_ms > now_ms
+                for sid in s.sids
             }
         )
         parts: list[dict[str, Any]] = [

@@ -10,9 +10,10 @@ Ack marks ordinals done and moves the floor: one small write however many ids. A
 messages are not all acked after the ack timeout, or that went to another channel (a
 reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
 recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
-out (at most once). Consumed deliveries are never deleted one by one: TTL removes them
-(``SHOAL_INBOX_RETENTION_S``, 14 days by default, is also how long an offline session's
-messages wait).
+out (at most once). A routed delivery of a message a subscribe sent as retained (the state's
+marks, ``shoal.delivery.subscriptions``) is consumed without going out. Consumed deliveries
+are never deleted one by one: TTL removes them (``SHOAL_INBOX_RETENTION_S``, 14 days by
+default, is also how long an offline session's messages wait).
 
 Every write of the state is conditional on its version, so racing gets and acks of one session
 serialize; every call checks first that its channel is the live one. Positions make delivery

@@ -36,6 +36,12 @@ the session's inbox in the subscribe's own transaction (source ``ret``, position
 delivery state's version it bumps): at most ``MAX_RETAINED_PER_CALL`` messages and
 ``MAX_RETAINED_BYTES`` per call, once per topic however many new subscriptions match it.
 
+The same transaction marks them in the delivery state (``retained_mark``), under every
+subscription of the call they matched, with those a new subscription of retain handling 2
+matches (sent to none): the router may be behind on one and route it to the new subscription
+too, and get consumes such a routed copy (MQTT 5 §3.8.3.1, §4.1; ``docs/design.md``, "A
+retained message reaches a new subscription once").
+
 
 Ended sessions
 --------------

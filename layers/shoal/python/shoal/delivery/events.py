@@ -14,7 +14,8 @@ Events
 ``delivered`` the consumer was handed the message for the first time; ``redelivered`` handed
 again (``dup``: an ack timeout, a reconnect, a retry); ``acked`` the consumer acknowledged it
 (for push: the endpoint answered 2xx); ``dead_lettered`` it was parked in a dead-letter queue;
-``dropped`` it was routed but will never be handed out, for a reason (expired, unsubscribed).
+``dropped`` it was routed but will never be handed out, for a reason (expired, unsubscribed,
+retained: the session got it as a retained message when it subscribed).
 
 A consumer is ``(consumer_kind, consumer)``: ``session`` + session id, ``group`` + share name
 and filter, ``push`` + push subscription id. ``delivery_id`` is the id the consumer acks

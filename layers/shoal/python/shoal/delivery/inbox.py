@@ -26,6 +26,7 @@ from shoal.delivery import codec
 from shoal.delivery.model import (
     LEDGER,
     MAX_ITEM_BYTES,
+    MAX_RETAINED_MARKS,
     PAYLOADS_PREFIX,
     STATE,
     InboxMessage,
@@ -242,6 +243,31 @@ class DeliveryState:
     #: composite topic -> how many of its storage topics the session has passed (drained and
     #: handed out: ``shoal.drain``); the later ones' items go out only after those
     drained: dict[str, int] = field(default_factory=dict)
+    #: retained messages a subscribe sent that the router may still route here
+    #: (``retained_mark`` -> until, epoch s): get consumes a routed copy of one instead of
+    #: handing it out (``shoal.delivery.service``)
+    marks: dict[str, int] = field(default_factory=dict)
+
+    def remember(self, marks: Mapping[str, int]) -> None:
+        """Add marks (a mark sent again keeps the later end); at most ``MAX_RETAINED_MARKS``,
+        those ending last (dropping one risks a duplicate, never a loss)."""
+        for mark, until in marks.items():
+            self.marks[mark] = max(until, self.marks.get(mark, 0))
+        if len(self.marks) > MAX_RETAINED_MARKS:
+            kept = sorted(self.marks.items(), key=lambda kv: (kv[1], kv[0]))[-MAX_RETAINED_MARKS:]
+            self.marks = dict(kept)
+
+    def forget(self, now_ms: int, sids: Iterable[str]) -> bool:
+        """Drop the marks that ended or whose subscription is gone; whether any went."""
+        live = set(sids)
+        kept = {
+            mark: until
+            for mark, until in self.marks.items()
+            if until * 1000 > now_ms and mark.partition(".")[0] in live
+        }
+        changed = len(kept) != len(self.marks)
+        self.marks = kept
+        return changed
 
     def done(self, ordinal: int) -> bool:
         return ordinal < self.floor or ordinal in self.acked
@@ -268,6 +294,7 @@ class DeliveryState:
             "pa": dict(self.partial),
             "ru": [r.data() for r in self.runs],
             "dr": dict(self.drained),
+            "rm": dict(self.marks),
             "expires_at": expires_at,
         }
 
@@ -283,6 +310,7 @@ class DeliveryState:
             partial={str(k): str(v) for k, v in (raw.get("pa") or {}).items()},
             runs=[SessionRun.from_data(r) for r in raw.get("ru") or []],
             drained={str(k): int(v) for k, v in (raw.get("dr") or {}).items()},
+            marks={str(k): int(v) for k, v in (raw.get("rm") or {}).items()},
         )
 
 

@@ -109,6 +109,25 @@ WILDCARD_BUCKET = "W"
 RETAINED_SOURCE = "ret"
 
 
+#: how long after its publish a retained message a subscribe sent is remembered, so that a
+#: routed copy of it is consumed instead of handed out a second time (``retained_mark``): the
+#: router's lag this covers. The router runs about a second behind (its lag alarm fires at a
+#: minute); a routed copy arriving later than this goes out too, a duplicate, never a loss
+RETAINED_GUARD_S = 3600
+
+
+#: marks one delivery state keeps at most (about 30 bytes each, and every get writes the
+#: state): beyond it the marks that expire first go, which errs toward a duplicate
+MAX_RETAINED_MARKS = 256
+
+
+def retained_mark(sid: str, message_id: str) -> str:
+    """A retained message a subscribe sent under subscription ``sid``: 64 bits of the message
+    id (a false match would skip a message, so not fewer)."""
+    digest = hashlib.blake2b(message_id.encode(), digest_size=8).hexdigest()
+    return f"{sid}.{digest}"
+
+
 LAST_INDEX = 99_999
 
 

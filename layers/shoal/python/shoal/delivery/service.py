@@ -10,9 +10,10 @@ Ack marks ordinals done and moves the floor: one small write however many ids. A
 messages are not all acked after the ack timeout, or that went to another channel (a
 reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
 recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
-out (at most once). Consumed deliveries are never deleted one by one: TTL removes them
-(``SHOAL_INBOX_RETENTION_S``, 14 days by default, is also how long an offline session's
-messages wait).
+out (at most once). A routed delivery of a message a subscribe sent as retained (the state's
+marks, ``shoal.delivery.subscriptions``) is consumed without going out. Consumed deliveries
+are never deleted one by one: TTL removes them (``SHOAL_INBOX_RETENTION_S``, 14 days by
+default, is also how long an offline session's messages wait).
 
 Every write of the state is conditional on its version, so racing gets and acks of one session
 serialize; every call checks first that its channel is the live one. Positions make delivery
@@ -61,9 +62,11 @@ from shoal.delivery.model import (
     MAX_SCAN_PER_GET,
     MAX_WAIT_MS,
     POLL_INTERVAL_S,
+    RETAINED_SOURCE,
     STATE,
     AckRequest,
     item_key,
+    retained_mark,
 )
 from shoal.delivery.ports import SharedGroups
 from shoal.delivery.subscriptions import channel_of
@@ -204,6 +207,8 @@ class DeliveryService:
         now: int,
     ) -> _Plan:
         plan = _Plan(state)
+        if state.marks and state.forget(now, _sids(head)):
+            plan.changed = True
         self._redeliver(session_id, plan, channel, wanted, now)
         window_left = self.settings.window - state.in_flight()
         if len(plan.out) < wanted and window_left > 0:
@@ -327,6 +332,16 @@ class DeliveryService:
                 state.acked.add(ordinal)
                 plan.dropped.append((message, _drop_reason(found, now)))
                 continue
+            if found.source != RETAINED_SOURCE and state.marks:
+                mark = retained_mark(message.sid, message.message_id)
+                if state.marks.pop(mark, None) is not None:
+                    # the subscription got this message as retained when it was made: the
+                    # router was behind on it (MQTT 5 §3.8.3.1, §4.1: a message published
+                    # before the SUBSCRIBE reaches it as retained only); the router writes one
+                    # copy per session, so the mark has done its work
+                    state.acked.add(ordinal)
+                    plan.dropped.append((message, "retained"))
+                    continue
             plan.out.append(self._answer(session_id, ordinal, message, False, now))
             if message.qos == 0:
                 state.acked.add(ordinal)  # at most once: done as it goes out
@@ -482,6 +497,10 @@ class DeliveryService:
                 return {"acked": len(fresh) + grouped}
             self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")
+
+
+def _sids(head: Head) -> list[str]:
+    return [str(o["sid"]) for o in head.subscriptions.values() if o.get("sid")]
 
 
 def _drop_reason(found: _Found, now: int) -> str:

@@ -36,6 +36,12 @@ the session's inbox in the subscribe's own transaction (source ``ret``, position
 delivery state's version it bumps): at most ``MAX_RETAINED_PER_CALL`` messages and
 ``MAX_RETAINED_BYTES`` per call, once per topic however many new subscriptions match it.
 
+The same transaction marks them in the delivery state (``retained_mark``), under every
+subscription of the call they matched, with those a new subscription of retain handling 2
+matches (sent to none): the router may be behind on one and route it to the new subscription
+too, and get consumes such a routed copy (MQTT 5 §3.8.3.1, §4.1; ``docs/design.md``, "A
+retained message reaches a new subscription once").
+
 
 Ended sessions
 --------------
@@ -69,6 +75,7 @@ from shoal.delivery.model import (
     MAX_RETAINED_BYTES,
     MAX_RETAINED_PER_CALL,
     MAX_SUBSCRIPTIONS_PER_SESSION,
+    RETAINED_GUARD_S,
     RETAINED_SOURCE,
     VERSION_ITEM,
     Change,
@@ -80,6 +87,7 @@ from shoal.delivery.model import (
     may_subscribe,
     position,
     record_end,
+    retained_mark,
     subscription_item,
 )
 from shoal.delivery.ports import MembershipPlan, SharedGroups
@@ -210,6 +218,17 @@ class _Accepted:
     new: bool
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """A retained message a subscribe sends: under ``accepted``'s subscription (the highest
+    QoS), and every subscription of the call it matched (``sids``)."""
+
+    #: None: sent to none (only new subscriptions of retain handling 2 matched it)
+    accepted: _Accepted | None
+    retained: Retained
+    sids: tuple[str, ...]
+
+
 class SubscriptionService:
     """Subscribe and unsubscribe for a live channel, and retained messages on subscribe."""
 
@@ -327,7 +346,7 @@ class SubscriptionService:
         head: Head,
         accepted: Mapping[str, _Accepted],
         *,
-        retained: list[tuple[_Accepted, Retained]],
+        retained: list[_Sent],
         incarnations: Mapping[str, str],
         plan: MembershipPlan | None,
     ) -> list[str] | None:
@@ -369,7 +388,12 @@ class SubscriptionService:
         if plan is not None:
             parts += plan.parts
         if retained:
-            parts += self._retained_parts(session_id, retained, now, room=100 - len(parts))
+            # every subscription the session holds once this commits: marks of others go
+            sids = [str(o["sid"]) for o in head.subscriptions.values() if o.get("sid")]
+            sids += [o["sid"] for o in options.values()]
+            parts += self._retained_parts(
+                session_id, retained, now, room=100 - len(parts), sids=sids
+            )
         return self.subscriptions.dynamo.transact(parts)
 
     def _after_conflict(
@@ -382,44 +406,61 @@ class SubscriptionService:
 
     # -- retained messages
 
-    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[tuple[_Accepted, Retained]]:
-        """Retained messages the new subscriptions get, per retain_handling, in topic order."""
-        wanted = [
+    def _retained(self, accepted: Mapping[str, _Accepted]) -> list[_Sent]:
+        """Retained messages the new subscriptions get, per retain_handling, in topic order;
+        and those a new subscription of retain handling 2 matches, sent to none (marked only:
+        ``_retained_parts``)."""
+        looked_up = [
             a
             for a in accepted.values()
-            if a.share is None
-            and (a.request.retain_handling == 0 or (a.request.retain_handling == 1 and a.new))
+            # shared subscriptions get no retained messages (MQTT 5 §3.8.3.1, Retain Handling)
+            if a.share is None and (a.request.retain_handling == 0 or a.new)
         ]
-        if not wanted:
+        if not looked_up:
             return []
         chosen: dict[str, tuple[_Accepted, Retained]] = {}
+        found: dict[str, Retained] = {}
+        matched: dict[str, list[str]] = {}
         composites: list[str] | None = None
-        for a in wanted:
+        for a in looked_up:
             if first_level(a.topic_filter) in (SINGLE_LEVEL, MULTI_LEVEL) and composites is None:
                 composites = sorted(set(self.retained.topic_names()))
             for r in self.retained.matching(a.topic_filter, composites):
+                found[r.topic] = r
+                matched.setdefault(r.topic, []).append(a.sid)
+                if a.request.retain_handling == 2:
+                    continue
                 # one delivery per retained message, as for published ones: several new
                 # subscriptions of the call matching it send it once, with the highest QoS
                 qos = min(a.request.qos, r.qos)
                 held = chosen.get(r.topic)
                 if held is None or qos > min(held[0].request.qos, held[1].qos):
                     chosen[r.topic] = (a, r)
-        return [chosen[topic] for topic in sorted(chosen)]
+        return [
+            _Sent(chosen[t][0] if t in chosen else None, found[t], tuple(matched[t]))
+            for t in sorted(found)
+        ]
 
     def _retained_parts(
         self,
         session_id: str,
-        retained: list[tuple[_Accepted, Retained]],
+        retained: list[_Sent],
         now_ms: int,
         room: int,
+        sids: list[str],
     ) -> list[dict[str, Any]]:
-        """The state's version bump and the inbox items holding the retained deliveries."""
+        """The state's version bump and the inbox items holding the retained deliveries.
+
+        The state remembers the ones the router may still be behind on (``retained_mark``),
+        in this same transaction: a crash leaves either both or neither."""
         state = self.inbox.state(session_id)
         expected = state.version
         state.version += 1
         messages: list[InboxMessage] = []
         total = 0
-        for n, (a, r) in enumerate(retained):
+        by_id = {sent.retained.message_id: sent.sids for sent in retained}
+        sending = [(sent.accepted, sent.retained) for sent in retained if sent.accepted]
+        for n, (a, r) in enumerate(sending):
             properties = json.loads(r.properties) if r.properties else {}
             expiry = properties.get("message_expiry_s")
             expires_at = None if expiry is None else int(r.published_at_ms) + int(expiry) * 1000
@@ -445,12 +486,39 @@ class SubscriptionService:
                     retain=True,
                 )
             )
-        if not messages:
+        # new subscriptions of retain handling 2 get none, and no routed copy either
+        silent = [sent for sent in retained if sent.accepted is None]
+        if not messages and not silent:
             return []
         expires = now_ms // 1000 + self.settings.retention_s
         items = pack(session_id, RETAINED_SOURCE, messages, record_end(state.version), expires)[
             : max(0, room - 1)
         ]
+        # MQTT 5 §3.8.3.1 (Retain Handling), §4.1: a message published before the SUBSCRIBE
+        # reaches the new subscriptions as a retained message only; a router behind on it would
+        # route it there too, once it sees them. Marked under each subscription of this call
+        # it matched (the router names the one of highest QoS, so perhaps not the one the
+        # retained copy names), for the messages published within RETAINED_GUARD_S (an older
+        # one the router passed long ago); get consumes their routed copies
+        guard_ms = RETAINED_GUARD_S * 1000
+        state.forget(now_ms, sids)
+        state.remember(
+            {
+                retained_mark(sid, m.message_id): (m.published_at_ms + guard_ms) // 1000 + 1
+                for item in items
+                for m in item.messages
+                if m.published_at_ms + guard_ms > now_ms
+                for sid in by_id[m.message_id]
+            }
+            | {
+                retained_mark(sid, s.retained.message_id): (
+                    (s.retained.published_at_ms + guard_ms) // 1000 + 1
+                )
+                for s in silent
+                if s.retained.published_at_ms + guard_ms > now_ms
+                for sid in s.sids
+            }
+        )
         parts: list[dict[str, Any]] = [
             {"Put": self.inbox.state_part(session_id, state, expected, expires)}
         ]

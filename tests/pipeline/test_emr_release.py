@@ -42,8 +42,7 @@ def test_the_jobs_run_end_to_end_on_the_release_python(tmp_path: Path) -> None:
     libs = tmp_path / "libs"
     libs.mkdir()
     for package in ("pyspark", "py4j"):
-        module = __import__(package)
-        (libs / package).symlink_to(Path(module.__file__).parent)
+        (libs / package).symlink_to(Path(str(__import__(package).__file__)).parent)
     root = tmp_path / "archive"
     hour = "date=2023-11-14/hour=22"
     (root / "messages" / "topic=default" / hour).mkdir(parents=True)

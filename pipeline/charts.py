@@ -315,9 +315,8 @@ def render_html(doc: dict[str, Any], png: bytes | None) -> str:
                 ("consumer", "consumer"),
                 ("ordering_key", "ordering key"),
                 ("message_id", "message id"),
-                ("publish_rank", "publish rank"),
-                ("behind", "acked after rank"),
-                ("at", "acked"),
+                ("acked_after", "acked after (published later)"),
+                ("acked_at", "acked"),
             ],
         ),
         (

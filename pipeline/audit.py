@@ -36,6 +36,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pipeline.common import (
+    SEQUENCE_KEYS,
     UTC,
     Output,
     Progress,
@@ -64,6 +65,8 @@ STATUSES = ("acked", "late", "pending", "lost", "dead_lettered", "dropped", "qos
 #: approx_percentile's accuracy: relative rank error 1/10,000, exact for fewer values
 PERCENTILE_ACCURACY = 10_000
 QUANTILES = [0.5, 0.9, 0.99]
+#: an ack's (at, seq) as at * ACK_SEQ_SPAN + seq: seq (a line's place in its object) < 2**20
+ACK_SEQ_SPAN = 2**20
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,7 @@ def published(messages: DataFrame) -> DataFrame:
         "sequence_number",
         "position",
     )
-    order = F.struct(
-        "storage_topic", "_seq_len", "_seq_hi", "_seq_lo", "position", "published_at", "message_id"
-    )
+    order = F.struct("storage_topic", *SEQUENCE_KEYS, "position", "published_at", "message_id")
     return unique_messages(needed).select(
         "message_id",
         "composite_topic",
@@ -154,6 +155,7 @@ def deliveries(events: DataFrame) -> DataFrame:
     named = blank_as_null(F.col("message_id"))
     delivery = F.coalesce(blank_as_null(F.col("delivery_id")), F.concat(F.lit("#"), named))
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
+    ack_key = F.col("at") * ACK_SEQ_SPAN + F.least(F.col("seq"), F.lit(ACK_SEQ_SPAN - 1))
     return (
         events.select(
             *CONSUMER,
@@ -172,7 +174,8 @@ def deliveries(events: DataFrame) -> DataFrame:
         .groupBy(*CONSUMER, "delivery")
         .agg(
             F.max("message_id").alias("message_id"),
-            F.min(F.when(F.col("event") == "acked", F.struct("at", "seq"))).alias("ack"),
+            # the first ack as one long, (at, seq) in order: a long, not a struct, to compare
+            F.min(F.when(F.col("event") == "acked", ack_key)).alias("ack"),
             # when the consumer was first handed this delivery
             F.min(at_of(*DELIVERIES)).alias("handed_at"),
             F.count(at_of("redelivered")).alias("redeliveries"),
@@ -210,7 +213,7 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
             F.count(F.when(fresh & acked, 1)).alias("acks"),
             F.max(F.when(fresh, F.col("handed_at"))).alias("last_handed_at"),
             F.count(F.when(F.col("retained"), 1)).alias("retained_deliveries"),
-            F.min(F.when(F.col("retained"), F.col("ack.at"))).alias("retained_acked_at"),
+            F.min(F.when(F.col("retained"), F.col("ack"))).alias("_retained_ack"),
             F.sum("redeliveries").alias("redeliveries"),
             F.max("dead_lettered").alias("dead_lettered"),
             F.max("dropped").alias("dropped"),
@@ -221,9 +224,10 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
             F.max("share").alias("share"),
             F.max(F.when(fresh, 1).otherwise(0)).alias("fresh"),
         )
-        .withColumn("acked_at", F.col("_ack.at"))
-        .withColumn("ack_seq", F.col("_ack.seq"))
-        .drop("_ack")
+        .withColumn("acked_at", F.floor(F.col("_ack") / ACK_SEQ_SPAN))
+        .withColumn("ack_seq", F.col("_ack") % ACK_SEQ_SPAN)
+        .withColumn("retained_acked_at", F.floor(F.col("_retained_ack") / ACK_SEQ_SPAN))
+        .drop("_ack", "_retained_ack")
     )
 
 

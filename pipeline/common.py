@@ -34,9 +34,10 @@ UTC = timezone.utc
 
 MESSAGES = "messages"
 EVENTS = "events"
-#: a Kinesis sequence number sorts as (length, first 38 digits, next 38 digits): exact up to
-#: 76 digits (AWS writes 56)
-SEQUENCE_DIGITS = 38
+#: a Kinesis sequence number sorts as (length, then 18-digit chunks as longs): exact up to
+#: 72 digits (AWS writes 56)
+SEQUENCE_CHUNK = 18
+SEQUENCE_CHUNKS = 4
 
 
 def message_schema() -> Any:
@@ -195,20 +196,20 @@ def blank_as_null(column: Column) -> Column:
 
 def sequence_order(column: str = "sequence_number") -> list[Column]:
     """Sort keys that order Kinesis sequence numbers (decimal strings, 56 digits on AWS, small
-    counters on the emulator) as numbers: their length, then two 38-digit decimals. Numbers,
-    not a 128-character left-padded string: a sort on them moves a few bytes a row."""
+    counters on the emulator) as numbers: their length, then 18-digit chunks as longs. Numbers,
+    not a 128-character left-padded string (nor 38-digit decimals, which Spark holds as Java
+    BigDecimals): a sort on them compares a few longs a row."""
     from pyspark.sql import functions as F
 
     digits = F.coalesce(F.col(column), F.lit(""))
-    length = F.length(digits)
-    head = F.substring(digits, 1, SEQUENCE_DIGITS)
-    tail = F.substring(digits, SEQUENCE_DIGITS + 1, SEQUENCE_DIGITS)
-    decimal = f"decimal({SEQUENCE_DIGITS},0)"
-    return [
-        length.alias("_seq_len"),
-        F.coalesce(blank_as_null(head).cast(decimal), F.lit(0).cast(decimal)).alias("_seq_hi"),
-        F.coalesce(blank_as_null(tail).cast(decimal), F.lit(0).cast(decimal)).alias("_seq_lo"),
-    ]
+    keys = [F.length(digits).alias("_seq_len")]
+    for n in range(SEQUENCE_CHUNKS):
+        chunk = F.substring(digits, n * SEQUENCE_CHUNK + 1, SEQUENCE_CHUNK)
+        keys.append(F.coalesce(blank_as_null(chunk).cast("long"), F.lit(0)).alias(f"_seq_{n}"))
+    return keys
+
+
+SEQUENCE_KEYS = ["_seq_len", *(f"_seq_{n}" for n in range(SEQUENCE_CHUNKS))]
 
 
 def unique_messages(messages: DataFrame) -> DataFrame:
@@ -217,11 +218,11 @@ def unique_messages(messages: DataFrame) -> DataFrame:
     leads with the stream order), not a window: no sort of every row."""
     from pyspark.sql import functions as F
 
-    order = ["storage_topic", "_seq_len", "_seq_hi", "_seq_lo", "position"]
+    order = ["storage_topic", *SEQUENCE_KEYS, "position"]
     sequence = sequence_order()
     rest = [c for c in messages.columns if c != "message_id"]
     keyed = messages.select("message_id", *rest, *sequence)
-    kept = [*rest, "_seq_len", "_seq_hi", "_seq_lo"]
+    kept = [*rest, *SEQUENCE_KEYS]
     first = F.min_by(F.struct(*kept), F.struct(*order)).alias("_first")
     return keyed.groupBy("message_id").agg(first).select("message_id", "_first.*")
 

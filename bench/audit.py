@@ -7,13 +7,18 @@ acked, with 5% redelivered and planted faults (0.1% never acked, 0.05% acked und
 delivery id, 0.05% acked out of order). Both implementations audit the same folder in the
 same run and must agree on lost, duplicated and reordered (the planted counts).
 
-Reported: rows (messages + events) per second for each, the ratio (Spark / Python), and peak
-resident memory: the Spark JVM's high-water mark (its driver runs the local executors) and the
-Python process's, measured in a child process of its own.
+The archive is generated once per size and kept under /tmp (``BENCH_AUDIT_CACHE``), compacted
+to Parquet by the pipeline's ``compact``. Each measurement runs in a child process of its own:
+Spark in a fresh JVM with a fixed heap (``-Xmx2g`` through ``spark.driver.memory``), its
+start-up timed apart, local[2] at every size and local[1] at the largest (scaling); the
+Python baseline reads the JSON lines, GC tuned. Reported: seconds, the ratio (Python / Spark),
+CPU seconds per million events (the input of docs/pipeline.md's cost estimate), peak resident
+memory of the JVM and of the Python process.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -21,7 +26,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -272,44 +276,156 @@ def python_audit(root: Path, horizon_ms: int = HORIZON_MS) -> dict[str, Any]:
 
 
 def _python_child(root: str) -> None:
+    # the baseline at its best: what is loaded stays out of the collector's way, and the
+    # young generation is collected every 100,000 allocations instead of 700 (the millions of
+    # small tuples and dicts it keeps would otherwise be traced again and again)
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
     started = time.perf_counter()
     result = python_audit(Path(root))
     seconds = time.perf_counter() - started
     totals = {k: sum(r[k] for r in result.values()) for k in ("lost", "duplicated", "reordered")}
-    print(json.dumps({"seconds": seconds, **totals}))
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"seconds": seconds, "cpu_s": cpu.ru_utime + cpu.ru_stime, **totals}))
 
 
-def _run_python(root: Path) -> dict[str, Any]:
-    """The Python audit in a child process of its own, for a clean peak-memory figure."""
+def _child(code: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
+    """Run ``code`` in a Python child of its own; its JSON answer and its peak RSS (MB)."""
     child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from bench.audit import _python_child; _python_child({str(root)!r})",
-        ],
+        [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, **(env or {})},
     )
     assert child.stdout is not None
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise RuntimeError("the Python audit failed")
-    figures: dict[str, Any] = json.loads(output)
-    figures["peak_rss_mb"] = round(usage.ru_maxrss / 1024, 1)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"the benchmark child failed: {code}")
+    figures: dict[str, Any] = json.loads(output.decode().strip().splitlines()[-1])
+    return figures, round(usage.ru_maxrss / 1024, 1)
+
+
+def _run_python(root: Path) -> dict[str, Any]:
+    """The Python audit in a child process of its own, for a clean peak-memory figure."""
+    figures, peak = _child(f"from bench.audit import _python_child; _python_child({str(root)!r})")
+    figures["peak_rss_mb"] = peak
     return figures
 
 
-def _jvm_peak_mb(spark: Any) -> float | None:
+def _jvm_pid(spark: Any) -> int | None:
     try:
-        pid = spark.sparkContext._gateway.proc.pid
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except (AttributeError, OSError):
+        return int(spark.sparkContext._gateway.proc.pid)
+    except AttributeError:
         return None
+
+
+def _jvm_peak_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
     return None
+
+
+def _jvm_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of the JVM so far (every local executor thread is in it)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
+    """Two audits in a fresh JVM: the first pays the JVM's warm-up (class loading, Spark's code
+    generation, the JIT compiling both: a cost per job, whatever its size); the second, over
+    new DataFrames (nothing cached or shuffled is reused), is the cost per event once warm."""
+    started = time.perf_counter()
+    from pipeline.audit import AuditWindow, audit, report
+    from pipeline.common import read_events, read_messages, spark_session
+
+    spark = spark_session("shoal-bench-audit", master=master)
+    jvm_start_s = time.perf_counter() - started
+    pid = _jvm_pid(spark)
+    runs = []
+    for _ in range(2):
+        cpu_before = _jvm_cpu_s(pid) + time.process_time()
+        started = time.perf_counter()
+        result = audit(
+            read_messages(spark, root), read_events(spark, root), AuditWindow(horizon_ms=horizon_ms)
+        )
+        doc = report(result)
+        runs.append(
+            (time.perf_counter() - started, _jvm_cpu_s(pid) + time.process_time() - cpu_before)
+        )
+        result.pairs.unpersist()
+    totals = doc["totals"]
+    print(
+        json.dumps(
+            {
+                "jvm_start_s": jvm_start_s,
+                "audit_s": runs[0][0],
+                "cpu_s": runs[0][1],
+                "warm_audit_s": runs[1][0],
+                "warm_cpu_s": runs[1][1],
+                "jvm_peak_rss_mb": _jvm_peak_mb(pid),
+                "jvm_heap": spark.conf.get("spark.driver.memory"),
+                "found": {k: totals[k] for k in ("lost", "duplicated", "reordered")},
+            }
+        )
+    )
+    spark.stop()
+
+
+def _compact_child(root: str) -> None:
+    started = time.perf_counter()
+    from pipeline.columnar import compact
+    from pipeline.common import spark_session
+
+    spark = spark_session("shoal-bench-compact")
+    jvm_start_s = time.perf_counter() - started
+    started = time.perf_counter()
+    done = compact(spark, root)
+    print(
+        json.dumps(
+            {
+                "jvm_start_s": jvm_start_s,
+                "compact_s": time.perf_counter() - started,
+                "hours": sum(c.hours for c in done),
+            }
+        )
+    )
+    spark.stop()
+
+
+def _size_mb(folder: Path) -> float:
+    return round(sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20, 1)
+
+
+def archive(size: int) -> tuple[Path, dict[str, int], dict[str, Any]]:
+    """The generated archive of ``size`` events, compacted: made once, then kept under
+    /tmp (the machine is shared: a 5M archive takes minutes to write). ``BENCH_AUDIT_CACHE``
+    names another folder."""
+    cache = Path(os.environ.get("BENCH_AUDIT_CACHE", "/tmp/shoal-bench-audit"))
+    root = cache / f"{size}-v2"
+    done = root / "planted.json"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        started = time.perf_counter()
+        made: dict[str, Any] = dict(generate(root, size))
+        made["generate_s"] = round(time.perf_counter() - started, 2)
+        compacted, _ = _child(
+            f"from bench.audit import _compact_child; _compact_child({str(root)!r})"
+        )
+        made["compact_s"] = round(compacted["compact_s"], 2)
+        done.write_text(json.dumps(made))
+    planted = json.loads(done.read_text())
+    sizes_mb = {
+        "json_mb": _size_mb(root / "messages") + _size_mb(root / "events"),
+        "parquet_mb": _size_mb(root / "parquet"),
+    }
+    return root, planted, sizes_mb
 
 
 def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> dict[str, Any]:
@@ -350,78 +466,100 @@ def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> di
     }
 
 
+def _spark(root: Path, master: str) -> dict[str, Any]:
+    figures, peak = _child(
+        f"from bench.audit import _spark_child; _spark_child({str(root)!r}, {master!r})",
+        # a fixed heap: the audit must fit in it at every size
+        {"SHOAL_SPARK_DRIVER_MEMORY": "2g"},
+    )
+    figures["python_driver_peak_rss_mb"] = peak
+    return figures
+
+
 def run() -> dict[str, Any]:
-    os.environ.setdefault("SHOAL_SPARK_DRIVER_MEMORY", "6g")
-    from pipeline.audit import AuditWindow, audit, report
-    from pipeline.common import read_events, read_messages, spark_session
-
-    spark = spark_session("shoal-bench-audit")
     figures: dict[str, Any] = {"horizon_ms": HORIZON_MS, "recorder": recorder_cost(), "runs": {}}
+    largest = max(sizes())
     for size in sorted(sizes()):
-        root = Path(tempfile.mkdtemp(prefix=f"shoal-bench-audit-{size}-"))
-        try:
-            started = time.perf_counter()
-            planted = generate(root, size)
-            generated_s = time.perf_counter() - started
-            rows = planted["messages"] + planted["events"]
-
-            started = time.perf_counter()
-            doc = report(
-                audit(
-                    read_messages(spark, str(root)),
-                    read_events(spark, str(root)),
-                    AuditWindow(horizon_ms=HORIZON_MS),
-                )
-            )
-            spark_s = time.perf_counter() - started
-            python = _run_python(root)
-            totals = doc["totals"]
-            found = {k: totals[k] for k in ("lost", "duplicated", "reordered")}
-            found_python = {k: python[k] for k in ("lost", "duplicated", "reordered")}
-            figures["runs"][str(size)] = {
-                **planted,
-                "rows": rows,
-                "generate_s": round(generated_s, 2),
-                "spark_s": round(spark_s, 2),
-                "spark_rows_per_s": round(rows / spark_s),
-                "spark_peak_rss_mb": _jvm_peak_mb(spark),
-                "python_s": round(python["seconds"], 2),
-                "python_rows_per_s": round(rows / python["seconds"]),
-                "python_peak_rss_mb": python["peak_rss_mb"],
-                "ratio": round(python["seconds"] / spark_s, 2),
-                "spark_found": found,
-                "python_found": found_python,
-                # planted faults next to other faults of the same key can hide each other,
-                # so the figure that must hold is that both implementations agree
-                "agree": found == found_python,
-            }
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    figures["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    spark.stop()
+        root, planted, on_disk = archive(size)
+        rows = planted["messages"] + planted["events"]
+        two = _spark(root, "local[2]")
+        python = _run_python(root)
+        found_python = {k: python[k] for k in ("lost", "duplicated", "reordered")}
+        run = {
+            **planted,
+            **on_disk,
+            "rows": rows,
+            "jvm_start_s": round(two["jvm_start_s"], 2),
+            "spark_s": round(two["audit_s"], 2),
+            "spark_rows_per_s": round(rows / two["audit_s"]),
+            "spark_cpu_s": round(two["cpu_s"], 1),
+            "spark_cpu_s_per_million_events": round(two["cpu_s"] / (planted["events"] / 1e6), 2),
+            "spark_warm_s": round(two["warm_audit_s"], 2),
+            "spark_warm_cpu_s": round(two["warm_cpu_s"], 1),
+            "spark_warm_cpu_s_per_million_events": round(
+                two["warm_cpu_s"] / (planted["events"] / 1e6), 2
+            ),
+            "warm_ratio": round(python["seconds"] / two["warm_audit_s"], 2),
+            "jvm_heap": two["jvm_heap"],
+            "spark_peak_rss_mb": two["jvm_peak_rss_mb"],
+            "python_s": round(python["seconds"], 2),
+            "python_cpu_s": round(python["cpu_s"], 1),
+            "python_rows_per_s": round(rows / python["seconds"]),
+            "python_peak_rss_mb": python["peak_rss_mb"],
+            "ratio": round(python["seconds"] / two["audit_s"], 2),
+            "spark_found": two["found"],
+            "python_found": found_python,
+            # planted faults next to other faults of the same key can hide each other,
+            # so the figure that must hold is that both implementations agree
+            "agree": two["found"] == found_python,
+        }
+        if size == largest:
+            one = _spark(root, "local[1]")
+            run["spark_local1_s"] = round(one["audit_s"], 2)
+            run["scaling_1_to_2"] = round(one["audit_s"] / two["audit_s"], 2)
+            run["spark_local1_warm_s"] = round(one["warm_audit_s"], 2)
+            run["warm_scaling_1_to_2"] = round(one["warm_audit_s"] / two["warm_audit_s"], 2)
+        figures["runs"][str(size)] = run
     return figures
 
 
 def report(figures: dict[str, Any]) -> str:
     lines = [
-        "## Audit: PySpark local[2] vs one Python process",
+        "## Audit: PySpark local[2] over the compacted archive vs one Python process",
         "",
-        "Generated archives (messages + delivery events as JSON lines, 20 sessions, 64 keys, "
-        "planted losses, duplicates and reorderings); both implementations audit the same "
-        "folder in the same run. Spark time includes reading, judging every pair and the "
-        "report's collects; ratio = Python time / Spark time. Peak RSS: the Spark JVM's "
-        "high-water mark so far, and the Python audit's own process.",
+        "Generated archives (messages + delivery events, 20 sessions, 64 keys, planted losses, "
+        "duplicates and reorderings), compacted to Parquet once; both implementations audit "
+        "the same archive in the same run, each in a process of its own. Spark: a fresh JVM "
+        "with a fixed 2 GB heap (`-Xmx2g`), its start-up reported apart; the audit time "
+        "includes reading, judging every pair and the report's collects; first: the first audit "
+        "in the JVM (its warm-up included), warm: a second audit in it over new DataFrames. "
+        "Python: the JSON "
+        "lines in one process, GC tuned (`gc.freeze`, threshold 100,000). ratio = Python time "
+        "/ Spark time. CPU: the JVM's and the driver's user + system seconds during the audit.",
         "",
-        "| events | rows | Spark s | Spark rows/s | Python s | Python rows/s | ratio "
-        "| JVM peak MB | Python peak MB | findings agree |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| events | JSON MB | Parquet MB | JVM start s | Spark first s | Spark warm s "
+        "| CPU s/M events first / warm | JVM peak MB | Python s | Python CPU s | Python peak MB "
+        "| ratio first / warm | findings agree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, r in figures["runs"].items():
         lines.append(
-            f"| {int(size):,} | {r['rows']:,} | {r['spark_s']} | {r['spark_rows_per_s']:,} "
-            f"| {r['python_s']} | {r['python_rows_per_s']:,} | {r['ratio']}x "
-            f"| {r['spark_peak_rss_mb']} | {r['python_peak_rss_mb']} | {r['agree']} |"
+            f"| {int(size):,} | {round(r['json_mb'], 1)} | {r['parquet_mb']} | {r['jvm_start_s']} "
+            f"| {r['spark_s']} | {r.get('spark_warm_s')} "
+            f"| {r['spark_cpu_s_per_million_events']} / "
+            f"{r.get('spark_warm_cpu_s_per_million_events')} "
+            f"| {r['spark_peak_rss_mb']} | {r['python_s']} | {r.get('python_cpu_s')} "
+            f"| {r['python_peak_rss_mb']} | {r['ratio']}x / {r.get('warm_ratio')}x | {r['agree']} |"
         )
+    for size, r in figures["runs"].items():
+        if "scaling_1_to_2" in r:
+            lines += [
+                "",
+                f"Scaling at {int(size):,} events: local[1] {r['spark_local1_s']} s, local[2] "
+                f"{r['spark_s']} s: {r['scaling_1_to_2']}x (warm: "
+                f"{r.get('spark_local1_warm_s')} s and {r.get('spark_warm_s')} s, "
+                f"{r.get('warm_scaling_1_to_2')}x).",
+            ]
     rec = figures.get("recorder")
     if rec:
         lines += [

@@ -11,10 +11,10 @@ from __future__ import annotations
 import base64
 import html
 import io
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from pipeline.common import Output, iso
+from pipeline.common import UTC, Output, iso
 
 GREEN = "#2e9e5b"
 RED = "#d64541"
@@ -148,7 +148,7 @@ def render_png(doc: dict[str, Any]) -> bytes:
         if not any(values):
             continue
         bars.barh(names, values, left=left, color=colour, label=label, height=0.62)
-        left = [a + b for a, b in zip(left, values, strict=True)]
+        left = [a + b for a, b in zip(left, values)]
     for y, c in enumerate(shown):
         notes = [
             f"{c[k]} {word}"
@@ -227,7 +227,7 @@ def render_png(doc: dict[str, Any]) -> bytes:
                 xs, ys, bottom=bottom, width=width / 86_400_000 * 0.9, color=colour,
                 label=label, align="edge",
             )  # fmt: skip
-            bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
+            bottom = [a + b for a, b in zip(bottom, ys)]
         # losses are a sliver of a bar: point at them
         lost = series.get("lost", {})
         for b, count in lost.items():
@@ -315,9 +315,8 @@ def render_html(doc: dict[str, Any], png: bytes | None) -> str:
                 ("consumer", "consumer"),
                 ("ordering_key", "ordering key"),
                 ("message_id", "message id"),
-                ("publish_rank", "publish rank"),
-                ("behind", "acked after rank"),
-                ("at", "acked"),
+                ("acked_after", "acked after (published later)"),
+                ("acked_at", "acked"),
             ],
         ),
         (

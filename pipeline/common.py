@@ -6,31 +6,38 @@ folder locally (``shoal pipeline sync``) or ``s3://bucket`` deployed::
     messages/topic=<composite>/date=<YYYY-MM-DD>/hour=<HH>/<stream>.<shard>.<first>-<last>.jsonl
     events/date=<YYYY-MM-DD>/hour=<HH>/<digest>.jsonl
 
-Partition discovery is off: the folder name ``topic=`` is the composite topic while each line's
-``topic`` is the MQTT topic name, and Spark would let the folder's value win. Schemas are given,
-never inferred (no extra pass over the data, and an empty archive still has columns).
+``shoal pipeline compact`` copies them into Parquet under ``parquet/`` (``pipeline.columnar``);
+the readers take Parquet where an hour is compacted and JSON lines for the rest. Partition
+discovery is off: the folder name ``topic=`` is the composite topic while each line's ``topic``
+is the MQTT topic name, and Spark would let the folder's value win. Schemas are given, never
+inferred (no extra pass over the data, and an empty archive still has columns).
+
+This code runs on the EMR release's Python (3.9): ``from __future__ import annotations`` keeps
+annotations unevaluated, and nothing 3.10+ runs (ruff's per-file target keeps it so).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+# EMR's Python is 3.9: no ``datetime.UTC`` (3.11), no 3.10+ syntax at run time
+UTC = timezone.utc
 
 MESSAGES = "messages"
 EVENTS = "events"
-#: Kinesis sequence numbers are decimal strings of up to 128 digits: padded, they sort as numbers
-SEQUENCE_WIDTH = 128
-
-_HOUR_DIR = re.compile(r"date=(\d{4}-\d{2}-\d{2})/hour=(\d{2})$")
+#: a Kinesis sequence number sorts as (length, then 18-digit chunks as longs): exact up to
+#: 72 digits (AWS writes 56)
+SEQUENCE_CHUNK = 18
+SEQUENCE_CHUNKS = 4
 
 
 def message_schema() -> Any:
@@ -81,6 +88,9 @@ def event_schema() -> Any:
             T.StructField("subscription", T.StringType()),
             T.StructField("reason", T.StringType()),
             T.StructField("label", T.StringType()),
+            # true on a retained message sent because of a new subscription (MQTT 5
+            # §3.3.1.3): a delivery of its own kind, not a second copy of the publish
+            T.StructField("retain", T.BooleanType()),
             T.StructField("seq", T.IntegerType()),
             T.StructField("batch", T.StringType()),
         ]
@@ -117,15 +127,22 @@ def spark_session(app_name: str = "shoal-pipeline", master: str | None = None) -
     # spark-submit (EMR) starts the JVM first and tells Python its port: then the cluster's
     # master and settings stand
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        # log4j at WARN from the JVM's first line (setLogLevel comes too late for start-up's
+        # chatter), and no guessing of the host's address
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        log4j = Path(__file__).resolve().parent / "log4j2.properties"
         builder = (
             builder.master(master or "local[2]")
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.shuffle.partitions", "8")
+            # a few tasks per core: the default 200 shuffle partitions cost more in task
+            # overhead than they save at this size, and adaptive execution merges small ones
+            .config("spark.sql.shuffle.partitions", os.environ.get("SHOAL_SPARK_PARTITIONS", "8"))
             .config("spark.driver.memory", os.environ.get("SHOAL_SPARK_DRIVER_MEMORY", "2g"))
+            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j.as_uri()}")
         )
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.setLogLevel(os.environ.get("SHOAL_SPARK_LOG_LEVEL", "ERROR"))
     return spark
 
 
@@ -140,54 +157,16 @@ def _join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def _hour_dirs(folder: Path, since: int | None, until: int | None) -> list[str] | None:
-    """The ``date=/hour=`` folders under ``folder`` that can hold times in [since, until);
-    None when every folder can (no bounds)."""
-    if since is None and until is None:
-        return None
-    low = since - since % 3_600_000 if since is not None else None
-    kept: list[str] = []
-    for path in folder.rglob("hour=*"):
-        match = _HOUR_DIR.search(path.as_posix())
-        if match is None or not path.is_dir():
-            continue
-        start = int(
-            datetime.strptime(f"{match[1]} {match[2]}", "%Y-%m-%d %H")
-            .replace(tzinfo=UTC)
-            .timestamp()
-            * 1000
-        )
-        if (low is None or start >= low) and (until is None or start < until):
-            kept.append(str(path))
-    return kept
-
-
-def _read_json(
-    spark: SparkSession, schema: Any, location: str, paths: Sequence[str] | None
-) -> DataFrame:
-    empty = spark.createDataFrame([], schema)
-    if not is_uri(location) and not Path(location).is_dir():
-        return empty
-    targets = [location] if paths is None else list(paths)
-    if not targets:
-        return empty
-    return (
-        spark.read.schema(schema)
-        .option("recursiveFileLookup", "true")
-        .option("pathGlobFilter", "*.jsonl")
-        .json(targets)
-    )
-
-
 def read_messages(
     spark: SparkSession, root: str, since: int | None = None, until: int | None = None
 ) -> DataFrame:
-    """The archived messages under ``root`` (local folders outside [since, until) unread)."""
+    """The archived messages under ``root``: Parquet where compacted, JSON lines for the rest
+    (``pipeline.columnar``); hours outside [since, until) unread."""
     from pyspark.sql import functions as F
 
-    location = _join(root, MESSAGES)
-    paths = None if is_uri(location) else _hour_dirs(Path(location), since, until)
-    frame = _read_json(spark, message_schema(), location, paths)
+    from pipeline.columnar import read
+
+    frame = read(spark, root, MESSAGES, since, until)
     return frame.where(F.col("message_id").isNotNull())
 
 
@@ -196,7 +175,9 @@ def read_events(spark: SparkSession, root: str) -> DataFrame:
     publish, so no time range prunes them."""
     from pyspark.sql import functions as F
 
-    frame = _read_json(spark, event_schema(), _join(root, EVENTS), None)
+    from pipeline.columnar import read
+
+    frame = read(spark, root, EVENTS)
     return frame.where(F.col("event").isNotNull() & F.col("consumer").isNotNull())
 
 
@@ -206,23 +187,44 @@ def read_subscriptions(spark: SparkSession, location: str | None) -> DataFrame |
     return spark.read.schema(subscription_schema()).json(location)
 
 
-def with_sequence_key(messages: DataFrame) -> DataFrame:
+def blank_as_null(column: Column) -> Column:
+    """``nullif(column, '')``; Spark 3.5's ``functions.nullif`` fails on an unresolved column."""
     from pyspark.sql import functions as F
 
-    return messages.withColumn(
-        "seq_key", F.lpad(F.coalesce(F.col("sequence_number"), F.lit("")), SEQUENCE_WIDTH, "0")
-    )
+    return F.when(column != "", column)
+
+
+def sequence_order(column: str = "sequence_number") -> list[Column]:
+    """Sort keys that order Kinesis sequence numbers (decimal strings, 56 digits on AWS, small
+    counters on the emulator) as numbers: their length, then 18-digit chunks as longs. Numbers,
+    not a 128-character left-padded string (nor 38-digit decimals, which Spark holds as Java
+    BigDecimals): a sort on them compares a few longs a row."""
+    from pyspark.sql import functions as F
+
+    digits = F.coalesce(F.col(column), F.lit(""))
+    keys = [F.length(digits).alias("_seq_len")]
+    for n in range(SEQUENCE_CHUNKS):
+        chunk = F.substring(digits, n * SEQUENCE_CHUNK + 1, SEQUENCE_CHUNK)
+        keys.append(F.coalesce(blank_as_null(chunk).cast("long"), F.lit(0)).alias(f"_seq_{n}"))
+    return keys
+
+
+SEQUENCE_KEYS = ["_seq_len", *(f"_seq_{n}" for n in range(SEQUENCE_CHUNKS))]
 
 
 def unique_messages(messages: DataFrame) -> DataFrame:
     """One row per message id: a bisected batch can archive a message twice under two names;
-    the copy earliest in its stream wins."""
-    from pyspark.sql import Window
+    the copy earliest in its stream wins. One hash aggregate (the minimum of a struct that
+    leads with the stream order), not a window: no sort of every row."""
     from pyspark.sql import functions as F
 
-    keyed = with_sequence_key(messages)
-    first = Window.partitionBy("message_id").orderBy("storage_topic", "seq_key", "position")
-    return keyed.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
+    order = ["storage_topic", *SEQUENCE_KEYS, "position"]
+    sequence = sequence_order()
+    rest = [c for c in messages.columns if c != "message_id"]
+    keyed = messages.select("message_id", *rest, *sequence)
+    kept = [*rest, *SEQUENCE_KEYS]
+    first = F.min_by(F.struct(*kept), F.struct(*order)).alias("_first")
+    return keyed.groupBy("message_id").agg(first).select("message_id", "_first.*")
 
 
 def in_range(frame: DataFrame, column: str, since: int | None, until: int | None) -> DataFrame:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 #: job name -> module with main(argv) -> exit status
 JOBS = {
     "audit": "pipeline.audit",
+    "compact": "pipeline.compact",
     "replay": "pipeline.replay",
     "stats": "pipeline.stats",
     "sync": "pipeline.sync",

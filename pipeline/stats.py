@@ -17,18 +17,11 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline.audit import (
-    CONSUMER,
-    PAIR,
-    AuditWindow,
-    data_end,
-    events_in_range,
-    published,
-    resolved_events,
-)
+from pipeline.audit import CONSUMER, DELIVERIES, PAIR, published
 from pipeline.common import (
     Output,
     Progress,
+    blank_as_null,
     in_range,
     iso,
     parse_time,
@@ -40,6 +33,61 @@ from pipeline.common import (
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+
+def resolved_events(events: DataFrame) -> DataFrame:
+    """Events without the copies a re-cut batch wrote twice, and acks that name only a delivery
+    id given the message id of the delivery with that id."""
+    from pyspark.sql import functions as F
+
+    unique = events.dropDuplicates(
+        ["event", "consumer_kind", "consumer", "message_id", "delivery_id", "attempt", "at"]
+    )
+    ids = (
+        unique.where(
+            F.col("event").isin(*DELIVERIES, "routed")
+            & F.col("delivery_id").isNotNull()
+            & blank_as_null(F.col("message_id")).isNotNull()
+        )
+        .select(*CONSUMER, "delivery_id", F.col("message_id").alias("_delivered_id"))
+        .dropDuplicates([*CONSUMER, "delivery_id"])
+    )
+    return (
+        unique.join(ids, [*CONSUMER, "delivery_id"], "left")
+        .withColumn(
+            "message_id", F.coalesce(blank_as_null(F.col("message_id")), F.col("_delivered_id"))
+        )
+        .drop("_delivered_id")
+    )
+
+
+def events_in_range(
+    events: DataFrame, archive: DataFrame, since: int | None, until: int | None
+) -> DataFrame:
+    """Resolved events of the messages published in [since, until); the archive's publish
+    time and QoS win over the event's own."""
+    from pyspark.sql import functions as F
+
+    joined = (
+        events.where(F.col("message_id").isNotNull())
+        .join(archive.select("message_id", "archived_at", "message_qos"), "message_id", "left")
+        .withColumn("published_at", F.coalesce("archived_at", "published_at"))
+        .withColumn("qos", F.coalesce("qos", "message_qos"))
+        .drop("archived_at", "message_qos")
+    )
+    return in_range(joined.where(F.col("published_at").isNotNull()), "published_at", since, until)
+
+
+def data_end(archive: DataFrame, events: DataFrame) -> int:
+    """The latest publish or event time in the input."""
+    from pyspark.sql import functions as F
+
+    times = [
+        r[0]
+        for r in (events.agg(F.max("at")).first(), archive.agg(F.max("archived_at")).first())
+        if r is not None and r[0] is not None
+    ]
+    return int(max(times)) if times else 0
 
 
 def throughput(
@@ -129,7 +177,7 @@ def stats(
     resolved = resolved_events(events)
     archive = published(messages)
     # publish times (and QoS) come from the archive, as in the audit
-    scoped = events_in_range(resolved, archive, AuditWindow(since=since, until=until))
+    scoped = events_in_range(resolved, archive, since, until)
     end = as_of if as_of is not None else data_end(archive, resolved)
     hourly = [r.asDict() for r in throughput(messages, since, until).collect()]
     per_consumer = [r.asDict() for r in consumers(scoped, end).collect()]

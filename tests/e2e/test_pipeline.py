@@ -116,6 +116,8 @@ def test_traffic_under_router_faults_audits_to_zero_lost_and_zero_duplicated(
         assert consumer["matched"] == PUBLISHED
         assert (consumer["lost"], consumer["duplicated"], consumer["reordered"]) == (0, 0, 0)
         assert consumer["acked"] + consumer["late"] == PUBLISHED
+    # And the group is named by its share name (its consumer id is a digest)
+    assert consumers["group"]["label"] == "audit"
     # And the router did fail on purpose (else this proves nothing about retries)
     assert "InjectedFault" in dev.log_path.read_text()
     # And the report saw every message once, with its charts and page

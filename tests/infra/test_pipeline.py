@@ -72,18 +72,44 @@ def test_the_job_role_reads_only_the_archive_prefixes_and_writes_only_results(
             # no wildcard action on the archive (the asset grants CDK makes are its own)
             assert not any(a.endswith("*") for a in actions)
         if actions & writes:
-            # Then every write is confined to the results prefix
+            # Then every write is confined to the results prefix and the columnar copy
             for resource in as_list(statement["Resource"]):
-                assert "pipeline-results/*" in rendered(resource)
+                text = rendered(resource)
+                assert "pipeline-results/*" in text or "parquet/*" in text
         if "s3:GetObject" in actions and archive_ref in resources:
             for resource in as_list(statement["Resource"]):
                 text = rendered(resource)
-                assert any(p in text for p in ("messages/*", "events/*", "pipeline-results/*"))
+                assert any(
+                    p in text for p in ("messages/*", "events/*", "parquet/*", "pipeline-results/*")
+                )
     listing = [s for s in statements if "s3:ListBucket" in as_list(s["Action"])]
     archive_listing = [s for s in listing if archive_ref in rendered(s["Resource"])]
     assert archive_listing
     for statement in archive_listing:
         assert "s3:prefix" in statement["Condition"]["StringLike"]
+
+
+def test_compaction_is_scheduled_as_an_emr_serverless_job_run(deployed: Synth) -> None:
+    # Given the stack's schedules
+    [schedule] = deployed.of_type("AWS::Scheduler::Schedule").values()
+    props = schedule["Properties"]
+    target = props["Target"]
+    run = rendered(target["Input"])
+    [app_logical] = deployed.of_type("AWS::EMRServerless::Application")
+    job_logical, _ = job_role(deployed)
+    # Then it starts a job run of the pipeline's application, hourly, running compact over
+    # the archive as the job role
+    assert target["Arn"] == "arn:aws:scheduler:::aws-sdk:emrserverless:startJobRun"
+    assert props["ScheduleExpression"].startswith("cron(")
+    assert app_logical in run and job_logical in run
+    assert "compact" in run and "--input" in run and "SparkSubmitParameters" in run
+    # and the scheduler's role may start runs of that application and pass only the job role
+    role_logical = target["RoleArn"]["Fn::GetAtt"][0]
+    statements = role_statements(deployed, role_logical)
+    starts = [s for s in statements if "emr-serverless:StartJobRun" in as_list(s["Action"])]
+    passes = [s for s in statements if "iam:PassRole" in as_list(s["Action"])]
+    assert starts and all(app_logical in rendered(s["Resource"]) for s in starts)
+    assert passes and all(job_logical in rendered(s["Resource"]) for s in passes)
 
 
 def test_the_jobs_code_is_uploaded_and_named_in_the_outputs(deployed: Synth) -> None:

@@ -73,6 +73,9 @@ def event(
     seq: int = 0,
     batch: str = "b",
     reason: str | None = None,
+    subscription: str | None = None,
+    label: str | None = None,
+    retain: bool | None = None,
 ) -> dict[str, Any]:
     return {
         "event": kind,
@@ -86,9 +89,10 @@ def event(
         "published_at": published_at,
         "qos": qos,
         "attempt": attempt,
-        "subscription": None,
+        "subscription": subscription,
         "reason": reason,
-        "label": None,
+        "label": label,
+        "retain": retain,
         "seq": seq,
         "batch": batch,
     }

@@ -10,7 +10,7 @@ import boto3
 import pytest
 from moto import mock_aws
 from shoal.core.clock import ManualClock
-from shoal.delivery.events import DeliveryEvents, hint_digest
+from shoal.delivery.events import DeliveryEvents, hint_digest, record_answers
 
 BUCKET = "archive"
 T0 = 1_700_000_000_000  # 2023-11-14T22:13:20Z
@@ -113,3 +113,21 @@ def test_a_malformed_event_is_refused(event: str, kind: str, ids: dict[str, str]
     with pytest.raises(ValueError):
         # deliberately outside the types: what a caller could still pass at run time
         recorder.add(event, kind, "c", **ids)  # type: ignore[arg-type]
+
+
+def test_a_retained_answer_is_recorded_as_retained(s3: Any) -> None:
+    # Given a get that answers a published message (retain 0) and a retained one sent because
+    # of a new subscription (retain 1, MQTT 5 §3.3.1.3)
+    recorder = DeliveryEvents(BUCKET, ManualClock(T0 + 500), s3)
+    answers = [
+        {"id": "s.1", "message_id": "m1", "retain": False, "dup": False},
+        {"id": "s.2", "message_id": "m0", "retain": True, "dup": False},
+    ]
+    record_answers(recorder, "session", "s", answers)
+    key = recorder.flush("get/s/1")
+    assert key is not None
+    body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+    lines = {e["message_id"]: e for e in map(json.loads, body.splitlines())}
+    # Then only the retained delivery carries the flag the audit reads
+    assert lines["m0"]["retain"] is True
+    assert "retain" not in lines["m1"]

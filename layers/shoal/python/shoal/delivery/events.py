@@ -93,6 +93,9 @@ class DeliveryEvent:
     reason: str | None = None
     #: a readable name for the consumer (a session's client id)
     label: str | None = None
+    #: True on a retained message sent because of a new subscription (MQTT 5 §3.3.1.3): the
+    #: audit counts it as a delivery of its own kind, not a second copy of the publish
+    retain: bool | None = None
 
     def line(self, seq: int, batch: str) -> bytes:
         doc: dict[str, Any] = {"event": self.event}
@@ -170,6 +173,7 @@ class DeliveryEvents:
         reason: str | None = None,
         label: str | None = None,
         at: int | None = None,
+        retain: bool | None = None,
     ) -> None:
         # wrong kinds are programming errors: fail in tests, not silently in the archive
         if event not in EVENT_KINDS:
@@ -196,6 +200,7 @@ class DeliveryEvents:
                 subscription=subscription,
                 reason=reason,
                 label=label,
+                retain=retain,
             )
         )
 
@@ -329,6 +334,9 @@ def record_answers(
             qos=a.get("qos"),
             subscription=a.get("subscription"),
             label=label,
+            # an answer's retain flag is set only on a retained message sent on subscribe
+            # (the router hands published ones on with retain 0, §3.3.1.3)
+            retain=True if a.get("retain") else None,
         )
 
 

@@ -111,6 +111,11 @@ def test_pipeline_help_lists_each_job_with_what_it_does(
     out = capsys.readouterr().out
     for job, text in PIPELINE_JOBS.items():
         assert f"  {job:<8}{text}" in out
+    # the command offers every job the pipeline's entry point runs (the CLI cannot import
+    # pipeline/ before it knows the project root, so the list is written twice)
+    from pipeline.entry import JOBS
+
+    assert set(PIPELINE_JOBS) == set(JOBS)
 
 
 def test_state_files_differ_per_server_and_principal() -> None:

@@ -7,7 +7,7 @@
     shoal topics     create, list, describe and grow composite topics (admin)
     shoal push       push subscriptions: create, describe, update, delete, seek, dlq (admin)
     shoal sessions   show a session
-    shoal pipeline   jobs over the archive: sync, audit, replay, stats
+    shoal pipeline   jobs over the archive: sync, audit, replay, stats, compact
 
 ``publish``, ``subscribe``, ``topics``, ``push`` and ``sessions`` speak to any Shoal (``shoal dev``
 or a deployed stack) through ``shoal.client``; ``--url`` and ``--token`` default to
@@ -38,6 +38,7 @@ PIPELINE_JOBS = {
     "audit": "check every archived message reached each subscriber exactly once, in order",
     "replay": "deliver archived messages of a topic filter and time range to a session again",
     "stats": "messages per topic and hour, each subscriber's backlog and lag, retry rates",
+    "compact": "turn the archive's JSON lines into Parquet, hour by hour (the jobs read both)",
 }
 
 
@@ -89,7 +90,7 @@ def _parser() -> Parser:
     jobs = "\n".join(f"  {name:<8}{text}" for name, text in PIPELINE_JOBS.items())
     pipeline = command(
         "pipeline",
-        "jobs over the archive: sync, audit, replay, stats",
+        "jobs over the archive: sync, audit, replay, stats, compact",
         epilog=f"jobs:\n{jobs}\n\n`shoal pipeline JOB --help` gives each job's flags.",
     )
     pipeline.add_argument("job", choices=tuple(PIPELINE_JOBS), help="the job to run")

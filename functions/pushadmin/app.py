@@ -1,4 +1,5 @@
-"""Push subscriptions (admin): create, get, change, delete, seek, list and redrive the DLQ."""
+"""Push subscriptions (admin): create, list, get, change, delete, seek, list and redrive the
+DLQ."""
 
 from typing import Any
 
@@ -19,6 +20,12 @@ service = PerConfig(PushAdmin.from_config)
 @app.post("/v1/subscriptions")
 def create_subscription() -> Response[str]:
     return json_response(201, service().create(parse_body(app, CreateRequest)))
+
+
+@app.get("/v1/subscriptions")
+def list_subscriptions() -> dict[str, Any]:
+    query = app.current_event.query_string_parameters or {}
+    return service().list_page(query.get("limit"), query.get("page_token"))
 
 
 @app.get("/v1/subscriptions/<name>")

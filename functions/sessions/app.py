@@ -1,4 +1,5 @@
-"""Sessions: connect, disconnect, heartbeat and read a session (``shoal.sessions``)."""
+"""Sessions: connect, disconnect, heartbeat and read a session, as its live channel or
+read-only (``shoal.sessions``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from aws_lambda_powertools.event_handler import Response
 from shoal import wiring
 from shoal.core.config import get_config
 from shoal.http.body import parse_body
-from shoal.http.caller import owner_first, session_call
+from shoal.http.caller import has_channel, owner_first, session_call, session_view_call
 from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.sessions.model import ConnectRequest
 from shoal.sessions.registry import SessionRegistry
@@ -41,6 +42,10 @@ def disconnect(client_id: str) -> Response[str]:
 
 @app.get("/v1/sessions/<client_id>")
 def session(client_id: str) -> dict[str, Any]:
+    if not has_channel(app):
+        # without Shoal-Channel: the read-only view, for an admin or the session's principal
+        call = session_view_call(app, client_id)
+        return registry().view(call.who, call.client_id)
     call = session_call(app, client_id)
     return registry().session(call.who, call.client_id, call.channel)
 

@@ -279,6 +279,14 @@ def test_topics_push_and_sessions_round_trips(shoal: Shoal) -> None:
         "3",
     )
     assert (made["filter"], made["retry"]["max_attempts"]) == ("cliorders/#", 3)
+    # push list: a page, then every page; entries as describe has them, without the depths
+    assert len(ok("push", "list", "--limit", "1")["subscriptions"]) <= 1
+    listed = ok("push", "list", "--all")
+    assert listed["next_page_token"] is None
+    mine = [s for s in listed["subscriptions"] if s["name"] == "clibill"]
+    assert [(s["filter"], s["state"], "dlq_depth" in s) for s in mine] == [
+        ("cliorders/#", "active", False)
+    ]
     assert ok("push", "update", "clibill", "--parallelism", "2")["parallelism"] == 2
     assert ok("push", "describe", "clibill")["parallelism"] == 2
     assert ok("push", "seek", "clibill", "--to", "latest")["name"] == "clibill"
@@ -287,12 +295,49 @@ def test_topics_push_and_sessions_round_trips(shoal: Shoal) -> None:
     assert report["redriven"] == 0
     assert ok("push", "delete", "clibill") is None
     assert shoal(["push", "describe", "clibill", *admin]).status == 1
+    assert "clibill" not in [s["name"] for s in ok("push", "list", "--all")["subscriptions"]]
 
-    token = shoal.token("cli-show", "--subscribe", "show/#")
-    common = ["--url", shoal.dev.url, "--token", token]
-    assert shoal(["subscribe", *common, "-t", "show/#", "-q", "2", "-C", "0"]).status == 0
-    session = json.loads(shoal(["sessions", "show", *common, "cli-show"]).out)
-    assert [(s["filter"], s["qos"]) for s in session["subscriptions"]] == [("show/#", 2)]
+
+def test_sessions_show_reads_a_held_session_without_taking_it_over(shoal: Shoal) -> None:
+    url = shoal.dev.url
+    token = shoal.token("cli-show", "--publish", "show/#", "--subscribe", "show/#")
+    common = ["--url", url, "--token", token]
+    with ShoalClient(url, token, client_id="cli-show") as client:
+        # Given a subscriber holding the session, with a QoS 1 delivery not acked yet
+        channel = client.connect(clean_start=True, session_expiry_s=600).channel
+        assert client.subscribe("show/#", qos=2) == [2]
+        assert shoal(["publish", *common, "-t", "show/a", "-m", "held"]).status == 0
+        got = client.fetch(wait_ms=5000)
+        assert [m.payload for m in got] == [b"held"]
+        before = len(shoal.log_lines())
+        # When its principal, then an admin, run `shoal sessions show`
+        admin = shoal.token("cli-show-ops", "--admin")
+        shown = [
+            shoal(["sessions", "show", "--url", url, "--token", t, "cli-show"])
+            for t in (token, admin)
+        ]
+        # Then both see the session, its subscription and the delivery in flight
+        for run in shown:
+            assert run.status == 0, run.err
+            session = json.loads(run.out)
+            assert [(s["filter"], s["qos"]) for s in session["subscriptions"]] == [("show/#", 2)]
+            assert (session["connected"], session["in_flight"]) == (True, 1)
+        # and the server got two GETs of the session and no connect (PUT on the same path)
+        assert settle_log(shoal, "/v1/sessions/cli-show", 2, before) == 2
+        methods = [
+            line["method"]
+            for line in shoal.log_lines()[before:]
+            if line.get("path") == "/v1/sessions/cli-show"
+        ]
+        assert methods == ["GET", "GET"]
+        # and the subscriber keeps its channel and acks its delivery
+        assert client.connection is not None and client.connection.channel == channel
+        assert client.ack(*got) == 1
+        assert client.heartbeat() is not None
+    # a session nobody holds: one line, the API's 404
+    missing = shoal(["sessions", "show", "--url", url, "--token", admin, "cli-show-none"])
+    assert (missing.status, missing.err.count("\n")) == (1, 1)
+    assert "session_not_found" in missing.err
 
 
 def test_the_dev_log_is_json_lines_without_tracebacks_for_dropped_polls(shoal: Shoal) -> None:

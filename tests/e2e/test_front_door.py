@@ -274,8 +274,14 @@ def test_another_principals_session_answers_403_whatever_the_shape(
 
 
 def test_the_owner_still_gets_400_for_its_own_malformed_calls(world: World) -> None:
-    status, answer = world.dev.request("GET", "/v1/sessions/fd-user", token=world.user)
+    malformed = {"Shoal-Channel": "not-a-channel!"}
+    status, answer = world.dev.request(
+        "GET", "/v1/sessions/fd-user", token=world.user, headers=malformed
+    )
     assert (status, answer["error"]["code"]) == (400, "invalid_request")
+    # without the header at all, the owner gets the read-only view
+    status, answer = world.dev.request("GET", "/v1/sessions/fd-user", token=world.user)
+    assert (status, answer["channel"]) == (200, None)
     status, answer = world.call("GET", "/v1/sessions/fd-user/messages?max=banana", world.user)
     assert (status, answer["error"]["code"]) == (400, "invalid_request")
 

@@ -374,6 +374,8 @@ def test_the_documented_flow_answers_as_documented(fuzz: Fuzz) -> None:
     assert wanted <= topics, f"delivered in 30 s: {sorted(topics)}"
     call("POST", "/v1/sessions/{client_id}/heartbeat", 200, **session)
     call("GET", "/v1/sessions/{client_id}", 200, **session)
+    # the read-only view (no Shoal-Channel): the same session, no channel handed out
+    assert call("GET", "/v1/sessions/{client_id}", 200, params=client)["channel"] is None
     call(
         "POST",
         "/v1/sessions/{client_id}/unsubscribe",
@@ -397,6 +399,7 @@ def test_the_documented_flow_answers_as_documented(fuzz: Fuzz) -> None:
         },
     )
     call("GET", "/v1/subscriptions/{name}", 200, params=push)
+    call("GET", "/v1/subscriptions", 200, query={"limit": 2})
     call("PATCH", "/v1/subscriptions/{name}", 200, params=push, body={"parallelism": 2})
     call("POST", "/v1/subscriptions/{name}/seek", 200, params=push, body={"to": "earliest"})
     call("GET", "/v1/subscriptions/{name}/dlq", 200, params=push, query={"limit": 5})

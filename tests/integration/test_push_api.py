@@ -138,3 +138,58 @@ def test_a_retry_batch_of_an_unknown_subscription_is_dropped(harness: PushHarnes
     response = push_app.handler(load_event("push_retry_batch.json"), FakeContext())
     assert response == {"batchItemFailures": []}
     assert harness.endpoint.calls == []
+
+
+def test_the_list_pages_through_every_subscription_and_no_tap(harness: PushHarness) -> None:
+    # Given no subscription yet: an empty page, the last one
+    assert call("GET", "/v1/subscriptions") == (200, {"subscriptions": [], "next_page_token": None})
+    # and then one made through the API (its push tap item shares the table) and four more
+    assert call("POST", "/v1/subscriptions", BODY)[0] == 201
+    made = harness.admin.subscriptions.require("orders")
+    assert [harness.admin.subscriptions.tap(stream) is not None for stream in made.cursors] == [
+        True
+    ]
+    spec = made.spec
+    for n in range(4):
+        assert harness.admin.subscriptions.create(f"more-{n}", spec, 1, 1, [])
+    # When it is read two at a time, each page token given back
+    names: list[str] = []
+    token: str | None = None
+    pages = 0
+    while True:
+        query = {"limit": "2"} | ({"page_token": token} if token else {})
+        status, page = call("GET", "/v1/subscriptions", query=query)
+        assert status == 200
+        jsonschema.validate(page, schema("PushSubscriptionPage"))
+        assert len(page["subscriptions"]) <= 2
+        names += [s["name"] for s in page["subscriptions"]]
+        pages += 1
+        token = page["next_page_token"]
+        if token is None:
+            break
+    # Then every subscription comes once, the tap never, each without the per-key depths
+    assert sorted(names) == ["more-0", "more-1", "more-2", "more-3", "orders"]
+    assert pages >= 3
+    status, whole = call("GET", "/v1/subscriptions")
+    orders = next(s for s in whole["subscriptions"] if s["name"] == "orders")
+    assert orders == {
+        k: v
+        for k, v in call("GET", "/v1/subscriptions/orders", name="orders")[1].items()
+        if k not in {"blocked_keys", "blocked_key_count", "retry_depth", "dlq_depth"}
+    }
+
+
+def test_the_list_refuses_a_non_admin_and_bad_paging(harness: PushHarness) -> None:
+    # one harness for every case: each costs one handler call
+    cases: list[tuple[dict[str, str], Any, int, str]] = [
+        ({}, ALICE, 403, "forbidden"),
+        ({"limit": "0"}, None, 400, "invalid_request"),
+        ({"limit": "101"}, None, 400, "invalid_request"),
+        ({"limit": "ten"}, None, 400, "invalid_request"),
+        ({"page_token": "!!"}, None, 400, "invalid_cursor"),
+        ({"page_token": "e30"}, None, 400, "invalid_cursor"),  # "{}"
+    ]
+    for query, claims, status, code in cases:
+        answer = call("GET", "/v1/subscriptions", claims=claims, query=query)
+        assert (answer[0], answer[1]["error"]["code"]) == (status, code), query
+        jsonschema.validate(answer[1], schema("Error"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import jsonschema
 import pytest
 from shoal import wiring
 from shoal.core.config import get_config
@@ -23,6 +24,7 @@ from tests.integration.test_sessions_support import (
     clock,
     sessions,
 )
+from tests.unit.test_openapi import schema
 
 __all__ = ["account", "clock", "sessions"]  # fixtures
 
@@ -404,8 +406,16 @@ def test_oversized_will_is_refused(sessions: Sessions) -> None:
     assert sessions.items(CLIENT) == []
 
 
-@pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
-@pytest.mark.parametrize("channel", [None, "", "not-a-channel!"])
+@pytest.mark.parametrize(
+    ("method", "channel"),
+    # a GET without the header at all is the read-only view (below)
+    [
+        (m, c)
+        for m in ("POST", "GET", "DELETE")
+        for c in (None, "", "not-a-channel!")
+        if (m, c) != ("GET", None)
+    ],
+)
 def test_session_call_without_a_valid_channel_is_refused(
     sessions: Sessions, method: str, channel: str | None
 ) -> None:
@@ -414,6 +424,53 @@ def test_session_call_without_a_valid_channel_is_refused(
     suffix = "/heartbeat" if method == "POST" else ""
     status, body = sessions.call(method, CLIENT, suffix=suffix, channel=channel)
     assert (status, body["error"]["code"]) == (400, "invalid_request")
+    assert sessions.items(CLIENT) == before
+
+
+# --- the read-only view: GET without Shoal-Channel
+
+ADMIN = {"sub": "ops", "shoal:admin": "true"}
+BOB = {"sub": "bob"}  # may act as client id "bob" only
+
+
+def test_the_read_only_view_changes_nothing(sessions: Sessions) -> None:
+    # Given a live channel holding the session
+    channel = sessions.connected(CLIENT, session_expiry_s=60, keepalive_s=30)
+    before = sessions.items(CLIENT)
+    sessions.clock.advance(5)
+    # When its principal and an admin (not allowed the client id as a client) read it
+    for claims in (None, ADMIN):
+        status, view = sessions.call("GET", CLIENT, claims=claims)
+        # Then they see it, without its channel
+        assert status == 200, view
+        jsonschema.validate(view, schema("Session"))
+        assert (view["client_id"], view["connected"], view["channel"]) == (CLIENT, True, None)
+        assert view["session_expiry_s"] == 60
+    # and nothing was written: no keepalive renewed, no registration, the channel still live
+    assert sessions.items(CLIENT) == before
+    assert sessions.heartbeat(CLIENT, channel)[0] == 200
+    assert sessions.get(CLIENT, channel)[1]["channel"] == channel
+
+
+def test_the_read_only_view_of_no_session_is_not_found(sessions: Sessions) -> None:
+    for claims in (None, ADMIN):
+        status, body = sessions.call("GET", CLIENT, claims=claims)
+        assert (status, body["error"]["code"]) == (404, "session_not_found")
+    # a session that ended with its channel (expiry 0) is gone too
+    channel = sessions.connected(CLIENT, session_expiry_s=0)
+    assert sessions.disconnect(CLIENT, channel)[0] == 204
+    status, body = sessions.call("GET", CLIENT)
+    assert (status, body["error"]["code"]) == (404, "session_not_found")
+
+
+def test_the_read_only_view_is_forbidden_to_other_principals(sessions: Sessions) -> None:
+    sessions.connected(CLIENT, session_expiry_s=60)
+    before = sessions.items(CLIENT)
+    # one allowed the client id whose session another principal holds, one not allowed it
+    # (refused before any read, session or not)
+    for claims, client_id in ((MALLORY, CLIENT), (BOB, CLIENT), (BOB, "sensor-none")):
+        status, body = sessions.call("GET", client_id, claims=claims)
+        assert (status, body["error"]["code"]) == (403, "forbidden"), claims
     assert sessions.items(CLIENT) == before
 
 

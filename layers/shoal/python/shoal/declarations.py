@@ -284,9 +284,10 @@ DEPLOYMENT = Deployment(
         ),
         FunctionDef(
             name="pushadmin",
-            description="Push subscriptions (admin): create, get, change, delete, seek, DLQ",
+            description="Push subscriptions (admin): create, list, get, change, delete, seek, DLQ",
             routes=(
                 Route("POST", "/v1/subscriptions"),
+                Route("GET", "/v1/subscriptions"),
                 Route("GET", "/v1/subscriptions/{name}"),
                 Route("PATCH", "/v1/subscriptions/{name}"),
                 Route("DELETE", "/v1/subscriptions/{name}"),

@@ -5,6 +5,7 @@ JSON on stdout; a refusal is one line on stderr and exit status 1.
     shoal topics create orders --partitions 4
     shoal topics list | describe orders | grow orders --partitions 8 | switch-produce orders
     shoal push create billing --filter 'orders/#' --endpoint https://example.com/hook
+    shoal push list [--limit 50] [--page-token T] [--all]
     shoal push describe billing | update billing --parallelism 4 | delete billing
     shoal push seek billing --to-time 2026-01-01T00:00:00Z   (or --to earliest|latest)
     shoal push dlq list billing | dlq redrive billing --ordering-key k1
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from shoal.cli.common import Help, UsageError, note, policy_of, print_document, token_of
+from shoal.cli.common import Help, note, policy_of, print_document, token_of
 from shoal.client.http import ShoalClient
 
 Arguments = Callable[[argparse.ArgumentParser], None]
@@ -140,6 +141,17 @@ def push_arguments(parser: argparse.ArgumentParser, client_arguments: Arguments)
         metavar="STATUS",
         help="answers that retry: codes, classes (4xx, 5xx) and `timeout` (429 5xx timeout)",
     )
+    listing = _action(
+        actions,
+        "list",
+        "list the push subscriptions, a page at a time (no blocked keys or depths: describe)",
+        client_arguments,
+    )
+    listing.add_argument("--limit", type=int, default=50, help="subscriptions per page, 1 to 100")
+    listing.add_argument("--page-token", help="the `next_page_token` of the previous page")
+    listing.add_argument(
+        "--all", action="store_true", help="follow the pages to the end; print them as one"
+    )
     describe = _action(
         actions, "describe", "show a push subscription and its queues", client_arguments
     )
@@ -161,10 +173,10 @@ def push_arguments(parser: argparse.ArgumentParser, client_arguments: Arguments)
 
     dlq = _action(actions, "dlq", "the dead-letter queue: list, redrive", lambda p: None)
     dlq_actions = _actions(dlq, "dlq_action")
-    listing = _action(dlq_actions, "list", "list dead-lettered messages", client_arguments)
-    listing.add_argument("name", help="the push subscription")
-    listing.add_argument("--limit", type=int, default=20, help="messages per page, 1 to 100")
-    listing.add_argument("--after", help="the `next` of the previous page")
+    letters = _action(dlq_actions, "list", "list dead-lettered messages", client_arguments)
+    letters.add_argument("name", help="the push subscription")
+    letters.add_argument("--limit", type=int, default=20, help="messages per page, 1 to 100")
+    letters.add_argument("--after", help="the `next` of the previous page")
     redrive = _action(
         dlq_actions,
         "redrive",
@@ -182,7 +194,26 @@ def _int_or_text(value: str) -> int | str:
     return int(value) if value.isdigit() else value
 
 
+def _list_push(client: ShoalClient, args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.page_token:
+        params["page_token"] = args.page_token
+    answer: dict[str, Any] = client.call("GET", "/v1/subscriptions", params=params)
+    if not args.all:
+        return answer
+    listed = list(answer["subscriptions"])
+    while answer["next_page_token"]:
+        params["page_token"] = answer["next_page_token"]
+        answer = client.call("GET", "/v1/subscriptions", params=params)
+        listed += answer["subscriptions"]
+    return {"subscriptions": listed, "next_page_token": None}
+
+
 def run_push(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        with _client(args) as client:
+            print_document(_list_push(client, args))
+        return 0
     base = f"/v1/subscriptions/{_name(args.name)}"
     with _client(args) as client:
         if args.action == "create":
@@ -252,27 +283,13 @@ def sessions_arguments(parser: argparse.ArgumentParser, client_arguments: Argume
         client_arguments,
     )
     show.add_argument("client_id", help="the session's client id")
-    show.add_argument(
-        "-x",
-        "--session-expiry-s",
-        type=int,
-        default=3600,
-        metavar="SECONDS",
-        help="the session's expiry to connect with (keep the one `shoal subscribe` used)",
-    )
 
 
 def run_sessions(args: argparse.Namespace) -> int:
-    """The API shows a session only to its live channel (``GET /v1/sessions/{id}`` takes
-    ``Shoal-Channel``), so this connects as the client id (not starting clean), reads it and
-    disconnects cleanly: a subscriber running under that id is taken over."""
-    if args.session_expiry_s < 0:
-        raise UsageError("--session-expiry-s must be 0 or more")
-    with _client(args, client_id=args.client_id) as client:
-        connection = client.connect(clean_start=False, session_expiry_s=args.session_expiry_s)
-        if not connection.session_present:
-            note(f"no session was kept for {args.client_id}: this shows a new, empty one")
-        answer = client.call_session("GET", "")
-        client.close(disconnect=True)
+    """``GET /v1/sessions/{id}`` without ``Shoal-Channel``: the session read-only, for the
+    session's principal or an admin. It never connects, so a subscriber running under that
+    client id keeps its channel and its deliveries."""
+    with _client(args) as client:
+        answer = client.call("GET", f"/v1/sessions/{_name(args.client_id)}")
     print_document(answer)
     return 0

@@ -56,6 +56,23 @@ def session_call(app: APIGatewayHttpResolver, client_id: str) -> SessionCall:
     return SessionCall(who, name, (app.current_event.headers or {}).get(CHANNEL_HEADER))
 
 
+def has_channel(app: APIGatewayHttpResolver) -> bool:
+    """Whether the request names a channel at all (an empty or malformed one counts: it is
+    refused as a channel call, never read as the read-only view)."""
+    return CHANNEL_HEADER in (app.current_event.headers or {})
+
+
+def session_view_call(app: APIGatewayHttpResolver, client_id: str) -> SessionCall:
+    """The read-only view of a session: an admin may read any client id's; anyone else only a
+    client id its ``shoal:clients`` allows, checked before anything else as ``session_call``
+    does (the session's owner is checked by the registry, after its one read)."""
+    who = principal(app)
+    name = unquote(client_id)
+    if not who.admin:
+        who.require_client(name)
+    return SessionCall(who, name, None)
+
+
 @contextmanager
 def owner_first(require_owner: Callable[[], None]) -> Iterator[None]:
     """Run a request's shape checks; if one fails, check ownership before answering it.

@@ -1,5 +1,5 @@
-"""Push subscriptions (admin): create, describe, change, delete, seek, list and redrive the DLQ
-(the DLQ's part: ``shoal.push.dead_letters``).
+"""Push subscriptions (admin): create, describe, list, change, delete, seek, list and redrive
+the DLQ (the DLQ's part: ``shoal.push.dead_letters``).
 
 Creating a subscription records it as ``creating``, then creates its RQ and DLQ streams, the
 RQ's mapping and its membership in the push tap of each storage stream of its topic (all
@@ -33,6 +33,9 @@ messages published before the seek time are skipped (as a Pub/Sub seek acks them
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +45,8 @@ from shoal.composite.store import TopicStore
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import (
+    BadRequest,
+    InvalidCursor,
     InvalidSeek,
     InvalidTopicName,
     ServerBusy,
@@ -74,6 +79,9 @@ from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level
 #: blocked keys a description lists (the depths count every blocked key)
 MAX_LISTED_KEYS = 100
 _MAX_CONFLICTS = 10
+#: subscriptions a page of ``GET /v1/subscriptions`` holds by default, and at most
+DEFAULT_LIST_PAGE = 50
+MAX_LIST_PAGE = 100
 
 
 def _base36(number: int) -> str:
@@ -84,6 +92,23 @@ def _base36(number: int) -> str:
         out = digits[rest] + out
         if not number:
             return out
+
+
+def _encode_page_token(after: str) -> str:
+    """Opaque to the caller: the name the page ended at (the table's own order)."""
+    raw = json.dumps({"a": after}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_page_token(token: object) -> str:
+    try:
+        text = str(token)
+        after = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))["a"]
+    except (binascii.Error, ValueError, KeyError, TypeError):
+        raise InvalidCursor("the page token is not one this service handed out") from None
+    if not isinstance(after, str) or not after:
+        raise InvalidCursor("the page token is not one this service handed out")
+    return after
 
 
 def tap_lanes(parallelisms: Iterable[int], storage_index: int, produce_pointer: int) -> int:
@@ -320,6 +345,24 @@ class PushAdmin:
             "dlq_depth": dlq_depth,
         }
         return doc
+
+    def list_page(self, limit: object, page_token: object) -> dict[str, Any]:
+        """A page of subscriptions (Pub/Sub's ``projects.subscriptions.list``), each as
+        ``describe`` answers it but without ``blocked_keys``, ``blocked_key_count``,
+        ``retry_depth`` and ``dlq_depth``: those take a Query of the blocked-key index per
+        subscription, where the rest of a document comes from its one item."""
+        try:
+            count = DEFAULT_LIST_PAGE if limit is None else int(str(limit))
+        except ValueError:
+            count = 0
+        if not 1 <= count <= MAX_LIST_PAGE:
+            raise BadRequest(f"limit is 1-{MAX_LIST_PAGE}", maximum=MAX_LIST_PAGE)
+        after = _decode_page_token(page_token) if page_token else None
+        subs, last = self.subscriptions.page(count, after)
+        return {
+            "subscriptions": [self._document(sub) for sub in subs],
+            "next_page_token": None if last is None else _encode_page_token(last),
+        }
 
     def _document(self, sub: PushSubscription) -> dict[str, Any]:
         def queue_document(queue: str) -> dict[str, Any]:

@@ -123,6 +123,53 @@ class PushSubscriptionStore:
             records = self.dynamo.batch_get(self.table, [{"name": n} for n in wanted])
         return {str(r["name"]): PushSubscription.from_record(r) for r in records if r.get("spec")}
 
+    def page(
+        self, limit: int, after: str | None = None, *, max_calls: int = 10
+    ) -> tuple[list[PushSubscription], str | None]:
+        """Up to ``limit`` subscriptions, in the table's (hash) order, from after the name
+        ``after``; and the name to continue after, None at the end of the table.
+
+        A paginated Scan: the table's only key is ``name`` (subscriptions and ``tap#`` items
+        share it) and no index lists the subscriptions, so a Query cannot. Each call asks for
+        at most the items still missing (``Limit`` counts items *evaluated*, before the filter
+        drops tap items and items without a spec), so nothing is read past the last item
+        returned and the continuation is exact. Read units: a Scan is charged for every item
+        it evaluates, tap items included, at 0.5 RCU per 4 KB summed over the items of a
+        call (eventually consistent): a page of 100 subscriptions of ~1 KB (their cursors
+        grow with the shards of their topic) costs ~13 RCU, plus the taps it passes; a
+        subscription is one item whatever its queues hold. A run of tap items longer than
+        ``max_calls`` calls can end a page short, with a continuation (Pub/Sub may also
+        answer fewer than ``page_size``).
+        """
+        expr = Expression()
+        name = expr.n("name")
+        request: dict[str, Any] = {
+            "TableName": self.table,
+            "FilterExpression": (
+                f"attribute_exists({expr.n('spec')})"
+                f" AND attribute_exists({expr.n('state')})"
+                f" AND NOT begins_with({name}, {expr.v(TAP_PREFIX)})"
+            ),
+            "ExpressionAttributeNames": expr.names,
+            "ExpressionAttributeValues": expr.values,
+        }
+        if after is not None:
+            request["ExclusiveStartKey"] = self._key(after)
+        out: list[PushSubscription] = []
+        last: str | None = None
+        for _ in range(max_calls):
+            request["Limit"] = limit - len(out)
+            with _busy("subscriptions could not be listed; retry"):
+                answer = self.dynamo.call("scan", **request)
+            out += [PushSubscription.from_record(from_item(i)) for i in answer.get("Items", [])]
+            if "LastEvaluatedKey" not in answer:
+                return out, None
+            last = str(from_item(answer["LastEvaluatedKey"])["name"])
+            if len(out) >= limit:
+                break
+            request["ExclusiveStartKey"] = answer["LastEvaluatedKey"]
+        return out, last
+
     def create(
         self,
         name: str,

@@ -272,3 +272,31 @@ class SessionRegistry:
         if self.deliveries is not None and head.session_id:
             document["in_flight"] = self.deliveries.in_flight(head.session_id)
         return document
+
+    def view(self, who: Principal, client_id: str) -> dict[str, Any]:
+        """The session read-only, without its channel: for an admin, or for the principal that
+        holds it (``shoal sessions show``).
+
+        MQTT has no such read (a client sees its session only by connecting, which takes it
+        over: MQTT 5 §3.1.4); a broker's admin API has one (EMQX's ``GET /clients/{clientid}``).
+        It only reads: the head (one strongly consistent read), the groups and the inbox's
+        state, as the channel's own GET does; nothing is renewed, taken over, delivered or
+        acked, and the live channel goes on as before. ``channel`` is null: the live channel
+        is what a session-scoped call acts as (acks among them), so the view does not hand it
+        out. A session that expired and is not removed yet is gone (MQTT 5 §3.1.2.11.2).
+        """
+        if not who.admin:
+            who.require_client(client_id)
+        check_client_id(client_id)
+        head = self.repository.head(client_id)
+        if head is not None and head.sub != who.sub and not who.admin:
+            raise Forbidden("the client id's session belongs to another principal")
+        if head is None or not head.session_alive(self.clock.now_ms()):
+            raise SessionNotFound("no session for this client id")
+        document = session_document(client_id, head)
+        document["channel"] = None
+        if self.groups is not None:
+            document["groups"] = self.groups.describe(head.session_id or "", head.subscriptions)
+        if self.deliveries is not None and head.session_id:
+            document["in_flight"] = self.deliveries.in_flight(head.session_id)
+        return document

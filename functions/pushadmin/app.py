@@ -1,12 +1,11 @@
-"""Push subscriptions (admin): create, list, get, change, delete, seek, list and redrive the
-DLQ."""
+"""Push subscriptions (admin): create, list, get, change, delete, seek, DLQ list and redrive."""
 
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from shoal.http.body import parse_body
 from shoal.http.caller import admin_only
-from shoal.http.resolver import json_response, lambda_handler, make_resolver
+from shoal.http.resolver import json_response, lambda_handler, make_resolver, query_values
 from shoal.push.admin import PushAdmin
 from shoal.push.api import CreateRequest, RedriveRequest, SeekRequest, UpdateRequest
 from shoal.wiring import PerConfig
@@ -24,8 +23,7 @@ def create_subscription() -> Response[str]:
 
 @app.get("/v1/subscriptions")
 def list_subscriptions() -> dict[str, Any]:
-    query = app.current_event.query_string_parameters or {}
-    return service().list_page(query.get("limit"), query.get("page_token"))
+    return service().list_page(*query_values(app, "limit", "page_token"))
 
 
 @app.get("/v1/subscriptions/<name>")
@@ -51,8 +49,7 @@ def seek(name: str) -> dict[str, Any]:
 
 @app.get("/v1/subscriptions/<name>/dlq")
 def dead_letters(name: str) -> dict[str, Any]:
-    query = app.current_event.query_string_parameters or {}
-    return service().dead_letters(name, query.get("limit"), query.get("after"))
+    return service().dead_letters(name, *query_values(app, "limit", "after"))
 
 
 @app.post("/v1/subscriptions/<name>/dlq/redrive")

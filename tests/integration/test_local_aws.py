@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from shoal.local.aws import JOURNAL_FILE, EmbeddedAws, Journal, JournalRecord
+from shoal.local.aws import EmbeddedAws
+from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.provision import LocalNames, provision
 
 CLIENT_CONFIG = Config(max_pool_connections=32, retries={"max_attempts": 1, "mode": "standard"})

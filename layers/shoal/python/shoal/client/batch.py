@@ -23,15 +23,29 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from shoal.client.errors import ApiError, ClientError
 from shoal.client.support import BatchSettings, PublishResult
 
-if TYPE_CHECKING:
-    from shoal.client.http import ShoalClient
+
+class BatchingClient(Protocol):
+    """What a ``BatchPublisher`` needs of ``shoal.client.http.ShoalClient`` (a protocol, so
+    the client can make publishers without the two modules importing each other)."""
+
+    @property
+    def requests_sent(self) -> int: ...
+
+    @property
+    def message_body(self) -> Callable[..., dict[str, Any]]:
+        """A message's request body from ``publish``'s arguments."""
+        ...
+
+    def publish_many(
+        self, bodies: Sequence[Mapping[str, Any]], settings: BatchSettings | None = None
+    ) -> list[PublishResult | ApiError]: ...
 
 
 class PublisherClosed(ClientError):
@@ -39,7 +53,7 @@ class PublisherClosed(ClientError):
 
 
 class BatchPublisher:
-    def __init__(self, client: ShoalClient, settings: BatchSettings) -> None:
+    def __init__(self, client: BatchingClient, settings: BatchSettings) -> None:
         self.client = client
         self.settings = settings
         self._queue: deque[tuple[dict[str, Any], Future[PublishResult], float]] = deque()

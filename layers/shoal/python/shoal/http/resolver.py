@@ -38,6 +38,12 @@ def error_response(error: ShoalError) -> Response[str]:
     )
 
 
+def query_values(app: APIGatewayHttpResolver, *names: str) -> tuple[str | None, ...]:
+    """The current request's query string values of ``names`` (None for an absent one)."""
+    query = app.current_event.query_string_parameters or {}
+    return tuple(query.get(name) for name in names)
+
+
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response[str]:
     return Response(
         status_code=status,

@@ -1,0 +1,120 @@
+"""The embedded AWS's journal: every successful mutating request, durable before its response
+leaves (``shoal.local.aws`` appends and replays it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("shoal-dev.aws")
+
+JOURNAL_FILE = "aws-journal.bin"
+_MAGIC = b"SHOALJ1\n"
+_RECORD_HEADER = struct.Struct(">II")  # payload length, crc32 of payload
+#: a record larger than this is treated as a torn length field, never allocated
+_MAX_RECORD = 1 << 30
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    """One successful mutating request, as the WSGI app saw it."""
+
+    seq: int
+    at_ms: int
+    environ: dict[str, str]
+    preserved_names: dict[str, str]
+    body: bytes
+
+    def encode(self) -> bytes:
+        meta = {
+            "seq": self.seq,
+            "at_ms": self.at_ms,
+            "environ": self.environ,
+            "preserved": self.preserved_names,
+        }
+        payload = json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
+        return _RECORD_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+    @classmethod
+    def decode(cls, payload: bytes) -> JournalRecord:
+        head, _, body = payload.partition(b"\n")
+        meta = json.loads(head)
+        return cls(meta["seq"], meta["at_ms"], meta["environ"], meta["preserved"], body)
+
+    @property
+    def method(self) -> str:
+        return self.environ.get("REQUEST_METHOD", "")
+
+
+class Journal:
+    """An append-only file of length-prefixed, checksummed records.
+
+    Opening it reads every complete record and cuts off a torn tail (a record whose length or
+    checksum does not hold: the process died mid-append, so no client was told it succeeded).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[JournalRecord] = []
+        self.dropped_tail_bytes = 0
+        created = not path.exists()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if created or os.fstat(self._fd).st_size == 0:
+            os.write(self._fd, _MAGIC)
+            os.fsync(self._fd)
+            _fsync_dir(path.parent)
+        self._load()
+        os.lseek(self._fd, 0, os.SEEK_END)
+        self.next_seq = self.records[-1].seq + 1 if self.records else 0
+
+    def _load(self) -> None:
+        size = os.fstat(self._fd).st_size
+        with open(self.path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise ValueError(f"{self.path} is not a shoal AWS journal")
+            good = f.tell()
+            while True:
+                header = f.read(_RECORD_HEADER.size)
+                if len(header) < _RECORD_HEADER.size:
+                    break
+                length, crc = _RECORD_HEADER.unpack(header)
+                if length > _MAX_RECORD:
+                    break
+                payload = f.read(length)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    break
+                self.records.append(JournalRecord.decode(payload))
+                good = f.tell()
+        if good < size:
+            self.dropped_tail_bytes = size - good
+            log.warning("journal: dropped a torn tail of %d bytes", self.dropped_tail_bytes)
+            os.ftruncate(self._fd, good)
+            os.fsync(self._fd)
+
+    def append(self, record: JournalRecord) -> None:
+        """Write and fsync one record; returns only once it is durable."""
+        data = record.encode()
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        os.fsync(self._fd)
+        self.next_seq = record.seq + 1
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -43,6 +43,7 @@ from pipeline.common import (
     blank_as_null,
     in_range,
     iso,
+    job_parser,
     matching_topics,
     parse_time,
     read_events,
@@ -658,7 +659,7 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal pipeline audit", description=__doc__)
+    parser = job_parser("audit")
     add_arguments(parser)
     args = parser.parse_args(argv)
     doc = run(args)

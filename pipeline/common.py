@@ -18,6 +18,7 @@ annotations unevaluated, and nothing 3.10+ runs (ruff's per-file target keeps it
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -38,6 +39,41 @@ EVENTS = "events"
 #: 72 digits (AWS writes 56)
 SEQUENCE_CHUNK = 18
 SEQUENCE_CHUNKS = 4
+
+
+#: what each job's ``--help`` says, in the words of someone who runs it (the module docstrings
+#: are for the people who change the jobs)
+DESCRIPTIONS = {
+    "audit": (
+        "Check that every archived message reached each of its subscribers exactly once and in "
+        "order, and report losses, duplicates and reorders."
+    ),
+    "compact": (
+        "Turn the archive's JSON lines into Parquet files, one folder per date and hour. The "
+        "other jobs read both, so it can run at any time, and again: an hour it already covers "
+        "is skipped."
+    ),
+    "replay": (
+        "Deliver archived messages that match a topic filter and a time range to a session again."
+    ),
+    "stats": (
+        "Count messages per topic and hour, and report each subscriber's backlog, lag and retry "
+        "rates."
+    ),
+    "sync": (
+        "Copy shoal dev's archive (messages and delivery events) out of its emulator into a local "
+        "folder, for the other jobs to read."
+    ),
+}
+
+
+def job_parser(job: str) -> argparse.ArgumentParser:
+    """The argument parser of ``shoal pipeline <job>``."""
+    return argparse.ArgumentParser(
+        prog=f"shoal pipeline {job}",
+        description=DESCRIPTIONS[job],
+        epilog="What each job reads, writes and reports: docs/pipeline.md.",
+    )
 
 
 def message_schema() -> Any:

@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Sequence
 
 from pipeline.columnar import ROWS_PER_FILE, compact
-from pipeline.common import EVENTS, MESSAGES, Progress, parse_time, spark_session
+from pipeline.common import EVENTS, MESSAGES, Progress, job_parser, parse_time, spark_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal pipeline compact", description=__doc__)
+    parser = job_parser("compact")
     add_arguments(parser)
     args = parser.parse_args(argv)
     progress = Progress("compact", quiet=args.quiet)

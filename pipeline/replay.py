@@ -45,6 +45,7 @@ from pipeline.common import (
     Output,
     Progress,
     in_range,
+    job_parser,
     matching_topics,
     parse_time,
     read_messages,
@@ -708,7 +709,7 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal pipeline replay", description=__doc__)
+    parser = job_parser("replay")
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.plan is not None and (args.input is not None or args.filter is not None):

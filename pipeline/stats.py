@@ -24,6 +24,7 @@ from pipeline.common import (
     blank_as_null,
     in_range,
     iso,
+    job_parser,
     parse_time,
     read_events,
     read_messages,
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal pipeline stats", description=__doc__)
+    parser = job_parser("stats")
     add_arguments(parser)
     run(parser.parse_args(argv))
     return 0

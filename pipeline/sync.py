@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pipeline.common import job_parser
+
 MANIFEST = ".sync.json"
 PREFIXES = ("messages/", "events/")
 
@@ -122,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal pipeline sync", description=__doc__)
+    parser = job_parser("sync")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

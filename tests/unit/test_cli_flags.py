@@ -158,3 +158,18 @@ def test_a_taken_port_is_said_in_one_line(
         # the one asked for with --aws-port: no start, and a line that says why
         assert _emulator_port(_dev_args(tmp_path, aws_port=port)) is None
         assert f"--aws-port {port} is in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job", sorted(PIPELINE_JOBS))
+def test_each_pipeline_jobs_help_says_what_it_does_in_plain_words(
+    job: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.common import DESCRIPTIONS
+
+    with pytest.raises(SystemExit) as done:
+        main(["pipeline", job, "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert " ".join(DESCRIPTIONS[job].split()) in out
+    # no reStructuredText from the module docstrings (``literals``, :roles:)
+    assert "``" not in out and ":class:" not in out

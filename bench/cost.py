@@ -30,7 +30,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -39,19 +38,11 @@ from shoal.aws.kinesis import PUSH_MAPPING, ROUTER_MAPPING
 from shoal.core.config import get_config
 from shoal.declarations import DEPLOYMENT
 from shoal.local.context import LambdaContext
-from shoal.local.esm.invocation import StreamRecord, kinesis_event
 
 from bench.account import CallMeter, emulated_account, item_size
-from bench.delivery import WriteUnits
-from bench.push import Endpoint
+from bench.delivery import CLAIMS, EVENT, WriteUnits
+from bench.push import Endpoint, stream_events
 
-EVENT = Path(__file__).resolve().parent.parent / "events" / "http_api_request.json"
-CLAIMS = {
-    "sub": "bench",
-    "shoal:clients": "[bench-*]",
-    "shoal:publish": "[#]",
-    "shoal:subscribe": "[#]",
-}
 PAYLOAD = "x" * 256
 #: ordering keys over which a batched publisher spreads its 100 messages (a gateway batching
 #: the readings of 10 devices): Kinesis records per message fall with messages per key
@@ -492,20 +483,7 @@ class Run:
         if not raw:
             return []
         self.position = raw[-1]["SequenceNumber"]
-        records = [StreamRecord.from_get_records(dict(r)) for r in raw]
-        arn = self.kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
-            "StreamARN"
-        ]
-        return [
-            kinesis_event(
-                records[i : i + per_batch],
-                shard_id=shard,
-                stream_arn=arn,
-                region="us-east-1",
-                role_arn="arn:aws:iam::123456789012:role/bench",
-            )
-            for i in range(0, len(records), per_batch)
-        ]
+        return stream_events(self.kinesis, stream, shard, raw, per_batch)
 
     def consume(self, sessions: list[tuple[str, str]], wanted: int) -> int:
         """Every session gets and acks, page by page, until ``wanted`` messages came; a page

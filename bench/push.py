@@ -178,23 +178,8 @@ class Pipeline:
         iterator = kinesis.get_shard_iterator(
             StreamName=stream, ShardId=shard, ShardIteratorType="TRIM_HORIZON"
         )["ShardIterator"]
-        records = [
-            StreamRecord.from_get_records(dict(r))
-            for r in kinesis.get_records(ShardIterator=iterator, Limit=10_000)["Records"]
-        ]
-        arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
-            "StreamARN"
-        ]
-        return [
-            kinesis_event(
-                records[i : i + per_batch],
-                shard_id=shard,
-                stream_arn=arn,
-                region="us-east-1",
-                role_arn="arn:aws:iam::123456789012:role/bench",
-            )
-            for i in range(0, len(records), per_batch)
-        ]
+        raw = kinesis.get_records(ShardIterator=iterator, Limit=10_000)["Records"]
+        return stream_events(kinesis, stream, shard, raw, per_batch)
 
     def meter(self) -> CallMeter:
         meter = CallMeter()
@@ -416,3 +401,24 @@ def report(figures: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     print(report(run()))
+
+
+def stream_events(
+    kinesis: Any, stream: str, shard: str, raw: list[Any], per_batch: int
+) -> list[dict[str, Any]]:
+    """The events Lambda would send for ``raw`` (GetRecords' records of one shard),
+    ``per_batch`` records each."""
+    records = [StreamRecord.from_get_records(dict(r)) for r in raw]
+    arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"
+    ]
+    return [
+        kinesis_event(
+            records[i : i + per_batch],
+            shard_id=shard,
+            stream_arn=arn,
+            region="us-east-1",
+            role_arn="arn:aws:iam::123456789012:role/bench",
+        )
+        for i in range(0, len(records), per_batch)
+    ]

@@ -39,7 +39,7 @@ import boto3
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
-from shoal.local.transport import InProcessTransport
+from shoal.local.transport import InProcessTransport, call_wsgi
 
 log = logging.getLogger("shoal-dev.aws")
 
@@ -501,22 +501,7 @@ class SerializedApp:
         return [payload]
 
     def _run(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
-        captured: dict[str, Any] = {}
-
-        def start_response(
-            status: str, headers: list[tuple[str, str]], exc_info: Any = None
-        ) -> Any:
-            captured["status"], captured["headers"] = status, headers
-            return lambda _data: None
-
-        result = self.app(environ, start_response)
-        try:
-            payload = b"".join(result)
-        finally:
-            close = getattr(result, "close", None)
-            if close is not None:
-                close()
-        return captured["status"], captured["headers"], payload
+        return call_wsgi(self.app, environ)
 
     def replay(self) -> ReplayStats:
         """Apply every journaled request, in order, to the (fresh) backend."""

@@ -103,6 +103,24 @@ def environ_for(request: AWSPreparedRequest) -> dict[str, Any]:
     return environ
 
 
+def call_wsgi(app: WsgiApp, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+    """Call a WSGI app and collect its answer: status line, headers, body."""
+    captured: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        captured["status"], captured["headers"] = status, headers
+        return lambda _data: None
+
+    result = app(environ, start_response)
+    try:
+        payload = b"".join(result)
+    finally:
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+    return str(captured["status"]), captured["headers"], payload
+
+
 class InProcessTransport:
     """Answers the SDK requests addressed to ``url`` by calling ``app`` in this process."""
 
@@ -117,30 +135,15 @@ class InProcessTransport:
             # another endpoint, or a stopped emulator (its clients then meet a closed port,
             # as over HTTP): botocore sends it as usual
             return None
-        captured: dict[str, Any] = {}
-
-        def start_response(
-            status: str, headers: list[tuple[str, str]], exc_info: Any = None
-        ) -> Any:
-            captured["status"], captured["headers"] = status, headers
-            return lambda _data: None
-
         try:
-            result = self.app(environ_for(request), start_response)
-            try:
-                payload = b"".join(result)
-            finally:
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
+            status_line, pairs, payload = call_wsgi(self.app, environ_for(request))
         except Exception:
             # over HTTP the server would log it and answer 500; the caller sees the same
             log.exception("emulator: a request failed in-process")
-            captured["status"], captured["headers"] = "500 INTERNAL SERVER ERROR", []
-            payload = _SERVER_ERROR
+            status_line, pairs, payload = "500 INTERNAL SERVER ERROR", [], _SERVER_ERROR
         self.calls += 1
-        status = int(str(captured["status"]).split(" ", 1)[0])
-        headers = HTTPHeaders.from_pairs(captured["headers"])
+        status = int(status_line.split(" ", 1)[0])
+        headers = HTTPHeaders.from_pairs(pairs)
         return AWSResponse(request.url, status, headers, _Body(payload))
 
     # -- installing --

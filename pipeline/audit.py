@@ -49,6 +49,7 @@ from pipeline.common import (
     read_events,
     read_messages,
     read_subscriptions,
+    sequence_order,
     spark_session,
     unique_messages,
 )
@@ -101,19 +102,39 @@ class AuditResult:
             *CONSUMER,
             "ordering_key",
             "message_id",
-            F.col("behind.message_id").alias("acked_after"),
+            "acked_after",
             "at",
         )
 
 
 # -- transforms -----------------------------------------------------------------------------------
+#
+# The heavy steps group, join and sort on 64-bit digests of the ids (``digest``): fixed-width
+# keys and fixed-width aggregation buffers let Spark hash-aggregate with generated code and sort
+# on a long prefix, where strings (a string in an aggregation buffer, a string or struct sort
+# key) force sort-based aggregation, which runs interpreted and sorts every row twice. Strings
+# come back only where a person reads them: consumer names (a small distinct table) and message
+# ids (carried from the archive).
+
+
+def digest(*columns: Column | str) -> Column:
+    """xxhash64 of the columns, null when the first is null. Two of n ids collide with a
+    probability of about n**2 / 2**65 (1e-6 for 6 million ids): a collision would merge two
+    messages' deliveries, which the audit would show as a duplicate, never hide a loss."""
+    from pyspark.sql import functions as F
+
+    first = F.col(columns[0]) if isinstance(columns[0], str) else columns[0]
+    return F.when(first.isNotNull(), F.xxhash64(*columns))
 
 
 def published(messages: DataFrame) -> DataFrame:
     """One row per archived message with its place in publish order (``publish_order``:
     storage topic, then Kinesis sequence number as numbers, then position in the record, then
-    publish time and id). Hash-partitioned by message id, as the pairs it is joined with: the
-    join moves no data."""
+    publish time and id), its digest ``m`` and its lane's ``key`` (a digest of composite topic
+    and ordering key). A message a bisected batch archived twice keeps its copy earliest in its
+    stream (a window over the digest: one sort on a long, where a minimum of a struct would
+    aggregate sort-based). Hash-partitioned by ``m``, as the pairs it is joined with."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     # only what the audit uses: Parquet reads just these columns (payloads stay on disk)
@@ -125,29 +146,57 @@ def published(messages: DataFrame) -> DataFrame:
         "qos",
         "published_at",
         "storage_topic",
-        "sequence_number",
         "position",
-    )
+        *sequence_order(),
+    ).where(F.col("message_id").isNotNull())
     order = F.struct("storage_topic", *SEQUENCE_KEYS, "position", "published_at", "message_id")
-    return unique_messages(needed).select(
-        "message_id",
-        "composite_topic",
-        "ordering_key",
-        # archives from before the flag have none: their order was kept, count them keyed
-        F.coalesce(F.col("keyed"), F.lit(True)).alias("keyed"),
-        F.col("qos").alias("message_qos"),
-        F.col("published_at").alias("archived_at"),
-        order.alias("publish_order"),
-        F.lit(True).alias("_archived"),
+    earliest = Window.partitionBy("m").orderBy("publish_order")
+    return (
+        needed.select(
+            digest("message_id").alias("m"),
+            "message_id",
+            digest(F.coalesce("composite_topic", F.lit("")), "ordering_key").alias("key"),
+            "composite_topic",
+            "ordering_key",
+            # archives from before the flag have none: their order was kept, count them keyed
+            F.coalesce(F.col("keyed"), F.lit(True)).alias("keyed"),
+            F.col("qos").alias("message_qos"),
+            F.col("published_at").alias("archived_at"),
+            order.alias("publish_order"),
+        )
+        .withColumn("_copy", F.row_number().over(earliest))
+        .where(F.col("_copy") == 1)
+        .drop("_copy")
+        .withColumn("_archived", F.lit(True))
+    )
+
+
+def consumer_names(events: DataFrame) -> DataFrame:
+    """Per consumer digest ``c``: its kind and id, its label (a session's client id) and, for a
+    shared group, its subscription (``$share/<name>/<filter>``). A distinct of four
+    dictionary-encoded columns: a few rows per consumer, then one each."""
+    from pyspark.sql import functions as F
+
+    share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
+    return (
+        events.select(
+            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            *CONSUMER,
+            "label",
+            share.alias("share"),
+        )
+        .distinct()
+        .groupBy("c", *CONSUMER)
+        .agg(F.max("label").alias("label"), F.max("share").alias("share"))
     )
 
 
 def deliveries(events: DataFrame) -> DataFrame:
     """One row per delivery: a consumer's events that share a delivery id (delivered, its
     redeliveries, its acks), or, without one, a message id (routed, a push ack, a dead letter).
-    An ack that names only the delivery id gets its message id here, from the delivery events
-    of that id: one aggregate, no self-join. Lines a re-cut batch wrote twice change nothing
-    but ``redeliveries`` (a count, shown, never judged)."""
+    An ack that names only the delivery id gets its message (``m``) here, from the delivery
+    events of that id: one aggregate, no self-join. Lines a re-cut batch wrote twice change
+    nothing but ``redeliveries`` (a count, shown, never judged)."""
     from pyspark.sql import functions as F
 
     def at_of(*kinds: str) -> Column:
@@ -155,26 +204,24 @@ def deliveries(events: DataFrame) -> DataFrame:
 
     named = blank_as_null(F.col("message_id"))
     delivery = F.coalesce(blank_as_null(F.col("delivery_id")), F.concat(F.lit("#"), named))
-    share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
     ack_key = F.col("at") * ACK_SEQ_SPAN + F.least(F.col("seq"), F.lit(ACK_SEQ_SPAN - 1))
     return (
         events.select(
-            *CONSUMER,
-            delivery.alias("delivery"),
-            named.alias("message_id"),
+            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            digest(delivery).alias("d"),
+            digest(named).alias("m"),
             "event",
             "at",
             F.coalesce("seq", F.lit(0)).alias("seq"),
             "qos",
             "published_at",
-            "label",
-            share.alias("share"),
             F.coalesce("retain", F.lit(False)).alias("retain"),
+            "consumer_kind",
         )
-        .where(F.col("delivery").isNotNull())
-        .groupBy(*CONSUMER, "delivery")
+        .where(F.col("d").isNotNull())
+        .groupBy("c", "d")
         .agg(
-            F.max("message_id").alias("message_id"),
+            F.max("m").alias("m"),
             # the first ack as one long, (at, seq) in order: a long, not a struct, to compare
             F.min(F.when(F.col("event") == "acked", ack_key)).alias("ack"),
             # when the consumer was first handed this delivery
@@ -186,8 +233,7 @@ def deliveries(events: DataFrame) -> DataFrame:
             F.min("qos").alias("event_qos"),
             F.min("published_at").alias("event_published_at"),
             F.max("at").alias("last_at"),
-            F.max("label").alias("label"),
-            F.max("share").alias("share"),
+            F.max(F.col("consumer_kind") == "group").alias("group"),
         )
     )
 
@@ -203,32 +249,29 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
     fresh = ~F.col("retained")
     acked = F.col("ack").isNotNull()
     # acks whose delivery id no delivery event names stay, as one row per consumer with no
-    # message id: counted as unresolved, never judged
-    # hash-partitioned by message id alone (that clusters by pair too): the join with the
+    # message (m null): counted as unresolved, never judged
+    # hash-partitioned by message alone (that clusters by pair too): the join with the
     # archive, partitioned the same way, then needs no exchange
     return (
-        delivered.repartition("message_id")
-        .groupBy(*PAIR)
+        delivered.repartition("m")
+        .groupBy("c", "m")
         .agg(
             F.min(F.when(fresh, F.col("ack"))).alias("_ack"),
             F.count(F.when(fresh & acked, 1)).alias("acks"),
             F.max(F.when(fresh, F.col("handed_at"))).alias("last_handed_at"),
             F.count(F.when(F.col("retained"), 1)).alias("retained_deliveries"),
-            F.min(F.when(F.col("retained"), F.col("ack"))).alias("_retained_ack"),
             F.sum("redeliveries").alias("redeliveries"),
             F.max("dead_lettered").alias("dead_lettered"),
             F.max("dropped").alias("dropped"),
             F.min("event_qos").alias("event_qos"),
             F.min("event_published_at").alias("event_published_at"),
             F.max("last_at").alias("last_at"),
-            F.max("label").alias("label"),
-            F.max("share").alias("share"),
             F.max(F.when(fresh, 1).otherwise(0)).alias("fresh"),
+            F.max("group").alias("group"),
         )
         .withColumn("acked_at", F.floor(F.col("_ack") / ACK_SEQ_SPAN))
         .withColumn("ack_seq", F.col("_ack") % ACK_SEQ_SPAN)
-        .withColumn("retained_acked_at", F.floor(F.col("_retained_ack") / ACK_SEQ_SPAN))
-        .drop("_ack", "_retained_ack")
+        .drop("_ack")
     )
 
 
@@ -250,12 +293,30 @@ def subscription_pairs(
             (F.col("published_at") >= F.coalesce("since", F.lit(0)))
             & (F.col("until").isNull() | (F.col("published_at") < F.col("until")))
         )
-        .groupBy(*PAIR)
-        .agg(
-            F.max(F.least(F.coalesce("qos", F.lit(2)), F.col("message_qos"))).alias(
-                "subscribed_qos"
-            ),
+        .select(
+            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            digest("message_id").alias("m"),
+            F.least(F.coalesce("qos", F.lit(2)), F.col("message_qos")).alias("_qos"),
         )
+        .groupBy("c", "m")
+        .agg(F.max("_qos").alias("subscribed_qos"))
+    )
+
+
+def subscription_names(subscriptions: DataFrame) -> DataFrame:
+    """``consumer_names`` of the consumers a subscriptions file lists."""
+    from pyspark.sql import functions as F
+
+    share = F.when(F.col("filter").startswith("$share/"), F.col("filter"))
+    return (
+        subscriptions.select(
+            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            *CONSUMER,
+            F.lit(None).cast("string").alias("label"),
+            share.alias("share"),
+        )
+        .groupBy("c", *CONSUMER)
+        .agg(F.max("label").alias("label"), F.max("share").alias("share"))
     )
 
 
@@ -269,11 +330,11 @@ def judged_pairs(
     from pyspark.sql import functions as F
 
     if subscribed is not None:
-        outcomes = outcomes.join(subscribed, PAIR, "full_outer")
+        outcomes = outcomes.join(subscribed, ["c", "m"], "full_outer")
     else:
         outcomes = outcomes.withColumn("subscribed_qos", F.lit(None).cast("int"))
     joined = (
-        archive.join(outcomes, "message_id", "full_outer")
+        archive.join(outcomes, "m", "full_outer")
         .withColumn("archived", F.coalesce(F.col("_archived"), F.lit(False)))
         .drop("_archived")
     )
@@ -283,28 +344,56 @@ def judged_pairs(
         kept = kept & (F.col("published_at") >= window.since)
     if window.until is not None:
         kept = kept & (F.col("published_at") < window.until)
-    # unresolved acks (no message id) stay whatever the window: reported, never judged
-    joined = joined.where(kept | F.col("message_id").isNull())
+    # unresolved acks (no message) stay whatever the window: reported, never judged
+    joined = joined.where(kept | F.col("m").isNull())
     # a shared group promises order only per explicit ordering key (MQTT 5 §4.8.2 gives
     # shared subscriptions no order; its lanes spread unkeyed messages), a session per topic
     judged = (
-        F.col("consumer").isNotNull()
+        F.col("c").isNotNull()
         & F.col("acked_at").isNotNull()
         & F.col("archived")
-        & ((F.col("consumer_kind") != "group") | F.col("keyed"))
+        & (~F.coalesce(F.col("group"), F.lit(False)) | F.col("keyed"))
     )
-    lane = Window.partitionBy("_ordered", *CONSUMER, "composite_topic", "ordering_key").orderBy(
-        "acked_at", "ack_seq", "publish_order"
-    )
-    before = lane.rowsBetween(Window.unboundedPreceding, -1)
+    # one long per (consumer, composite topic, ordering key): the window sorts on it first
+    lane = F.when(judged, F.xxhash64("c", "key"))
+    ordered = Window.partitionBy("_lane").orderBy("acked_at", "ack_seq", "publish_order")
+    before = ordered.rowsBetween(Window.unboundedPreceding, -1)
     return (
-        joined.withColumn("_ordered", judged)
+        joined.withColumn("_lane", lane)
         # the latest-published message acked before this one; behind it in publish order:
         # acked out of order
-        .withColumn("behind", F.when(F.col("_ordered"), F.max("publish_order").over(before)))
+        .withColumn(
+            "behind",
+            F.when(F.col("_lane").isNotNull(), F.max("publish_order").over(before)),
+        )
         .withColumn("reordered", F.coalesce(F.col("publish_order") < F.col("behind"), F.lit(False)))
+        .withColumn("acked_after", F.when(F.col("reordered"), F.col("behind.message_id")))
         .withColumn("at", F.col("acked_at"))
-        .drop("_ordered")
+        # what the report reads, and no more: the cache holds every row of this frame (the
+        # order structs alone would be most of it)
+        .select(
+            "c",
+            "m",
+            "message_id",
+            "ordering_key",
+            "message_qos",
+            "published_at",
+            "archived",
+            "acks",
+            "last_handed_at",
+            "retained_deliveries",
+            "redeliveries",
+            "dead_lettered",
+            "dropped",
+            "event_qos",
+            "subscribed_qos",
+            "last_at",
+            "fresh",
+            "acked_at",
+            "at",
+            "reordered",
+            "acked_after",
+        )
     )
 
 
@@ -333,7 +422,7 @@ def with_status(pairs: DataFrame, window: AuditWindow, as_of: int) -> DataFrame:
         .withColumn("latency_ms", F.col("acked_at") - F.col("published_at"))
         .withColumn(
             "status",
-            F.when(F.col("consumer").isNotNull() & F.col("message_id").isNotNull(), status),
+            F.when(F.col("c").isNotNull() & F.col("m").isNotNull(), status),
         )
         .withColumn("duplicated", F.col("acks") > 1)
         # a fresh delivery (a new delivery id) handed out after the first ack; the same
@@ -352,12 +441,12 @@ def consumer_summary(pairs: DataFrame) -> DataFrame:
         return F.count(F.when(F.col("status") == name, 1)).alias(name)
 
     judged = ~F.col("status").isin("qos0", "retained")
+    # the names are one per consumer: grouping by them too keeps one group per consumer, with
+    # strings only as keys (a string in an aggregation buffer would make it sort-based)
     return (
         pairs.where(F.col("status").isNotNull())
-        .groupBy(*CONSUMER)
+        .groupBy("c", *CONSUMER, "label", "share")
         .agg(
-            F.max("label").alias("_label"),
-            F.max("share").alias("subscription"),
             F.count(F.lit(1)).alias("matched"),
             F.count(F.when(judged, 1)).alias("judged"),
             *(count_status(s) for s in STATUSES),
@@ -376,11 +465,12 @@ def consumer_summary(pairs: DataFrame) -> DataFrame:
             # a group is named by its share name (its consumer id is a digest of share name
             # and filter); a session by its client id
             F.when(
-                (F.col("consumer_kind") == "group") & F.col("subscription").isNotNull(),
-                F.regexp_extract(F.col("subscription"), r"^\$share/([^/]+)/", 1),
-            ).otherwise(F.col("_label")),
+                (F.col("consumer_kind") == "group") & F.col("share").isNotNull(),
+                F.regexp_extract(F.col("share"), r"^\$share/([^/]+)/", 1),
+            ).otherwise(F.col("label")),
         )
-        .drop("_label")
+        .withColumnRenamed("share", "subscription")
+        .drop("c")
     )
 
 
@@ -398,18 +488,29 @@ def audit(
     window: AuditWindow,
     subscriptions: DataFrame | None = None,
 ) -> AuditResult:
-    """The audit as DataFrames, from raw archive rows and raw events: each input read once,
-    one cached frame."""
+    """The audit as DataFrames, from raw archive rows and raw events: each input read once
+    for the pairs (the consumers' names come from a distinct of three of the events' columns),
+    two cached frames: the pairs and the names."""
+    from pyspark.sql import functions as F
+
     spark = messages.sparkSession
     archive = published(messages)
     subscribed = None
+    names = consumer_names(events)
     if subscriptions is not None:
         in_window = in_range(
             unique_messages(messages), "published_at", window.since, window.until
         ).withColumnRenamed("qos", "message_qos")
         subscribed = subscription_pairs(in_window, subscriptions, spark)
-    pairs = judged_pairs(archive, pair_outcomes(deliveries(events)), window, subscribed).cache()
-    as_of = window.as_of if window.as_of is not None else data_end(pairs)
+        names = (
+            names.unionByName(subscription_names(subscriptions))
+            .groupBy("c", *CONSUMER)
+            .agg(F.max("label").alias("label"), F.max("share").alias("share"))
+        )
+    core = judged_pairs(archive, pair_outcomes(deliveries(events)), window, subscribed).cache()
+    as_of = window.as_of if window.as_of is not None else data_end(core)
+    # one row per consumer, sent to every task instead of shuffling the pairs to meet it
+    pairs = core.join(F.broadcast(names.cache()), "c", "left")
     judged = with_status(pairs, window, as_of)
     return AuditResult(
         window=window,
@@ -474,7 +575,7 @@ def report(result: AuditResult) -> dict[str, Any]:
     # one job for every total that is not a sum over consumers
     overall = pairs.agg(
         F.count(F.when(F.col("consumer").isNull(), 1)).alias("unmatched"),
-        F.sum(F.when(F.col("message_id").isNull(), F.col("acks"))).alias("unresolved"),
+        F.sum(F.when(F.col("m").isNull(), F.col("acks"))).alias("unresolved"),
         F.percentile_approx(
             F.when(F.col("status").isNotNull(), F.col("latency_ms")),
             QUANTILES,
@@ -487,7 +588,7 @@ def report(result: AuditResult) -> dict[str, Any]:
     assert overall is not None  # an aggregate without grouping has one row
     # a job of its own: a distinct aggregate next to percentile_approx makes Spark group by
     # message id first and merge a quantile digest per message (minutes at 1M events)
-    totals["messages"] = pairs.where(F.col("archived")).select("message_id").distinct().count()
+    totals["messages"] = pairs.where(F.col("archived")).select("m").distinct().count()
     # archived messages in the window that no consumer matched (no event, no subscription)
     totals["unmatched_messages"] = int(overall["unmatched"])
     totals["consumers"] = len(consumers)
@@ -519,7 +620,7 @@ def report(result: AuditResult) -> dict[str, Any]:
             "acks",
             "acked_at",
             "last_handed_at",
-            F.col("behind.message_id").alias("acked_after"),
+            "acked_after",
             "ordering_key",
         )
         .collect()

@@ -104,6 +104,19 @@ STREAM_MANAGE = (
 )
 
 
+#: CreateEventSourceMapping's arguments (``EventSource.mapping``) as CfnEventSourceMapping's
+MAPPING_PROPERTIES = {
+    "StartingPosition": "starting_position",
+    "BatchSize": "batch_size",
+    "MaximumBatchingWindowInSeconds": "maximum_batching_window_in_seconds",
+    "ParallelizationFactor": "parallelization_factor",
+    "FunctionResponseTypes": "function_response_types",
+    "BisectBatchOnFunctionError": "bisect_batch_on_function_error",
+    "MaximumRetryAttempts": "maximum_retry_attempts",
+    "MaximumRecordAgeInSeconds": "maximum_record_age_in_seconds",
+}
+
+
 class MissingContextError(ValueError):
     """A CDK context value the stack cannot be built without."""
 
@@ -520,14 +533,8 @@ class ShoalStack(cdk.Stack):
             f"{pascal(fdef.name)}{pascal(source.stream)}Mapping",
             function_name=self.functions[fdef.name].function_name,
             event_source_arn=stream.attr_arn,
-            starting_position=spec.pop("StartingPosition"),
-            batch_size=spec.pop("BatchSize"),
-            maximum_batching_window_in_seconds=spec.pop("MaximumBatchingWindowInSeconds"),
-            parallelization_factor=spec.pop("ParallelizationFactor"),
-            function_response_types=spec.pop("FunctionResponseTypes"),
-            bisect_batch_on_function_error=spec.pop("BisectBatchOnFunctionError"),
-            maximum_retry_attempts=spec.pop("MaximumRetryAttempts"),
-            maximum_record_age_in_seconds=spec.pop("MaximumRecordAgeInSeconds"),
+            # an argument the declaration leaves out is Lambda's default
+            **{prop: spec.pop(arg) for arg, prop in MAPPING_PROPERTIES.items() if arg in spec},
         )
         if spec:
             raise ValueError(f"{fdef.name}: mapping arguments the stack does not map: {spec}")

@@ -406,6 +406,39 @@ def test_the_archiver_is_mapped_to_the_event_log_in_large_batches_that_never_ski
     assert props["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
 
 
+def test_a_declared_stream_and_mapping_reach_the_template_as_declared(variant: Synth) -> None:
+    # Given the variant's stream of 2 shards kept 48 h, read by "tailer" through a mapping
+    # that gives only a start and a batch size, and written by "publisher"
+    [stream] = variant.of_type("AWS::Kinesis::Stream").values()
+    props = stream["Properties"]
+    assert (props["Name"], props["ShardCount"], props["RetentionPeriodHours"]) == (
+        "log.shoal-test",
+        2,
+        48,
+    )
+    [mapping] = variant.of_type("AWS::Lambda::EventSourceMapping").values()
+    # Then the mapping has those arguments and leaves the rest to Lambda's defaults
+    assert {
+        k: v for k, v in mapping["Properties"].items() if k not in ("FunctionName", "Tags")
+    } == {
+        "EventSourceArn": {"Fn::GetAtt": ["LogStream", "Arn"]},
+        "StartingPosition": "LATEST",
+        "BatchSize": 50,
+    }
+    # And the stream grants reach that stream only: reads for the tailer, puts for the
+    # publisher (besides its storage-stream puts)
+    tailer = [s for s in variant.statements("tailer") if "LogStream" in json.dumps(s["Resource"])]
+    assert {a for s in tailer for a in as_list(s["Action"])} >= {"kinesis:GetRecords"}
+    assert variant.actions("tailer", "kinesis") & {"kinesis:PutRecords"} == set()
+    publisher = [
+        s for s in variant.statements("publisher") if "LogStream" in json.dumps(s["Resource"])
+    ]
+    assert {a for s in publisher for a in as_list(s["Action"])} == {
+        "kinesis:PutRecord",
+        "kinesis:PutRecords",
+    }
+
+
 def _function_ids(synth: Synth, name: str) -> list[str]:
     wanted = synth.stack.function_names[name]
     return [

@@ -77,10 +77,11 @@ PUSH_MAPPING: dict[str, Any] = {
 }
 
 #: How the archiver reads the event log (``shoal.delivery.archiver``): large batches, since each
-#: invocation writes one S3 object per hour its events fall in, whatever its size. At 10,000
-#: records (or Lambda's 6 MB payload, which comes first for records above 600 bytes) or 60 s,
-#: whichever fills first, an object holds the events of up to ten thousand calls where each
-#: call wrote its own before (issue 18). A batch that fails is bisected and retried forever
+#: invocation writes one S3 object per hour its events fall in, whatever its size. A batch ends
+#: at 10,000 records, at Lambda's 6 MB invocation payload (records in base64 with their
+#: envelope: about 1,100 records of a 100-message page's 3.6 KB), or after 60 s, whichever
+#: comes first; each object then holds the events of hundreds to thousands of calls, where
+#: each call wrote its own before (issue 18). A batch that fails is bisected and retried forever
 #: (NEVER_SKIP, as the router's): the archiver fails only when S3 does, and a skipped batch
 #: would be events the audit never sees. The IteratorAge alarm reports a stuck shard.
 ARCHIVER_MAPPING: dict[str, Any] = {
@@ -364,10 +365,6 @@ class Streams:
 _MAX_WINDOW_READS = 50
 
 
-class EventLogRefused(ServerBusy):
-    """Kinesis did not take some records of the event log (throttled after retries)."""
-
-
 class EventLog:
     """Appends to a stream the stack owns (the delivery-event log, ``shoal.delivery.events``).
 
@@ -410,7 +407,8 @@ class EventLog:
                     "event log records refused",
                     extra={"stream": self.stream, "records": len(pending)},
                 )
-                raise EventLogRefused(f"{len(pending)} delivery-event records refused; retry")
+                # the caller's invocation fails (a get or ack answers 503, a batch is retried)
+                raise ServerBusy(f"{len(pending)} delivery-event records refused; retry")
 
 
 def _put_chunks(records: Sequence[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:

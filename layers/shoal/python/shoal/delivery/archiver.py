@@ -110,7 +110,8 @@ class EventArchiver:
             self.s3.put_object(
                 Bucket=self.bucket, Key=key, Body=body, ContentType="application/x-ndjson"
             )
-        count(metrics.ARCHIVED_EVENTS, sum(body.count(b"\n") for body in objects.values()))
+        lines = sum(b.count(b"\n") for k, b in objects.items() if k.startswith(self.prefix))
+        count(metrics.ARCHIVED_EVENTS, lines)
         return {"batchItemFailures": []}
 
 

@@ -17,6 +17,9 @@ retried after its append, recording the same batch) replaces it, as an object un
 key was overwritten when each invocation wrote its own. A record no recorder wrote goes to
 ``quarantine/`` (with its place in the stream) rather than failing the batch: a poison record
 must not block the log.
+
+No BatchProcessor (unlike the router): an object holds lines of many records, so there is no
+per-record success to report; the batch succeeds or fails whole, and a retry rewrites it.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ class EventArchiver:
                     _quarantine(record, stream, shard, sequence, data, error=str(exc))
                 )
                 continue
-            # a dict keeps the first insertion's place: drop the earlier copy so the last one
-            # stands where it was appended
+            # a retried invocation's copy of its batch replaces the first (objects are then
+            # ordered by sequence number: the copy stands where it was appended)
             key = (decoded.batch, decoded.part)
             kept.pop(key, None)
             kept[key] = _Lines(sequence, decoded.partition, decoded.lines)

@@ -433,25 +433,27 @@ def archive(size: int) -> tuple[Path, dict[str, int], dict[str, Any]]:
 
 def recorder_cost(invocations: int = 200, events_per_invocation: int = 10) -> dict[str, Any]:
     """What ``shoal.delivery.events`` adds to one invocation: ``add`` per event and the one
-    ``flush`` (a PutObject) against in-process moto S3. On AWS the PutObject is a network
-    round trip instead (typically tens of milliseconds), paid once per invocation."""
+    ``flush`` (a PutRecords to the event log) against in-process moto Kinesis. On AWS the
+    PutRecords is a network round trip instead (typically tens of milliseconds), paid once per
+    invocation."""
     import boto3
     from moto import mock_aws
     from shoal.core.clock import SystemClock
-    from shoal.delivery.events import DeliveryEvents
+    from shoal.delivery.events import Recording
 
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     with mock_aws():
-        s3 = boto3.client(
-            "s3",
+        kinesis = boto3.client(
+            "kinesis",
             region_name="us-east-1",
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
         )
-        s3.create_bucket(Bucket="archive")
+        kinesis.create_stream(StreamName="events.bench", ShardCount=1)
+        recording = Recording("events.bench", SystemClock(), kinesis)
         add_s = flush_s = 0.0
         for n in range(invocations):
-            recorder = DeliveryEvents("archive", SystemClock(), s3)
+            recorder = recording.new()
             started = time.perf_counter()
             for k in range(events_per_invocation):
                 recorder.add(
@@ -568,7 +570,7 @@ def report(figures: dict[str, Any]) -> str:
         lines += [
             "",
             f"Delivery-event recorder, per invocation of {rec['events_per_invocation']} events: "
-            f"{rec['add_us_per_event']} us per `add`, one `flush` (PutObject) "
+            f"{rec['add_us_per_event']} us per `add`, one `flush` (PutRecords) "
             f"{rec['flush_ms_moto']} ms against in-process moto.",
         ]
     lines.append("")

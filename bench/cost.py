@@ -15,7 +15,11 @@ traffic costs on AWS IoT Core and on SNS+SQS (``alternatives``).
 
 Steady load: every get returns a full page (no empty long polls), publishers batch 100
 messages over ``KEYS`` ordering keys, and Kinesis shards run at ``SHARD_UTILIZATION`` of their
-write limit (shard-hours per message follow from the records' counted sizes).
+write limit (shard-hours per message follow from the records' counted sizes), the storage
+streams' and the delivery-event log's each from their own records (the log is a provisioned
+stream too: docs/operations.md, "Cost"). The archiver is invoked over the log's records of
+each round as its mapping would (up to 10,000 records a batch), as the router is over the
+storage stream's, and counted the same way.
 
 Not counted: storage (DynamoDB items until acked or expired, S3 archive objects: per GB-month,
 not per message), session heartbeats (per session and keepalive, not per message), CloudWatch
@@ -34,9 +38,10 @@ from typing import Any
 
 import boto3
 from shoal.aws import clients
-from shoal.aws.kinesis import PUSH_MAPPING, ROUTER_MAPPING
+from shoal.aws.kinesis import ARCHIVER_MAPPING, PUSH_MAPPING, ROUTER_MAPPING
 from shoal.core.config import get_config
 from shoal.declarations import DEPLOYMENT
+from shoal.delivery.events import EVENT_LOG
 from shoal.local.context import LambdaContext
 
 from bench.account import CallMeter, emulated_account, item_size
@@ -209,11 +214,15 @@ class ReadUnits:
 
 
 class PutUnits:
-    """Kinesis PUT payload units (25 KB each, per record) and bytes of one client's puts."""
+    """Kinesis PUT payload units (25 KB each, per record) and bytes of one client's puts; the
+    records and bytes that went to the delivery-event log, apart (its shards are its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, event_log: str = "") -> None:
         self.units = 0
         self.bytes = 0
+        self.event_log = event_log
+        self.log_records = 0
+        self.log_bytes = 0
 
     def attach(self, client: Any) -> None:
         client.meta.events.register("before-parameter-build.kinesis.*", self._record)
@@ -225,10 +234,15 @@ class PutUnits:
             records = [params]
         else:
             return
+        to_log = bool(self.event_log) and params.get("StreamName") == self.event_log
         for record in records:
             size = len(record.get("Data", b"")) + len(record.get("PartitionKey", "").encode())
-            self.bytes += size
             self.units += max(1, math.ceil(size / (25 * 1024)))
+            if to_log:
+                self.log_records += 1
+                self.log_bytes += size
+            else:
+                self.bytes += size
 
 
 @dataclass
@@ -243,9 +257,14 @@ class Counts:
     lambda_gb_s: float = 0.0
     dynamodb_wru: float = 0.0
     dynamodb_rru: float = 0.0
+    #: records and bytes put into storage streams
     kinesis_records: int = 0
     kinesis_put_units: int = 0
     kinesis_bytes: int = 0
+    #: records and bytes appended to the delivery-event log (their PUT units are in
+    #: ``kinesis_put_units``)
+    event_log_records: int = 0
+    event_log_bytes: int = 0
     s3_puts: int = 0
     s3_gets: int = 0
     calls: dict[str, int] = field(default_factory=dict)
@@ -253,24 +272,30 @@ class Counts:
 
     @property
     def kinesis_shard_hours(self) -> float:
-        """Shard-hours at steady load: shards sized to ``SHARD_UTILIZATION`` of the write
-        limit the counted records reach first (records or bytes a second)."""
-        if not self.kinesis_records:
-            return 0.0
-        per_record = self.kinesis_bytes / self.kinesis_records
-        records_per_s = min(SHARD_RECORDS_PER_S, SHARD_BYTES_PER_S / max(per_record, 1))
-        seconds = self.kinesis_records / (records_per_s * SHARD_UTILIZATION)
-        return seconds / 3600
+        """Shard-hours at steady load: each stream's shards sized to ``SHARD_UTILIZATION`` of
+        the write limit its counted records reach first (records or bytes a second)."""
+        return shard_hours(self.kinesis_records, self.kinesis_bytes) + shard_hours(
+            self.event_log_records, self.event_log_bytes
+        )
+
+
+def shard_hours(records: int, size: int) -> float:
+    if not records:
+        return 0.0
+    per_record = size / records
+    records_per_s = min(SHARD_RECORDS_PER_S, SHARD_BYTES_PER_S / max(per_record, 1))
+    seconds = records / (records_per_s * SHARD_UTILIZATION)
+    return seconds / 3600
 
 
 class Meters:
     """The meters on every client the functions made (one per service and profile)."""
 
-    def __init__(self) -> None:
+    def __init__(self, event_log: str = "") -> None:
         self.calls = CallMeter()
         self.writes = WriteUnits()
         self.reads = ReadUnits()
-        self.puts = PutUnits()
+        self.puts = PutUnits(event_log)
         self._attached: list[Any] = []
 
     def attach_all(self) -> None:
@@ -293,6 +318,7 @@ class Meters:
         self.writes.by_operation.clear()
         self.reads.units = 0.0
         self.puts.units = self.puts.bytes = 0
+        self.puts.log_records = self.puts.log_bytes = 0
 
 
 # --- one scenario ----------------------------------------------------------------------------
@@ -325,7 +351,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "batched publish (100), 1 subscriber",
-        lever="the S3 objects of delivery events and the get/ack requests per page",
+        lever="the get/ack requests per page, and the Lambda time of each (their delivery "
+        "events are one Kinesis record a call, archived in batches)",
     ),
     Scenario(
         "10 subscribers per message",
@@ -383,6 +410,7 @@ class Run:
     """One scenario's account, its handlers, and what they used."""
 
     def __init__(self, session: boto3.Session, scenario: Scenario) -> None:
+        import functions.archiver.app as archiver_app
         import functions.messages.app as messages_app
         import functions.publish.app as publish_app
         import functions.push.app as push_app
@@ -395,17 +423,20 @@ class Run:
         self.handlers: dict[str, Callable[[dict[str, Any], Any], Any]] = {
             "publish": publish_app.handler,
             "router": router_app.handler,
+            "archiver": archiver_app.handler,
             "push": push_app.handler,
             "messages": messages_app.handler,
             "sessions": sessions_app.handler,
             "subscriptions": subscriptions_app.handler,
         }
         self.push_app: Any = push_app
-        self.meters = Meters()
+        self.event_log = get_config().streams[EVENT_LOG]
+        self.meters = Meters(self.event_log)
         self.counts = Counts(scenario.name)
         self.metering = False
         self.kinesis = session.client("kinesis")  # the bench's own reads: not metered
-        self.position: str | None = None
+        #: stream -> the last sequence number handed to a function
+        self.positions: dict[str, str] = {}
         self.sent = 0
 
     # -- invoking, as Lambda and API Gateway would
@@ -465,16 +496,17 @@ class Run:
                     "publish", _http("POST", "/v1/messages:batch", body={"messages": messages})
                 )
 
-    def _events(self, per_batch: int) -> list[dict[str, Any]]:
-        """The router's (or push tap's) events for what was published since the last call."""
-        stream = "shoal-default-0"
+    def _events(self, per_batch: int, stream: str = "shoal-default-0") -> list[dict[str, Any]]:
+        """The events of the mapping on ``stream`` (the router's or push tap's on the storage
+        stream, the archiver's on the event log) for what was put since the last call."""
         shard = self.kinesis.list_shards(StreamName=stream)["Shards"][0]["ShardId"]
-        if self.position is None:
+        position = self.positions.get(stream)
+        if position is None:
             kind: dict[str, Any] = {"ShardIteratorType": "TRIM_HORIZON"}
         else:
             kind = {
                 "ShardIteratorType": "AFTER_SEQUENCE_NUMBER",
-                "StartingSequenceNumber": self.position,
+                "StartingSequenceNumber": position,
             }
         iterator = self.kinesis.get_shard_iterator(StreamName=stream, ShardId=shard, **kind)[
             "ShardIterator"
@@ -482,7 +514,7 @@ class Run:
         raw = self.kinesis.get_records(ShardIterator=iterator, Limit=10_000)["Records"]
         if not raw:
             return []
-        self.position = raw[-1]["SequenceNumber"]
+        self.positions[stream] = raw[-1]["SequenceNumber"]
         return stream_events(self.kinesis, stream, shard, raw, per_batch)
 
     def consume(self, sessions: list[tuple[str, str]], wanted: int) -> int:
@@ -524,6 +556,12 @@ class Run:
     def route(self) -> None:
         for event in self._events(int(ROUTER_MAPPING["BatchSize"])):
             self.invoke("router", event, http=False)
+
+    def archive(self) -> None:
+        """The archiver over the delivery-event log's new records (its mapping's batches)."""
+        for event in self._events(int(ARCHIVER_MAPPING["BatchSize"]), self.event_log):
+            answer = self.invoke("archiver", event, http=False)
+            assert answer == {"batchItemFailures": []}, answer
 
     def push(self, endpoint: Any) -> int:
         before = endpoint.calls
@@ -573,9 +611,12 @@ def counted_run(scenario: Scenario) -> Counts:
             def traffic(messages: int) -> int:
                 run.publish(messages)
                 if endpoint is not None:
-                    return run.push(endpoint)
-                run.route()
-                return run.consume(sessions, messages * per_round)
+                    delivered = run.push(endpoint)
+                else:
+                    run.route()
+                    delivered = run.consume(sessions, messages * per_round)
+                run.archive()
+                return delivered
 
             # warm-up: every client made, caches filled; then only the traffic is metered
             traffic(scenario.batch)
@@ -595,7 +636,9 @@ def counted_run(scenario: Scenario) -> Counts:
     counts.calls = dict(sorted(meters.calls.calls.items()))
     counts.dynamodb_wru = meters.writes.units
     counts.dynamodb_rru = meters.reads.units
-    counts.kinesis_records = meters.calls.records
+    counts.event_log_records = meters.puts.log_records
+    counts.event_log_bytes = meters.puts.log_bytes
+    counts.kinesis_records = meters.calls.records - meters.puts.log_records
     counts.kinesis_put_units = meters.puts.units
     counts.kinesis_bytes = meters.puts.bytes
     counts.s3_puts = sum(v for k, v in counts.calls.items() if k in _S3_PUTS)

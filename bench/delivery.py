@@ -20,7 +20,7 @@
   again after it); delivered messages/s; and that every session got every message exactly
   once, and only its own (missing, duplicate and foreign deliveries are counted).
 - **Recording cost**: in the router and get/ack runs, the time spent in the delivery-event
-  recorder (``shoal.delivery.events``: buffering every event and its one PutObject per
+  recorder (``shoal.delivery.events``: buffering every event and its one PutRecords per
   invocation) as a share of the whole, and its extra AWS calls per message.
 
 Figures are the emulator's: Shoal's work plus moto's (~0.7 ms a call, serialized), not AWS's.
@@ -296,12 +296,12 @@ def _recorder_spent() -> Iterator[dict[str, float]]:
         finally:
             spent["s"] += time.perf_counter() - started
 
-    def timed_flush(self: DeliveryEvents, key_hint: str) -> str | None:
+    def timed_flush(self: DeliveryEvents, key_hint: str) -> int:
         started = time.perf_counter()
         try:
-            key = flush(self, key_hint)
-            spent["puts"] += key is not None
-            return key
+            written = flush(self, key_hint)
+            spent["puts"] += written > 0
+            return written
         finally:
             spent["s"] += time.perf_counter() - started
 
@@ -702,7 +702,7 @@ def report(figures: dict[str, Any]) -> str:
         f"{1000 * e['esm_poll_interval_s']:.0f} ms (publish answered in "
         f"{e['publish_p50_ms']} ms p50; every request passes the JWT authorizer, and every AWS "
         "call the emulator's one lock).\n",
-        "Delivery-event recording (share of the time in the recorder; extra PutObject calls):",
+        "Delivery-event recording (share of the time in the recorder; extra PutRecords calls):",
     ]
     for key, label in (
         ("router_single_publishes", "1 message per record"),

@@ -34,6 +34,10 @@ ROUTER_ITERATOR_AGE_MS = 60_000
 #: to a subscription's max_backoff_s (at most ``MAX_BACKOFF_S``, an hour). Anything older than
 #: that plus 15 minutes is a stuck tap or queue, never a backoff.
 PUSH_ITERATOR_AGE_MS = int(MAX_BACKOFF_S * 1000) + 15 * 60_000
+#: the archiver waits up to a minute to fill a batch (ARCHIVER_MAPPING) and writes a few
+#: objects: five minutes behind is a failing batch (retried forever: NEVER_SKIP) or a log that
+#: outgrew its shards. Records stay 24 hours, so there is time to act before events are lost.
+ARCHIVER_ITERATOR_AGE_MS = 5 * 60_000
 ITERATOR_AGE_PERIODS = 2
 #: throttled requests in two 5-minute periods running: one period of throttling while an
 #: on-demand table grows past twice its previous peak is expected (the SDK and Shoal retry);
@@ -112,7 +116,11 @@ class Observability:
         self.alarms.append(alarm)
 
     def _iterator_age_alarms(self) -> None:
-        for name, threshold in (("router", ROUTER_ITERATOR_AGE_MS), ("push", PUSH_ITERATOR_AGE_MS)):
+        for name, threshold in (
+            ("router", ROUTER_ITERATOR_AGE_MS),
+            ("push", PUSH_ITERATOR_AGE_MS),
+            ("archiver", ARCHIVER_ITERATOR_AGE_MS),
+        ):
             function = self.stack.functions.get(name)
             if function is None:
                 continue
@@ -279,17 +287,43 @@ class Observability:
             [
                 graph(
                     "Lag: IteratorAge (max, ms)",
-                    self._lambda("IteratorAge", "Maximum", only=("router", "push")),
+                    self._lambda("IteratorAge", "Maximum", only=("router", "push", "archiver")),
                     left_label="ms",
                 ),
                 graph(
                     "Lag: oldest record of a batch (max, ms)",
                     [
                         service_metric(lag, service, statistic="Maximum")
-                        for lag, service in ((names.ROUTER_LAG, "router"), (names.PUSH_LAG, "push"))
+                        for lag, service in (
+                            (names.ROUTER_LAG, "router"),
+                            (names.PUSH_LAG, "push"),
+                            (names.ARCHIVER_LAG, "archiver"),
+                        )
                         if service in self.declared
                     ],
                     left_label="ms",
+                ),
+            ],
+            # the delivery-event log: what goes in, what the archiver writes, and refusals
+            [
+                graph(
+                    "Delivery-event log: records in, refused (throttled)",
+                    [
+                        cloudwatch.Metric(
+                            namespace="AWS/Kinesis",
+                            metric_name=metric,
+                            dimensions_map={"StreamName": stream.ref},
+                            statistic="Sum",
+                            period=GRAPH_PERIOD,
+                            label=f"{logical}: {metric}",
+                        )
+                        for logical, stream in stack.streams.items()
+                        for metric in ("IncomingRecords", "WriteProvisionedThroughputExceeded")
+                    ],
+                ),
+                graph(
+                    "Delivery events archived (lines per minute)",
+                    self._present([(names.ARCHIVED_EVENTS, "archiver")]),
                 ),
             ],
             # errors

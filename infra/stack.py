@@ -27,6 +27,7 @@ from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kinesis as kinesis
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
@@ -40,8 +41,10 @@ from shoal.declarations import (
     DEPLOYMENT,
     BucketDef,
     Deployment,
+    EventSource,
     FunctionDef,
     Grant,
+    StreamDef,
     environment,
     function_environment,
 )
@@ -99,6 +102,19 @@ STREAM_MANAGE = (
     "kinesis:DeleteStream",
     "kinesis:UpdateShardCount",
 )
+
+
+#: CreateEventSourceMapping's arguments (``EventSource.mapping``) as CfnEventSourceMapping's
+MAPPING_PROPERTIES = {
+    "StartingPosition": "starting_position",
+    "BatchSize": "batch_size",
+    "MaximumBatchingWindowInSeconds": "maximum_batching_window_in_seconds",
+    "ParallelizationFactor": "parallelization_factor",
+    "FunctionResponseTypes": "function_response_types",
+    "BisectBatchOnFunctionError": "bisect_batch_on_function_error",
+    "MaximumRetryAttempts": "maximum_retry_attempts",
+    "MaximumRecordAgeInSeconds": "maximum_record_age_in_seconds",
+}
 
 
 class MissingContextError(ValueError):
@@ -166,7 +182,8 @@ def pascal(name: str) -> str:
 
 
 class ShoalStack(cdk.Stack):
-    """One Shoal deployment: API, functions, layer, tables, bucket, schedules, alarms."""
+    """One Shoal deployment: API, functions, layer, tables, bucket, event log, schedules,
+    alarms."""
 
     def __init__(
         self,
@@ -194,6 +211,7 @@ class ShoalStack(cdk.Stack):
         self.table_defs = {t.logical: t for t in deployment.tables}
         self.tables = {t.logical: self._table(t) for t in deployment.tables}
         self.buckets = {b.logical: self._bucket(b) for b in deployment.buckets}
+        self.streams = {s.logical: self._stream(s) for s in deployment.streams}
         # Explicit names, known before anything is created: a function's environment names
         # every function (itself included), which with generated names would be a cycle.
         self.function_names = {f.name: self._function_name(f) for f in deployment.functions}
@@ -205,6 +223,7 @@ class ShoalStack(cdk.Stack):
                 self.function_names,
                 stream_prefix=self.stream_prefix,
                 default_partitions=self.settings.default_partitions,
+                streams={logical: stream.ref for logical, stream in self.streams.items()},
             ),
             **deployment.extra_env,
         }
@@ -222,6 +241,8 @@ class ShoalStack(cdk.Stack):
                 self._grant(fdef, grant)
             if fdef.schedule_s is not None:
                 self._schedule(fdef)
+            for source in fdef.sources:
+                self._event_source(fdef, source)
 
         self.api = self._api()
         if BOOTSTRAP in self.functions:
@@ -305,6 +326,26 @@ class ShoalStack(cdk.Stack):
             lifecycle_rules=lifecycle,
             removal_policy=self.removal,
         )
+
+    def _stream(self, stream: StreamDef) -> kinesis.CfnStream:
+        # Provisioned, not on-demand: docs/operations.md ("Cost") has the arithmetic. Named
+        # "<logical>.<stack>": outside the storage streams' "<prefix>-*" (a stack named
+        # "shoal-prod" would be inside it as a prefix), so neither their grants nor the
+        # teardown's inventory reach it; and
+        # CloudFormation owns it, so `cdk destroy` deletes it whatever retainData says (it
+        # holds a day of events at most, all of them on their way to the archive bucket).
+        cfn = kinesis.CfnStream(
+            self,
+            f"{pascal(stream.logical)}Stream",
+            name=f"{stream.logical}.{self.stack_name}",
+            shard_count=stream.shards,
+            retention_period_hours=stream.retention_hours,
+            stream_mode_details=kinesis.CfnStream.StreamModeDetailsProperty(
+                stream_mode="PROVISIONED"
+            ),
+        )
+        cfn.apply_removal_policy(cdk.RemovalPolicy.DESTROY)
+        return cfn
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -399,6 +440,14 @@ class ShoalStack(cdk.Stack):
                 bucket.grant_read(fn)
             else:
                 bucket.grant_write(fn)
+        elif grant.kind == "stream":
+            stream = self._declared(self.streams, fdef, grant)
+            if reads:
+                allow(STREAM_READ, [stream.attr_arn])
+                # ListStreams names no stream; Lambda's own Kinesis pollers ask for it too
+                allow(["kinesis:ListStreams"], ["*"])
+            if writes:
+                allow(STREAM_WRITE, [stream.attr_arn])
         elif grant.kind == "streams":
             stream = self.format_arn(
                 service="kinesis", resource="stream", resource_name=f"{self.stream_prefix}-*"
@@ -473,6 +522,24 @@ class ShoalStack(cdk.Stack):
                 )
             ],
         )
+
+    def _event_source(self, fdef: FunctionDef, source: EventSource) -> None:
+        """A declared stream's mapping to the function (``FunctionDef.sources``), with the
+        arguments the declarations give (``ARCHIVER_MAPPING``), as the local runtime makes it."""
+        spec = dict(source.mapping)
+        stream = self.streams[source.stream]
+        mapping = lambda_.CfnEventSourceMapping(
+            self,
+            f"{pascal(fdef.name)}{pascal(source.stream)}Mapping",
+            function_name=self.functions[fdef.name].function_name,
+            event_source_arn=stream.attr_arn,
+            # an argument the declaration leaves out is Lambda's default
+            **{prop: spec.pop(arg) for arg, prop in MAPPING_PROPERTIES.items() if arg in spec},
+        )
+        if spec:
+            raise ValueError(f"{fdef.name}: mapping arguments the stack does not map: {spec}")
+        # the mapping is checked against the function's role when it is created
+        mapping.node.add_dependency(self.functions[fdef.name])
 
     # -- API -------------------------------------------------------------------------------
 
@@ -611,6 +678,8 @@ class ShoalStack(cdk.Stack):
             cdk.CfnOutput(self, f"{pascal(logical)}TableName", value=table.ref)
         for logical, bucket in self.buckets.items():
             cdk.CfnOutput(self, f"{pascal(logical)}BucketName", value=bucket.bucket_name)
+        for logical, stream in self.streams.items():
+            cdk.CfnOutput(self, f"{pascal(logical)}StreamName", value=stream.ref)
 
 
 def _key_schema(elements: Sequence[Mapping[str, str]]) -> list[dynamodb.CfnTable.KeySchemaProperty]:

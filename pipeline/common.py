@@ -1,10 +1,12 @@
 """What every job shares: the archive's schemas and readers, the Spark session, outputs, time.
 
-The archive (``shoal.router.archive``, ``shoal.delivery.events``) is JSON lines under one root, a
-folder locally (``shoal pipeline sync``) or ``s3://bucket`` deployed::
+The archive (``shoal.router.archive``, ``shoal.delivery.archiver``) is JSON lines under one
+root, a folder locally (``shoal pipeline sync``) or ``s3://bucket`` deployed::
 
     messages/topic=<composite>/date=<YYYY-MM-DD>/hour=<HH>/<stream>.<shard>.<first>-<last>.jsonl
-    events/date=<YYYY-MM-DD>/hour=<HH>/<digest>.jsonl
+    events/date=<YYYY-MM-DD>/hour=<HH>/<log stream>.<shard>.<first>-<last>.jsonl
+
+(the jobs read every ``*.jsonl`` of an hour: object names carry no meaning for them)
 
 ``shoal pipeline compact`` copies them into Parquet under ``parquet/`` (``pipeline.columnar``);
 the readers take Parquet where an hour is compacted and JSON lines for the rest. Partition

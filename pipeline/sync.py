@@ -6,6 +6,12 @@ writes into ``<state dir>/runtime.json`` (default state dir ``.shoal``, the one 
 uses); ``--endpoint`` (the shoal dev URL) is checked against that file, so a sync never reads
 another runtime's account by mistake. ``--aws-endpoint`` names the emulator directly instead.
 
+Delivery events reach S3 through the archiver, a moment after the calls that recorded them
+(``shoal.delivery.events``): with a state folder, the sync first waits (``--wait-s``, 30 s
+by default) until the archiver's mapping has done every record of the event log, read from the
+emulator and that shoal dev's checkpoints; a shoal dev that no longer runs its triggers makes
+it warn and copy what is there.
+
 The copy is incremental: an object whose ETag is the one copied last time is not fetched again
 (``.sync.json`` in the folder remembers them); an object rewritten under the same key (a retried
 batch) is. No Spark: this runs in a second.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -64,6 +71,23 @@ def default_bucket() -> str:
     from shoal.local.provision import LocalNames
 
     return LocalNames.for_deployment().buckets["archive"]
+
+
+def wait_for_archiver(session: Any, state_dir: Path, timeout_s: float) -> bool:
+    """Until the archiver has taken every record of the event log (True), or ``timeout_s``."""
+    from shoal.local.checkpoints import FileCheckpoints
+    from shoal.local.esm.mappings import caught_up
+    from shoal.local.provision import LocalNames
+    from shoal.local.runtime import CHECKPOINTS_DIR
+
+    archiver = LocalNames.for_deployment().functions["archiver"]
+    checkpoints = FileCheckpoints(state_dir / CHECKPOINTS_DIR)
+    deadline = time.monotonic() + timeout_s
+    while not caught_up(session, checkpoints, archiver):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _local_path(root: Path, key: str) -> Path:
@@ -120,6 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--aws-endpoint", help="the emulator's URL, instead of the state folder")
     parser.add_argument("--bucket", help="default: the local archive bucket")
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=30.0,
+        help="wait this long for the archiver to write the delivery events already recorded "
+        "(0: copy what is there); needs the state folder",
+    )
     parser.add_argument("--quiet", action="store_true")
 
 
@@ -131,7 +162,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = aws_endpoint(args.endpoint, args.state_dir, args.aws_endpoint)
         from shoal.local.aws import EndpointSession
 
-        s3 = EndpointSession(url).client("s3")
+        session = EndpointSession(url)
+        waited = args.wait_s > 0 and not args.aws_endpoint
+        if waited and not wait_for_archiver(session, args.state_dir, args.wait_s):
+            print(
+                f"shoal pipeline sync: the archiver has not written every delivery event "
+                f"after {args.wait_s:g} s; copying what is there",
+                file=sys.stderr,
+            )
+        s3 = session.client("s3")
         sync(s3, args.bucket or default_bucket(), args.to, quiet=args.quiet)
     except SyncError as exc:
         print(f"shoal pipeline sync: {exc}", file=sys.stderr)

@@ -7,10 +7,14 @@ import copy
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
+from weakref import WeakKeyDictionary
 
 from shoal.local.context import LambdaContext
+
+if TYPE_CHECKING:
+    import boto3
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 
@@ -69,3 +73,51 @@ def binary_body(event: dict[str, Any], data: bytes) -> dict[str, Any]:
 
 def response_json(response: dict[str, Any]) -> Any:
     return json.loads(response["body"]) if response.get("body") else None
+
+
+#: per emulated account (its session): where ``archive_events`` got to in each log shard
+_LOG_POSITIONS: WeakKeyDictionary[Any, dict[str, str]] = WeakKeyDictionary()
+
+
+def archive_events(session: boto3.Session) -> int:
+    """Run the archiver (its handler) over the delivery-event log's records it has not had
+    yet, one batch per shard, as its mapping would; the records archived. Tests that read
+    ``events/`` after the calls that recorded them call this first: the calls append to the
+    log, only the archiver writes S3."""
+    from shoal.core.config import get_config
+    from shoal.delivery.events import EVENT_LOG
+    from shoal.local.esm.invocation import StreamRecord, kinesis_event
+
+    import functions.archiver.app as archiver_app
+
+    stream = get_config().streams[EVENT_LOG]
+    kinesis = session.client("kinesis")
+    arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"
+    ]
+    positions = _LOG_POSITIONS.setdefault(session, {})
+    archived = 0
+    for shard in kinesis.list_shards(StreamName=stream)["Shards"]:
+        shard_id = shard["ShardId"]
+        after = positions.get(shard_id)
+        start: dict[str, Any] = (
+            {"ShardIteratorType": "AFTER_SEQUENCE_NUMBER", "StartingSequenceNumber": after}
+            if after
+            else {"ShardIteratorType": "TRIM_HORIZON"}
+        )
+        iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=shard_id, **start)
+        raw = kinesis.get_records(ShardIterator=iterator["ShardIterator"], Limit=10_000)["Records"]
+        if not raw:
+            continue
+        event = kinesis_event(
+            [StreamRecord.from_get_records(dict(r)) for r in raw],
+            shard_id=shard_id,
+            stream_arn=arn,
+            region=session.region_name or "us-east-1",
+            role_arn="arn:aws:iam::123456789012:role/shoal-local-lambda",
+        )
+        answer = archiver_app.handler(event, FakeContext())
+        assert answer == {"batchItemFailures": []}, answer
+        positions[shard_id] = raw[-1]["SequenceNumber"]
+        archived += len(raw)
+    return archived

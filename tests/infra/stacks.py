@@ -1,7 +1,8 @@
 """Synthesizing the stack for tests, and a test-only deployment that uses every feature.
 
 ``VARIANT`` exercises what the real declarations may not declare yet: every grant kind, a
-schedule, the bootstrap and teardown custom resources, a TTL table, an expiring bucket.
+schedule, the bootstrap and teardown custom resources, a TTL table, an expiring bucket, a
+stream of its own with a mapping given only some arguments.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from shoal.declarations import (
     DEFAULT_ROUTE,
     BucketDef,
     Deployment,
+    EventSource,
     FunctionDef,
     Grant,
     Route,
+    StreamDef,
 )
 
 if TYPE_CHECKING:
@@ -160,7 +163,14 @@ VARIANT = Deployment(
             Grant("bucket", "archive", "write"),
             Grant("table", "topics", "read"),
         ),
-        _fn("publisher", Grant("streams", "shoal", "write")),
+        _fn("publisher", Grant("streams", "shoal", "write"), Grant("stream", "log", "write")),
+        # a stream the stack owns, read through a mapping the stack declares with only some
+        # of the arguments (Lambda's defaults for the rest)
+        _fn(
+            "tailer",
+            Grant("stream", "log", "read"),
+            sources=(EventSource("log", {"StartingPosition": "LATEST", "BatchSize": 50}),),
+        ),
         _fn(
             "admin",
             Grant("streams", "shoal", "read_write"),
@@ -181,4 +191,5 @@ VARIANT = Deployment(
             Grant("event_source_mappings", "router", "read_write"),
         ),
     ),
+    streams=(StreamDef("log", shards=2, retention_hours=48),),
 )

@@ -100,9 +100,15 @@ def test_dashboard_shows_lag_errors_throttles_dlq_and_pipeline_runs(deployed: Sy
         ("AWS/EMRServerless", "FailedJobs"),
         ("AWS/ApiGateway", "5xx"),
     } <= aws
-    # IteratorAge of the two functions that read streams, each by its own function
+    # IteratorAge of the three functions that read streams, each by its own function
     ages = {row[3] for _, row in rows if row[:2] == ["AWS/Lambda", "IteratorAge"]}
-    assert ages == {f"ref:{function_id(deployed, n)}" for n in ("router", "push")}
+    assert ages == {f"ref:{function_id(deployed, n)}" for n in ("router", "push", "archiver")}
+    # the event log's records in and refused, by its name
+    log = {row[1]: row[3] for _, row in rows if row[0] == "AWS/Kinesis" and len(row) > 3}
+    assert log == {
+        "IncomingRecords": "ref:EventsStream",
+        "WriteProvisionedThroughputExceeded": "ref:EventsStream",
+    }
     # every table's throttles
     tables = {row[3] for _, row in rows if row[:2] == ["AWS/DynamoDB", "WriteThrottleEvents"]}
     assert tables == {f"ref:{k}" for k in deployed.of_type("AWS::DynamoDB::Table")}
@@ -123,15 +129,18 @@ def test_dashboard_shows_lag_errors_throttles_dlq_and_pipeline_runs(deployed: Sy
 # -- alarms ----------------------------------------------------------------------------------
 
 
-def test_iterator_age_alarms_of_router_and_push(deployed: Synth) -> None:
+def test_iterator_age_alarms_of_router_push_and_archiver(deployed: Synth) -> None:
     found = alarms(deployed)
     router = found["shoal-test-router-iterator-age"]
     push = found["shoal-test-push-iterator-age"]
+    archiver = found["shoal-test-archiver-iterator-age"]
+    # archiver: five minutes behind (its batches wait up to a minute to fill), for ten minutes
+    assert (archiver["Threshold"], archiver["EvaluationPeriods"]) == (300_000, 2)
     # router: a minute behind, for two 5-minute periods
     assert (router["Threshold"], router["EvaluationPeriods"], router["Period"]) == (60_000, 2, 300)
     # push: beyond the longest backoff a retry queue may hold a record for, plus 15 minutes
     assert push["Threshold"] == MAX_BACKOFF_S * 1000 + 15 * 60_000
-    for alarm, name in ((router, "router"), (push, "push")):
+    for alarm, name in ((router, "router"), (push, "push"), (archiver, "archiver")):
         assert (alarm["Namespace"], alarm["MetricName"]) == ("AWS/Lambda", "IteratorAge")
         assert alarm["Statistic"] == "Maximum"
         assert alarm["Dimensions"] == [

@@ -209,6 +209,9 @@ def test_one_function_per_declaration_with_handler_runtime_layer_and_env(deploye
         for other in deployed.deployment.functions:
             assert env[f"SHOAL_FUNCTION_{other.name.upper()}"] == f"shoal-test-{other.name}"
         assert env["SHOAL_STREAM_PREFIX"] == deployed.deployment.stream_prefix
+        for stream in deployed.deployment.streams:
+            ref = {"Ref": logical_id(stream.logical, "Stream")}
+            assert env[f"SHOAL_KINESIS_{stream.logical.upper()}"] == ref
 
 
 def test_every_function_logs_to_a_group_kept_30_days(deployed: Synth) -> None:
@@ -366,6 +369,114 @@ def test_bucket_write_grant_gives_no_read(variant: Synth) -> None:
     assert not any(a.startswith("s3:GetObject") for a in actions)
 
 
+# -- the delivery-event log ------------------------------------------------------------------
+
+
+def test_the_event_log_is_one_provisioned_shard_named_outside_the_storage_streams(
+    deployed: Synth,
+) -> None:
+    from fnmatch import fnmatch
+
+    # Given the real declarations
+    [stream] = deployed.of_type("AWS::Kinesis::Stream").values()
+    props = stream["Properties"]
+    # Then the stack owns one provisioned stream of one shard, kept a day, deleted with it
+    assert props["StreamModeDetails"] == {"StreamMode": "PROVISIONED"}
+    assert (props["ShardCount"], props["RetentionPeriodHours"]) == (1, 24)
+    assert stream["DeletionPolicy"] == "Delete"
+    # And its name is no storage stream's, so their grants never reach it
+    assert props["Name"] == "events.shoal-test"
+    assert not fnmatch(props["Name"], f"{deployed.deployment.stream_prefix}-*")
+
+
+def test_the_archiver_is_mapped_to_the_event_log_in_large_batches_that_never_skip(
+    deployed: Synth,
+) -> None:
+    # Given the real declarations
+    [mapping] = deployed.of_type("AWS::Lambda::EventSourceMapping").values()
+    props = mapping["Properties"]
+    # Then the archiver reads the log from its start, in batches of up to 10,000 or a minute
+    assert props["FunctionName"] == {"Ref": next(iter(_function_ids(deployed, "archiver")))}
+    assert props["EventSourceArn"] == {"Fn::GetAtt": ["EventsStream", "Arn"]}
+    assert props["StartingPosition"] == "TRIM_HORIZON"
+    assert (props["BatchSize"], props["MaximumBatchingWindowInSeconds"]) == (10_000, 60)
+    # And a failing batch is bisected and retried until it succeeds, as the router's
+    assert props["BisectBatchOnFunctionError"] is True
+    assert (props["MaximumRetryAttempts"], props["MaximumRecordAgeInSeconds"]) == (-1, -1)
+    assert props["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+
+
+def test_a_declared_stream_and_mapping_reach_the_template_as_declared(variant: Synth) -> None:
+    # Given the variant's stream of 2 shards kept 48 h, read by "tailer" through a mapping
+    # that gives only a start and a batch size, and written by "publisher"
+    [stream] = variant.of_type("AWS::Kinesis::Stream").values()
+    props = stream["Properties"]
+    assert (props["Name"], props["ShardCount"], props["RetentionPeriodHours"]) == (
+        "log.shoal-test",
+        2,
+        48,
+    )
+    [mapping] = variant.of_type("AWS::Lambda::EventSourceMapping").values()
+    # Then the mapping has those arguments and leaves the rest to Lambda's defaults
+    assert {
+        k: v for k, v in mapping["Properties"].items() if k not in ("FunctionName", "Tags")
+    } == {
+        "EventSourceArn": {"Fn::GetAtt": ["LogStream", "Arn"]},
+        "StartingPosition": "LATEST",
+        "BatchSize": 50,
+    }
+    # And the stream grants reach that stream only: reads for the tailer, puts for the
+    # publisher (besides its storage-stream puts)
+    tailer = [s for s in variant.statements("tailer") if "LogStream" in json.dumps(s["Resource"])]
+    assert {a for s in tailer for a in as_list(s["Action"])} >= {"kinesis:GetRecords"}
+    assert variant.actions("tailer", "kinesis") & {"kinesis:PutRecords"} == set()
+    publisher = [
+        s for s in variant.statements("publisher") if "LogStream" in json.dumps(s["Resource"])
+    ]
+    assert {a for s in publisher for a in as_list(s["Action"])} == {
+        "kinesis:PutRecord",
+        "kinesis:PutRecords",
+    }
+
+
+def _function_ids(synth: Synth, name: str) -> list[str]:
+    wanted = synth.stack.function_names[name]
+    return [
+        k
+        for k, v in synth.of_type("AWS::Lambda::Function").items()
+        if v["Properties"].get("FunctionName") == wanted
+    ]
+
+
+def test_only_the_recorders_append_to_the_log_and_only_the_archiver_reads_it(
+    deployed: Synth,
+) -> None:
+    log = '"EventsStream"'
+
+    def on_log(name: str) -> set[str]:
+        return {
+            action
+            for statement in deployed.statements(name)
+            if log in json.dumps(statement["Resource"])
+            for action in as_list(statement["Action"])
+        }
+
+    # Then the functions that record put records, nothing else; the archiver reads, no more
+    for name in ("router", "messages", "push"):
+        assert on_log(name) == {"kinesis:PutRecord", "kinesis:PutRecords"}, name
+    assert "kinesis:GetRecords" in on_log("archiver")
+    assert not on_log("archiver") & {"kinesis:PutRecords", "kinesis:PutRecord"}
+    for fdef in deployed.deployment.functions:
+        if fdef.name not in ("router", "messages", "push", "archiver"):
+            assert on_log(fdef.name) == set(), fdef.name
+    # And the archiver writes the archive bucket without reading it; the recorders of gets,
+    # acks and pushes no longer write it
+    s3 = deployed.actions("archiver", "s3")
+    assert "s3:PutObject" in s3 and not any(a.startswith("s3:GetObject") for a in s3)
+    assert "s3:PutObject" not in deployed.actions("push", "s3")
+    assert "s3:PutObject" not in deployed.actions("messages", "s3")
+
+
 # -- schedules, bootstrap, alarms, outputs ---------------------------------------------------
 
 
@@ -435,6 +546,7 @@ def test_outputs_name_the_api_tables_and_buckets(deployed: Synth) -> None:
         }
     for bucket in deployed.deployment.buckets:
         assert logical_id(bucket.logical, "BucketName") in outputs
+    assert outputs["EventsStreamName"]["Value"] == {"Ref": "EventsStream"}
 
 
 # -- cfn-lint --------------------------------------------------------------------------------

@@ -19,14 +19,23 @@ def counted() -> cost.Counts:
 def test_the_meters_count_the_traffic_and_only_the_traffic(counted: cost.Counts) -> None:
     # what the scenario did, as Lambda and API Gateway would have counted it
     assert counted.delivered == counted.published == 200
-    assert counted.invocations == {"publish": 2, "router": 1, "messages": 4}  # 2 gets, 2 acks
-    assert counted.api_requests == 6 and counted.lambda_requests == 7
+    # (2 gets, 2 acks; the archiver over the event log as its mapping would, once a round)
+    assert counted.invocations == {"publish": 2, "router": 1, "messages": 4, "archiver": 1}
+    assert counted.api_requests == 6 and counted.lambda_requests == 8
     assert counted.lambda_gb_s > 0
-    # what the meters saw on the functions' clients: 2 puts of 10 keys' records each
-    assert counted.calls["kinesis.PutRecords"] == 2
+    # what the meters saw on the functions' clients: 2 puts of 10 keys' records each, and one
+    # event-log record from each of the router, the gets and the acks
+    assert counted.calls["kinesis.PutRecords"] == 2 + 5
     assert counted.kinesis_records == 20
-    assert counted.kinesis_put_units == 20  # each record below 25 KB
+    assert counted.event_log_records == 5
+    assert counted.kinesis_put_units == 25  # each record below 25 KB
     assert 200 * len(cost.PAYLOAD) < counted.kinesis_bytes < 200 * 2 * len(cost.PAYLOAD)
+    # the events of a delivery (routed, delivered, acked) are compressed lines: well below
+    # what they took as S3 objects (about 250 bytes a line)
+    assert 0 < counted.event_log_bytes < 200 * 3 * 100
+    # and the S3 writes are the router's message archive and the archiver's one object of
+    # delivery events (one hour), where each router, get and ack call wrote one before
+    assert counted.calls["s3.PutObject"] == 2
     # each delivery is written into an inbox item with its payload: at least its bytes in KB
     assert counted.dynamodb_wru >= 200 * len(cost.PAYLOAD) / 1024
     assert counted.dynamodb_rru >= counted.calls.get("dynamodb.Query", 0)
@@ -45,13 +54,18 @@ def test_each_line_is_its_count_times_its_price_per_million_delivered(
     assert lines["lambda_gb_s"] == pytest.approx(counted.lambda_gb_s * 0.0000133334 * per_million)
     assert lines["dynamodb_wru"] == pytest.approx(counted.dynamodb_wru * 0.625 / 1e6 * per_million)
     assert lines["dynamodb_rru"] == pytest.approx(counted.dynamodb_rru * 0.125 / 1e6 * per_million)
-    assert lines["kinesis_put_units"] == pytest.approx(20 * 0.014 / 1e6 * per_million)
+    assert lines["kinesis_put_units"] == pytest.approx(25 * 0.014 / 1e6 * per_million)
     assert lines["s3_puts"] == pytest.approx(counted.s3_puts * 0.005 / 1000 * per_million)
     # 20 records of 10 messages each (~4 KB): a shard's 1 MB/s binds before its 1,000
     # records/s, and it runs half full
     per_record = counted.kinesis_bytes / 20
     assert per_record > cost.SHARD_BYTES_PER_S / cost.SHARD_RECORDS_PER_S
     seconds = 20 / (cost.SHARD_BYTES_PER_S / per_record * cost.SHARD_UTILIZATION)
+    # and the event log's shard sized the same way from its own records (a page's 100 lines,
+    # compressed, ~3 KB: bytes bind there too)
+    log_per_record = counted.event_log_bytes / 5
+    assert log_per_record > cost.SHARD_BYTES_PER_S / cost.SHARD_RECORDS_PER_S
+    seconds += 5 / (cost.SHARD_BYTES_PER_S / log_per_record * cost.SHARD_UTILIZATION)
     assert lines["kinesis_shard_hours"] == pytest.approx(seconds / 3600 * 0.015 * per_million)
     assert set(lines) == set(cost.LINES) == set(cost.PRICES)
     # doubling the delivered messages for the same usage halves every line

@@ -1,6 +1,6 @@
 """What the services record for the audit (``shoal.delivery.events``): the router, session get
-and ack, shared-group get and ack, push attempts; one object per invocation, and a retried
-invocation rewrites its object instead of adding one."""
+and ack, shared-group get and ack, push attempts; one log record per invocation, archived by
+the archiver (``archive_events``), and a retried invocation's record replaces its first."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.client import BaseClient
 from shoal.core.config import get_config
 from shoal.core.faults import ROUTER_STEPS, FaultPlan, InjectedFault
-from shoal.delivery.events import EVENTS_PREFIX, Recording
+from shoal.delivery.events import EVENT_LOG, EVENTS_PREFIX, Recording
 
 import functions.router.app as router_app
+from tests.helpers import archive_events
 from tests.integration.test_delivery_support import World, world
 from tests.integration.test_groups_support import GroupWorld, gworld
 from tests.integration.test_push_harness import PushHarness
@@ -27,7 +29,8 @@ FAST = {"max_attempts": 2, "initial_backoff_s": 1, "max_backoff_s": 1}
 
 
 def objects(session: boto3.Session) -> dict[str, list[dict[str, Any]]]:
-    """Every delivery-event object: key -> its lines."""
+    """Every delivery-event object, once the archiver has had the log: key -> its lines."""
+    archive_events(session)
     s3 = session.client("s3")
     bucket = get_config().buckets["archive"]
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=EVENTS_PREFIX + "/").get("Contents", [])
@@ -40,6 +43,21 @@ def objects(session: boto3.Session) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def recording_of(session: boto3.Session, clock: Any) -> Recording:
+    return Recording(get_config().streams[EVENT_LOG], clock, session.client("kinesis"))
+
+
+def log_records(session: boto3.Session) -> int:
+    """Records in the event log (one shard)."""
+    kinesis = session.client("kinesis")
+    stream = get_config().streams[EVENT_LOG]
+    [shard] = kinesis.list_shards(StreamName=stream)["Shards"]
+    iterator = kinesis.get_shard_iterator(
+        StreamName=stream, ShardId=shard["ShardId"], ShardIteratorType="TRIM_HORIZON"
+    )["ShardIterator"]
+    return len(kinesis.get_records(ShardIterator=iterator)["Records"])
+
+
 def events(session: boto3.Session) -> list[dict[str, Any]]:
     return [e for lines in objects(session).values() for e in lines]
 
@@ -50,9 +68,7 @@ def kinds(session: boto3.Session, consumer_kind: str) -> Counter[str]:
 
 @pytest.fixture
 def recording(world: World, aws: boto3.Session) -> Iterator[World]:
-    world.delivery.events = Recording(
-        get_config().buckets["archive"], world.clock, aws.client("s3")
-    )
+    world.delivery.events = recording_of(aws, world.clock)
     yield world
 
 
@@ -89,8 +105,9 @@ def test_route_get_and_ack_record_routed_delivered_and_acked(
     assert [e["message_id"] for e in by_kind["delivered"]] == ids
     assert {e["label"] for e in by_kind["delivered"]} == {"alice-1"}
     assert sorted(e["delivery_id"] for e in by_kind["acked"]) == sorted(m["id"] for m in got)
-    # And each invocation wrote one object (router, get, ack)
-    assert len(objects(aws)) == 3
+    # And each invocation appended one record (router, get, ack), archived as one object
+    assert log_records(aws) == 3
+    assert len(objects(aws)) == 1
 
 
 @pytest.mark.parametrize("step", ROUTER_STEPS)
@@ -148,7 +165,7 @@ def test_a_redelivery_keeps_its_delivery_id_and_is_recorded_as_such(
     assert again["dup"] is True
 
 
-def test_a_retried_ack_rewrites_the_same_object(recording: World, aws: boto3.Session) -> None:
+def test_a_retried_ack_replaces_its_first_record(recording: World, aws: boto3.Session) -> None:
     w = recording
     # Given a delivered and acked message
     channel = w.connect("alice-1")
@@ -157,12 +174,14 @@ def test_a_retried_ack_rewrites_the_same_object(recording: World, aws: boto3.Ses
     w.route()
     [got] = w.get("alice-1", channel)
     w.ack("alice-1", channel, [got["id"]])
-    before = objects(aws)
     # When the same ack comes again (a client retry after a lost answer)
     status, answer = w.ack("alice-1", channel, [got["id"]])
-    # Then nothing is acked now, and the ack's events are the same object as before
+    # Then nothing is acked now; the ack recorded its batch again (the same key hint), and
+    # the archiver keeps one copy of it, as the same object key was overwritten before
     assert (status, answer["acked"]) == (200, 0)
-    assert objects(aws).keys() == before.keys()
+    assert log_records(aws) == 4
+    acked = [e for e in events(aws) if e["event"] == "acked"]
+    assert [e["delivery_id"] for e in acked] == [got["id"]]
 
 
 def test_messages_of_a_dropped_subscription_are_recorded_as_dropped(
@@ -186,7 +205,7 @@ def test_shared_group_get_and_ack_record_under_the_group(
     gworld: GroupWorld, aws: boto3.Session
 ) -> None:
     w = gworld
-    recording = Recording(get_config().buckets["archive"], w.clock, aws.client("s3"))
+    recording = recording_of(aws, w.clock)
     w.groups.events = recording
     # Given the only member of a shared group and two messages routed to the group
     channel = w.connect("alice-1")
@@ -210,7 +229,7 @@ def test_a_group_message_that_expires_before_any_member_gets_it_is_recorded_as_d
     gworld: GroupWorld, aws: boto3.Session
 ) -> None:
     w = gworld
-    w.groups.events = Recording(get_config().buckets["archive"], w.clock, aws.client("s3"))
+    w.groups.events = recording_of(aws, w.clock)
     # Given a group member and a short-lived message routed to the group, then a long-lived one
     channel = w.connect("alice-1")
     w.subscribe("alice-1", channel, "$share/g/orders/#")
@@ -233,7 +252,7 @@ def test_a_group_message_that_expires_before_any_member_gets_it_is_recorded_as_d
 @pytest.fixture
 def push(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[PushHarness]:
     h = PushHarness(aws, monkeypatch)
-    h.consumer.events = Recording(get_config().buckets["archive"], h.clock, aws.client("s3"))
+    h.consumer.events = recording_of(aws, h.clock)
     yield h
 
 
@@ -259,3 +278,39 @@ def test_push_attempts_record_delivered_redelivered_acked_and_dead_lettered(
     ]
     [dead] = [e for e in lines if e["event"] == "dead_lettered"]
     assert (dead["message_id"], dead["reason"], dead["consumer"]) == (bad, "http_503", "orders")
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Every AWS call any client makes from here on, as "service.Operation" (over moto)."""
+    counted: Counter[str] = Counter()
+    make_call = getattr(BaseClient, "_make_api_call")  # noqa: B009 - private, untyped
+
+    def counting(client: Any, operation: str, params: Any) -> Any:
+        counted[f"{client.meta.service_model.service_name}.{operation}"] += 1
+        return make_call(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", counting)
+    return counted
+
+
+def test_a_get_and_an_ack_each_append_one_record_and_write_no_object(
+    recording: World, aws: boto3.Session, calls: Counter[str]
+) -> None:
+    w = recording
+    # Given a session with three messages routed to it
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    for n in range(3):
+        w.publish("orders/a", f"m{n}")
+    w.route()
+    # When it gets them
+    calls.clear()
+    got = w.get("alice-1", channel)
+    # Then the get made one PutRecords and no S3 write
+    assert len(got) == 3
+    assert (calls["kinesis.PutRecords"], calls["s3.PutObject"]) == (1, 0)
+    # And so did the ack
+    calls.clear()
+    w.ack("alice-1", channel, [m["id"] for m in got])
+    assert (calls["kinesis.PutRecords"], calls["s3.PutObject"]) == (1, 0)

@@ -74,6 +74,12 @@ def world(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harne
     yield h
 
 
+def kept() -> set[str]:
+    """What a teardown leaves: streams that are not the stack's, and the streams the stack
+    declares (CloudFormation deletes those itself: the event log)."""
+    return {*FOREIGN, *get_config().streams.values()}
+
+
 def streams(aws: boto3.Session) -> set[str]:
     return set(aws.client("kinesis").list_streams()["StreamNames"])
 
@@ -116,7 +122,7 @@ def test_delete_removes_every_runtime_stream_and_mapping_once(
     world: Harness, aws: boto3.Session
 ) -> None:
     # Given topics, a grown topic, a push subscription and a half-made topic
-    made = streams(aws) - set(FOREIGN)
+    made = streams(aws) - kept()
     assert {
         "shoal-default-0",
         "shoal-orders-0",
@@ -134,10 +140,10 @@ def test_delete_removes_every_runtime_stream_and_mapping_once(
     assert answer["PhysicalResourceId"] == PHYSICAL_ID
     assert answer["Data"] == {"MappingsDeleted": count, "StreamsDeleted": len(made)}
     assert mappings(aws) == []
-    assert streams(aws) == set(FOREIGN)
+    assert streams(aws) == kept()
     # And a second delete (the tables still name every stream) finds them gone: no error
     assert delete(aws)["Data"] == {"MappingsDeleted": 0, "StreamsDeleted": 0}
-    assert streams(aws) == set(FOREIGN)
+    assert streams(aws) == kept()
 
 
 def test_a_delete_after_a_partial_first_pass_finishes_the_job(
@@ -150,19 +156,19 @@ def test_a_delete_after_a_partial_first_pass_finishes_the_job(
         delete(aws, first)
     # it removed the mappings and two streams, and left the rest
     assert mappings(aws) == []
-    left = streams(aws) - set(FOREIGN)
+    left = streams(aws) - kept()
     assert left
     # When CloudFormation's delete is repeated (a fresh container)
     answer = delete(aws)
     # Then the rest goes, found again from the tables
     assert answer["Data"] == {"MappingsDeleted": 0, "StreamsDeleted": len(left)}
-    assert streams(aws) == set(FOREIGN)
+    assert streams(aws) == kept()
 
 
 def test_busy_resources_are_waited_for_within_the_budget(
     world: Harness, aws: boto3.Session
 ) -> None:
-    made = streams(aws) - set(FOREIGN)
+    made = streams(aws) - kept()
     # Given streams busy for longer than the budget (moto reports them ACTIVE, so "in use"
     # means a resharding, not a delete under way)
     stuck = teardown(aws, budget_s=10)
@@ -170,7 +176,7 @@ def test_busy_resources_are_waited_for_within_the_budget(
     # Then the delete fails, saying what to do, and leaves them for the next one
     with pytest.raises(TeardownIncomplete, match="delete again"):
         delete(aws, stuck)
-    assert streams(aws) - set(FOREIGN) == made
+    assert streams(aws) - kept() == made
     # Given a mapping and a stream busy only at the first attempts
     td = teardown(aws)
     calls = fail_on(td.kinesis, "DeleteStream", "LimitExceededException", {1, 2})
@@ -178,7 +184,7 @@ def test_busy_resources_are_waited_for_within_the_budget(
     # Then each is tried again after backoff, and all goes
     assert delete(aws, td)["Data"]["StreamsDeleted"] == len(made)
     assert len(calls) == len(made) + 2
-    assert streams(aws) == set(FOREIGN)
+    assert streams(aws) == kept()
     assert mappings(aws) == []
 
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from shoal.aws.kinesis import ARCHIVER_MAPPING
 from shoal.aws.tables import TABLES, TableDef
-from shoal.core.config import BUCKET_ENV_PREFIX, FUNCTION_ENV_PREFIX, TABLE_ENV_PREFIX
+from shoal.core.config import (
+    BUCKET_ENV_PREFIX,
+    FUNCTION_ENV_PREFIX,
+    STREAM_ENV_PREFIX,
+    TABLE_ENV_PREFIX,
+)
 
 Access = Literal["read", "write", "read_write"]
 
@@ -33,11 +39,33 @@ class Route:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a function may do to one resource: a table, a bucket, or the storage streams."""
+    """What a function may do to one resource: a table, a bucket, a stream the stack owns
+    (``stream``), or the storage streams (``streams``: every topic's, made at run time)."""
 
-    kind: Literal["table", "bucket", "streams", "event_source_mappings"]
+    kind: Literal["table", "bucket", "stream", "streams", "event_source_mappings"]
     name: str
     access: Access
+
+
+@dataclass(frozen=True)
+class StreamDef:
+    """A Kinesis stream the stack owns (CloudFormation creates and deletes it), unlike the
+    storage streams, which the admin API makes at run time."""
+
+    logical: str
+    #: provisioned shards (docs/operations.md, "Cost": why provisioned, and when to add one)
+    shards: int = 1
+    retention_hours: int = 24
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """An event source mapping the stack owns: a declared stream feeding a function."""
+
+    stream: str
+    #: CreateEventSourceMapping's arguments besides the stream and function (not hashed: a
+    #: dict of lists, and the stream names the source anyway)
+    mapping: Mapping[str, Any] = field(hash=False, default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -49,6 +77,8 @@ class FunctionDef:
     grants: tuple[Grant, ...] = ()
     #: run every this many seconds (EventBridge schedule); None for no schedule
     schedule_s: int | None = None
+    #: declared streams that invoke it through event source mappings
+    sources: tuple[EventSource, ...] = ()
     memory_mb: int = 512
     timeout_s: int = 29
     description: str = ""
@@ -77,6 +107,7 @@ class Deployment:
     tables: tuple[TableDef, ...]
     buckets: tuple[BucketDef, ...]
     functions: tuple[FunctionDef, ...]
+    streams: tuple[StreamDef, ...] = ()
     #: the composite topic every MQTT topic without a topic of its own belongs to
     default_topic: str = "default"
     stream_prefix: str = "shoal"
@@ -99,6 +130,9 @@ DEPLOYMENT = Deployment(
             expire_prefixes=(("payloads/", 15),),
         ),
     ),
+    # the delivery-event log (shoal.delivery.events): gets, acks, the router and push append
+    # their events, the archiver writes them to the archive bucket
+    streams=(StreamDef("events"),),
     functions=(
         FunctionDef(
             name="health",
@@ -159,8 +193,22 @@ DEPLOYMENT = Deployment(
                 Grant("table", "inboxes", "read_write"),
                 # a shared group's new stream is made known to its leader (a conditional put)
                 Grant("table", "groups", "write"),
+                # its ``routed`` delivery events (shoal.delivery.events)
+                Grant("stream", "events", "write"),
             ),
             timeout_s=60,
+        ),
+        FunctionDef(
+            name="archiver",
+            description="Consumes the delivery-event log: one S3 object per batch and hour",
+            grants=(
+                Grant("stream", "events", "read"),
+                Grant("bucket", "archive", "write"),
+            ),
+            sources=(EventSource("events", ARCHIVER_MAPPING),),
+            # a batch of 10,000 records (at most Lambda's 6 MB of them) is decompressed and
+            # written as a few objects: seconds, with room for S3's slow answers
+            timeout_s=120,
         ),
         FunctionDef(
             name="bootstrap",
@@ -262,7 +310,7 @@ DEPLOYMENT = Deployment(
                 # payloads too large for an inbox item are kept once there (shoal.delivery)
                 Grant("bucket", "archive", "read"),
                 # delivery events of gets and acks (shoal.delivery.events)
-                Grant("bucket", "archive", "write"),
+                Grant("stream", "events", "write"),
             ),
         ),
         FunctionDef(
@@ -277,7 +325,7 @@ DEPLOYMENT = Deployment(
                 Grant("streams", "storage", "read"),
                 Grant("streams", "storage", "write"),
                 # delivery events of its POST attempts (shoal.delivery.events)
-                Grant("bucket", "archive", "write"),
+                Grant("stream", "events", "write"),
             ),
             # an invocation waits for a retry's attempt time up to shoal.push.consumer.MAX_HOLD_S
             timeout_s=120,
@@ -317,9 +365,11 @@ def environment(
     *,
     stream_prefix: str,
     default_partitions: int,
+    streams: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment variables every function gets, given physical resource names."""
     env = {f"{TABLE_ENV_PREFIX}{k.upper()}": v for k, v in tables.items()}
+    env |= {f"{STREAM_ENV_PREFIX}{k.upper()}": v for k, v in (streams or {}).items()}
     env |= {f"{BUCKET_ENV_PREFIX}{k.upper()}": v for k, v in buckets.items()}
     env |= {f"{FUNCTION_ENV_PREFIX}{k.upper()}": v for k, v in functions.items()}
     env["SHOAL_STREAM_PREFIX"] = stream_prefix

@@ -76,6 +76,22 @@ PUSH_MAPPING: dict[str, Any] = {
     **NEVER_SKIP,
 }
 
+#: How the archiver reads the event log (``shoal.delivery.archiver``): large batches, since each
+#: invocation writes one S3 object per hour its events fall in, whatever its size. A batch ends
+#: at 10,000 records, at Lambda's 6 MB invocation payload (records in base64 with their
+#: envelope: about 1,100 records of a 100-message page's 3.6 KB), or after 60 s, whichever
+#: comes first; each object then holds the events of hundreds to thousands of calls, where
+#: each call wrote its own before (issue 18). A batch that fails is bisected and retried forever
+#: (NEVER_SKIP, as the router's): the archiver fails only when S3 does, and a skipped batch
+#: would be events the audit never sees. The IteratorAge alarm reports a stuck shard.
+ARCHIVER_MAPPING: dict[str, Any] = {
+    "StartingPosition": "TRIM_HORIZON",
+    "BatchSize": 10_000,
+    "MaximumBatchingWindowInSeconds": 60,
+    "ParallelizationFactor": 1,
+    **NEVER_SKIP,
+}
+
 KINESIS_THROTTLED = frozenset(
     {
         "ProvisionedThroughputExceededException",
@@ -347,3 +363,63 @@ class Streams:
 
 #: a recovery read-back gives up (and asks the client to retry) after this many GetRecords
 _MAX_WINDOW_READS = 50
+
+
+class EventLog:
+    """Appends to a stream the stack owns (the delivery-event log, ``shoal.delivery.events``).
+
+    Unlike the publish path, a record appended twice here is harmless (the archiver keeps the
+    last copy of a batch, the audit drops lines held twice), so a record Kinesis refused is
+    put again, a few times; a call that fails as a whole raises as S3's PutObject did before.
+    """
+
+    #: puts of the records Kinesis refused (throttling), the first call included
+    ATTEMPTS = 3
+
+    def __init__(self, kinesis: KinesisClient, stream: str, clock: Clock | None = None) -> None:
+        self.kinesis = kinesis
+        self.stream = stream
+        self.clock = clock or SystemClock()
+
+    def append(self, records: Sequence[tuple[str, bytes]]) -> None:
+        """Put (partition key, data) records, in order per partition key: one PutRecords call
+        unless they pass its limits of 500 records and 5 MiB."""
+        for chunk in _put_chunks(records):
+            pending = list(chunk)
+            for attempt in range(self.ATTEMPTS):
+                response = self.kinesis.put_records(
+                    StreamName=self.stream,
+                    Records=[{"PartitionKey": key, "Data": data} for key, data in pending],
+                )
+                if not response.get("FailedRecordCount"):
+                    break
+                # a refused record was not added; a later record of its key may have been, so
+                # order within a key is kept only up to a retry (the lines keep their ``seq``)
+                pending = [
+                    record
+                    for record, answer in zip(pending, response["Records"], strict=True)
+                    if answer.get("ErrorCode")
+                ]
+                if attempt + 1 < self.ATTEMPTS:
+                    self.clock.sleep(0.05 * 2**attempt)
+            else:
+                logger.warning(
+                    "event log records refused",
+                    extra={"stream": self.stream, "records": len(pending)},
+                )
+                # the caller's invocation fails (a get or ack answers 503, a batch is retried)
+                raise ServerBusy(f"{len(pending)} delivery-event records refused; retry")
+
+
+def _put_chunks(records: Sequence[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
+    chunk: list[tuple[str, bytes]] = []
+    size = 0
+    for key, data in records:
+        record_size = len(data) + len(key.encode())
+        if chunk and (len(chunk) >= MAX_PUT_RECORDS or size + record_size > MAX_PUT_RECORDS_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((key, data))
+        size += record_size
+    if chunk:
+        yield chunk

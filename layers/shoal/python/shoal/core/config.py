@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 TABLE_ENV_PREFIX = "SHOAL_TABLE_"
 BUCKET_ENV_PREFIX = "SHOAL_BUCKET_"
 FUNCTION_ENV_PREFIX = "SHOAL_FUNCTION_"
+#: the Kinesis streams the stack owns (the delivery-event log), not the topics' storage
+#: streams, which are named after SHOAL_STREAM_PREFIX at run time
+STREAM_ENV_PREFIX = "SHOAL_KINESIS_"
 
 #: delivery defaults (``shoal.delivery``)
 DEFAULT_ACK_TIMEOUT_S = 30
@@ -101,6 +104,9 @@ class Config(BaseModel):
     buckets: dict[str, str] = Field(default_factory=dict)
     #: logical function name -> deployed function name (for event source mappings)
     functions: dict[str, str] = Field(default_factory=dict)
+    #: logical stream name -> physical name, of the streams the stack owns (``events``: the
+    #: delivery-event log, ``shoal.delivery.events``)
+    streams: dict[str, str] = Field(default_factory=dict)
     #: Kinesis stream names of storage topics are "<stream_prefix>-<topic>-<index>"
     stream_prefix: str = "shoal"
     default_partitions: int = 1
@@ -137,6 +143,7 @@ class Config(BaseModel):
             tables=section(TABLE_ENV_PREFIX),
             buckets=section(BUCKET_ENV_PREFIX),
             functions=section(FUNCTION_ENV_PREFIX),
+            streams=section(STREAM_ENV_PREFIX),
             stream_prefix=env.get("SHOAL_STREAM_PREFIX", "shoal"),
             default_partitions=int(env.get("SHOAL_DEFAULT_PARTITIONS", "1")),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),

@@ -28,12 +28,15 @@ REDRIVEN: Final = "MessagesRedriven"  # pushadmin: DLQ messages sent back
 REPLAYED: Final = "MessagesReplayed"
 # shared groups: a leader's transition that changed who holds which stream, once committed
 REBALANCES: Final = "GroupRebalances"
+# archiver: delivery-event lines written to the archive (a retried batch counts again)
+ARCHIVED_EVENTS: Final = "DeliveryEventsArchived"
 
 # Lag (Unit.Milliseconds): age of the oldest record of an invocation's batch, measured from
 # Kinesis' ApproximateArrivalTimestamp. The same quantity as the mapping's IteratorAge, but
 # per function and available under `shoal dev`, where no IteratorAge exists.
 ROUTER_LAG: Final = "RouterLag"
 PUSH_LAG: Final = "PushLag"
+ARCHIVER_LAG: Final = "ArchiverLag"
 
 COUNTS: Final = (
     PUBLISHED,
@@ -46,5 +49,6 @@ COUNTS: Final = (
     REDRIVEN,
     REPLAYED,
     REBALANCES,
+    ARCHIVED_EVENTS,
 )
-LAGS: Final = (ROUTER_LAG, PUSH_LAG)
+LAGS: Final = (ROUTER_LAG, PUSH_LAG, ARCHIVER_LAG)

@@ -2,11 +2,16 @@
 
 The pipeline's audit (``pipeline/audit.py``) compares these events with the message archive
 (``shoal.router.archive``) to prove exactly-once delivery after the fact. A function records events
-while it works and writes them once, at the end of its invocation, as ONE JSON-lines object::
+while it works and appends them once, at the end of its invocation, to the event log (a Kinesis
+stream of the stack's own, not a topic's storage stream)::
 
-    recorder = DeliveryEvents.from_config(config, clock)      # or DeliveryEvents(bucket, clock)
+    recorder = recording.new()                                 # Recording: one per container
     recorder.add("delivered", "session", session_id, message_id=..., delivery_id=..., ...)
-    recorder.flush(f"get/{session_id}/{state_version}")        # one PutObject, or nothing
+    recorder.flush(f"get/{session_id}/{state_version}")        # one PutRecords, or nothing
+
+The archiver (``shoal.delivery.archiver``), mapped to the log with large batches, writes them to
+S3 as JSON lines: one object per batch and hour instead of one per call (issue 18: two S3 PUTs
+per page of 100 messages were a quarter of a delivery's cost).
 
 Events
 ------
@@ -24,22 +29,29 @@ only the delivery id, the audit finds the message through the delivery events wi
 Message attributes the archive holds (ordering key, publish time) are optional here: the audit
 takes them from the archive first.
 
-Object keys
------------
-``events/date=<YYYY-MM-DD>/hour=<HH>/<digest of the key hint>.jsonl``, the date and hour of the
-earliest ``published_at`` among the object's events. Both parts come from the batch alone, so
-a retried invocation that records the same batch writes the same key and overwrites its
-earlier object instead of adding a copy; the hint must therefore name the consumer and the
-batch's identity (a session and the delivery-state version a get or ack wrote; a stream, shard
-and sequence range). Lines carry ``seq`` (their order in the object) and ``batch`` (the hint's
-digest): the audit orders acks of one millisecond by them, and drops lines that two objects
-hold twice (a batch cut differently on a retry).
+Log records and objects
+-----------------------
+An invocation's events are one log record (more when they pass Kinesis' 1 MB a record): a
+header line (the object partition ``date=<YYYY-MM-DD>/hour=<HH>``, of the earliest
+``published_at`` among its events, else the earliest event time; the key hint's digest; the
+part) and the event lines, zlib-compressed. Its partition key is the consumer when every event
+is one consumer's (so one consumer's events stay in order, in one shard), else the key hint.
+The key hint names the consumer and the batch's identity (a session and the delivery-state
+version a get or ack wrote; a stream, shard and sequence range), so a retried invocation that
+records the same batch writes a record of the same digest: the archiver keeps the last record
+of a digest and part within its batch, as an S3 object under a key from the hint was
+overwritten before.
 
-Without a configured archive bucket the recorder records nothing: ``add`` and ``flush`` are
-no-ops, so functions and tests that do not care need no bucket.
+The archiver writes ``events/date=<YYYY-MM-DD>/hour=<HH>/<stream>.<shard>.<first>-<last>.jsonl``:
+each of its batches' records in order, lines as recorded. Lines carry ``seq`` (their order in
+the invocation) and ``batch`` (the hint's digest): the audit orders acks of one millisecond by
+them, and drops lines that two objects hold twice (a batch cut differently on a retry).
 
-Services hold a ``Recording`` (the bucket and one S3 client per container, made on first use)
-and take a fresh recorder from it per invocation (``recording.new()``); a service built
+Without a configured event log the recorder records nothing: ``add`` and ``flush`` are no-ops,
+so functions and tests that do not care need no stream.
+
+Services hold a ``Recording`` (the stream and one Kinesis client per container, made on first
+use) and take a fresh recorder from it per invocation (``recording.new()``); a service built
 without one records nothing. What each service records, and under which key hint, is listed in
 docs/pipeline.md ("What the services record").
 """
@@ -49,21 +61,31 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shoal.aws import clients
+from shoal.aws.kinesis import MAX_RECORD_BYTES, EventLog
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.delivery.inbox import InboxMessage
 
 if TYPE_CHECKING:  # type stubs only, not installed in the layer
-    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_kinesis import KinesisClient
 
 EVENTS_PREFIX = "events"
-ARCHIVE_BUCKET = "archive"
+#: the declared stream (``shoal.declarations``) the events are appended to
+EVENT_LOG = "events"
+#: the version of the log records' header
+LOG_FORMAT = 1
+#: Kinesis' longest partition key (characters)
+MAX_PARTITION_KEY = 256
+#: a record's event lines before compression: below Kinesis' 1 MB a record with room for the
+#: header and partition key (zlib never grows data by more than a few bytes per 16 KB)
+MAX_RECORD_LINES_BYTES = MAX_RECORD_BYTES - 16 * 1024
 
 EventKind = Literal["routed", "delivered", "redelivered", "acked", "dead_lettered", "dropped"]
 ConsumerKind = Literal["session", "group", "push"]
@@ -120,38 +142,56 @@ def _partition(ms: int) -> str:
     return f"date={moment:%Y-%m-%d}/hour={moment:%H}"
 
 
-class DeliveryEvents:
-    """The events of one invocation, buffered, written as one object by ``flush``.
+@dataclass(frozen=True)
+class LogRecord:
+    """One log record, decoded: where its lines go and what they are."""
 
-    Not shared between invocations: make one per invocation (it holds no client of its own
-    unless given one; ``from_config`` passes the container's).
+    partition: str
+    batch: str
+    part: int
+    lines: bytes
+
+
+class MalformedLogRecord(ValueError):
+    """A record of the event log that no recorder wrote."""
+
+
+def decode_log_record(data: bytes) -> LogRecord:
+    try:
+        text = zlib.decompress(data)
+        head, _, lines = text.partition(b"\n")
+        header = json.loads(head)
+        if header.get("v") != LOG_FORMAT:
+            raise MalformedLogRecord(f"log format {header.get('v')!r}")
+        partition, batch, part = header["partition"], header["batch"], int(header["part"])
+    except (zlib.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MalformedLogRecord(f"not a delivery-event record: {type(exc).__name__}") from exc
+    if not isinstance(partition, str) or not partition.startswith("date="):
+        raise MalformedLogRecord("no object partition")
+    return LogRecord(partition, str(batch), part, lines)
+
+
+def _partition_key(text: str) -> str:
+    return text if len(text) <= MAX_PARTITION_KEY else hint_digest(text)
+
+
+class DeliveryEvents:
+    """The events of one invocation, buffered, appended to the event log by ``flush``.
+
+    Not shared between invocations: make one per invocation (``Recording.new``).
     """
 
     def __init__(
-        self,
-        bucket: str | None,
-        clock: Clock | None = None,
-        s3: S3Client | None = None,
-        prefix: str = EVENTS_PREFIX,
+        self, log: EventLog | None, clock: Clock | None = None, prefix: str = EVENTS_PREFIX
     ) -> None:
-        self.bucket = bucket
+        self.log = log
         self.clock = clock or SystemClock()
         self.prefix = prefix
-        self._s3 = s3
         self._events: list[DeliveryEvent] = []
-
-    @classmethod
-    def from_config(
-        cls, config: Config, clock: Clock | None = None, s3: S3Client | None = None
-    ) -> DeliveryEvents:
-        bucket = config.buckets.get(ARCHIVE_BUCKET)
-        if s3 is None and bucket:
-            s3 = clients.client("s3", config.region)
-        return cls(bucket, clock, s3)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.bucket)
+        return self.log is not None
 
     def __len__(self) -> int:
         return len(self._events)
@@ -209,75 +249,105 @@ class DeliveryEvents:
         if self.enabled:
             self._events.extend(events)
 
-    def key_for(self, key_hint: str) -> str | None:
-        """The object key ``flush(key_hint)`` would write now (None: nothing to write)."""
+    def partition(self) -> str | None:
+        """The object partition (``date=.../hour=...``) of the buffered events (None: none)."""
         if not self._events:
             return None
         times = [e.published_at for e in self._events if e.published_at is not None]
         # without a publish time the batch's earliest event time is the next most stable
         anchor = min(times) if times else min(e.at for e in self._events)
-        return f"{self.prefix}/{_partition(anchor)}/{hint_digest(key_hint)}.jsonl"
+        return _partition(anchor)
 
     def body(self, key_hint: str) -> bytes:
+        """The event lines, as the archiver writes them."""
         batch = hint_digest(key_hint)
         return b"".join(event.line(n, batch) for n, event in enumerate(self._events))
 
-    def flush(self, key_hint: str) -> str | None:
-        """Write the buffered events as one object and forget them; the key, or None if there
-        was nothing to write. An S3 error propagates (the caller's invocation fails and is
-        retried, which records and writes the same object again)."""
-        key = self.key_for(key_hint)
-        if key is None or self.bucket is None:
-            return None
-        body = self.body(key_hint)
-        self._client().put_object(
-            Bucket=self.bucket, Key=key, Body=body, ContentType="application/x-ndjson"
-        )
+    def records(self, key_hint: str) -> list[tuple[str, bytes]]:
+        """The log records (partition key, data) of the buffered events: usually one."""
+        partition = self.partition()
+        if partition is None:
+            return []
+        batch = hint_digest(key_hint)
+        consumers = {(e.consumer_kind, e.consumer) for e in self._events}
+        if len(consumers) == 1:
+            kind, consumer = next(iter(consumers))
+            key = _partition_key(f"{kind}/{consumer}")
+        else:
+            key = _partition_key(key_hint)
+        parts: list[list[bytes]] = [[]]
+        size = 0
+        for n, event in enumerate(self._events):
+            line = event.line(n, batch)
+            if parts[-1] and size + len(line) > MAX_RECORD_LINES_BYTES:
+                parts.append([])
+                size = 0
+            parts[-1].append(line)
+            size += len(line)
+        out = []
+        for number, lines in enumerate(parts):
+            header = _encode(
+                {"v": LOG_FORMAT, "partition": partition, "batch": batch, "part": number}
+            )
+            # level 1: a tenth of the time of the default for most of its gain on JSON lines
+            data = zlib.compress(header.encode() + b"\n" + b"".join(lines), 1)
+            out.append((key, data))
+        return out
+
+    def flush(self, key_hint: str) -> int:
+        """Append the buffered events to the log and forget them; how many. A Kinesis error
+        propagates (the caller's invocation fails and is retried, which records and appends
+        the same batch again)."""
+        records = self.records(key_hint)
+        if not records or self.log is None:
+            return 0
+        self.log.append(records)
+        written = len(self._events)
         self._events.clear()
-        return key
+        return written
 
     def discard(self) -> None:
         self._events.clear()
 
-    def _client(self) -> S3Client:
-        if self._s3 is None:
-            raise RuntimeError("a recorder with a bucket needs an S3 client (from_config)")
-        return self._s3
-
 
 class Recording:
-    """A container's way to record: the archive bucket and one S3 client, shared by the
-    recorders it hands out (``new``: one per invocation). Thread-safe."""
+    """A container's way to record: the event log's stream and one Kinesis client, shared by
+    the recorders it hands out (``new``: one per invocation). Thread-safe."""
 
     def __init__(
         self,
-        bucket: str | None,
+        stream: str | None,
         clock: Clock | None = None,
-        s3: S3Client | None = None,
+        kinesis: KinesisClient | None = None,
         region: str = "us-east-1",
     ) -> None:
-        self.bucket = bucket
+        self.stream = stream
         self.clock = clock or SystemClock()
         self.region = region
-        self._s3 = s3
+        self._log: EventLog | None = None
+        if stream and kinesis is not None:
+            self._log = EventLog(kinesis, stream, self.clock)
         self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Recording:
-        return cls(config.buckets.get(ARCHIVE_BUCKET), clock, region=config.region)
+        return cls(config.streams.get(EVENT_LOG), clock, region=config.region)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.bucket)
+        return bool(self.stream)
 
     def new(self) -> DeliveryEvents:
-        return DeliveryEvents(self.bucket, self.clock, self._client() if self.enabled else None)
+        return DeliveryEvents(self.log() if self.enabled else None, self.clock)
 
-    def _client(self) -> S3Client:
+    def log(self) -> EventLog:
         with self._lock:
-            if self._s3 is None:
-                self._s3 = clients.client("s3", self.region)
-            return self._s3
+            if self._log is None:
+                assert self.stream
+                self._log = EventLog(
+                    clients.client("kinesis", self.region), self.stream, self.clock
+                )
+            return self._log
 
 
 def record_routed(
@@ -342,8 +412,8 @@ def record_answers(
 
 class PerConsumer:
     """One recorder per consumer for one invocation that serves several (the push function:
-    every subscription of a tap takes the batch, some in threads), each flushed as its own
-    object."""
+    every subscription of a tap takes the batch, some in threads), each its own log record
+    (its consumer's partition key and batch digest), all appended in one call."""
 
     def __init__(self, recording: Recording) -> None:
         self.recording = recording
@@ -357,8 +427,16 @@ class PerConsumer:
                 recorder = self._recorders[consumer] = self.recording.new()
             return recorder
 
-    def flush(self, key_hint: Callable[[str], str]) -> list[str]:
-        """Every consumer's object (``key_hint(consumer)`` names it); the keys written."""
+    def flush(self, key_hint: Callable[[str], str]) -> int:
+        """Every consumer's events (``key_hint(consumer)`` names each batch); how many."""
         with self._lock:
             recorders = sorted(self._recorders.items())
-        return [key for c, r in recorders if (key := r.flush(key_hint(c))) is not None]
+        records = [r for c, recorder in recorders for r in recorder.records(key_hint(c))]
+        if not records:
+            return 0
+        self.recording.log().append(records)
+        written = 0
+        for _, recorder in recorders:
+            written += len(recorder)
+            recorder.discard()
+        return written

@@ -1,8 +1,9 @@
 """Create a deployment's resources in an emulated account, from ``shoal.declarations``.
 
 ``shoal dev`` and the integration tests both call ``provision``; the CDK stack reads the same
-declarations, so the emulated account has exactly the tables, buckets and functions a deployed
-stack has.
+declarations, so the emulated account has exactly the tables, buckets, streams and functions a
+deployed stack has. The declared event source mappings (``provision_mappings``) are made by
+``shoal dev`` only: tests that drive the functions themselves decide what runs when.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class LocalNames:
     tables: dict[str, str] = field(default_factory=dict)
     buckets: dict[str, str] = field(default_factory=dict)
     functions: dict[str, str] = field(default_factory=dict)
+    #: streams the stack owns: "<logical>.<prefix>", a name outside every storage stream's
+    #: "<prefix>-<topic>-<index>" (as the stack names them "<logical>.<stack name>")
+    streams: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def for_deployment(
@@ -41,6 +45,7 @@ class LocalNames:
             tables={t.logical: f"{prefix}-{t.logical}" for t in deployment.tables},
             buckets={b.logical: f"{prefix}-{b.logical}-{ACCOUNT_ID}" for b in deployment.buckets},
             functions={f.name: f"{prefix}-{f.name}" for f in deployment.functions},
+            streams={s.logical: f"{s.logical}.{prefix}" for s in deployment.streams},
         )
 
     def environment(self) -> dict[str, str]:
@@ -50,6 +55,7 @@ class LocalNames:
             self.functions,
             stream_prefix=self.prefix,
             default_partitions=self.default_partitions,
+            streams=self.streams,
         )
 
 
@@ -103,6 +109,18 @@ def provision(
             if not _exists(exc):
                 raise
 
+    kinesis = session.client("kinesis")
+    for stream in deployment.streams:
+        try:
+            kinesis.create_stream(
+                StreamName=names.streams[stream.logical],
+                ShardCount=stream.shards,
+                StreamModeDetails={"StreamMode": "PROVISIONED"},
+            )
+        except ClientError as exc:
+            if not _exists(exc):
+                raise
+
     iam = session.client("iam")
     trust = (
         '{"Version":"2012-10-17","Statement":[{"Effect":"Allow",'
@@ -136,3 +154,38 @@ def provision(
         except ClientError as exc:
             if not _exists(exc):
                 raise
+
+
+def provision_mappings(
+    session: boto3.Session,
+    names: LocalNames,
+    deployment: Deployment = DEPLOYMENT,
+    *,
+    batching_window_s: int | None = None,
+) -> list[str]:
+    """Create the declared event source mappings (``FunctionDef.sources``) unless they exist;
+    their UUIDs. ``batching_window_s`` replaces the declared window: ``shoal dev`` archives
+    delivery events within a second or two, where a deployed stack waits up to a minute to
+    fill a batch (a developer reading the archive should not wait for a cost saving)."""
+    kinesis = session.client("kinesis")
+    awslambda = session.client("lambda")
+    uuids: list[str] = []
+    for fn in deployment.functions:
+        for source in fn.sources:
+            arn = kinesis.describe_stream_summary(StreamName=names.streams[source.stream])[
+                "StreamDescriptionSummary"
+            ]["StreamARN"]
+            function = names.functions[fn.name]
+            found = awslambda.list_event_source_mappings(EventSourceArn=arn, FunctionName=function)
+            existing = [m["UUID"] for m in found.get("EventSourceMappings", [])]
+            if existing:
+                uuids.extend(existing)
+                continue
+            spec: dict[str, Any] = dict(source.mapping)
+            if batching_window_s is not None:
+                spec["MaximumBatchingWindowInSeconds"] = batching_window_s
+            made = awslambda.create_event_source_mapping(
+                EventSourceArn=arn, FunctionName=function, **spec
+            )
+            uuids.append(made["UUID"])
+    return uuids

@@ -40,7 +40,7 @@ from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.context import REGION, LambdaContext
 from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.gateway import Gateway, GatewayServer, RouteTable
-from shoal.local.provision import LocalNames, provision
+from shoal.local.provision import LocalNames, provision, provision_mappings
 from shoal.local.scheduler import Scheduler, schedules_for
 
 log = logging.getLogger("shoal-dev.runtime")
@@ -72,6 +72,11 @@ BASE_ENVIRONMENT = {
 }
 
 StartHook = Callable[[Config], object]
+
+#: the declared mappings' batching window under ``shoal dev`` (the archiver's is 60 s deployed):
+#: events reach the archive a second or two after a call, so that ``shoal pipeline sync``
+#: right after traffic finds them (it waits for the archiver all the same)
+LOCAL_BATCHING_WINDOW_S = 1
 
 
 def _ensure_default_topic(config: Config) -> None:
@@ -292,6 +297,11 @@ class LocalRuntime:
         self._set_environment(self.aws.url)
         session = self.aws.session()
         provision(session, self.names, self.deployment)
+        # the mappings the stack declares (the archiver's on the event log); the router's and
+        # push's are made at run time, by the start hooks and the admin API
+        provision_mappings(
+            session, self.names, self.deployment, batching_window_s=LOCAL_BATCHING_WINDOW_S
+        )
 
         get_config.cache_clear()
         config = get_config()

@@ -609,3 +609,25 @@ class EventSourceMappings:
                 moved = False
             if not moved:
                 stop.wait(self.poll_interval_s)
+
+
+def caught_up(session: boto3.Session, checkpoints: CheckpointStore, function_name: str) -> bool:
+    """Whether every mapping that invokes ``function_name`` has done every record of its
+    stream so far: on every shard, nothing to read after its checkpoint. Read from outside
+    the runtime (``shoal pipeline sync`` waits for the archiver this way, through the
+    emulator and the state folder's checkpoints)."""
+    awslambda = session.client("lambda")
+    kinesis = session.client("kinesis")
+    found = awslambda.list_event_source_mappings(FunctionName=function_name)
+    for mapping in found.get("EventSourceMappings", []):
+        stream = stream_name_of(mapping["EventSourceArn"])
+        for shard in kinesis.list_shards(StreamName=stream)["Shards"]:
+            position = checkpoints.load(mapping["UUID"], shard["ShardId"])
+            iterator = kinesis.get_shard_iterator(
+                StreamName=stream,
+                ShardId=shard["ShardId"],
+                **(position or Position("TRIM_HORIZON")).iterator_args(),
+            )["ShardIterator"]
+            if kinesis.get_records(ShardIterator=iterator, Limit=1)["Records"]:
+                return False
+    return True

@@ -187,25 +187,30 @@ class ReadUnits:
 
     def __init__(self) -> None:
         self.units = 0.0
+        self.by_operation: dict[str, float] = {}
 
     def attach(self, client: Any) -> None:
         client.meta.events.register("after-call.dynamodb.*", self._record)
 
     def _record(self, parsed: dict[str, Any], model: Any, **_: Any) -> None:
         name = model.name
+        units = 0.0
         if name == "GetItem":
             item = parsed.get("Item")
-            self.units += max(1, math.ceil(item_size(item) / 4096)) if item else 1
+            units = max(1, math.ceil(item_size(item) / 4096)) if item else 1
         elif name == "BatchGetItem":
             for items in parsed.get("Responses", {}).values():
-                self.units += sum(max(1, math.ceil(item_size(i) / 4096)) for i in items)
+                units += sum(max(1, math.ceil(item_size(i) / 4096)) for i in items)
         elif name in ("Query", "Scan"):
             size = sum(item_size(i) for i in parsed.get("Items", []))
-            self.units += max(1, math.ceil(size / 4096))
+            units = max(1, math.ceil(size / 4096))
         elif name == "TransactGetItems":
             for response in parsed.get("Responses", []):
                 item = response.get("Item")
-                self.units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+                units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+        if units:
+            self.units += units
+            self.by_operation[name] = self.by_operation.get(name, 0.0) + units
 
 
 class PutUnits:
@@ -249,6 +254,10 @@ class Counts:
     s3_puts: int = 0
     s3_gets: int = 0
     calls: dict[str, int] = field(default_factory=dict)
+    #: DynamoDB write and read units by operation (``BatchWriteItem``: the router's inbox
+    #: items; ``Query``: mostly the gets' inbox reads)
+    wru_by_operation: dict[str, float] = field(default_factory=dict)
+    rru_by_operation: dict[str, float] = field(default_factory=dict)
     invocations: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -292,6 +301,7 @@ class Meters:
         self.writes.units = 0.0
         self.writes.by_operation.clear()
         self.reads.units = 0.0
+        self.reads.by_operation.clear()
         self.puts.units = self.puts.bytes = 0
 
 
@@ -595,6 +605,8 @@ def counted_run(scenario: Scenario) -> Counts:
     counts.calls = dict(sorted(meters.calls.calls.items()))
     counts.dynamodb_wru = meters.writes.units
     counts.dynamodb_rru = meters.reads.units
+    counts.wru_by_operation = dict(sorted(meters.writes.by_operation.items()))
+    counts.rru_by_operation = dict(sorted(meters.reads.by_operation.items()))
     counts.kinesis_records = meters.calls.records
     counts.kinesis_put_units = meters.puts.units
     counts.kinesis_bytes = meters.puts.bytes

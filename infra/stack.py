@@ -35,6 +35,7 @@ from aws_cdk import aws_sns_subscriptions as sns_subscriptions
 from aws_cdk import custom_resources
 from constructs import Construct, Node
 from shoal.aws.tables import TableDef
+from shoal.core.config import DEFAULT_RETENTION_S
 from shoal.declarations import (
     DEFAULT_ROUTE,
     DEPLOYMENT,
@@ -42,6 +43,7 @@ from shoal.declarations import (
     Deployment,
     FunctionDef,
     Grant,
+    check_archive_lifetime,
     environment,
     function_environment,
 )
@@ -193,6 +195,11 @@ class ShoalStack(cdk.Stack):
 
         self.table_defs = {t.logical: t for t in deployment.tables}
         self.tables = {t.logical: self._table(t) for t in deployment.tables}
+        # inbox items name archive lines and payloads: those must outlive the items
+        check_archive_lifetime(
+            deployment.buckets,
+            int(deployment.extra_env.get("SHOAL_INBOX_RETENTION_S", DEFAULT_RETENTION_S)),
+        )
         self.buckets = {b.logical: self._bucket(b) for b in deployment.buckets}
         # Explicit names, known before anything is created: a function's environment names
         # every function (itself included), which with generated names would be a cycle.

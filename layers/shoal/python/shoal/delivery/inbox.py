@@ -11,6 +11,11 @@ index in its record), so small messages share a write unit. A retried batch writ
 twice: the router's per-shard ledger says whether a batch may have been written before, and
 then it first reads, per session, how far the session's items already cover
 (``shoal.router.fanout``).
+
+A session's items name their messages' lines in the archive rather than copying them
+(``shoal.delivery.codec``, version 2; the router archives a batch before it writes its items),
+and a get reads the lines its page needs back through ``PayloadStore.fill``. A shared group's
+items, and those of a router without an archive, hold their messages.
 """
 
 from __future__ import annotations

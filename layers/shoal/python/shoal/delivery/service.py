@@ -11,7 +11,9 @@ messages are not all acked after the ack timeout, or that went to another channe
 reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
 recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
 out (at most once). A routed delivery of a message a subscribe sent as retained (the state's
-marks, ``shoal.delivery.subscriptions``) is consumed without going out. Consumed deliveries
+marks, ``shoal.delivery.subscriptions``) is consumed without going out. Deliveries that name
+their archive lines (``shoal.delivery.codec``, version 2) are filled from the archive, one
+ranged GET per object a page covers, before the state write that hands them out. Consumed deliveries
 are never deleted one by one: TTL removes them (``SHOAL_INBOX_RETENTION_S``, 14 days by
 default, is also how long an offline session's messages wait).
 

@@ -12,8 +12,10 @@ For a batch the router
    ``no_local`` subscription's own messages, are skipped; a shared group (``$share/...``)
    gets one delivery however many of its members match, into its stream for this shard
    (``shoal.groups.streams``), and the group's leader learns of the stream (``shoal.groups``);
-3. writes, per session, one inbox item holding its deliveries from the batch (keys:
-   ``<source>#<position>``, positions from Kinesis sequence numbers), after moving the
+3. writes, per session, inbox items holding its deliveries from the batch (keys:
+   ``<source>#<position>``, positions from Kinesis sequence numbers; each delivery names its
+   message's line in the archive the handler wrote first, ``shoal.router.batch``, where a
+   group's copy holds the message), after moving the
    shard's *ledger* (the last record deliveries may exist for) past the batch. A batch that
    starts at or before the ledger may have been written before (Lambda retries a failed batch,
    possibly cut differently: bisected, or from a reported record), so then the router first asks

@@ -745,9 +745,19 @@ def report(figures: dict[str, Any]) -> str:
             else f"missed by ${total - GOAL:.3f} (${total:.3f}, {total / GOAL:.1f}x), "
             f"mostly {LINES[batched['dominant']]}"
         )
+        counts = batched["counts"]
+        per = 1000 / counts["delivered"]
+
+        def units(by: dict[str, float]) -> str:
+            return ", ".join(f"{k} {v * per:.1f}" for k, v in by.items())
+
         lines += [
             "",
             f"Goal of ${GOAL:.2f} per million for batched clients at steady load: {verdict}.",
+            "",
+            "Its DynamoDB units per 1,000 deliveries by operation (BatchWriteItem: the inbox "
+            "items; Query: the gets' inbox reads): writes "
+            f"{units(counts['wru_by_operation'])}; reads {units(counts['rru_by_operation'])}.",
         ]
     lines.append("")
     return "\n".join(lines)

@@ -192,25 +192,30 @@ class ReadUnits:
 
     def __init__(self) -> None:
         self.units = 0.0
+        self.by_operation: dict[str, float] = {}
 
     def attach(self, client: Any) -> None:
         client.meta.events.register("after-call.dynamodb.*", self._record)
 
     def _record(self, parsed: dict[str, Any], model: Any, **_: Any) -> None:
         name = model.name
+        units = 0.0
         if name == "GetItem":
             item = parsed.get("Item")
-            self.units += max(1, math.ceil(item_size(item) / 4096)) if item else 1
+            units = max(1, math.ceil(item_size(item) / 4096)) if item else 1
         elif name == "BatchGetItem":
             for items in parsed.get("Responses", {}).values():
-                self.units += sum(max(1, math.ceil(item_size(i) / 4096)) for i in items)
+                units += sum(max(1, math.ceil(item_size(i) / 4096)) for i in items)
         elif name in ("Query", "Scan"):
             size = sum(item_size(i) for i in parsed.get("Items", []))
-            self.units += max(1, math.ceil(size / 4096))
+            units = max(1, math.ceil(size / 4096))
         elif name == "TransactGetItems":
             for response in parsed.get("Responses", []):
                 item = response.get("Item")
-                self.units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+                units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+        if units:
+            self.units += units
+            self.by_operation[name] = self.by_operation.get(name, 0.0) + units
 
 
 class PutUnits:
@@ -268,6 +273,10 @@ class Counts:
     s3_puts: int = 0
     s3_gets: int = 0
     calls: dict[str, int] = field(default_factory=dict)
+    #: DynamoDB write and read units by operation (``BatchWriteItem``: the router's inbox
+    #: items; ``Query``: mostly the gets' inbox reads)
+    wru_by_operation: dict[str, float] = field(default_factory=dict)
+    rru_by_operation: dict[str, float] = field(default_factory=dict)
     invocations: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -317,6 +326,7 @@ class Meters:
         self.writes.units = 0.0
         self.writes.by_operation.clear()
         self.reads.units = 0.0
+        self.reads.by_operation.clear()
         self.puts.units = self.puts.bytes = 0
         self.puts.log_records = self.puts.log_bytes = 0
 
@@ -638,6 +648,8 @@ def counted_run(scenario: Scenario) -> Counts:
     counts.dynamodb_rru = meters.reads.units
     counts.event_log_records = meters.puts.log_records
     counts.event_log_bytes = meters.puts.log_bytes
+    counts.wru_by_operation = dict(sorted(meters.writes.by_operation.items()))
+    counts.rru_by_operation = dict(sorted(meters.reads.by_operation.items()))
     counts.kinesis_records = meters.calls.records - meters.puts.log_records
     counts.kinesis_put_units = meters.puts.units
     counts.kinesis_bytes = meters.puts.bytes
@@ -776,9 +788,19 @@ def report(figures: dict[str, Any]) -> str:
             else f"missed by ${total - GOAL:.3f} (${total:.3f}, {total / GOAL:.1f}x), "
             f"mostly {LINES[batched['dominant']]}"
         )
+        counts = batched["counts"]
+        per = 1000 / counts["delivered"]
+
+        def units(by: dict[str, float]) -> str:
+            return ", ".join(f"{k} {v * per:.1f}" for k, v in by.items())
+
         lines += [
             "",
             f"Goal of ${GOAL:.2f} per million for batched clients at steady load: {verdict}.",
+            "",
+            "Its DynamoDB units per 1,000 deliveries by operation (BatchWriteItem: the inbox "
+            "items; Query: the gets' inbox reads): writes "
+            f"{units(counts['wru_by_operation'])}; reads {units(counts['rru_by_operation'])}.",
         ]
     lines.append("")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from aws_cdk import aws_sns_subscriptions as sns_subscriptions
 from aws_cdk import custom_resources
 from constructs import Construct, Node
 from shoal.aws.tables import TableDef
+from shoal.core.config import DEFAULT_RETENTION_S
 from shoal.declarations import (
     DEFAULT_ROUTE,
     DEPLOYMENT,
@@ -45,6 +46,7 @@ from shoal.declarations import (
     FunctionDef,
     Grant,
     StreamDef,
+    check_archive_lifetime,
     environment,
     function_environment,
 )
@@ -210,6 +212,11 @@ class ShoalStack(cdk.Stack):
 
         self.table_defs = {t.logical: t for t in deployment.tables}
         self.tables = {t.logical: self._table(t) for t in deployment.tables}
+        # inbox items name archive lines and payloads: those must outlive the items
+        check_archive_lifetime(
+            deployment.buckets,
+            int(deployment.extra_env.get("SHOAL_INBOX_RETENTION_S", DEFAULT_RETENTION_S)),
+        )
         self.buckets = {b.logical: self._bucket(b) for b in deployment.buckets}
         self.streams = {s.logical: self._stream(s) for s in deployment.streams}
         # Explicit names, known before anything is created: a function's environment names

@@ -176,6 +176,30 @@ def test_large_payloads_expire_after_the_inbox_retention(deployed: Synth) -> Non
     assert all("Prefix" in r or r["Id"] == "abort-incomplete-uploads" for r in rules)
 
 
+def test_an_archive_expiring_what_inbox_items_name_is_refused() -> None:
+    from shoal.core.config import DEFAULT_RETENTION_S
+    from shoal.declarations import DEPLOYMENT, BucketDef, check_archive_lifetime
+
+    # Given the real declaration and the default inbox retention (14 days): accepted
+    check_archive_lifetime(DEPLOYMENT.buckets, DEFAULT_RETENTION_S)
+    # Then an archive whose message lines (inbox items name them) or large payloads could
+    # expire before the items is refused, whether by a bucket-wide rule or a prefix's
+    for bucket, retention_s in [
+        (BucketDef("archive", expire_days=14), DEFAULT_RETENTION_S),
+        (
+            BucketDef("archive", expire_prefixes=(("messages/topic=orders/", 7),)),
+            DEFAULT_RETENTION_S,
+        ),
+        (BucketDef("archive", expire_prefixes=(("payloads/", 15),)), 30 * 86_400),
+    ]:
+        with pytest.raises(ValueError, match="inbox items"):
+            check_archive_lifetime((bucket,), retention_s)
+    # and other prefixes or a long enough expiry are not
+    check_archive_lifetime(
+        (BucketDef("archive", expire_days=31, expire_prefixes=(("tmp/", 1),)),), 30 * 86_400
+    )
+
+
 # -- functions -------------------------------------------------------------------------------
 
 

@@ -36,10 +36,24 @@ def test_the_meters_count_the_traffic_and_only_the_traffic(counted: cost.Counts)
     # and the S3 writes are the router's message archive and the archiver's one object of
     # delivery events (one hour), where each router, get and ack call wrote one before
     assert counted.calls["s3.PutObject"] == 2
-    # each delivery is written into an inbox item with its payload: at least its bytes in KB
-    assert counted.dynamodb_wru >= 200 * len(cost.PAYLOAD) / 1024
+    # inbox items name archive lines: fewer write units than the payloads' KB would take
+    assert counted.dynamodb_wru < 200 * len(cost.PAYLOAD) / 1024
     assert counted.dynamodb_rru >= counted.calls.get("dynamodb.Query", 0)
     assert counted.s3_puts == counted.calls["s3.PutObject"]
+    # and each get read its page's lines with one ranged GET (one archive object)
+    assert counted.s3_gets == counted.calls["s3.GetObject"] == 2
+    assert sum(counted.wru_by_operation.values()) == counted.dynamodb_wru
+    assert sum(counted.rru_by_operation.values()) == counted.dynamodb_rru
+
+
+def test_inbox_units_per_delivery_are_under_issue_18s_targets(counted: cost.Counts) -> None:
+    # Given 200 deliveries of 256-byte messages, got in pages of 100: the router's inbox
+    # items are its only BatchWriteItems, the gets' inbox reads the only Queries
+    per = 1 / counted.delivered
+    # Then the items cost at most 0.04 write units a delivery (0.28 with payloads inline)
+    assert counted.wru_by_operation["BatchWriteItem"] * per <= 0.04
+    # and the gets' queries at most 0.02 read units a delivered message (0.51 inline)
+    assert counted.rru_by_operation["Query"] * per <= 0.02
 
 
 def test_each_line_is_its_count_times_its_price_per_million_delivered(

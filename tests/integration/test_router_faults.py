@@ -212,10 +212,14 @@ def test_a_clean_run_passes_every_injection_point(
     check(world, expected)
 
 
-#: injection points of one invocation whose batch delivers to three sessions: subscription
-#: versions, ledger read, ledger advance, three concurrent inbox writes, archive (before and
-#: after each), and the handler's return
+#: injection points of one invocation whose batch delivers to three sessions: archive (its
+#: items name its lines, so it goes first), subscription versions, ledger read, ledger advance,
+#: three concurrent inbox writes (before and after each), and the handler's return
 STEPS = 15
+#: right after the archive write, before anything of the inbox
+AFTER_ARCHIVE = 2
+#: right after the last inbox write
+AFTER_INBOX = STEPS - 1
 
 
 @pytest.mark.parametrize("step", range(1, STEPS + 1))
@@ -245,14 +249,18 @@ def test_each_retry_crashing_one_step_further(
     check(world, expected)
 
 
-def test_crashes_after_the_deliveries_across_rounds_of_traffic(
-    world: World, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("step", [AFTER_ARCHIVE, AFTER_INBOX], ids=["archive", "inbox"])
+def test_crashes_after_the_archive_or_the_deliveries_across_rounds_of_traffic(
+    world: World, monkeypatch: pytest.MonkeyPatch, step: int
 ) -> None:
-    # Every first try dies after its inbox writes (before the archive), in two rounds of traffic
-    faults = Faults(lambda invocation, first_try, at: first_try and at == STEPS - 3)
+    # Every first try dies right after its archive write (its items not written yet) or after
+    # its inbox writes, in two rounds of traffic
+    faults = Faults(lambda invocation, first_try, at: first_try and at == step)
     install(world, faults, monkeypatch, interleave=True)
     expected = scenario(world)
     drain_with_faults(world, faults)
+    where = {AFTER_ARCHIVE: "after write", AFTER_INBOX: "after _write_chunk"}[step]
+    assert faults.crashes and {c.rsplit(":", 1)[1] for c in faults.crashes} == {where}
     more = [world.publish("orders/eu/1", f"late{n}", ordering_key="k0") for n in range(5)]
     drain_with_faults(world, faults)
     for client_id in expected:

@@ -65,11 +65,15 @@ def test_compacting_twice_gives_the_same_data(spark: SparkSession, archive: Path
     # Given an archive of JSON lines only, and what a reader sees of it
     before = snapshot(spark, str(archive))
     assert len(before[0]) == 6 and len(before[1]) == 9
+    lines = {p: p.read_bytes() for p in archive.rglob("*.jsonl")}
     # When it is compacted (through Hadoop's file system, as on EMR: a file:// URI)
     first = compact(spark, archive.as_uri())
+    # Then the JSON lines stay as they were: inbox items name them (offset and length) until
+    # their TTL, so compaction adds Parquet beside them and never rewrites or deletes them
+    assert {p: p.read_bytes() for p in archive.rglob("*.jsonl")} == lines
     store = Store(str(archive))
     manifest = manifest_of(store, EVENTS, HOUR)
-    # Then every hour of both kinds has a manifest naming its objects and Parquet files,
+    # And every hour of both kinds has a manifest naming its objects and Parquet files,
     # and a reader sees the same rows, now from Parquet alone
     assert [(c.kind, c.hours, c.objects) for c in first] == [(MESSAGES, 2, 3), (EVENTS, 2, 2)]
     assert manifest is not None and list(manifest.sources) == [events_key(HOUR, "e1")]

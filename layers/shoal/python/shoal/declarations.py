@@ -101,6 +101,41 @@ class BucketDef:
     #: (prefix, days): objects under a prefix expire after that many days
     expire_prefixes: tuple[tuple[str, int], ...] = ()
 
+    def expiry_days(self, prefix: str) -> int | None:
+        """After how many days the first objects under ``prefix`` expire: the earliest rule
+        covering any of them (None: all kept)."""
+        days = [
+            d
+            for rule, d in self.expire_prefixes
+            if prefix.startswith(rule) or rule.startswith(prefix)
+        ]
+        if self.expire_days is not None:
+            days.append(self.expire_days)
+        return min(days, default=None)
+
+
+#: what inbox items name in the archive bucket: the router's message lines (deliveries by
+#: reference, ``shoal.delivery.codec``) and large payloads (``shoal.delivery.inbox``)
+INBOX_REFERENCES = ("messages/", "payloads/")
+
+
+def check_archive_lifetime(buckets: tuple[BucketDef, ...], retention_s: int) -> None:
+    """``ValueError`` when an archive object an inbox item may name could expire before the
+    item: items live ``retention_s`` (``SHOAL_INBOX_RETENTION_S``) after their write, and their
+    objects were written before them, so an expiry needs a day more (S3 rounds expiry up to
+    the next midnight UTC, never down). The stack checks it at synth."""
+    for bucket in buckets:
+        if bucket.logical != "archive":
+            continue
+        for prefix in INBOX_REFERENCES:
+            days = bucket.expiry_days(prefix)
+            if days is not None and days * 86_400 < retention_s + 86_400:
+                raise ValueError(
+                    f"archive objects under {prefix} expire after {days} days, but inbox items "
+                    f"that name them live {retention_s} s: make the expiry at least "
+                    f"{-(-retention_s // 86_400) + 1} days"
+                )
+
 
 @dataclass(frozen=True)
 class Deployment:
@@ -126,7 +161,9 @@ DEPLOYMENT = Deployment(
         BucketDef(
             "archive",
             # large payloads are read only through inbox items, which TTL removes after the
-            # inbox retention (SHOAL_INBOX_RETENTION_S, 14 days by default): one day more
+            # inbox retention (SHOAL_INBOX_RETENTION_S, 14 days by default): one day more.
+            # messages/ never expires: inbox items name its lines (and the pipeline reads
+            # it); check_archive_lifetime holds any expiry to the retention
             expire_prefixes=(("payloads/", 15),),
         ),
     ),

@@ -3,8 +3,8 @@
 Off unless ``SHOAL_FAULTS`` names the function (``router=0.25``: a quarter of the router's
 invocations fail; ``Config.faults``; ``seed=N`` makes the sequence of fates reproducible).
 Each failing invocation picks one of its steps at random and raises ``InjectedFault`` there,
-so every crash point a real failure can hit (before or after the inbox writes, the event
-flush, the archive) is exercised: the retried invocation must then repair it. Never set in a
+so every crash point a real failure can hit (before or after the archive, the inbox writes,
+the event flush) is exercised: the retried invocation must then repair it. Never set in a
 deployment; ``shoal dev`` passes its environment through.
 
 ``SHOAL_CRASH_AT=<function>:<step>`` (``Config.crash_at``) is harder: the whole process exits
@@ -23,12 +23,12 @@ from shoal.core.config import Config
 
 #: the router's steps, in the order an invocation passes them
 ROUTER_STEPS = (
+    "before_archive",
+    "after_archive",
     "before_inbox",
     "after_inbox",
     "before_events",
     "after_events",
-    "before_archive",
-    "after_archive",
 )
 
 

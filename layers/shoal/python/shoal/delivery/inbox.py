@@ -11,10 +11,16 @@ index in its record), so small messages share a write unit. A retried batch writ
 twice: the router's per-shard ledger says whether a batch may have been written before, and
 then it first reads, per session, how far the session's items already cover
 (``shoal.router.fanout``).
+
+A session's items name their messages' lines in the archive rather than copying them
+(``shoal.delivery.codec``, version 2; the router archives a batch before it writes its items),
+and a get reads the lines its page needs back through ``PayloadStore.fill``. A shared group's
+items, and those of a router without an archive, hold their messages.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -22,13 +28,16 @@ from typing import Any, Protocol, TypeVar
 from shoal.aws import clients, tables
 from shoal.aws.dynamo import Dynamo, from_item, to_item
 from shoal.core.config import Config
+from shoal.core.observability import logger
 from shoal.delivery import codec
 from shoal.delivery.model import (
     LEDGER,
     MAX_ITEM_BYTES,
+    MAX_REF_ITEM_BYTES,
     MAX_RETAINED_MARKS,
     PAYLOADS_PREFIX,
     STATE,
+    ArchiveLine,
     InboxMessage,
     item_key,
     split_key,
@@ -47,6 +56,11 @@ class InboxItem:
     #: the storage stream, for a storage topic after a topic's first: readers hold it until the
     #: earlier ones are drained (``shoal.drain``); None (not stored) otherwise
     stream: str | None = None
+    #: the deliveries' bytes as stored (``pack`` encodes by-reference items as it sizes them)
+    encoded: bytes | None = field(default=None, compare=False, repr=False)
+    #: about what DynamoDB bills for the item as read (0: not read back); a get sizes its
+    #: queries by it (``DeliveryService._scan``)
+    stored_bytes: int = field(default=0, compare=False)
 
     @property
     def source(self) -> str:
@@ -63,7 +77,7 @@ class InboxItem:
             "inbox": {"S": self.session_id},
             "position": {"S": self.key},
             "l": {"S": self.covered},
-            "b": {"B": codec.encode(self.messages)},
+            "b": {"B": self.encoded if self.encoded is not None else codec.encode(self.messages)},
             "expires_at": {"N": str(int(self.expires_at))},
         }
         if self.stream is not None:
@@ -75,9 +89,12 @@ class InboxItem:
         packed = raw.get("b")
         if packed is not None:
             messages = tuple(codec.decode(bytes(packed)))
+            size = len(packed) + _OVERHEAD
         else:
-            # written before the compact encoding: a list of maps
+            # written before the compact encoding: a list of maps (sized generously: they were
+            # at least their payloads, and reading them is what the first releases did)
             messages = tuple(InboxMessage.from_data(m) for m in raw.get("m") or [])
+            size = sum(m.size() for m in messages) + _OVERHEAD
         return cls(
             session_id=str(raw["inbox"]),
             key=str(raw["position"]),
@@ -85,7 +102,26 @@ class InboxItem:
             covered=str(raw.get("l", "")),
             expires_at=int(raw.get("expires_at") or 0),
             stream=str(raw["st"]) if raw.get("st") else None,
+            stored_bytes=size
+            + sum(len(str(raw.get(k) or "")) for k in ("inbox", "position", "l", "st")),
         )
+
+
+#: an item's attribute names and its TTL number, in DynamoDB's item size
+_OVERHEAD = len("inbox") + len("position") + len("l") + len("b") + len("expires_at") + 7 + 2
+
+
+def _ref_overhead(
+    session_id: str, key: str, covered: str, last_position: str, stream: str | None
+) -> int:
+    """The bytes of an item besides its deliveries' (what DynamoDB bills: names and values)."""
+    return (
+        _OVERHEAD
+        + len(session_id.encode("utf-8", "surrogatepass"))
+        + len(key)
+        + max(len(covered), len(last_position))
+        + (len(stream) if stream is not None else 0)
+    )
 
 
 def pack(
@@ -100,8 +136,12 @@ def pack(
     """Deliveries of one session from one source, in order, as few items as fit.
 
     The last item accounts for everything up to ``covered``; an earlier one up to its own last
-    message (the router writes them in this order, one after the other).
+    message (the router writes them in this order, one after the other). Deliveries by
+    reference (``InboxMessage.line``: all of them or none) go into items of at most
+    ``MAX_REF_ITEM_BYTES`` (one write unit each); others into items of ``MAX_ITEM_BYTES``.
     """
+    if messages and messages[0].line is not None:
+        return _pack_refs(session_id, source, messages, covered, expires_at, stream=stream)
     groups: list[list[InboxMessage]] = [[]]
     size = 0
     for message in messages:
@@ -126,6 +166,55 @@ def pack(
                 stream=stream,
             )
         )
+    return items
+
+
+def _pack_refs(
+    session_id: str,
+    source: str,
+    messages: Sequence[InboxMessage],
+    covered: str,
+    expires_at: int,
+    *,
+    stream: str | None,
+) -> list[InboxItem]:
+    items: list[InboxItem] = []
+    group: list[InboxMessage] = []
+    encoder = codec.RefEncoder()
+    overhead = 0
+
+    def close(last: bool) -> None:
+        items.append(
+            InboxItem(
+                session_id=session_id,
+                key=item_key(source, group[0].position),
+                messages=tuple(group),
+                covered=covered if last else group[-1].position,
+                expires_at=expires_at,
+                stream=stream,
+                encoded=encoder.bytes(),
+            )
+        )
+
+    for message in messages:
+        if not group:
+            overhead = _ref_overhead(
+                session_id, item_key(source, message.position), covered, message.position, stream
+            )
+        mark = encoder.mark()
+        encoder.add(message)
+        if group and overhead + encoder.size() > MAX_REF_ITEM_BYTES:
+            # the item is full without this one: it starts the next
+            encoder.undo(mark)
+            close(last=False)
+            group, encoder = [], codec.RefEncoder()
+            overhead = _ref_overhead(
+                session_id, item_key(source, message.position), covered, message.position, stream
+            )
+            encoder.add(message)
+        group.append(message)
+    if group:
+        close(last=True)
     return items
 
 
@@ -477,8 +566,14 @@ class InboxStore:
         )
 
 
+#: archive lines read for one get, by line (None: its object is gone): a get that plans again
+#: (a conflicting write of its state) reads none twice
+LineCache = dict[ArchiveLine, Mapping[str, Any] | None]
+
+
 class PayloadStore:
-    """Large payloads, once per message, in the archive bucket (``payloads/<message id>``)."""
+    """The archive bucket, as delivery reads it: large payloads, once per message
+    (``payloads/<message id>``), and the archive's lines that deliveries by reference name."""
 
     def __init__(self, s3: Any, bucket: str) -> None:
         self.s3 = s3
@@ -500,3 +595,40 @@ class PayloadStore:
     def get(self, key: str) -> bytes:
         body: bytes = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         return body
+
+    def fill(
+        self, messages: Sequence[InboxMessage], cache: LineCache | None = None
+    ) -> list[InboxMessage | None]:
+        """``messages`` with the content of their archive lines, in order; a delivery not by
+        reference as it is, and None for one whose line is gone (its object expired or was
+        deleted: the lifecycle keeps the archive longer than the inbox, so only by hand).
+
+        One ranged GET per archive object, covering the lines wanted from it: a page of a
+        batch's messages is one request ($0.0004 per 1,000), whatever its size."""
+        cache = {} if cache is None else cache
+        wanted: dict[str, list[ArchiveLine]] = {}
+        for m in messages:
+            if m.pending and m.line is not None and m.line not in cache:
+                wanted.setdefault(m.line.key, []).append(m.line)
+        for key, lines in wanted.items():
+            start = min(line.offset for line in lines)
+            stop = max(line.end for line in lines)
+            try:
+                answer = self.s3.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{stop - 1}"
+                )
+            except self.s3.exceptions.NoSuchKey:
+                logger.error("an archive object that inbox items name is gone", extra={"key": key})
+                cache.update(dict.fromkeys(lines))
+                continue
+            body: bytes = answer["Body"].read()
+            for line in lines:
+                cache[line] = json.loads(body[line.offset - start : line.end - start])
+        out: list[InboxMessage | None] = []
+        for m in messages:
+            if not m.pending or m.line is None:
+                out.append(m)
+                continue
+            content = cache.get(m.line)
+            out.append(None if content is None else m.filled(content))
+        return out

@@ -10,10 +10,11 @@ filters: every topic name the requested filter matches must be matched by the al
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -89,6 +90,12 @@ MAX_ITEM_BYTES = 64 * 1024
 
 #: larger payloads are kept once in the archive bucket and referenced (an item holds 400 KB)
 MAX_INLINE_PAYLOAD = 32 * 1024
+
+
+#: an item of deliveries by reference (``ArchiveLine``) stays within one write unit: at about
+#: 10 bytes a delivery it holds dozens, and a get's query of four such items reads at most one
+#: read unit (4 KB) (``shoal.delivery.inbox.pack``)
+MAX_REF_ITEM_BYTES = 1024
 
 
 PAYLOADS_PREFIX = "payloads"
@@ -322,8 +329,27 @@ class Change:
 
 
 @dataclass(frozen=True)
+class ArchiveLine:
+    """Where the router archived a message: ``length`` bytes at ``offset`` of the archive
+    object ``key`` (one JSON line, ``shoal.router.archive``)."""
+
+    key: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
 class InboxMessage:
-    """One delivery in an inbox item."""
+    """One delivery in an inbox item.
+
+    A delivery *by reference* (``line`` set) was stored without its message's content: read
+    back from its item, its message id, topic, payload, properties and publish time are empty
+    (``pending``) until ``filled`` from its archive line (``PayloadStore.fill``).
+    """
 
     position: str
     message_id: str
@@ -343,6 +369,28 @@ class InboxMessage:
     #: a shared group's copy of a message its publisher keyed: a digest of the ordering key,
     #: which picks the message's lane (``shoal.groups.streams``); None: unkeyed
     key_hash: int | None = None
+    #: the message's line in the archive, for a delivery stored by reference
+    line: ArchiveLine | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Read back by reference and not filled from its archive line yet."""
+        return self.line is not None and not self.message_id
+
+    def filled(self, line: Mapping[str, Any]) -> InboxMessage:
+        """This delivery with the content of its archive line (a parsed JSON line of
+        ``shoal.router.archive``); what is per delivery stays as stored."""
+        return replace(
+            self,
+            message_id=str(line["message_id"]),
+            topic=str(line["topic"]),
+            payload=base64.b64decode(line["payload"]),
+            published_at_ms=int(line["published_at"]),
+            # as the router keeps them inline: the expiry is per delivery (``expires_at_ms``)
+            properties={
+                k: v for k, v in (line.get("properties") or {}).items() if k != "message_expiry_s"
+            },
+        )
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> InboxMessage:

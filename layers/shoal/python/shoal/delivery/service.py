@@ -11,7 +11,9 @@ messages are not all acked after the ack timeout, or that went to another channe
 reconnect), is read back from the inbox and delivered again with ``dup`` true; the ordinals are
 recomputed the same way, so an id never changes. QoS 0 deliveries are done as they are handed
 out (at most once). A routed delivery of a message a subscribe sent as retained (the state's
-marks, ``shoal.delivery.subscriptions``) is consumed without going out. Consumed deliveries
+marks, ``shoal.delivery.subscriptions``) is consumed without going out. Deliveries that name
+their archive lines (``shoal.delivery.codec``, version 2) are filled from the archive, one
+ranged GET per object a page covers, before the state write that hands them out. Consumed deliveries
 are never deleted one by one: TTL removes them (``SHOAL_INBOX_RETENTION_S``, 14 days by
 default, is also how long an offline session's messages wait).
 
@@ -49,6 +51,7 @@ from shoal.delivery.inbox import (
     InboxItem,
     InboxMessage,
     InboxStore,
+    LineCache,
     PayloadStore,
     SessionRun,
     delivery_id,
@@ -89,14 +92,21 @@ class _Found:
 @dataclass
 class _Plan:
     state: DeliveryState
+    #: the archive lines this get read (kept across its attempts)
+    lines: LineCache = field(default_factory=dict)
     out: list[dict[str, Any]] = field(default_factory=list)
     changed: bool = False
     #: new deliveries done without going out, and why (delivery events: ``dropped``)
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
 
 
-#: items a scan's query asks for after its first (``DeliveryService._scan``)
-SCAN_PAGE = 10
+#: items a scan's query asks for after its first, at most and at least: as many as fit one read
+#: unit (``READ_UNIT``) by the size of the items the previous query read
+#: (``DeliveryService._scan``)
+SCAN_PAGE = 16
+MIN_SCAN_PAGE = 2
+#: DynamoDB bills a query per 4 KB it reads (strongly consistent), however many items
+READ_UNIT = 4096
 
 
 class DeliveryService:
@@ -150,6 +160,7 @@ class DeliveryService:
         interval = POLL_INTERVAL_S
         # kept across idle polls: a stale copy only costs a failed conditional write
         state: DeliveryState | None = None
+        lines: LineCache = {}
         while True:
             out: list[dict[str, Any]] = []
             for attempt in range(ATTEMPTS):
@@ -164,6 +175,7 @@ class DeliveryService:
                     channel=channel,
                     wanted=wanted,
                     now=now,
+                    lines=lines,
                 )
                 if not plan.changed:
                     break
@@ -205,8 +217,9 @@ class DeliveryService:
         channel: Channel,
         wanted: int,
         now: int,
+        lines: LineCache,
     ) -> _Plan:
-        plan = _Plan(state)
+        plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
             plan.changed = True
         self._redeliver(session_id, plan, channel, wanted, now)
@@ -244,8 +257,13 @@ class DeliveryService:
             pending = [(n, f) for n, f in enumerate(found) if not state.done(run.first + n)]
             room = wanted - len(plan.out)
             taken = pending[:room]
-            for n, f in taken:
-                plan.out.append(self._answer(session_id, run.first + n, f.message, True, now))
+            filled = self._fill(plan, [f.message for _, f in taken])
+            for (n, _), message in zip(taken, filled, strict=True):
+                if message is None:
+                    # its archive line is gone: nothing left to send again
+                    state.acked.add(run.first + n)
+                    continue
+                plan.out.append(self._answer(session_id, run.first + n, message, True, now))
             plan.changed = True
             if len(taken) == len(pending):
                 run.sent_at_ms, run.channel = now, channel
@@ -299,54 +317,110 @@ class DeliveryService:
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
-        for scanned, found in enumerate(self._scan(session_id, state)):
-            if len(plan.out) >= wanted or window_left <= 0 or scanned >= MAX_SCAN_PER_GET:
-                break
-            message = found.message
-            ordinal = state.next_ordinal
-            state.next_ordinal += 1
-            run = new_runs.get(found.source)
-            if run is None:
-                run = SessionRun(
-                    first=ordinal,
-                    count=0,
-                    source=found.source,
-                    after=state.cursors.get(found.source, ""),
-                    upto=message.position,
-                    start_item=found.item.key,
-                    sent_at_ms=now,
-                    channel=channel,
-                )
-                new_runs[found.source] = run
-                state.runs.append(run)
-            run.count += 1
-            run.upto = message.position
-            state.cursors[found.source] = message.position
-            if found.last_in_item:
-                state.partial.pop(found.source, None)
-            else:
-                state.partial[found.source] = found.item.key
-            plan.changed = True
-            if not self._wanted(head, found, now):
-                # expired, or its subscription is gone: done without being sent
-                state.acked.add(ordinal)
-                plan.dropped.append((message, _drop_reason(found, now)))
-                continue
-            if found.source != RETAINED_SOURCE and state.marks:
-                mark = retained_mark(message.sid, message.message_id)
-                if state.marks.pop(mark, None) is not None:
-                    # the subscription got this message as retained when it was made: the
-                    # router was behind on it (MQTT 5 §3.8.3.1, §4.1: a message published
-                    # before the SUBSCRIBE reaches it as retained only); the router writes one
-                    # copy per session, so the mark has done its work
+        scan = self._scan(session_id, state)
+        scanned = 0
+        recording = self.events is not None and self.events.enabled
+        while True:
+            # this round's messages to hand out, (ordinal, found): a retained mark may still
+            # consume one, which its message id tells once its archive line is read
+            chosen: list[tuple[int, _Found]] = []
+            unwanted: list[tuple[_Found, str]] = []
+            while (
+                len(plan.out) + len(chosen) < wanted
+                and window_left > 0
+                and scanned < MAX_SCAN_PER_GET
+            ):
+                found = next(scan, None)
+                if found is None:
+                    break
+                scanned += 1
+                ordinal = self._hand_out(state, new_runs, found, channel, now)
+                plan.changed = True
+                if not self._wanted(head, found, now):
+                    # expired, or its subscription is gone: done without being sent
                     state.acked.add(ordinal)
-                    plan.dropped.append((message, "retained"))
+                    unwanted.append((found, _drop_reason(found, now)))
                     continue
-            plan.out.append(self._answer(session_id, ordinal, message, False, now))
-            if message.qos == 0:
-                state.acked.add(ordinal)  # at most once: done as it goes out
-            else:
-                window_left -= 1
+                chosen.append((ordinal, found))
+                if found.message.qos:
+                    window_left -= 1
+            # one read of the archive for the round's lines (the dropped ones' only for their
+            # delivery events)
+            told = unwanted if recording else []
+            filled = self._fill(plan, [f.message for _, f in chosen] + [f.message for f, _ in told])
+            for (found, why), message in zip(told, filled[len(chosen) :], strict=True):
+                plan.dropped.append((message or found.message, why))
+            plan.dropped += [(f.message, why) for f, why in unwanted[len(told) :]]
+            consumed = False
+            for (ordinal, found), message in zip(chosen, filled, strict=False):
+                # None: its archive line is gone (dropped as expired)
+                reason = None
+                if message is not None and found.source != RETAINED_SOURCE and state.marks:
+                    mark = retained_mark(message.sid, message.message_id)
+                    if state.marks.pop(mark, None) is not None:
+                        # the subscription got this message as retained when it was made: the
+                        # router was behind on it (MQTT 5 §3.8.3.1, §4.1: a message published
+                        # before the SUBSCRIBE reaches it as retained only); the router writes
+                        # one copy per session, so the mark has done its work
+                        reason = "retained"
+                if message is None or reason is not None:
+                    state.acked.add(ordinal)
+                    plan.dropped.append((message or found.message, reason or "expired"))
+                    consumed = True
+                    if found.message.qos:
+                        window_left += 1
+                    continue
+                plan.out.append(self._answer(session_id, ordinal, message, False, now))
+                if message.qos == 0:
+                    state.acked.add(ordinal)  # at most once: done as it goes out
+            if not consumed:
+                return
+            # room left by consumed ones: the scan goes on where it stopped
+
+    def _hand_out(
+        self,
+        state: DeliveryState,
+        new_runs: dict[str, SessionRun],
+        found: _Found,
+        channel: Channel,
+        now: int,
+    ) -> int:
+        """The next ordinal for ``found``, in its source's run of this get; the cursor past it."""
+        message = found.message
+        ordinal = state.next_ordinal
+        state.next_ordinal += 1
+        run = new_runs.get(found.source)
+        if run is None:
+            run = SessionRun(
+                first=ordinal,
+                count=0,
+                source=found.source,
+                after=state.cursors.get(found.source, ""),
+                upto=message.position,
+                start_item=found.item.key,
+                sent_at_ms=now,
+                channel=channel,
+            )
+            new_runs[found.source] = run
+            state.runs.append(run)
+        run.count += 1
+        run.upto = message.position
+        state.cursors[found.source] = message.position
+        if found.last_in_item:
+            state.partial.pop(found.source, None)
+        else:
+            state.partial[found.source] = found.item.key
+        return ordinal
+
+    def _fill(self, plan: _Plan, messages: list[InboxMessage]) -> list[InboxMessage | None]:
+        """``messages`` with their content: deliveries by reference read from the archive (one
+        ranged GET per object, ``PayloadStore.fill``), before the state that hands them out is
+        written, so a failed read hands nothing out."""
+        if not any(m.pending for m in messages):
+            return list(messages)
+        if self.payloads is None:
+            raise RuntimeError("deliveries by reference need the archive bucket")
+        return self.payloads.fill(messages, plan.lines)
 
     def _wanted(self, head: Head, found: _Found, now: int) -> bool:
         """Whether a new delivery goes out: not expired, and its subscription still stands."""
@@ -371,7 +445,10 @@ class DeliveryService:
         limit = 1
         for _ in range(MAX_QUERIES_PER_GET):
             items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=limit)
-            page, limit = limit, SCAN_PAGE
+            # as many items as one read unit holds, by the largest just read: small items by
+            # reference (``MAX_REF_ITEM_BYTES``) four a query, 64 KB ones two
+            biggest = max((i.stored_bytes for i in items), default=0)
+            page, limit = limit, max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
             if not items:
                 return
             jumped = False
@@ -412,6 +489,7 @@ class DeliveryService:
     def _answer(
         self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int
     ) -> dict[str, Any]:
+        assert not message.pending, "a delivery by reference is filled before it is answered"
         properties = dict(message.properties)
         if message.expires_at_ms is not None:
             # MQTT 5: the expiry a receiver sees is what is left of it

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.aws import clients
 from shoal.composite.model import storage_of
 from shoal.core.config import Config
+from shoal.delivery.model import ArchiveLine
 from shoal.records import MalformedRecord, decode_record
 
 if TYPE_CHECKING:
@@ -113,20 +114,35 @@ class ArchiveBatch:
     def objects(self, before_sequence: int | None = None) -> dict[str, bytes]:
         """Object key -> body for the records before ``before_sequence`` (the first failure:
         Lambda hands the batch back from there, and those records are archived then)."""
+        return self.layout(before_sequence)[0]
+
+    def layout(
+        self, before_sequence: int | None = None
+    ) -> tuple[dict[str, bytes], dict[tuple[int, int], ArchiveLine]]:
+        """``objects``, and where each message's line lands in them: (sequence number, index in
+        its record) -> line. Inbox items name these lines instead of copying the messages
+        (``shoal.delivery.codec``, version 2); the same records give the same objects, so a
+        retry that rewrites them leaves every line where an earlier attempt's items say."""
         kept = [
             r
             for r in self.records
             if before_sequence is None or r.sequence_number < before_sequence
         ]
         if not kept:
-            return {}
+            return {}, {}
         first, last = kept[0].sequence_number, kept[-1].sequence_number
         bodies: dict[str, list[bytes]] = {}
+        sizes: dict[str, int] = {}
+        lines: dict[tuple[int, int], ArchiveLine] = {}
         for record in kept:
-            for partition, line in record.lines:
+            for index, (partition, line) in enumerate(record.lines):
                 key = f"{partition}/{self.stream}.{self.shard}.{first}-{last}.jsonl"
+                offset = sizes.get(key, 0)
                 bodies.setdefault(key, []).append(line)
-        return {key: b"".join(lines) for key, lines in bodies.items()}
+                sizes[key] = offset + len(line)
+                if not partition.startswith(QUARANTINE_PREFIX):
+                    lines[(record.sequence_number, index)] = ArchiveLine(key, offset, len(line))
+        return {key: b"".join(parts) for key, parts in bodies.items()}, lines
 
 
 def _json(line: dict[str, Any]) -> bytes:

@@ -1,9 +1,14 @@
-"""One router invocation: a batch of one storage shard, fanned out, then archived.
+"""One router invocation: a batch of one storage shard, archived, then fanned out.
 
 Records are parsed by Powertools' BatchProcessor. Only the records before the first failure
-are routed and archived (Lambda hands the batch back from there). Fan-out goes first, then the
-archive; an error in either fails the invocation so that Lambda retries the batch: inbox writes
-skip what an earlier attempt wrote (the shard's ledger), archive object keys are deterministic.
+are archived and routed (Lambda hands the batch back from there). The archive goes first, then
+the fan-out: session inboxes name their messages' archive lines instead of copying them
+(``shoal.delivery.codec``), so no inbox item may exist before the lines it names. An error in
+either fails the invocation so that Lambda retries the batch: archive object keys are
+deterministic (a retry rewrites the same objects, the same lines at the same offsets), inbox
+writes skip what an earlier attempt wrote (the shard's ledger). A retry cut differently
+(bisected, or from a reported record) archives under other keys, and its items name those:
+every item names lines that were written before it.
 
 Delivery events: the ``routed`` events of the batch are written as one object after the inbox
 writes (``shoal.delivery.events``), keyed by stream, shard and the batch's sequence range, so
@@ -32,7 +37,7 @@ from shoal.router.fanout import Fanout
 
 
 class Router:
-    """Routes one event source mapping batch: fan-out, delivery events, archive, in that order."""
+    """Routes one event source mapping batch: archive, fan-out, delivery events, in that order."""
 
     def __init__(
         self, fanout: Fanout, archive: ArchiveWriter, recording: Recording, faults: Faults
@@ -64,10 +69,15 @@ class Router:
         cut = min(failed) if failed else None
         routed = [(seq, data) for seq, data in records if cut is None or int(seq) < cut]
         fault = self.faults.plan(ROUTER_STEPS)
+        objects, lines = batch.layout(cut)
+        fault.at("before_archive")
+        # before any inbox item: the items name these objects' lines
+        self.archive.write(objects)
+        fault.at("after_archive")
         fault.at("before_inbox")
         if routed:
             events = self.recording.new()
-            report = self.fanout.route_records(batch.stream, batch.shard, routed, events)
+            report = self.fanout.route_records(batch.stream, batch.shard, routed, events, lines)
             # per batch: the fan-out counted them already
             count(metrics.ROUTED, report.messages)
             count(metrics.DELIVERIES, report.deliveries)
@@ -75,9 +85,6 @@ class Router:
             fault.at("before_events")
             events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
             fault.at("after_events")
-        fault.at("before_archive")
-        self.archive.write(batch.objects(cut))
-        fault.at("after_archive")
         return dict(response)
 
     def _lag(self, event: dict[str, Any]) -> None:

@@ -12,8 +12,10 @@ For a batch the router
    ``no_local`` subscription's own messages, are skipped; a shared group (``$share/...``)
    gets one delivery however many of its members match, into its stream for this shard
    (``shoal.groups.streams``), and the group's leader learns of the stream (``shoal.groups``);
-3. writes, per session, one inbox item holding its deliveries from the batch (keys:
-   ``<source>#<position>``, positions from Kinesis sequence numbers), after moving the
+3. writes, per session, inbox items holding its deliveries from the batch (keys:
+   ``<source>#<position>``, positions from Kinesis sequence numbers; each delivery names its
+   message's line in the archive the handler wrote first, ``shoal.router.batch``, where a
+   group's copy holds the message), after moving the
    shard's *ledger* (the last record deliveries may exist for) past the batch. A batch that
    starts at or before the ledger may have been written before (Lambda retries a failed batch,
    possibly cut differently: bisected, or from a reported record), so then the router first asks
@@ -28,7 +30,7 @@ session (clients that want no-local publish with their client id as publisher id
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -41,6 +43,7 @@ from shoal.delivery.inbox import InboxMessage, InboxStore, PayloadStore, pack
 from shoal.delivery.model import (
     MAX_INLINE_PAYLOAD,
     WILDCARD_BUCKET,
+    ArchiveLine,
     Subscription,
     bucket_of,
     position,
@@ -189,6 +192,7 @@ class Fanout:
         shard: str,
         records: Sequence[tuple[str, bytes]],
         events: DeliveryEvents | None = None,
+        lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
     ) -> RouteReport:
         """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
         not Shoal's are skipped here (the archive quarantines them)."""
@@ -198,7 +202,7 @@ class Fanout:
                 decoded.append((sequence_number, decode_record(data)))
             except MalformedRecord:
                 continue
-        report = self.route(stream, shard, decoded, events)
+        report = self.route(stream, shard, decoded, events, lines)
         if self.drain is not None:
             # after the batch's deliveries are written: everything before its seal is routed
             self.drain.after_batch(stream, shard, records)
@@ -210,9 +214,14 @@ class Fanout:
         shard: str,
         records: Sequence[tuple[str, list[Message]]],
         events: DeliveryEvents | None = None,
+        lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
     ) -> RouteReport:
         """``events``: the invocation's recorder; gets a ``routed`` event per delivery (the
-        caller flushes it once the inbox writes are done)."""
+        caller flushes it once the inbox writes are done). ``lines``: where the batch's
+        messages are archived, by (sequence number, index in the record), written before this
+        call: a session's deliveries then name their lines instead of copying the messages
+        (``shoal.delivery.codec``, version 2). Without them (no archive), and for shared
+        groups' streams, deliveries hold their messages."""
         report = RouteReport(records=len(records))
         if not records:
             return report
@@ -233,13 +242,19 @@ class Fanout:
                 chosen = self._choose(message, at, report, streams)
                 if not chosen:
                     continue
-                payload, ref = message.payload, None
-                if len(payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
-                    ref = self.payloads.put(message.message_id, payload)
-                    payload = b""
+                line = lines.get((int(sequence_number), index)) if lines else None
                 # a group's copy of a keyed message names its key's lane; sessions need none
                 keyed = key_hash(message.ordering_key) if message.keyed else None
+                inline: tuple[bytes, str | None] | None = None
                 for session_id, (qos, subscription) in chosen.items():
+                    grouped = session_id in streams
+                    if line is not None and not grouped:
+                        # by reference: the line holds the payload, whatever its size
+                        payload, ref, named = message.payload, None, line
+                    else:
+                        if inline is None:
+                            inline = self._inline(message)
+                        (payload, ref), named = inline, None
                     deliveries.setdefault(session_id, []).append(
                         InboxMessage(
                             position=at,
@@ -257,7 +272,8 @@ class Fanout:
                                 if k != "message_expiry_s"
                             },
                             payload_ref=ref,
-                            key_hash=keyed if session_id in streams else None,
+                            key_hash=keyed if grouped else None,
+                            line=named,
                         )
                     )
         if not deliveries:
@@ -293,6 +309,13 @@ class Fanout:
         report.items = len(items)
         report.deliveries = sum(len(m) for m in deliveries.values())
         return report
+
+    def _inline(self, message: Message) -> tuple[bytes, str | None]:
+        """The payload a delivery holding its message keeps, and its reference in the payload
+        store when it is too large to keep (``MAX_INLINE_PAYLOAD``)."""
+        if len(message.payload) > MAX_INLINE_PAYLOAD and self.payloads is not None:
+            return b"", self.payloads.put(message.message_id, message.payload)
+        return message.payload, None
 
     def _choose(
         self,

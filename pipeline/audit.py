@@ -84,9 +84,10 @@ class AuditWindow:
 class AuditResult:
     """The audit's DataFrames; ``report`` collects them into report.json's shape.
 
-    ``pairs`` is the one cached frame: every (consumer, message) pair with what happened to it
-    and its status, plus one row per archived message no consumer matched (consumer null).
-    Everything the report shows is an aggregate of it."""
+    ``pairs``: every (consumer, message) pair with what happened to it and its status, plus one
+    row per archived message no consumer matched (consumer null). It is the cached pairs
+    (numeric keys, ``judged_pairs``) joined to two small cached frames, the consumers' names
+    and the reorderings. Everything the report shows is an aggregate of it."""
 
     window: AuditWindow
     as_of: int
@@ -178,14 +179,17 @@ def consumer_names(events: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
+    # the distinct first, on the raw columns: the digest and the share test then run on a few
+    # rows per consumer, not on every event
     return (
-        events.select(
+        events.select(*CONSUMER, "label", "subscription")
+        .distinct()
+        .select(
             digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
             *CONSUMER,
             "label",
             share.alias("share"),
         )
-        .distinct()
         .groupBy("c", *CONSUMER)
         .agg(F.max("label").alias("label"), F.max("share").alias("share"))
     )
@@ -354,46 +358,59 @@ def judged_pairs(
         & F.col("archived")
         & (~F.coalesce(F.col("group"), F.lit(False)) | F.col("keyed"))
     )
-    # one long per (consumer, composite topic, ordering key): the window sorts on it first
+    # one long per (consumer, composite topic, ordering key): the reorder window sorts on it
     lane = F.when(judged, F.xxhash64("c", "key"))
-    ordered = Window.partitionBy("_lane").orderBy("acked_at", "ack_seq", "publish_order")
+    # one row per archived message is its first (any consumer's row): the messages count
+    # without a distinct of its own; a window over the join's own partitioning (no exchange)
+    by_message = Window.partitionBy("m")
+    first = F.col("m").isNotNull() & F.coalesce(
+        F.col("c") == F.min("c").over(by_message), F.col("c").isNull()
+    )
+    # what the report reads, and no more: the cache holds every row of this frame
+    return joined.select(
+        "c",
+        "m",
+        "message_id",
+        "ordering_key",
+        "message_qos",
+        "published_at",
+        "archived",
+        "acks",
+        "last_handed_at",
+        "retained_deliveries",
+        "redeliveries",
+        "dead_lettered",
+        "dropped",
+        "event_qos",
+        "subscribed_qos",
+        "last_at",
+        "fresh",
+        "acked_at",
+        F.col("acked_at").alias("at"),
+        "ack_seq",
+        "publish_order",
+        lane.alias("lane"),
+        (first & F.col("archived")).alias("first_of_message"),
+    )
+
+
+def reorderings(pairs: DataFrame) -> DataFrame:
+    """The pairs acked out of order, with the message acked before them although published
+    after (``acked_after``): per lane (consumer and ordering key), in ack order, the
+    latest-published message acked before each ack. A window over the judged pairs' narrow
+    columns only (the order struct, longs and the id): the wide rows are not shuffled for it.
+    Findings are few; the report joins them to the pairs."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    ordered = Window.partitionBy("lane").orderBy("acked_at", "ack_seq", "publish_order")
     before = ordered.rowsBetween(Window.unboundedPreceding, -1)
     return (
-        joined.withColumn("_lane", lane)
-        # the latest-published message acked before this one; behind it in publish order:
-        # acked out of order
-        .withColumn(
-            "behind",
-            F.when(F.col("_lane").isNotNull(), F.max("publish_order").over(before)),
-        )
-        .withColumn("reordered", F.coalesce(F.col("publish_order") < F.col("behind"), F.lit(False)))
-        .withColumn("acked_after", F.when(F.col("reordered"), F.col("behind.message_id")))
-        .withColumn("at", F.col("acked_at"))
-        # what the report reads, and no more: the cache holds every row of this frame (the
-        # order structs alone would be most of it)
-        .select(
-            "c",
-            "m",
-            "message_id",
-            "ordering_key",
-            "message_qos",
-            "published_at",
-            "archived",
-            "acks",
-            "last_handed_at",
-            "retained_deliveries",
-            "redeliveries",
-            "dead_lettered",
-            "dropped",
-            "event_qos",
-            "subscribed_qos",
-            "last_at",
-            "fresh",
-            "acked_at",
-            "at",
-            "reordered",
-            "acked_after",
-        )
+        pairs.where(F.col("lane").isNotNull())
+        .select("c", "m", "lane", "acked_at", "ack_seq", "publish_order")
+        .withColumn("behind", F.max("publish_order").over(before))
+        .where(F.col("publish_order") < F.col("behind"))
+        .select("c", "m", F.col("behind.message_id").alias("acked_after"))
     )
 
 
@@ -489,8 +506,9 @@ def audit(
     subscriptions: DataFrame | None = None,
 ) -> AuditResult:
     """The audit as DataFrames, from raw archive rows and raw events: each input read once
-    for the pairs (the consumers' names come from a distinct of three of the events' columns),
-    two cached frames: the pairs and the names."""
+    for the pairs (the consumers' names come from a distinct of four of the events' columns,
+    dictionary-encoded in Parquet). Three caches: the pairs, and two frames of a few rows
+    each, the names and the reorderings."""
     from pyspark.sql import functions as F
 
     spark = messages.sparkSession
@@ -509,8 +527,17 @@ def audit(
         )
     core = judged_pairs(archive, pair_outcomes(deliveries(events)), window, subscribed).cache()
     as_of = window.as_of if window.as_of is not None else data_end(core)
+    reordered = reorderings(core).withColumn("reordered", F.lit(True)).cache()
+    # materialized now, so that its size is known: findings are few, and the pairs then meet
+    # them in a broadcast join instead of a shuffle of every pair
+    reordered.count()
     # one row per consumer, sent to every task instead of shuffling the pairs to meet it
-    pairs = core.join(F.broadcast(names.cache()), "c", "left")
+    pairs = (
+        core.join(F.broadcast(names.cache()), "c", "left")
+        .join(reordered, ["c", "m"], "left")
+        .withColumn("reordered", F.coalesce("reordered", F.lit(False)))
+        .drop("publish_order", "ack_seq", "lane")
+    )
     judged = with_status(pairs, window, as_of)
     return AuditResult(
         window=window,
@@ -575,6 +602,7 @@ def report(result: AuditResult) -> dict[str, Any]:
     # one job for every total that is not a sum over consumers
     overall = pairs.agg(
         F.count(F.when(F.col("consumer").isNull(), 1)).alias("unmatched"),
+        F.count(F.when(F.col("first_of_message"), 1)).alias("messages"),
         F.sum(F.when(F.col("m").isNull(), F.col("acks"))).alias("unresolved"),
         F.percentile_approx(
             F.when(F.col("status").isNotNull(), F.col("latency_ms")),
@@ -586,9 +614,10 @@ def report(result: AuditResult) -> dict[str, Any]:
         F.max("published_at").alias("last"),
     ).first()
     assert overall is not None  # an aggregate without grouping has one row
-    # a job of its own: a distinct aggregate next to percentile_approx makes Spark group by
-    # message id first and merge a quantile digest per message (minutes at 1M events)
-    totals["messages"] = pairs.where(F.col("archived")).select("m").distinct().count()
+    # counted as each message's first row (``judged_pairs``): a distinct aggregate next to
+    # percentile_approx would make Spark group by message first and merge a quantile digest
+    # per message
+    totals["messages"] = int(overall["messages"])
     # archived messages in the window that no consumer matched (no event, no subscription)
     totals["unmatched_messages"] = int(overall["unmatched"])
     totals["consumers"] = len(consumers)

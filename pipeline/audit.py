@@ -175,7 +175,7 @@ def published(messages: DataFrame) -> DataFrame:
 def consumer_names(events: DataFrame) -> DataFrame:
     """Per consumer digest ``c``: its kind and id, its label (a session's client id) and, for a
     shared group, its subscription (``$share/<name>/<filter>``). A distinct of four
-    dictionary-encoded columns: a few rows per consumer, then one each."""
+    dictionary-encoded columns: a few rows per consumer (``one_name_each`` makes it one)."""
     from pyspark.sql import functions as F
 
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
@@ -190,8 +190,15 @@ def consumer_names(events: DataFrame) -> DataFrame:
             "label",
             share.alias("share"),
         )
-        .groupBy("c", *CONSUMER)
-        .agg(F.max("label").alias("label"), F.max("share").alias("share"))
+    )
+
+
+def one_name_each(names: DataFrame) -> DataFrame:
+    """One row per consumer of ``consumer_names``' or ``subscription_names``' rows."""
+    from pyspark.sql import functions as F
+
+    return names.groupBy("c", *CONSUMER).agg(
+        F.max("label").alias("label"), F.max("share").alias("share")
     )
 
 
@@ -308,19 +315,15 @@ def subscription_pairs(
 
 
 def subscription_names(subscriptions: DataFrame) -> DataFrame:
-    """``consumer_names`` of the consumers a subscriptions file lists."""
+    """``consumer_names``' rows of the consumers a subscriptions file lists."""
     from pyspark.sql import functions as F
 
     share = F.when(F.col("filter").startswith("$share/"), F.col("filter"))
-    return (
-        subscriptions.select(
-            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
-            *CONSUMER,
-            F.lit(None).cast("string").alias("label"),
-            share.alias("share"),
-        )
-        .groupBy("c", *CONSUMER)
-        .agg(F.max("label").alias("label"), F.max("share").alias("share"))
+    return subscriptions.select(
+        digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+        *CONSUMER,
+        F.lit(None).cast("string").alias("label"),
+        share.alias("share"),
     )
 
 
@@ -516,15 +519,11 @@ def audit(
     subscribed = None
     names = consumer_names(events)
     if subscriptions is not None:
+        names = names.unionByName(subscription_names(subscriptions))
         in_window = in_range(
             unique_messages(messages), "published_at", window.since, window.until
         ).withColumnRenamed("qos", "message_qos")
         subscribed = subscription_pairs(in_window, subscriptions, spark)
-        names = (
-            names.unionByName(subscription_names(subscriptions))
-            .groupBy("c", *CONSUMER)
-            .agg(F.max("label").alias("label"), F.max("share").alias("share"))
-        )
     core = judged_pairs(archive, pair_outcomes(deliveries(events)), window, subscribed).cache()
     as_of = window.as_of if window.as_of is not None else data_end(core)
     reordered = reorderings(core).withColumn("reordered", F.lit(True)).cache()
@@ -533,7 +532,7 @@ def audit(
     reordered.count()
     # one row per consumer, sent to every task instead of shuffling the pairs to meet it
     pairs = (
-        core.join(F.broadcast(names.cache()), "c", "left")
+        core.join(F.broadcast(one_name_each(names).cache()), "c", "left")
         .join(reordered, ["c", "m"], "left")
         .withColumn("reordered", F.coalesce("reordered", F.lit(False)))
         .drop("publish_order", "ack_seq", "lane")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from shoal.aws.kinesis import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES
+from shoal.aws.kinesis import MAX_PUT_RECORDS, MAX_PUT_RECORDS_BYTES, put_chunks
 from shoal.publish.request import MAX_BATCH, BatchRequest, PublishRequest
 from shoal.publish.sequences import (
     PublisherState,
@@ -15,7 +15,6 @@ from shoal.publish.sequences import (
     publisher_key,
     sequenced_message_id,
 )
-from shoal.publish.writer import _chunks
 from shoal.records import MalformedRecord, Message, decode_record, encode_record, record_size
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
@@ -74,7 +73,7 @@ def test_foreign_records_are_malformed(data: bytes) -> None:
 def test_chunks_keep_within_put_records_limits() -> None:
     # Given 1,200 records of 10 KiB (12 MiB in all)
     sizes = [10 * 1024] * 1200
-    chunks = _chunks(list(range(1200)), sizes)
+    chunks = put_chunks(list(range(1200)), sizes)
     # Then every call holds at most 500 records and 5 MiB, and order is kept
     assert [n for chunk in chunks for n in chunk] == list(range(1200))
     assert all(len(c) <= MAX_PUT_RECORDS for c in chunks)

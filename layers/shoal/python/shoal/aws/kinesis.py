@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 HASH_SPACE = 1 << 128
 #: Kinesis' limits: a record's data plus partition key, and one PutRecords call
 MAX_RECORD_BYTES = 1024 * 1024
+T = TypeVar("T")
+
 MAX_PUT_RECORDS = 500
 MAX_PUT_RECORDS_BYTES = 5 * 1024 * 1024
 
@@ -384,7 +386,7 @@ class EventLog:
     def append(self, records: Sequence[tuple[str, bytes]]) -> None:
         """Put (partition key, data) records, in order per partition key: one PutRecords call
         unless they pass its limits of 500 records and 5 MiB."""
-        for chunk in _put_chunks(records):
+        for chunk in put_chunks(records, [len(data) + len(key.encode()) for key, data in records]):
             pending = list(chunk)
             for attempt in range(self.ATTEMPTS):
                 response = self.kinesis.put_records(
@@ -411,15 +413,17 @@ class EventLog:
                 raise ServerBusy(f"{len(pending)} delivery-event records refused; retry")
 
 
-def _put_chunks(records: Sequence[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
-    chunk: list[tuple[str, bytes]] = []
-    size = 0
-    for key, data in records:
-        record_size = len(data) + len(key.encode())
-        if chunk and (len(chunk) >= MAX_PUT_RECORDS or size + record_size > MAX_PUT_RECORDS_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((key, data))
-        size += record_size
-    if chunk:
-        yield chunk
+def put_chunks(items: Sequence[T], sizes: Sequence[int]) -> list[list[T]]:
+    """Split one PutRecords call's records (``sizes``: each one's bytes) by Kinesis' count and
+    byte limits, keeping order."""
+    chunks: list[list[T]] = [[]]
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if chunks[-1] and (
+            len(chunks[-1]) >= MAX_PUT_RECORDS or total + size > MAX_PUT_RECORDS_BYTES
+        ):
+            chunks.append([])
+            total = 0
+        chunks[-1].append(item)
+        total += size
+    return chunks

@@ -258,11 +258,6 @@ class DeliveryEvents:
         anchor = min(times) if times else min(e.at for e in self._events)
         return _partition(anchor)
 
-    def body(self, key_hint: str) -> bytes:
-        """The event lines, as the archiver writes them."""
-        batch = hint_digest(key_hint)
-        return b"".join(event.line(n, batch) for n, event in enumerate(self._events))
-
     def records(self, key_hint: str) -> list[tuple[str, bytes]]:
         """The log records (partition key, data) of the buffered events: usually one."""
         partition = self.partition()

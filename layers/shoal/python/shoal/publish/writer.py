@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from shoal.aws.clients import PUT_CALL_BOUND_MS
 from shoal.aws.kinesis import (
-    MAX_PUT_RECORDS,
-    MAX_PUT_RECORDS_BYTES,
     MAX_RECORD_BYTES,
     OutRecord,
     PutOutcome,
     Streams,
+    put_chunks,
 )
 from shoal.core.clock import Clock
 from shoal.core.errors import ServerBusy
@@ -126,7 +125,7 @@ class RecordWriter:
                     if self._in_time(records[n][2]):
                         outcomes[n] = self.streams.put_record(stream, records[n][1])
                     continue
-                for chunk in _chunks(indexes, [records[n][1].size for n in indexes]):
+                for chunk in put_chunks(indexes, [records[n][1].size for n in indexes]):
                     timely = [n for n in chunk if self._in_time(records[n][2])]
                     if not timely:
                         continue
@@ -177,18 +176,3 @@ def _pack(items: list[Item]) -> list[list[Item]]:
             records.append([item])
             headers, payload = [header], len(item.payload)
     return records
-
-
-def _chunks(indexes: list[int], sizes: list[int]) -> list[list[int]]:
-    """Split one PutRecords call's records by Kinesis' count and byte limits, keeping order."""
-    chunks: list[list[int]] = [[]]
-    total = 0
-    for n, size in zip(indexes, sizes, strict=True):
-        if chunks[-1] and (
-            len(chunks[-1]) >= MAX_PUT_RECORDS or total + size > MAX_PUT_RECORDS_BYTES
-        ):
-            chunks.append([])
-            total = 0
-        chunks[-1].append(n)
-        total += size
-    return chunks

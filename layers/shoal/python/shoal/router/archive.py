@@ -111,15 +111,12 @@ class ArchiveBatch:
             lines.append((partition, _json(line)))
         self.records.append(_Archived(int(sequence), lines))
 
-    def objects(self, before_sequence: int | None = None) -> dict[str, bytes]:
-        """Object key -> body for the records before ``before_sequence`` (the first failure:
-        Lambda hands the batch back from there, and those records are archived then)."""
-        return self.layout(before_sequence)[0]
-
     def layout(
         self, before_sequence: int | None = None
     ) -> tuple[dict[str, bytes], dict[tuple[int, int], ArchiveLine]]:
-        """``objects``, and where each message's line lands in them: (sequence number, index in
+        """Object key -> body for the records before ``before_sequence`` (the first failure:
+        Lambda hands the batch back from there, and those records are archived then), and
+        where each message's line lands in them: (sequence number, index in
         its record) -> line. Inbox items name these lines instead of copying the messages
         (``shoal.delivery.codec``, version 2); the same records give the same objects, so a
         retry that rewrites them leaves every line where an earlier attempt's items say."""

@@ -30,8 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -80,32 +81,54 @@ class AuditWindow:
     as_of: int | None = None
 
 
+@dataclass(frozen=True)
+class Name:
+    """How the report names a consumer (``consumer_names``, one row per consumer digest)."""
+
+    consumer_kind: str | None
+    consumer: str | None
+    #: a session's client id; a shared group's share name (its consumer id is a digest of
+    #: share name and filter)
+    label: str | None
+    #: a shared group's ``$share/<name>/<filter>``
+    subscription: str | None
+
+
 @dataclass
 class AuditResult:
-    """The audit's DataFrames; ``report`` collects them into report.json's shape.
+    """The audit's frames; ``summarize`` and ``report`` collect them into report.json's shape.
 
     ``pairs``: every (consumer, message) pair with what happened to it and its status, plus one
-    row per archived message no consumer matched (consumer null). It is the cached pairs
-    (numeric keys, ``judged_pairs``) joined to two small cached frames, the consumers' names
-    and the reorderings. Everything the report shows is an aggregate of it."""
+    row per archived message no consumer matched (``c`` null): the cached pairs
+    (``judged_pairs``, numeric keys) with their status. ``reorderings``: the pairs acked behind
+    a later publish, a small cached frame. ``names``: consumer digest -> name, collected, so
+    that no string is joined to the pairs. ``span``: the first and last publish time."""
 
     window: AuditWindow
     as_of: int
     pairs: DataFrame
-    consumers: DataFrame
+    reorderings: DataFrame
+    names: dict[int, Name]
+    span: tuple[int, int] | None
     matched_by: str
 
-    @property
-    def reorderings(self) -> DataFrame:
+    def name(self, c: int | None) -> Name:
+        return self.names.get(c, Name(None, None, None, None)) if c is not None else NO_NAME
+
+    def restricted(self, consumers: Sequence[str]) -> AuditResult:
+        """The same audit for only the consumers with these ids."""
         from pyspark.sql import functions as F
 
-        return self.pairs.where(F.col("reordered")).select(
-            *CONSUMER,
-            "ordering_key",
-            "message_id",
-            "acked_after",
-            "at",
+        keep = [c for c, n in self.names.items() if n.consumer in consumers]
+        return replace(
+            self,
+            pairs=self.pairs.where(F.col("c").isin(keep)),
+            reorderings=self.reorderings.where(F.col("c").isin(keep)),
+            names={c: self.names[c] for c in keep},
         )
+
+
+NO_NAME = Name(None, None, None, None)
 
 
 # -- transforms -----------------------------------------------------------------------------------
@@ -181,8 +204,13 @@ def consumer_names(events: DataFrame) -> DataFrame:
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
     # the distinct first, on the raw columns: the digest and the share test then run on a few
     # rows per consumer, not on every event
+    # acks name neither label nor subscription; a session's ack names only its delivery id,
+    # and a consumer whose pairs the report lists has another event (the delivery it acks, or
+    # a push ack naming its message): without the session acks, a third fewer rows
+    carries = (F.col("event") != "acked") | blank_as_null(F.col("message_id")).isNotNull()
     return (
-        events.select(*CONSUMER, "label", "subscription")
+        events.where(carries)
+        .select(*CONSUMER, "label", "subscription")
         .distinct()
         .select(
             digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
@@ -281,8 +309,8 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
             F.max("group").alias("group"),
         )
         .withColumn("acked_at", F.floor(F.col("_ack") / ACK_SEQ_SPAN))
-        .withColumn("ack_seq", F.col("_ack") % ACK_SEQ_SPAN)
-        .drop("_ack")
+        # the ack order as one long, (at, seq): the reorder window sorts on it
+        .withColumnRenamed("_ack", "ack_order")
     )
 
 
@@ -331,8 +359,8 @@ def judged_pairs(
     archive: DataFrame, outcomes: DataFrame, window: AuditWindow, subscribed: DataFrame | None
 ) -> DataFrame:
     """Pairs joined to the archive (its publish time and QoS win over the events'), archived
-    messages no consumer matched kept as one row each, the window applied, and per consumer
-    and ordering key the latest-published message acked before each ack (``behind``)."""
+    messages no consumer matched kept as one row each, the window applied, and each judged
+    pair's ``lane`` for the reorder window."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -340,6 +368,11 @@ def judged_pairs(
         outcomes = outcomes.join(subscribed, ["c", "m"], "full_outer")
     else:
         outcomes = outcomes.withColumn("subscribed_qos", F.lit(None).cast("int"))
+    # one row per archived message is its first (the messages count without a distinct of its
+    # own): marked before the join, on the pairs' own partitioning by message (no exchange; the
+    # sort is the one the join needs anyway). A message no pair names is its archive row.
+    by_message = Window.partitionBy("m")
+    outcomes = outcomes.withColumn("_first", F.col("c") == F.min("c").over(by_message))
     joined = (
         archive.join(outcomes, "m", "full_outer")
         .withColumn("archived", F.coalesce(F.col("_archived"), F.lit(False)))
@@ -363,12 +396,7 @@ def judged_pairs(
     )
     # one long per (consumer, composite topic, ordering key): the reorder window sorts on it
     lane = F.when(judged, F.xxhash64("c", "key"))
-    # one row per archived message is its first (any consumer's row): the messages count
-    # without a distinct of its own; a window over the join's own partitioning (no exchange)
-    by_message = Window.partitionBy("m")
-    first = F.col("m").isNotNull() & F.coalesce(
-        F.col("c") == F.min("c").over(by_message), F.col("c").isNull()
-    )
+    first = F.col("archived") & F.coalesce(F.col("_first"), F.lit(True))
     # what the report reads, and no more: the cache holds every row of this frame
     return joined.select(
         "c",
@@ -389,11 +417,10 @@ def judged_pairs(
         "last_at",
         "fresh",
         "acked_at",
-        F.col("acked_at").alias("at"),
-        "ack_seq",
+        "ack_order",
         "publish_order",
         lane.alias("lane"),
-        (first & F.col("archived")).alias("first_of_message"),
+        first.alias("first_of_message"),
     )
 
 
@@ -401,19 +428,37 @@ def reorderings(pairs: DataFrame) -> DataFrame:
     """The pairs acked out of order, with the message acked before them although published
     after (``acked_after``): per lane (consumer and ordering key), in ack order, the
     latest-published message acked before each ack. A window over the judged pairs' narrow
-    columns only (the order struct, longs and the id): the wide rows are not shuffled for it.
-    Findings are few; the report joins them to the pairs."""
+    columns only (the order struct, longs and the ids): the wide rows are not shuffled for it.
+    Findings are few: the report reads them on their own, never joined back to the pairs."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    ordered = Window.partitionBy("lane").orderBy("acked_at", "ack_seq", "publish_order")
+    # sorted on two longs (lane, ack order); the order struct only breaks ties
+    ordered = Window.partitionBy("lane").orderBy("ack_order", "publish_order")
     before = ordered.rowsBetween(Window.unboundedPreceding, -1)
     return (
         pairs.where(F.col("lane").isNotNull())
-        .select("c", "m", "lane", "acked_at", "ack_seq", "publish_order")
+        .select(
+            "c",
+            "m",
+            "lane",
+            "acked_at",
+            "ack_order",
+            "publish_order",
+            "published_at",
+            "ordering_key",
+        )
         .withColumn("behind", F.max("publish_order").over(before))
         .where(F.col("publish_order") < F.col("behind"))
-        .select("c", "m", F.col("behind.message_id").alias("acked_after"))
+        .select(
+            "c",
+            "m",
+            F.col("publish_order.message_id").alias("message_id"),
+            "published_at",
+            "ordering_key",
+            "acked_at",
+            F.col("behind.message_id").alias("acked_after"),
+        )
     )
 
 
@@ -454,52 +499,124 @@ def with_status(pairs: DataFrame, window: AuditWindow, as_of: int) -> DataFrame:
     )
 
 
-def consumer_summary(pairs: DataFrame) -> DataFrame:
+@dataclass
+class Summary:
+    """Per consumer counts and latency (report.json's ``consumers``), and the totals that are
+    not a sum over consumers (``overall``)."""
+
+    consumers: list[dict[str, Any]]
+    overall: dict[str, Any]
+
+
+#: report.json's per-consumer counts, in its order
+COUNTS = (
+    "matched",
+    "judged",
+    *STATUSES,
+    "duplicated",
+    "delivered_after_ack",
+    "reordered",
+    "redeliveries",
+    "redelivered_messages",
+    "retained_deliveries",
+    "unarchived",
+)
+
+
+def summarize(result: AuditResult) -> Summary:
+    """Two jobs: every consumer's counts and latency with the overall ones in one aggregate
+    (a rollup over the consumer digest: strings stay out of it, names come from
+    ``result.names``), and the reorderings per consumer from their small frame."""
     from pyspark.sql import functions as F
 
-    def count_status(name: str) -> Column:
-        return F.count(F.when(F.col("status") == name, 1)).alias(name)
+    pairs = result.pairs
+    status = F.col("status")
+    matched = status.isNotNull()
 
-    judged = ~F.col("status").isin("qos0", "retained")
-    # the names are one per consumer: grouping by them too keeps one group per consumer, with
-    # strings only as keys (a string in an aggregation buffer would make it sort-based)
-    return (
-        pairs.where(F.col("status").isNotNull())
-        .groupBy("c", *CONSUMER, "label", "share")
+    def count(test: Column) -> Column:
+        return F.count(F.when(matched & test, 1))
+
+    latency = F.when(matched, F.col("latency_ms"))
+    rows = (
+        pairs.rollup("c")
         .agg(
-            F.count(F.lit(1)).alias("matched"),
-            F.count(F.when(judged, 1)).alias("judged"),
-            *(count_status(s) for s in STATUSES),
-            F.count(F.when(F.col("duplicated"), 1)).alias("duplicated"),
-            F.count(F.when(F.col("delivered_after_ack"), 1)).alias("delivered_after_ack"),
-            F.count(F.when(F.col("reordered"), 1)).alias("reordered"),
-            F.sum("redeliveries").alias("redeliveries"),
-            F.count(F.when(F.col("redeliveries") > 0, 1)).alias("redelivered_messages"),
-            F.sum("retained_deliveries").alias("retained_deliveries"),
-            F.count(F.when(~F.col("archived"), 1)).alias("unarchived"),
-            F.percentile_approx("latency_ms", QUANTILES, PERCENTILE_ACCURACY).alias("latency"),
-            F.max("latency_ms").alias("latency_max"),
+            F.count(F.when(matched, 1)).alias("matched"),
+            count(~status.isin("qos0", "retained")).alias("judged"),
+            *(count(status == s).alias(s) for s in STATUSES),
+            count(F.col("duplicated")).alias("duplicated"),
+            count(F.col("delivered_after_ack")).alias("delivered_after_ack"),
+            F.sum(F.when(matched, F.col("redeliveries"))).alias("redeliveries"),
+            count(F.col("redeliveries") > 0).alias("redelivered_messages"),
+            F.sum(F.when(matched, F.col("retained_deliveries"))).alias("retained_deliveries"),
+            count(~F.col("archived")).alias("unarchived"),
+            F.percentile_approx(latency, QUANTILES, PERCENTILE_ACCURACY).alias("latency"),
+            F.max(latency).alias("latency_max"),
+            # the totals that are not a sum over consumers
+            F.count(F.when(F.col("c").isNull(), 1)).alias("unmatched"),
+            F.count(F.when(F.col("first_of_message"), 1)).alias("messages"),
+            F.sum(F.when(F.col("m").isNull(), F.col("acks"))).alias("unresolved"),
+            F.grouping("c").alias("_all"),
         )
-        .withColumn(
-            "label",
-            # a group is named by its share name (its consumer id is a digest of share name
-            # and filter); a session by its client id
-            F.when(
-                (F.col("consumer_kind") == "group") & F.col("share").isNotNull(),
-                F.regexp_extract(F.col("share"), r"^\$share/([^/]+)/", 1),
-            ).otherwise(F.col("label")),
-        )
-        .withColumnRenamed("share", "subscription")
-        .drop("c")
+        .collect()
     )
+    reordered = {r["c"]: int(r["count"]) for r in result.reorderings.groupBy("c").count().collect()}
+    consumers: list[dict[str, Any]] = []
+    overall: dict[str, Any] = {}
+    for row in rows:
+        r = _row(row)
+        latency_ms = _latency(r.pop("latency"), r.pop("latency_max"))
+        if r.pop("_all"):
+            overall = {
+                "unmatched": int(r["unmatched"]),
+                "messages": int(r["messages"]),
+                "unresolved": int(r["unresolved"] or 0),
+                "latency_ms": latency_ms,
+            }
+            continue
+        # the archived messages no consumer matched are the group of no consumer; a consumer
+        # with nothing matched (acks no delivery names) is not one the report lists
+        if r["c"] is None or not r["matched"]:
+            continue
+        name = result.name(r["c"])
+        counts = {k: int(r.get(k) or 0) for k in COUNTS}
+        counts["reordered"] = reordered.get(r["c"], 0)
+        consumers.append(
+            {
+                "consumer_kind": name.consumer_kind,
+                "consumer": name.consumer,
+                "label": name.label,
+                "subscription": name.subscription,
+                **counts,
+                "latency_ms": latency_ms,
+            }
+        )
+    consumers.sort(key=lambda c: (c["consumer_kind"] or "", c["consumer"] or ""))
+    if not overall:  # a rollup of no rows has no total row either
+        overall = {"unmatched": 0, "messages": 0, "unresolved": 0, "latency_ms": _latency()}
+    return Summary(consumers, overall)
 
 
-def data_end(pairs: DataFrame) -> int:
-    """The latest publish or event time in the input: the data is complete up to there."""
+def _latency(
+    quantiles: Sequence[int | None] | None = None, top: int | None = None
+) -> dict[str, Any]:
+    q = list(quantiles or [None, None, None])
+    return {"p50": q[0], "p90": q[1], "p99": q[2], "max": top}
+
+
+def bounds(pairs: DataFrame) -> tuple[int, tuple[int, int] | None]:
+    """The latest publish or event time in the input (the data is complete up to there), and
+    the first and last publish time. The job that fills the pairs' cache."""
     from pyspark.sql import functions as F
 
-    row = pairs.agg(F.greatest(F.max("last_at"), F.max("published_at"))).first()
-    return int(row[0]) if row is not None and row[0] is not None else 0
+    row = pairs.agg(
+        F.max("last_at").alias("last_at"),
+        F.min("published_at").alias("first"),
+        F.max("published_at").alias("last"),
+    ).first()
+    if row is None or row["first"] is None:
+        return (int(row["last_at"]) if row and row["last_at"] is not None else 0), None
+    end = max(int(row["last"]), int(row["last_at"] or 0))
+    return end, (int(row["first"]), int(row["last"]))
 
 
 def audit(
@@ -508,13 +625,10 @@ def audit(
     window: AuditWindow,
     subscriptions: DataFrame | None = None,
 ) -> AuditResult:
-    """The audit as DataFrames, from raw archive rows and raw events: each input read once
-    for the pairs (the consumers' names come from a distinct of four of the events' columns,
-    dictionary-encoded in Parquet). Three caches: the pairs, and two frames of a few rows
-    each, the names and the reorderings."""
-    from pyspark.sql import functions as F
-
-    spark = messages.sparkSession
+    """The audit as frames, from raw archive rows and raw events: each input read once for
+    the pairs, and the events' four name columns once more for the consumers' names
+    (dictionary-encoded in Parquet, a distinct of a few rows per consumer). Two caches: the
+    pairs, and their few reorderings."""
     archive = published(messages)
     subscribed = None
     names = consumer_names(events)
@@ -523,29 +637,35 @@ def audit(
         in_window = in_range(
             unique_messages(messages), "published_at", window.since, window.until
         ).withColumnRenamed("qos", "message_qos")
-        subscribed = subscription_pairs(in_window, subscriptions, spark)
+        subscribed = subscription_pairs(in_window, subscriptions, messages.sparkSession)
     core = judged_pairs(archive, pair_outcomes(deliveries(events)), window, subscribed).cache()
-    as_of = window.as_of if window.as_of is not None else data_end(core)
-    reordered = reorderings(core).withColumn("reordered", F.lit(True)).cache()
-    # materialized now, so that its size is known: findings are few, and the pairs then meet
-    # them in a broadcast join instead of a shuffle of every pair
-    reordered.count()
-    # one row per consumer, sent to every task instead of shuffling the pairs to meet it
-    pairs = (
-        core.join(F.broadcast(one_name_each(names).cache()), "c", "left")
-        .join(reordered, ["c", "m"], "left")
-        .withColumn("reordered", F.coalesce("reordered", F.lit(False)))
-        .drop("publish_order", "ack_seq", "lane")
-    )
-    judged = with_status(pairs, window, as_of)
+    end, span = bounds(core)
+    named = {
+        int(r["c"]): Name(r["consumer_kind"], r["consumer"], _label(r), r["share"])
+        for r in one_name_each(names).collect()
+    }
+    as_of = window.as_of if window.as_of is not None else end
     return AuditResult(
         window=window,
         as_of=as_of,
-        pairs=judged,
-        consumers=consumer_summary(judged),
+        pairs=with_status(core, window, as_of).drop("publish_order", "ack_order", "lane"),
+        reorderings=reorderings(core).cache(),
+        names=named,
+        span=span,
         matched_by="delivery events"
         + (" and subscriptions held at publish time" if subscriptions is not None else ""),
     )
+
+
+def _label(name: Any) -> str | None:
+    """A group by its share name (its consumer id is a digest of share name and filter); a
+    session by its client id."""
+    if name["consumer_kind"] == "group" and name["share"]:
+        found = re.match(r"^\$share/([^/]+)/", name["share"])
+        if found:
+            return found[1]
+    label: str | None = name["label"]
+    return label
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -564,77 +684,20 @@ def _row(row: Any) -> dict[str, Any]:
     return out
 
 
-def report(result: AuditResult) -> dict[str, Any]:
-    """report.json: totals, per-consumer findings and latency, examples, chart series. A few
-    jobs, each an aggregate of the cached pairs."""
+def examples(result: AuditResult) -> dict[str, list[dict[str, Any]]]:
+    """The first ``EXAMPLES`` findings of each kind by publish time: one job over the pairs for
+    lost, duplicated and delivered-after-ack, one over the reorderings."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    window = result.window
-    consumers = []
-    for row in result.consumers.orderBy(*CONSUMER).collect():
-        r = _row(row)
-        latency = r.pop("latency") or [None, None, None]
-        r["latency_ms"] = {
-            "p50": latency[0],
-            "p90": latency[1],
-            "p99": latency[2],
-            "max": r.pop("latency_max"),
-        }
-        consumers.append(r)
-    totals = {
-        key: sum(c[key] for c in consumers)
-        for key in (
-            "matched",
-            "judged",
-            *STATUSES,
-            "duplicated",
-            "delivered_after_ack",
-            "reordered",
-            "redeliveries",
-            "redelivered_messages",
-            "retained_deliveries",
-            "unarchived",
-        )
-    }
-    pairs = result.pairs
-    # one job for every total that is not a sum over consumers
-    overall = pairs.agg(
-        F.count(F.when(F.col("consumer").isNull(), 1)).alias("unmatched"),
-        F.count(F.when(F.col("first_of_message"), 1)).alias("messages"),
-        F.sum(F.when(F.col("m").isNull(), F.col("acks"))).alias("unresolved"),
-        F.percentile_approx(
-            F.when(F.col("status").isNotNull(), F.col("latency_ms")),
-            QUANTILES,
-            PERCENTILE_ACCURACY,
-        ).alias("p"),
-        F.max(F.when(F.col("status").isNotNull(), F.col("latency_ms"))).alias("max"),
-        F.min("published_at").alias("first"),
-        F.max("published_at").alias("last"),
-    ).first()
-    assert overall is not None  # an aggregate without grouping has one row
-    # counted as each message's first row (``judged_pairs``): a distinct aggregate next to
-    # percentile_approx would make Spark group by message first and merge a quantile digest
-    # per message
-    totals["messages"] = int(overall["messages"])
-    # archived messages in the window that no consumer matched (no event, no subscription)
-    totals["unmatched_messages"] = int(overall["unmatched"])
-    totals["consumers"] = len(consumers)
-    totals["unresolved_acks"] = int(overall["unresolved"] or 0)
-    p = overall["p"] or [None, None, None]
-    totals["latency_ms"] = {"p50": p[0], "p90": p[1], "p99": p[2], "max": overall["max"]}
-
-    example_columns = [*CONSUMER, "label", "message_id", "published_at"]
     kinds = {
         "lost": F.col("status") == "lost",
         "duplicated": F.col("duplicated"),
-        "reordered": F.col("reordered"),
         "delivered_after_ack": F.col("delivered_after_ack"),
     }
-    # the examples of every kind in one job: the first EXAMPLES findings of each by publish time
-    first = Window.partitionBy("kind").orderBy("published_at", *PAIR)
-    picked = (
-        pairs.where(F.col("status").isNotNull())
+    first = Window.partitionBy("kind").orderBy("published_at", "message_id", "c")
+    picked: list[Any] = (
+        result.pairs.where(F.col("status").isNotNull())
         .withColumn(
             "kind",
             F.explode(F.array(*(F.when(test, F.lit(name)) for name, test in kinds.items()))),
@@ -642,54 +705,88 @@ def report(result: AuditResult) -> dict[str, Any]:
         .where(F.col("kind").isNotNull())
         .withColumn("_n", F.row_number().over(first))
         .where(F.col("_n") <= EXAMPLES)
-        .select(
-            "kind",
-            *example_columns,
-            "acks",
-            "acked_at",
-            "last_handed_at",
-            "acked_after",
-            "ordering_key",
-        )
+        .select("kind", "c", "message_id", "published_at", "acks", "acked_at", "last_handed_at")
         .collect()
     )
+    picked += [
+        {**_row(r), "kind": "reordered"}
+        for r in result.reorderings.orderBy("published_at", "message_id", "c")
+        .limit(EXAMPLES)
+        .collect()
+    ]
     fields = {
-        "lost": example_columns,
-        "duplicated": [*example_columns, "acks"],
-        "reordered": [*example_columns, "ordering_key", "acked_after", "acked_at"],
-        "delivered_after_ack": [*example_columns, "acked_at", "last_handed_at"],
+        "lost": [],
+        "duplicated": ["acks"],
+        "reordered": ["ordering_key", "acked_after", "acked_at"],
+        "delivered_after_ack": ["acked_at", "last_handed_at"],
     }
-    examples: dict[str, list[dict[str, Any]]] = {name: [] for name in kinds}
-    for found in picked:
-        examples[found["kind"]].append({k: found[k] for k in fields[found["kind"]]})
+    found: dict[str, list[dict[str, Any]]] = {kind: [] for kind in fields}
+    for row in sorted(picked, key=lambda r: (r["published_at"], r["message_id"] or "", r["c"])):
+        name = result.name(row["c"])
+        found[row["kind"]].append(
+            {
+                "consumer_kind": name.consumer_kind,
+                "consumer": name.consumer,
+                "label": name.label,
+                "message_id": row["message_id"],
+                "published_at": row["published_at"],
+                **{k: row[k] for k in fields[row["kind"]]},
+            }
+        )
+    return found
 
-    pairs = pairs.where(F.col("status").isNotNull())
-    span = (overall["first"], overall["last"])
+
+def charts(result: AuditResult) -> dict[str, Any]:
+    """The timeline (pairs by publish time and status) and the latency histogram (publish to
+    first ack on a log scale, eight buckets per decade): one aggregate for both."""
+    from pyspark.sql import functions as F
+
     timeline: dict[str, Any] = {"bucket_ms": None, "start": None, "series": {}}
-    if span is not None and span[0] is not None:
-        width = _nice_width(int(span[1]) - int(span[0]))
-        start = int(span[0]) - int(span[0]) % width
+    histogram: dict[int, int] = {}
+    if result.span is not None:
+        first, last = result.span
+        width = _nice_width(last - first)
+        start = first - first % width
+        latency = F.greatest(F.col("latency_ms"), F.lit(1)).cast("double")
         rows = (
-            pairs.groupBy(F.floor((F.col("published_at") - start) / width).alias("b"), "status")
+            result.pairs.where(F.col("status").isNotNull())
+            .groupBy(
+                F.floor((F.col("published_at") - start) / width).alias("b"),
+                "status",
+                F.floor(F.log10(latency) * 8).alias("h"),
+            )
             .count()
             .collect()
         )
         series: dict[str, dict[int, int]] = {}
         for bucket in rows:
-            series.setdefault(bucket["status"], {})[int(bucket["b"])] = int(bucket["count"])
+            n = int(bucket["count"])
+            by_time = series.setdefault(bucket["status"], {})
+            by_time[int(bucket["b"])] = by_time.get(int(bucket["b"]), 0) + n
+            if bucket["h"] is not None:
+                histogram[int(bucket["h"])] = histogram.get(int(bucket["h"]), 0) + n
         timeline = {"bucket_ms": width, "start": start, "series": series}
-    # publish->ack latency on a log scale: eight buckets per decade
-    histogram = {
-        int(r["b"]): int(r["count"])
-        for r in pairs.where(F.col("latency_ms").isNotNull())
-        .groupBy(
-            F.floor(F.log10(F.greatest(F.col("latency_ms"), F.lit(1)).cast("double")) * 8).alias(
-                "b"
-            )
-        )
-        .count()
-        .collect()
+    return {
+        "timeline": timeline,
+        "latency_histogram": {"per_decade": 8, "buckets": dict(sorted(histogram.items()))},
     }
+
+
+def report(result: AuditResult) -> dict[str, Any]:
+    """report.json: totals, per-consumer findings and latency, examples, chart series. Five
+    small jobs over the cached pairs and reorderings."""
+    window = result.window
+    summary = summarize(result)
+    consumers = summary.consumers
+    totals: dict[str, Any] = {key: sum(c[key] for c in consumers) for key in COUNTS[1:]}
+    totals = {"matched": sum(c["matched"] for c in consumers), **totals}
+    overall = summary.overall
+    totals["messages"] = overall["messages"]
+    # archived messages in the window that no consumer matched (no event, no subscription)
+    totals["unmatched_messages"] = overall["unmatched"]
+    totals["consumers"] = len(consumers)
+    totals["unresolved_acks"] = overall["unresolved"]
+    totals["latency_ms"] = overall["latency_ms"]
     return {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "window": {
@@ -708,11 +805,8 @@ def report(result: AuditResult) -> dict[str, Any]:
         and totals["delivered_after_ack"] == 0,
         "totals": totals,
         "consumers": consumers,
-        "examples": examples,
-        "charts": {
-            "timeline": timeline,
-            "latency_histogram": {"per_decade": 8, "buckets": histogram},
-        },
+        "examples": examples(result),
+        "charts": charts(result),
     }
 
 

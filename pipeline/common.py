@@ -168,6 +168,10 @@ def spark_session(app_name: str = "shoal-pipeline", master: str | None = None) -
         # column compression of the cache cost more CPU than the rest of the audit's last
         # stage (1.6 s of 2.4 s per million events), and the frame lives for seconds
         .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
+        # a filter on row_number (the archive's dedupe: a message's earliest copy) would add a
+        # sort of every row before the shuffle, to keep the first row of each message early:
+        # copies are rare, so it shuffles as many rows, and the sort after it is needed anyway
+        .config("spark.sql.optimizer.windowGroupLimitThreshold", "-1")
     )
     # spark-submit (EMR) starts the JVM first and tells Python its port: then the cluster's
     # master and settings stand

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from pipeline.audit import AuditResult, AuditWindow, audit, consumer_summary, report
+from pipeline.audit import AuditResult, AuditWindow, audit, report, summarize
 from tests.pipeline.data import (
     SECOND,
     T0,
@@ -173,7 +173,7 @@ def audited(spark: SparkSession) -> AuditResult:
 
 @pytest.fixture(scope="module")
 def rows(audited: AuditResult) -> dict[str, dict[str, Any]]:
-    return {row["consumer"]: row.asDict() for row in audited.consumers.collect()}
+    return {row["consumer"]: row for row in summarize(audited).consumers}
 
 
 def findings(row: dict[str, Any]) -> tuple[int, int, int]:
@@ -295,9 +295,9 @@ def test_latency_percentiles_are_publish_to_first_ack(rows: dict[str, dict[str, 
     row = rows["latency"]
     # Then the approximate percentiles (exact at this size: the smallest value with that
     # share of values at or below it) are the fifth and the tenth
-    assert row["latency"][0] == 5000
-    assert row["latency"][2] == 10_000
-    assert row["latency_max"] == 10_000
+    assert row["latency_ms"]["p50"] == 5000
+    assert row["latency_ms"]["p99"] == 10_000
+    assert row["latency_ms"]["max"] == 10_000
 
 
 def test_a_retained_resend_on_a_new_subscribe_is_no_duplicate(
@@ -358,14 +358,7 @@ def test_a_clean_audit_with_retained_resends_and_lost_acks_is_titled_clean(
     # Given only the stories of correct MQTT behaviour: clean, retained re-sends, redeliveries
     # after a lost ack, a named group
     correct = {"clean-a", "clean-b", "retained", "retained-only", "lost-ack", "acked-then-dup"}
-    kept = audited.pairs.where(audited.pairs.consumer.isin(*correct))
-    only = AuditResult(
-        window=audited.window,
-        as_of=audited.as_of,
-        pairs=kept,
-        consumers=consumer_summary(kept),
-        matched_by=audited.matched_by,
-    )
+    only = audited.restricted(sorted(correct))
     # When reported
     doc = report(only)
     # Then the report is clean (its title says no delivery faults)
@@ -397,6 +390,6 @@ def test_window_and_as_of_decide_what_is_judged_and_what_is_pending(
         since=T0 + SECOND, until=T0 + 3 * SECOND, horizon_ms=HORIZON_MS, as_of=T0 + 11 * SECOND
     )
     result = audit(messages_df(spark, s.messages), events_df(spark, s.events), window)
-    [row] = result.consumers.collect()
+    [row] = summarize(result).consumers
     # Then only m1 and m2 are judged, and both are still pending, not lost
     assert (row["matched"], row["pending"], row["lost"]) == (2, 2, 0)

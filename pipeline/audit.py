@@ -70,6 +70,8 @@ PERCENTILE_ACCURACY = 10_000
 QUANTILES = [0.5, 0.9, 0.99]
 #: an ack's (at, seq) as at * ACK_SEQ_SPAN + seq: seq (a line's place in its object) < 2**20
 ACK_SEQ_SPAN = 2**20
+#: a delivery's and a pair's flags (bits of one int)
+RETAINED, DEAD_LETTERED, DROPPED, GROUP, FRESH = 1, 2, 4, 8, 16
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,13 @@ def deliveries(events: DataFrame) -> DataFrame:
     named = blank_as_null(F.col("message_id"))
     delivery = F.coalesce(blank_as_null(F.col("delivery_id")), F.concat(F.lit("#"), named))
     ack_key = F.col("at") * ACK_SEQ_SPAN + F.least(F.col("seq"), F.lit(ACK_SEQ_SPAN - 1))
+    # what a delivery's events say as bits of one int, so one bit_or aggregates them all
+    flags = (
+        F.when(F.coalesce("retain", F.lit(False)), RETAINED).otherwise(0)
+        + F.when(F.col("event") == "dead_lettered", DEAD_LETTERED).otherwise(0)
+        + F.when(F.col("event") == "dropped", DROPPED).otherwise(0)
+        + F.when(F.col("consumer_kind") == "group", GROUP).otherwise(0)
+    )
     return (
         events.select(
             digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
@@ -254,8 +263,7 @@ def deliveries(events: DataFrame) -> DataFrame:
             F.coalesce("seq", F.lit(0)).alias("seq"),
             "qos",
             "published_at",
-            F.coalesce("retain", F.lit(False)).alias("retain"),
-            "consumer_kind",
+            flags.alias("flags"),
         )
         .where(F.col("d").isNotNull())
         .groupBy("c", "d")
@@ -266,13 +274,10 @@ def deliveries(events: DataFrame) -> DataFrame:
             # when the consumer was first handed this delivery
             F.min(at_of(*DELIVERIES)).alias("handed_at"),
             F.count(at_of("redelivered")).alias("redeliveries"),
-            F.max("retain").alias("retained"),
-            F.max(F.col("event") == "dead_lettered").alias("dead_lettered"),
-            F.max(F.col("event") == "dropped").alias("dropped"),
+            F.bit_or("flags").alias("flags"),
             F.min("qos").alias("event_qos"),
             F.min("published_at").alias("event_published_at"),
             F.max("at").alias("last_at"),
-            F.max(F.col("consumer_kind") == "group").alias("group"),
         )
     )
 
@@ -285,8 +290,15 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
     ack is the same delivery acked once, not a duplicate."""
     from pyspark.sql import functions as F
 
-    fresh = ~F.col("retained")
+    retained = (F.col("flags").bitwiseAND(RETAINED)) != 0
+    fresh = ~retained
     acked = F.col("ack").isNotNull()
+    # a pair's flags: its deliveries' (retained only when every one is), FRESH when one is not
+    pair_flags = F.col("flags").bitwiseAND(~RETAINED) + F.when(fresh, FRESH).otherwise(0)
+
+    def has(bit: int) -> Column:
+        return F.col("flags").bitwiseAND(bit) != 0
+
     # acks whose delivery id no delivery event names stay, as one row per consumer with no
     # message (m null): counted as unresolved, never judged
     # hash-partitioned by message alone (that clusters by pair too): the join with the
@@ -298,19 +310,24 @@ def pair_outcomes(delivered: DataFrame) -> DataFrame:
             F.min(F.when(fresh, F.col("ack"))).alias("_ack"),
             F.count(F.when(fresh & acked, 1)).alias("acks"),
             F.max(F.when(fresh, F.col("handed_at"))).alias("last_handed_at"),
-            F.count(F.when(F.col("retained"), 1)).alias("retained_deliveries"),
+            F.count(F.when(retained, 1)).alias("retained_deliveries"),
             F.sum("redeliveries").alias("redeliveries"),
-            F.max("dead_lettered").alias("dead_lettered"),
-            F.max("dropped").alias("dropped"),
+            F.bit_or(pair_flags).alias("flags"),
             F.min("event_qos").alias("event_qos"),
             F.min("event_published_at").alias("event_published_at"),
             F.max("last_at").alias("last_at"),
-            F.max(F.when(fresh, 1).otherwise(0)).alias("fresh"),
-            F.max("group").alias("group"),
         )
-        .withColumn("acked_at", F.floor(F.col("_ack") / ACK_SEQ_SPAN))
-        # the ack order as one long, (at, seq): the reorder window sorts on it
-        .withColumnRenamed("_ack", "ack_order")
+        .select(
+            "*",
+            F.floor(F.col("_ack") / ACK_SEQ_SPAN).alias("acked_at"),
+            # the ack order as one long, (at, seq): the reorder window sorts on it
+            F.col("_ack").alias("ack_order"),
+            has(DEAD_LETTERED).alias("dead_lettered"),
+            has(DROPPED).alias("dropped"),
+            has(GROUP).alias("group"),
+            F.when(has(FRESH), 1).otherwise(0).alias("fresh"),
+        )
+        .drop("_ack", "flags")
     )
 
 

@@ -115,7 +115,7 @@ class AuditResult:
     matched_by: str
 
     def name(self, c: int | None) -> Name:
-        return self.names.get(c, Name(None, None, None, None)) if c is not None else NO_NAME
+        return self.names.get(c, NO_NAME) if c is not None else NO_NAME
 
     def restricted(self, consumers: Sequence[str]) -> AuditResult:
         """The same audit for only the consumers with these ids."""
@@ -795,8 +795,7 @@ def report(result: AuditResult) -> dict[str, Any]:
     window = result.window
     summary = summarize(result)
     consumers = summary.consumers
-    totals: dict[str, Any] = {key: sum(c[key] for c in consumers) for key in COUNTS[1:]}
-    totals = {"matched": sum(c["matched"] for c in consumers), **totals}
+    totals: dict[str, Any] = {key: sum(c[key] for c in consumers) for key in COUNTS}
     overall = summary.overall
     totals["messages"] = overall["messages"]
     # archived messages in the window that no consumer matched (no event, no subscription)

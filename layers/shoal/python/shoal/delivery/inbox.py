@@ -157,16 +157,39 @@ def pack(
             continue
         last = n == len(groups) - 1
         items.append(
-            InboxItem(
-                session_id=session_id,
-                key=item_key(source, group[0].position),
-                messages=tuple(group),
-                covered=covered if last else group[-1].position,
+            _item(
+                session_id,
+                source,
+                group,
+                covered if last else None,
                 expires_at=expires_at,
                 stream=stream,
             )
         )
     return items
+
+
+def _item(
+    session_id: str,
+    source: str,
+    group: Sequence[InboxMessage],
+    covered: str | None,
+    *,
+    expires_at: int,
+    stream: str | None,
+    encoded: bytes | None = None,
+) -> InboxItem:
+    """One item of ``group``: it covers up to ``covered`` (the batch's end, for its last
+    item) or else up to its own last message."""
+    return InboxItem(
+        session_id=session_id,
+        key=item_key(source, group[0].position),
+        messages=tuple(group),
+        covered=covered if covered is not None else group[-1].position,
+        expires_at=expires_at,
+        stream=stream,
+        encoded=encoded,
+    )
 
 
 def _pack_refs(
@@ -185,11 +208,11 @@ def _pack_refs(
 
     def close(last: bool) -> None:
         items.append(
-            InboxItem(
-                session_id=session_id,
-                key=item_key(source, group[0].position),
-                messages=tuple(group),
-                covered=covered if last else group[-1].position,
+            _item(
+                session_id,
+                source,
+                group,
+                covered if last else None,
                 expires_at=expires_at,
                 stream=stream,
                 encoded=encoder.bytes(),

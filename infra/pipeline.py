@@ -35,6 +35,8 @@ from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_scheduler as scheduler
 from constructs import Construct
 
+from pipeline.common import submit_parameters
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the newest EMR Serverless 7.x release whose release page lists its Spark (3.5.5): the
 #: Spark 3.5 line as 7.5.0 (3.5.2) had, three maintenance releases of fixes later, on the
@@ -170,7 +172,7 @@ class PipelineJobs(Construct):
         self.code.grant_read(self.role)
         self.entry.grant_read(self.role)
 
-        submit = f"--conf spark.submit.pyFiles={self.code.s3_object_url}"
+        submit = submit_parameters(self.code.s3_object_url)
         self.archive_uri = f"s3://{archive.bucket_name}"
         self.compaction = self._compaction_schedule(submit)
         cdk.CfnOutput(self, "ApplicationId", value=self.application.attr_application_id)

@@ -154,6 +154,24 @@ def subscription_schema() -> Any:
 
 # -- the session --------------------------------------------------------------------------------
 
+#: the JVM options of every job's driver and executors, here and on EMR (the stack passes them
+#: in its spark-submit parameters): the throughput collector, which EMR's own Spark defaults
+#: also set (``spark.driver.defaultJavaOptions``). The jobs are batches that care for
+#: throughput, not pauses: G1's write barriers and concurrent threads cost a first audit at
+#: 5M events about 10% of its time (docs/pipeline.md)
+JVM_OPTIONS = "-XX:+UseParallelGC"
+
+
+def submit_parameters(py_files: str) -> str:
+    """spark-submit's parameters for a job run on EMR: the jobs' code and ``JVM_OPTIONS``."""
+    return " ".join(
+        [
+            f"--conf spark.submit.pyFiles={py_files}",
+            f"--conf spark.driver.extraJavaOptions={JVM_OPTIONS}",
+            f"--conf spark.executor.extraJavaOptions={JVM_OPTIONS}",
+        ]
+    )
+
 
 def spark_session(app_name: str = "shoal-pipeline", master: str | None = None) -> SparkSession:
     """The job's session: local[2] on this machine, whatever spark-submit says on a cluster."""
@@ -188,7 +206,10 @@ def spark_session(app_name: str = "shoal-pipeline", master: str | None = None) -
             # overhead than they save at this size, and adaptive execution merges small ones
             .config("spark.sql.shuffle.partitions", os.environ.get("SHOAL_SPARK_PARTITIONS", "8"))
             .config("spark.driver.memory", os.environ.get("SHOAL_SPARK_DRIVER_MEMORY", "2g"))
-            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j.as_uri()}")
+            .config(
+                "spark.driver.extraJavaOptions",
+                f"{JVM_OPTIONS} -Dlog4j2.configurationFile={log4j.as_uri()}",
+            )
         )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("SHOAL_SPARK_LOG_LEVEL", "ERROR"))

@@ -112,6 +112,21 @@ def test_compaction_is_scheduled_as_an_emr_serverless_job_run(deployed: Synth) -
     assert passes and all(job_logical in rendered(s["Resource"]) for s in passes)
 
 
+def test_job_runs_give_driver_and_executors_the_jobs_jvm_options(deployed: Synth) -> None:
+    from pipeline.common import JVM_OPTIONS
+
+    # Given the submit parameters the stack outputs and the ones its compaction runs with
+    outputs = deployed.template.to_json()["Outputs"]
+    [submit] = [v["Value"] for k, v in outputs.items() if "SparkSubmitParameters" in k]
+    [schedule] = deployed.of_type("AWS::Scheduler::Schedule").values()
+    run = rendered(schedule["Properties"]["Target"]["Input"])
+    # Then both give the driver and the executors the JVM options local sessions start with
+    for process in ("driver", "executor"):
+        option = f"--conf spark.{process}.extraJavaOptions={JVM_OPTIONS}"
+        assert option in rendered(submit)
+        assert option in run
+
+
 def test_the_jobs_code_is_uploaded_and_named_in_the_outputs(deployed: Synth) -> None:
     outputs = deployed.template.to_json()["Outputs"]
     names = {k for k in outputs if k.startswith("Pipeline")}

@@ -11,12 +11,16 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyspark
 import pytest
 
 from infra.pipeline import RELEASE_LABEL, RELEASES, stage_code
 from tests.pipeline.data import delivered_and_acked, message
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 pytestmark = pytest.mark.pipeline
 
@@ -30,6 +34,14 @@ def release_python(version: str) -> str | None:
 def test_the_local_pyspark_is_the_spark_of_the_pinned_emr_release() -> None:
     spark_version, _ = RELEASES[RELEASE_LABEL]
     assert pyspark.__version__ == spark_version
+
+
+def test_local_sessions_collect_garbage_as_the_deployed_jobs(spark: SparkSession) -> None:
+    # the stack gives EMR's driver and executors JVM_OPTIONS (tests/infra/test_pipeline.py):
+    # the local JVM runs the same collector, the throughput one
+    management = spark.sparkContext._jvm.java.lang.management.ManagementFactory  # type: ignore[union-attr]
+    collectors = {bean.getName() for bean in management.getGarbageCollectorMXBeans()}
+    assert collectors == {"PS Scavenge", "PS MarkSweep"}
 
 
 def test_the_jobs_run_end_to_end_on_the_release_python(tmp_path: Path) -> None:

@@ -344,7 +344,7 @@ def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
     new DataFrames (nothing cached or shuffled is reused), is the cost per event once warm."""
     started = time.perf_counter()
     from pipeline.audit import AuditWindow, audit, report
-    from pipeline.common import read_events, read_messages, spark_session
+    from pipeline.common import read_events, read_messages, read_names, spark_session
 
     spark = spark_session("shoal-bench-audit", master=master)
     jvm_start_s = time.perf_counter() - started
@@ -354,7 +354,10 @@ def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
         cpu_before = _jvm_cpu_s(pid) + time.process_time()
         started = time.perf_counter()
         result = audit(
-            read_messages(spark, root), read_events(spark, root), AuditWindow(horizon_ms=horizon_ms)
+            read_messages(spark, root),
+            read_events(spark, root),
+            AuditWindow(horizon_ms=horizon_ms),
+            names=read_names(spark, root),
         )
         doc = report(result)
         runs.append(
@@ -412,7 +415,7 @@ def archive(size: int) -> tuple[Path, dict[str, int], dict[str, Any]]:
     /tmp (the machine is shared: a 5M archive takes minutes to write). ``BENCH_AUDIT_CACHE``
     names another folder."""
     cache = Path(os.environ.get("BENCH_AUDIT_CACHE", "/tmp/shoal-bench-audit"))
-    root = cache / f"{size}-v2"
+    root = cache / f"{size}-v3"
     done = root / "planted.json"
     if not done.exists():
         shutil.rmtree(root, ignore_errors=True)

@@ -42,6 +42,7 @@ from pipeline.common import (
     Output,
     Progress,
     blank_as_null,
+    consumer_rows,
     in_range,
     iso,
     job_parser,
@@ -49,6 +50,7 @@ from pipeline.common import (
     parse_time,
     read_events,
     read_messages,
+    read_names,
     read_subscriptions,
     sequence_order,
     spark_session,
@@ -197,29 +199,19 @@ def published(messages: DataFrame) -> DataFrame:
     )
 
 
-def consumer_names(events: DataFrame) -> DataFrame:
+def consumer_names(rows: DataFrame) -> DataFrame:
     """Per consumer digest ``c``: its kind and id, its label (a session's client id) and, for a
-    shared group, its subscription (``$share/<name>/<filter>``). A distinct of four
-    dictionary-encoded columns: a few rows per consumer (``one_name_each`` makes it one)."""
+    shared group, its subscription (``$share/<name>/<filter>``), from ``consumer_rows``: a few
+    rows per consumer (``one_name_each`` makes it one). The digest and the share test run on
+    those rows, not on every event."""
     from pyspark.sql import functions as F
 
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
-    # the distinct first, on the raw columns: the digest and the share test then run on a few
-    # rows per consumer, not on every event
-    # acks name neither label nor subscription; a session's ack names only its delivery id,
-    # and a consumer whose pairs the report lists has another event (the delivery it acks, or
-    # a push ack naming its message): without the session acks, a third fewer rows
-    carries = (F.col("event") != "acked") | blank_as_null(F.col("message_id")).isNotNull()
-    return (
-        events.where(carries)
-        .select(*CONSUMER, "label", "subscription")
-        .distinct()
-        .select(
-            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
-            *CONSUMER,
-            "label",
-            share.alias("share"),
-        )
+    return rows.select(
+        digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+        *CONSUMER,
+        "label",
+        share.alias("share"),
     )
 
 
@@ -641,14 +633,15 @@ def audit(
     events: DataFrame,
     window: AuditWindow,
     subscriptions: DataFrame | None = None,
+    names: DataFrame | None = None,
 ) -> AuditResult:
     """The audit as frames, from raw archive rows and raw events: each input read once for
-    the pairs, and the events' four name columns once more for the consumers' names
-    (dictionary-encoded in Parquet, a distinct of a few rows per consumer). Two caches: the
-    pairs, and their few reorderings."""
+    the pairs. The consumers' names come from ``names`` (``read_names``: what ``compact``
+    wrote beside the events), else from the events' four name columns, read once more
+    (``consumer_rows``). Two caches: the pairs, and their few reorderings."""
     archive = published(messages)
     subscribed = None
-    names = consumer_names(events)
+    names = consumer_names(names if names is not None else consumer_rows(events))
     if subscriptions is not None:
         names = names.unionByName(subscription_names(subscriptions))
         in_window = in_range(
@@ -882,7 +875,7 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
     events = read_events(spark, args.input)
     subscriptions = read_subscriptions(spark, args.subscriptions)
     progress("pairing deliveries with the archive (the one pass over the input)")
-    result = audit(messages, events, window, subscriptions)
+    result = audit(messages, events, window, subscriptions, read_names(spark, args.input))
     progress("judging every (consumer, message) pair and reporting")
     doc = report(result)
     t = doc["totals"]

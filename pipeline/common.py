@@ -135,6 +135,17 @@ def event_schema() -> Any:
     )
 
 
+#: what names a consumer in the report (``consumer_rows``)
+NAME_COLUMNS = ("consumer_kind", "consumer", "label", "subscription")
+
+
+def name_schema() -> Any:
+    """``consumer_rows``' rows, as ``compact`` writes them beside an hour's events."""
+    from pyspark.sql import types as T
+
+    return T.StructType([T.StructField(c, T.StringType()) for c in NAME_COLUMNS])
+
+
 def subscription_schema() -> Any:
     """Subscriptions as the audit can take them (``--subscriptions FILE``): which consumer held
     which filter from when until when. ``until`` null: still held."""
@@ -243,12 +254,36 @@ def read_messages(
 def read_events(spark: SparkSession, root: str) -> DataFrame:
     """Every delivery event under ``root``: events of a message come at any time after its
     publish, so no time range prunes them."""
-    from pyspark.sql import functions as F
-
     from pipeline.columnar import read
 
-    frame = read(spark, root, EVENTS)
+    return delivery_events(read(spark, root, EVENTS))
+
+
+def delivery_events(frame: DataFrame) -> DataFrame:
+    """The rows of an events frame that are delivery events (an event, of a consumer)."""
+    from pyspark.sql import functions as F
+
     return frame.where(F.col("event").isNotNull() & F.col("consumer").isNotNull())
+
+
+def read_names(spark: SparkSession, root: str) -> DataFrame:
+    """``consumer_rows`` of every event under ``root``: from the names ``compact`` wrote beside
+    an hour's events, and from the events themselves where it did not (``pipeline.columnar``)."""
+    from pipeline.columnar import read_names as read_columnar_names
+
+    return read_columnar_names(spark, root)
+
+
+def consumer_rows(events: DataFrame, *by: str) -> DataFrame:
+    """What names the consumers of ``events`` (``NAME_COLUMNS``): a distinct of a few rows per
+    consumer (per ``by``), which the audit reduces to one name each. Session acks are left
+    out: they name no label, subscription or message (a session's ack names only its delivery
+    id), and a consumer whose pairs the report lists has another event (the delivery it acks,
+    or a push ack naming its message): a third fewer rows."""
+    from pyspark.sql import functions as F
+
+    carries = (F.col("event") != "acked") | blank_as_null(F.col("message_id")).isNotNull()
+    return events.where(carries).select(*by, *NAME_COLUMNS).distinct()
 
 
 def read_subscriptions(spark: SparkSession, location: str | None) -> DataFrame | None:

@@ -46,6 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in results:
         progress(
             f"{r.kind}: {r.hours} hours compacted ({r.objects} objects into {r.files} files), "
-            f"{r.skipped} already compacted"
+            f"{r.skipped} already compacted" + (f", {r.named} given names" if r.named else "")
         )
     return 0

@@ -11,9 +11,18 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from pipeline.columnar import MANIFEST, Store, compact, hour_folder, manifest_of, plan
-from pipeline.common import EVENTS, MESSAGES, read_events, read_messages
-from tests.pipeline.data import T0, delivered_and_acked, message
+from pipeline.columnar import (
+    MANIFEST,
+    NAMES,
+    Manifest,
+    Store,
+    compact,
+    hour_folder,
+    manifest_of,
+    plan,
+)
+from pipeline.common import EVENTS, MESSAGES, read_events, read_messages, read_names
+from tests.pipeline.data import T0, delivered_and_acked, event, message
 
 pytestmark = pytest.mark.pipeline
 
@@ -124,3 +133,118 @@ def test_a_partially_compacted_hour_is_read_without_loss_or_double_counting(
     assert not (archive / stray.relative_to(archive)).exists()
     assert (archive / hour_folder(EVENTS, HOUR) / MANIFEST).exists()
     assert snapshot(spark, str(archive))[1] == events
+
+
+def names_of(spark: SparkSession, root: str) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """The consumers' name rows a reader sees (distinct), and the files it reads them from."""
+    frame = read_names(spark, root)
+    rows = {tuple(r) for r in frame.collect()}
+    return sorted(rows, key=lambda r: tuple(v or "" for v in r)), frame.inputFiles()
+
+
+def under(files: list[str], root: Path, folder: str) -> list[str]:
+    """The files (URIs) under ``root / folder``."""
+    prefix = f"{root.resolve()}/{folder}/"
+    return [f for f in files if f.split(":", 1)[-1].lstrip("/").startswith(prefix.lstrip("/"))]
+
+
+@pytest.fixture
+def named(archive: Path) -> Path:
+    """The archive with a shared group's events and a labelled session's in the first hour."""
+    write_lines(
+        archive,
+        events_key(HOUR, "g"),
+        [
+            event(
+                "routed", "grp", "m2", T0 + 10, consumer_kind="group", subscription="$share/g/o/+"
+            ),
+            event("acked", "grp", "m2", T0 + 20, consumer_kind="group"),
+            event("delivered", "s3", "m3", T0 + 30, delivery_id="s3.3", label="client-3"),
+            # a session's ack names only its delivery: no name row of its own
+            event("acked", "s4", None, T0 + 40, delivery_id="s4.3"),
+        ],
+    )
+    return archive
+
+
+def test_compaction_writes_each_hours_consumer_names_and_the_audit_reads_only_those(
+    spark: SparkSession, named: Path
+) -> None:
+    # Given the names a reader takes from the JSON lines
+    before, _ = names_of(spark, str(named))
+    assert ("group", "grp", None, "$share/g/o/+") in before
+    assert ("session", "s3", "client-3", None) in before
+    assert not any(row[1] == "s4" for row in before)
+    # When the archive is compacted
+    compact(spark, str(named))
+    # Then each events manifest names its hour's names files, and a reader reads those files
+    # and nothing else (not the events), with the same rows
+    store = Store(str(named))
+    for hour in (HOUR, NEXT):
+        manifest = manifest_of(store, EVENTS, hour)
+        assert manifest is not None and manifest.names
+        assert all(k.startswith(hour_folder(NAMES, hour) + "/") for k in manifest.names)
+    after, files = names_of(spark, str(named))
+    assert after == before
+    assert files and under(files, named, f"parquet/{NAMES}") == files
+    # And compacting again writes nothing and reads the same
+    written = sorted(store.list("parquet/"))
+    compact(spark, str(named))
+    assert sorted(store.list("parquet/")) == written
+    assert names_of(spark, str(named)) == (after, files)
+
+
+def test_names_of_a_late_object_are_read_from_it_until_the_hour_is_compacted_again(
+    spark: SparkSession, named: Path
+) -> None:
+    # Given a compacted hour, then a late object in it naming a new consumer
+    compact(spark, str(named))
+    store = Store(str(named))
+    old = manifest_of(store, EVENTS, HOUR)
+    assert old is not None and old.names
+    write_lines(named, events_key(HOUR, "late"), delivered_and_acked("s2", 1))
+    # When read
+    rows, files = names_of(spark, str(named))
+    # Then the new consumer is there, from the late object's JSON lines, beside the names files
+    assert [r for r in rows if r[1] == "s2"] == [("session", "s2", None, None)]
+    assert any(f.endswith("late.jsonl") for f in files)
+    # When the hour is compacted again
+    compact(spark, str(named), kinds=[EVENTS])
+    # Then its new names files replace the old ones, and read alone give the same rows
+    new = manifest_of(store, EVENTS, HOUR)
+    assert new is not None and new.names and not set(new.names) & set(old.names)
+    assert not any((named / k).exists() for k in old.names)
+    again, files = names_of(spark, str(named))
+    assert again == rows
+    assert not any(f.endswith(".jsonl") for f in files)
+
+
+def test_an_hour_compacted_before_names_is_named_from_its_events_then_given_names(
+    spark: SparkSession, named: Path
+) -> None:
+    # Given a compacted archive whose first hour's manifest is from before names were written
+    before, _ = names_of(spark, str(named))
+    compact(spark, str(named))
+    store = Store(str(named))
+    manifest = manifest_of(store, EVENTS, HOUR)
+    assert manifest is not None and manifest.names
+    for key in manifest.names:
+        (named / key).unlink()
+    store.write_text(
+        hour_folder(EVENTS, HOUR) + "/" + MANIFEST,
+        Manifest(sources=manifest.sources, files=manifest.files).dump(),
+    )
+    # When read
+    rows, files = names_of(spark, str(named))
+    # Then its names come from its events' Parquet
+    assert rows == before
+    assert under(files, named, hour_folder(EVENTS, HOUR))
+    # When compacted again
+    done = {c.kind: c for c in compact(spark, str(named))}
+    # Then that hour alone is given names, its events untouched, and read from them alone
+    assert (done[EVENTS].hours, done[EVENTS].named) == (0, 1)
+    renamed = manifest_of(store, EVENTS, HOUR)
+    assert renamed is not None and renamed.names and renamed.files == manifest.files
+    assert names_of(spark, str(named))[0] == before
+    files = names_of(spark, str(named))[1]
+    assert under(files, named, f"parquet/{NAMES}") == files

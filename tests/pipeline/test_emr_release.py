@@ -101,3 +101,6 @@ def test_the_jobs_run_end_to_end_on_the_release_python(tmp_path: Path) -> None:
         True,
     )
     assert (root / "parquet" / "events" / hour / "_manifest.json").is_file()
+    # and the consumer is named from the names compact wrote beside the hour's events
+    assert [c["consumer"] for c in report["consumers"]] == ["s1"]
+    assert list((root / "parquet" / "names" / hour).glob("*.parquet"))

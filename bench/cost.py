@@ -127,8 +127,9 @@ PRICES: dict[str, Price] = {
         0.015,
         1,
         "Kinesis shard-hour, provisioned mode",
-        "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab); figure not "
-        "in the stored copies",
+        "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab); figure: "
+        "awsnegotiations.com/kinesis-pricing-optimization.html (its pricing table) and "
+        "kindatechnical.com/aws-kinesis/lesson-29-understanding-kinesis-pricing.html",
     ),
     "s3_puts": Price(
         0.005,
@@ -141,7 +142,9 @@ PRICES: dict[str, Price] = {
         0.0004,
         1000,
         "S3 Standard GET request",
-        "https://aws.amazon.com/s3/pricing/ (requests tab); figure not in the stored copies",
+        "https://aws.amazon.com/s3/pricing/ (requests tab); figure: c3x.dev/blog/s3-request-"
+        "fees-explained and awsi.click/en/articles/s3-request-pricing-get-put-difference "
+        "(us-east-1)",
     ),
 }
 

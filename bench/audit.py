@@ -344,7 +344,7 @@ def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
     new DataFrames (nothing cached or shuffled is reused), is the cost per event once warm."""
     started = time.perf_counter()
     from pipeline.audit import AuditWindow, audit, report
-    from pipeline.common import read_events, read_messages, read_names, spark_session
+    from pipeline.common import read_events_and_names, read_messages, spark_session
 
     spark = spark_session("shoal-bench-audit", master=master)
     jvm_start_s = time.perf_counter() - started
@@ -353,11 +353,9 @@ def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
     for _ in range(2):
         cpu_before = _jvm_cpu_s(pid) + time.process_time()
         started = time.perf_counter()
+        events, names = read_events_and_names(spark, root)
         result = audit(
-            read_messages(spark, root),
-            read_events(spark, root),
-            AuditWindow(horizon_ms=horizon_ms),
-            names=read_names(spark, root),
+            read_messages(spark, root), events, AuditWindow(horizon_ms=horizon_ms), names=names
         )
         doc = report(result)
         runs.append(

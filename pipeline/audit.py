@@ -48,9 +48,8 @@ from pipeline.common import (
     job_parser,
     matching_topics,
     parse_time,
-    read_events,
+    read_events_and_names,
     read_messages,
-    read_names,
     read_subscriptions,
     sequence_order,
     spark_session,
@@ -872,10 +871,10 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> dict[str
     spark = spark or spark_session("shoal-audit")
     progress(f"reading {args.input}")
     messages = read_messages(spark, args.input, window.since, window.until)
-    events = read_events(spark, args.input)
+    events, names = read_events_and_names(spark, args.input)
     subscriptions = read_subscriptions(spark, args.subscriptions)
     progress("pairing deliveries with the archive (the one pass over the input)")
-    result = audit(messages, events, window, subscriptions, read_names(spark, args.input))
+    result = audit(messages, events, window, subscriptions, names)
     progress("judging every (consumer, message) pair and reporting")
     doc = report(result)
     t = doc["totals"]

@@ -283,13 +283,32 @@ def read(
     )
 
 
+def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, DataFrame]:
+    """Every event row under ``root`` (as ``read``) and the consumers' names (``read_names``),
+    from one listing of the archive and one read of each manifest."""
+    store = Store(root, spark)
+    chosen = plan(store, EVENTS)
+    schema = event_schema()
+    events = _union(
+        spark,
+        schema,
+        [
+            _parquet(spark, store, schema, chosen.parquet_keys()),
+            _json(spark, store, schema, chosen),
+        ],
+    )
+    return events, _names(spark, store, chosen)
+
+
 def read_names(spark: SparkSession, root: str) -> DataFrame:
     """``consumer_rows`` of every event under ``root``: the names files of the hours whose
     manifest names them, and a distinct of the events of the rest (Parquet of older manifests,
     JSON lines no manifest covers). A consumer named by both shows twice: the audit reduces its
     rows to one name each."""
-    store = Store(root, spark)
-    chosen = plan(store, EVENTS)
+    return read_events_and_names(spark, root)[1]
+
+
+def _names(spark: SparkSession, store: Store, chosen: Plan) -> DataFrame:
     named = [k for hour in sorted(chosen.manifests) for k in chosen.manifests[hour].names or []]
     unnamed = [
         k

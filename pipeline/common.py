@@ -269,9 +269,16 @@ def delivery_events(frame: DataFrame) -> DataFrame:
 def read_names(spark: SparkSession, root: str) -> DataFrame:
     """``consumer_rows`` of every event under ``root``: from the names ``compact`` wrote beside
     an hour's events, and from the events themselves where it did not (``pipeline.columnar``)."""
-    from pipeline.columnar import read_names as read_columnar_names
+    return read_events_and_names(spark, root)[1]
 
-    return read_columnar_names(spark, root)
+
+def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, DataFrame]:
+    """``read_events`` and ``read_names`` from one listing of the archive and one read of each
+    manifest (on S3 a GET each, one after another)."""
+    from pipeline.columnar import read_events_and_names as read_both
+
+    events, names = read_both(spark, root)
+    return delivery_events(events), names
 
 
 def consumer_rows(events: DataFrame, *by: str) -> DataFrame:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from pipeline.columnar import (
     MANIFEST,
@@ -21,7 +21,14 @@ from pipeline.columnar import (
     manifest_of,
     plan,
 )
-from pipeline.common import EVENTS, MESSAGES, read_events, read_messages, read_names
+from pipeline.common import (
+    EVENTS,
+    MESSAGES,
+    read_events,
+    read_events_and_names,
+    read_messages,
+    read_names,
+)
 from tests.pipeline.data import T0, delivered_and_acked, event, message
 
 pytestmark = pytest.mark.pipeline
@@ -142,6 +149,10 @@ def names_of(spark: SparkSession, root: str) -> tuple[list[tuple[Any, ...]], lis
     return sorted(rows, key=lambda r: tuple(v or "" for v in r)), frame.inputFiles()
 
 
+def rows_of(frame: DataFrame) -> list[tuple[Any, ...]]:
+    return sorted((tuple(r) for r in frame.collect()), key=lambda r: tuple(str(v) for v in r))
+
+
 def under(files: list[str], root: Path, folder: str) -> list[str]:
     """The files (URIs) under ``root / folder``."""
     prefix = f"{root.resolve()}/{folder}/"
@@ -187,6 +198,10 @@ def test_compaction_writes_each_hours_consumer_names_and_the_audit_reads_only_th
     after, files = names_of(spark, str(named))
     assert after == before
     assert files and under(files, named, f"parquet/{NAMES}") == files
+    # And the audit's one listing for both gives the events read_events gives, and these names
+    events, names = read_events_and_names(spark, str(named))
+    assert rows_of(events) == rows_of(read_events(spark, str(named)))
+    assert rows_of(names) == rows_of(read_names(spark, str(named)))
     # And compacting again writes nothing and reads the same
     written = sorted(store.list("parquet/"))
     compact(spark, str(named))

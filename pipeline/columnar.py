@@ -270,45 +270,20 @@ def read(
     until: int | None = None,
 ) -> DataFrame:
     """``kind``'s rows under ``root``: Parquet where compacted, JSON lines for the rest."""
-    schema = message_schema() if kind == MESSAGES else event_schema()
     store = Store(root, spark)
     chosen = plan(store, kind, since, until)
-    return _union(
-        spark,
-        schema,
-        [
-            _parquet(spark, store, schema, chosen.parquet_keys()),
-            _json(spark, store, schema, chosen),
-        ],
-    )
+    return _rows(spark, store, chosen, _json(spark, store, chosen))
 
 
 def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, DataFrame]:
-    """Every event row under ``root`` (as ``read``) and the consumers' names (``read_names``),
-    from one listing of the archive and one read of each manifest."""
+    """Every event row under ``root`` (as ``read``) and the consumers' names, from one listing
+    of the archive and one read of each manifest. The names: ``consumer_rows`` from the names
+    files of the hours whose manifest names them, and from the events of the rest (Parquet of
+    older manifests, JSON lines no manifest covers). A consumer named by both shows twice: the
+    audit reduces its rows to one name each."""
     store = Store(root, spark)
     chosen = plan(store, EVENTS)
-    schema = event_schema()
-    events = _union(
-        spark,
-        schema,
-        [
-            _parquet(spark, store, schema, chosen.parquet_keys()),
-            _json(spark, store, schema, chosen),
-        ],
-    )
-    return events, _names(spark, store, chosen)
-
-
-def read_names(spark: SparkSession, root: str) -> DataFrame:
-    """``consumer_rows`` of every event under ``root``: the names files of the hours whose
-    manifest names them, and a distinct of the events of the rest (Parquet of older manifests,
-    JSON lines no manifest covers). A consumer named by both shows twice: the audit reduces its
-    rows to one name each."""
-    return read_events_and_names(spark, root)[1]
-
-
-def _names(spark: SparkSession, store: Store, chosen: Plan) -> DataFrame:
+    pending = _json(spark, store, chosen)
     named = [k for hour in sorted(chosen.manifests) for k in chosen.manifests[hour].names or []]
     unnamed = [
         k
@@ -317,16 +292,26 @@ def _names(spark: SparkSession, store: Store, chosen: Plan) -> DataFrame:
         for k in chosen.manifests[hour].files
     ]
     schema = event_schema()
-    events = _union(
-        spark,
-        schema,
-        [_parquet(spark, store, schema, unnamed), _json(spark, store, schema, chosen)],
-    )
-    return _union(
+    from_events = _union(spark, schema, [_parquet(spark, store, schema, unnamed), pending])
+    names = _union(
         spark,
         name_schema(),
-        [_parquet(spark, store, name_schema(), named), consumer_rows(delivery_events(events))],
+        [
+            _parquet(spark, store, name_schema(), named),
+            consumer_rows(delivery_events(from_events)),
+        ],
     )
+    return _rows(spark, store, chosen, pending), names
+
+
+def _rows(spark: SparkSession, store: Store, chosen: Plan, pending: DataFrame | None) -> DataFrame:
+    """The plan's rows: its Parquet files, and ``pending`` (its JSON lines)."""
+    schema = _schema(chosen.kind)
+    return _union(spark, schema, [_parquet(spark, store, schema, chosen.parquet_keys()), pending])
+
+
+def _schema(kind: str) -> Any:
+    return message_schema() if kind == MESSAGES else event_schema()
 
 
 def _parquet(spark: SparkSession, store: Store, schema: Any, keys: list[str]) -> DataFrame | None:
@@ -340,7 +325,8 @@ def _parquet(spark: SparkSession, store: Store, schema: Any, keys: list[str]) ->
     )
 
 
-def _json(spark: SparkSession, store: Store, schema: Any, chosen: Plan) -> DataFrame | None:
+def _json(spark: SparkSession, store: Store, chosen: Plan) -> DataFrame | None:
+    schema = _schema(chosen.kind)
     pending = chosen.json_keys()
     if not pending:
         return None
@@ -414,7 +400,7 @@ def _compact_kind(
         result.named = _name_hours(spark, store, chosen, stale)
     if not stale:
         return result
-    schema = message_schema() if kind == MESSAGES else event_schema()
+    schema = _schema(kind)
     keys = [k for hour in stale for k in sorted(chosen.sources[hour])]
     if progress:
         progress(f"{kind}: {len(stale)} hours, {len(keys)} objects to compact")

@@ -6,6 +6,7 @@ test reads its consumer's row (see ``tests.pipeline.data``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -293,11 +294,70 @@ def test_a_subscription_made_after_the_publish_does_not_expect_it(
 def test_latency_percentiles_are_publish_to_first_ack(rows: dict[str, dict[str, Any]]) -> None:
     # Given ten messages acked 1..10 s after publish
     row = rows["latency"]
-    # Then the approximate percentiles (exact at this size: the smallest value with that
-    # share of values at or below it) are the fifth and the tenth
+    # Then the percentiles (the nearest rank: the smallest value with that share of values at
+    # or below it; exact for every value of one bucket) are the fifth and the tenth
     assert row["latency_ms"]["p50"] == 5000
     assert row["latency_ms"]["p99"] == 10_000
     assert row["latency_ms"]["max"] == 10_000
+
+
+def _latencies(s: Scenario) -> list[int]:
+    """Publish to ack of each of a story's clean messages, from its recorded events."""
+    published = {m["message_id"]: m["published_at"] for m in s.messages}
+    message_of = {e["delivery_id"]: e["message_id"] for e in s.events if e["event"] == "delivered"}
+    return sorted(
+        e["at"] - published[message_of[e["delivery_id"]]] for e in s.events if e["event"] == "acked"
+    )
+
+
+def _nearest_rank(ordered: list[int], p: int) -> int:
+    return ordered[math.ceil(len(ordered) * p / 100) - 1]
+
+
+def test_latency_percentiles_are_exact_below_1024_ms_and_within_0_2_percent_above(
+    spark: SparkSession,
+) -> None:
+    # Given one session acking 1,000 messages 1..1,000 ms after publish, and another acking
+    # 200 messages 10 to 11 minutes after publish, 300 ms apart (about three to a bucket)
+    fast, slow = Scenario("fast"), Scenario("slow")
+    for k in range(1000):
+        fast.clean(k, ack_after_s=(k + 1) / 1000)
+    for k in range(200):
+        slow.clean(k, ack_after_s=600 + 0.3 * k)
+    exact = {"fast": _latencies(fast), "slow": _latencies(slow)}
+    every = sorted(exact["fast"] + exact["slow"])
+    # When audited
+    result = audit(
+        messages_df(spark, fast.messages + slow.messages),
+        events_df(spark, fast.events + slow.events),
+        AuditWindow(horizon_ms=HORIZON_MS, as_of=LONG_AFTER),
+    )
+    summary = summarize(result)
+    found = {row["consumer"]: row["latency_ms"] for row in summary.consumers}
+    found["every"] = summary.overall["latency_ms"]
+    # Then below 1,024 ms each percentile is the exact nearest rank; above, it is a latency
+    # of the input at most 0.2% above the exact one; the maximum is exact
+    for who, ordered in (*exact.items(), ("every", every)):
+        assert found[who]["max"] == ordered[-1]
+        for p in (50, 90, 99):
+            want, got = _nearest_rank(ordered, p), found[who][f"p{p}"]
+            if want < 1024:
+                assert got == want, (who, p)
+            else:
+                assert got in ordered and want <= got <= want * (1 + 2**-9), (who, p, got, want)
+    assert (found["fast"]["p50"], found["every"]["p50"]) == (500, 600)
+
+
+def test_a_negative_latency_is_its_own_bucket(spark: SparkSession) -> None:
+    # Given acks recorded 5 ms and 3 ms before their publish time (the clocks disagree) and
+    # one 2 s after
+    s = Scenario("skewed")
+    for n, after_s in enumerate((-0.005, -0.003, 2)):
+        s.clean(n, ack_after_s=after_s)
+    result = audit(messages_df(spark, s.messages), events_df(spark, s.events), AuditWindow())
+    # Then the percentiles are the latencies as recorded
+    [row] = summarize(result).consumers
+    assert row["latency_ms"] == {"p50": -3, "p90": 2000, "p99": 2000, "max": 2000}
 
 
 def test_a_retained_resend_on_a_new_subscribe_is_no_duplicate(

@@ -272,7 +272,7 @@ def read(
     """``kind``'s rows under ``root``: Parquet where compacted, JSON lines for the rest."""
     store = Store(root, spark)
     chosen = plan(store, kind, since, until)
-    return _rows(spark, store, chosen, _json(spark, store, chosen))
+    return _rows(spark, store, chosen, _json(spark, store, _schema(kind), chosen.json_keys()))
 
 
 def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, DataFrame]:
@@ -283,7 +283,7 @@ def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, Da
     audit reduces its rows to one name each."""
     store = Store(root, spark)
     chosen = plan(store, EVENTS)
-    pending = _json(spark, store, chosen)
+    pending = _json(spark, store, event_schema(), chosen.json_keys())
     named = [k for hour in sorted(chosen.manifests) for k in chosen.manifests[hour].names or []]
     unnamed = [
         k
@@ -325,17 +325,15 @@ def _parquet(spark: SparkSession, store: Store, schema: Any, keys: list[str]) ->
     )
 
 
-def _json(spark: SparkSession, store: Store, chosen: Plan) -> DataFrame | None:
-    schema = _schema(chosen.kind)
-    pending = chosen.json_keys()
-    if not pending:
+def _json(spark: SparkSession, store: Store, schema: Any, keys: list[str]) -> DataFrame | None:
+    if not keys:
         return None
     return (
         spark.read.schema(schema)
         # the folder name topic= is the composite topic, each line's topic the MQTT one:
         # no partition discovery, or the folder's value would win
         .option("recursiveFileLookup", "true")
-        .json([store.uri(k) for k in pending])
+        .json([store.uri(k) for k in keys])
     )
 
 
@@ -404,11 +402,9 @@ def _compact_kind(
     keys = [k for hour in stale for k in sorted(chosen.sources[hour])]
     if progress:
         progress(f"{kind}: {len(stale)} hours, {len(keys)} objects to compact")
-    rows = with_hour(
-        spark.read.schema(schema)
-        .option("recursiveFileLookup", "true")
-        .json([store.uri(k) for k in keys])
-    )
+    source = _json(spark, store, schema, keys)
+    assert source is not None  # stale hours have JSON objects: that is what makes them stale
+    rows = with_hour(source)
     written = _write(store, rows, kind, per_file=per_file)
     names = _write_names(spark, store, written) if kind == EVENTS else None
     for hour in stale:

@@ -314,27 +314,28 @@ def _schema(kind: str) -> Any:
     return message_schema() if kind == MESSAGES else event_schema()
 
 
-def _parquet(spark: SparkSession, store: Store, schema: Any, keys: list[str]) -> DataFrame | None:
+def _files(
+    spark: SparkSession, store: Store, schema: Any, keys: list[str], source: str
+) -> DataFrame | None:
+    """These files (``source``: "parquet" or "json") read with ``schema``; None for none."""
     if not keys:
         return None
     return (
         spark.read.schema(schema)
-        # file paths, not folders: no partition columns inferred from date=/hour=
+        # file paths, and no partition discovery: no date=/hour= columns, and a JSON line's own
+        # topic (the MQTT one) is kept, not replaced by its folder's topic= (the composite one)
         .option("recursiveFileLookup", "true")
-        .parquet(*[store.uri(k) for k in keys])
+        .format(source)
+        .load([store.uri(k) for k in keys])
     )
+
+
+def _parquet(spark: SparkSession, store: Store, schema: Any, keys: list[str]) -> DataFrame | None:
+    return _files(spark, store, schema, keys, "parquet")
 
 
 def _json(spark: SparkSession, store: Store, schema: Any, keys: list[str]) -> DataFrame | None:
-    if not keys:
-        return None
-    return (
-        spark.read.schema(schema)
-        # the folder name topic= is the composite topic, each line's topic the MQTT one:
-        # no partition discovery, or the folder's value would win
-        .option("recursiveFileLookup", "true")
-        .json([store.uri(k) for k in keys])
-    )
+    return _files(spark, store, schema, keys, "json")
 
 
 def _union(spark: SparkSession, schema: Any, frames: list[DataFrame | None]) -> DataFrame:

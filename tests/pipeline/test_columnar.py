@@ -198,6 +198,10 @@ def test_compaction_writes_each_hours_consumer_names_and_the_audit_reads_only_th
     after, files = names_of(spark, str(named))
     assert after == before
     assert files and under(files, named, f"parquet/{NAMES}") == files
+    # and the names from events, none now, are no part of the plan: an empty relation the
+    # optimizer drops, not a scan of rows sent from Python (a second of a fresh JVM's time)
+    plan = read_names(spark, str(named))._jdf.queryExecution().optimizedPlan().toString()
+    assert "LogicalRDD" not in plan and "LocalRelation" not in plan
     # And the audit's one listing for both gives the events read_events gives, and these names
     events, names = read_events_and_names(spark, str(named))
     assert rows_of(events) == rows_of(read_events(spark, str(named)))

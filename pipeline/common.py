@@ -166,11 +166,16 @@ def subscription_schema() -> Any:
 # -- the session --------------------------------------------------------------------------------
 
 #: the JVM options of every job's driver and executors, here and on EMR (the stack passes them
-#: in its spark-submit parameters): the throughput collector, which EMR's own Spark defaults
-#: also set (``spark.driver.defaultJavaOptions``). The jobs are batches that care for
-#: throughput, not pauses: G1's write barriers and concurrent threads cost a first audit at
-#: 5M events about 10% of its time (docs/pipeline.md)
-JVM_OPTIONS = "-XX:+UseParallelGC"
+#: in its spark-submit parameters), both measured on a first audit at 5M events
+#: (docs/pipeline.md, "Engine fidelity"):
+#: - the throughput collector, which EMR's own Spark defaults also set
+#:   (``spark.driver.defaultJavaOptions``): the jobs are batches that care for throughput, not
+#:   pauses; G1's write barriers and concurrent threads cost about 10% of the time;
+#: - a smaller inlining budget for C2's hot methods (325 bytes of bytecode by default): a first
+#:   audit spends about 40% of its CPU in the JIT, compiling Spark, Janino and the code Spark
+#:   generates for each query; at 100 the compiler threads took 15 s of CPU instead of 21, the
+#:   tasks no more, a warm audit no more either (at 50 or 70 the tasks slowed)
+JVM_OPTIONS = "-XX:+UseParallelGC -XX:FreqInlineSize=100"
 
 
 def submit_parameters(py_files: str) -> str:

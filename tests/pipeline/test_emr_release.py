@@ -17,6 +17,7 @@ import pyspark
 import pytest
 
 from infra.pipeline import RELEASE_LABEL, RELEASES, stage_code
+from pipeline.common import JVM_OPTIONS
 from tests.pipeline.data import delivered_and_acked, message
 
 if TYPE_CHECKING:
@@ -42,6 +43,27 @@ def test_local_sessions_collect_garbage_as_the_deployed_jobs(spark: SparkSession
     management = spark.sparkContext._jvm.java.lang.management.ManagementFactory  # type: ignore[union-attr]
     collectors = {bean.getName() for bean in management.getGarbageCollectorMXBeans()}
     assert collectors == {"PS Scavenge", "PS MarkSweep"}
+
+
+def test_local_sessions_run_every_jvm_option_of_the_deployed_jobs(spark: SparkSession) -> None:
+    # Given the options the stack gives EMR's JVMs, as -XX:+Flag / -XX:-Flag / -XX:Flag=value
+    expected = {}
+    for option in JVM_OPTIONS.split():
+        name = option.removeprefix("-XX:")
+        if name[0] in "+-":
+            expected[name[1:]] = "true" if name[0] == "+" else "false"
+        else:
+            key, value = name.split("=", 1)
+            expected[key] = value
+    assert "FreqInlineSize" in expected
+    # Then the local JVM runs with each of them
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    hotspot = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean")
+    )
+    running = {key: hotspot.getVMOption(key).getValue() for key in expected}
+    assert running == expected
 
 
 def test_the_jobs_run_end_to_end_on_the_release_python(tmp_path: Path) -> None:

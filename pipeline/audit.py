@@ -238,7 +238,7 @@ def deliveries(events: DataFrame) -> DataFrame:
         return F.when(F.col("event").isin(*kinds), F.col("at"))
 
     named = blank_as_null(F.col("message_id"))
-    delivery = F.coalesce(blank_as_null(F.col("delivery_id")), F.concat(F.lit("#"), named))
+    delivery = blank_as_null(F.col("delivery_id"))
     ack_key = F.col("at") * ACK_SEQ_SPAN + F.least(F.col("seq"), F.lit(ACK_SEQ_SPAN - 1))
     # what a delivery's events say as bits of one int, so one bit_or aggregates them all
     flags = (
@@ -250,7 +250,11 @@ def deliveries(events: DataFrame) -> DataFrame:
     return (
         events.select(
             digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
-            digest(delivery).alias("d"),
+            # a delivery by its id, else by its message's (a hash seeded apart, not a string
+            # built for every routed event)
+            F.when(delivery.isNotNull(), F.xxhash64(delivery))
+            .when(named.isNotNull(), F.xxhash64(F.lit("#"), named))
+            .alias("d"),
             digest(named).alias("m"),
             "event",
             "at",

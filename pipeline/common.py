@@ -37,10 +37,6 @@ UTC = timezone.utc
 
 MESSAGES = "messages"
 EVENTS = "events"
-#: a Kinesis sequence number sorts as (length, then 18-digit chunks as longs): exact up to
-#: 72 digits (AWS writes 56)
-SEQUENCE_CHUNK = 18
-SEQUENCE_CHUNKS = 4
 
 
 #: what each job's ``--help`` says, in the words of someone who runs it (the module docstrings
@@ -312,21 +308,18 @@ def blank_as_null(column: Column) -> Column:
 
 
 def sequence_order(column: str = "sequence_number") -> list[Column]:
-    """Sort keys that order Kinesis sequence numbers (decimal strings, 56 digits on AWS, small
-    counters on the emulator) as numbers: their length, then 18-digit chunks as longs. Numbers,
-    not a 128-character left-padded string (nor 38-digit decimals, which Spark holds as Java
-    BigDecimals): a sort on them compares a few longs a row."""
+    """Sort keys that order Kinesis sequence numbers (decimal strings without leading zeros,
+    56 digits on AWS, small counters on the emulator) as numbers, at any length: their length,
+    then their digits, which compare bytewise as the numbers do when the lengths are equal. No
+    parsing (18-digit chunks cast to longs cost the audit's archive scan 5% of its CPU), no
+    128-character left-padded string, no 38-digit decimals (Java BigDecimals in Spark)."""
     from pyspark.sql import functions as F
 
     digits = F.coalesce(F.col(column), F.lit(""))
-    keys = [F.length(digits).alias("_seq_len")]
-    for n in range(SEQUENCE_CHUNKS):
-        chunk = F.substring(digits, n * SEQUENCE_CHUNK + 1, SEQUENCE_CHUNK)
-        keys.append(F.coalesce(blank_as_null(chunk).cast("long"), F.lit(0)).alias(f"_seq_{n}"))
-    return keys
+    return [F.length(digits).alias("_seq_len"), digits.alias("_seq")]
 
 
-SEQUENCE_KEYS = ["_seq_len", *(f"_seq_{n}" for n in range(SEQUENCE_CHUNKS))]
+SEQUENCE_KEYS = ["_seq_len", "_seq"]
 
 
 def unique_messages(messages: DataFrame) -> DataFrame:

@@ -111,6 +111,10 @@ def _stories() -> tuple[list[Scenario], list[dict[str, Any]]]:
     s.clean(5, ack_after_s=5, storage_topic=0, sequence=9)  # acked T0 + 10 s
     s.clean(4, ack_after_s=7, storage_topic=1, sequence=1)  # acked T0 + 11 s
 
+    s = story("sequence-as-number")  # the stream has 9 before 10, though "10" < "9" as strings
+    s.clean(0, ack_after_s=5, sequence=10)  # acked T0 + 5 s
+    s.clean(1, ack_after_s=1, sequence=9)  # acked T0 + 2 s: first, as the stream has it
+
     s = story("archived-twice")  # a bisected batch archived m0 twice
     s.clean(0)
     s.publish(0)
@@ -252,6 +256,12 @@ def test_publish_order_is_storage_topic_then_sequence(rows: dict[str, dict[str, 
     # storage topic 1, acked in storage topic order
     # Then that is in order
     assert rows["storage-order"]["reordered"] == 0
+
+
+def test_sequence_numbers_order_as_numbers(rows: dict[str, dict[str, Any]]) -> None:
+    # Given one key's m1 (sequence 9, published later by clock) acked before m0 (sequence 10)
+    # Then that is in order: 9 comes first in the stream, though not as a string
+    assert rows["sequence-as-number"]["reordered"] == 0
 
 
 def test_a_message_archived_twice_is_judged_once(rows: dict[str, dict[str, Any]]) -> None:

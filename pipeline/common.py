@@ -311,8 +311,9 @@ def sequence_order(column: str = "sequence_number") -> list[Column]:
     """Sort keys that order Kinesis sequence numbers (decimal strings without leading zeros,
     56 digits on AWS, small counters on the emulator) as numbers, at any length: their length,
     then their digits, which compare bytewise as the numbers do when the lengths are equal. No
-    parsing (18-digit chunks cast to longs cost the audit's archive scan 5% of its CPU), no
-    128-character left-padded string, no 38-digit decimals (Java BigDecimals in Spark)."""
+    parsing (four 18-digit chunks cast to longs before: with a string the audit no longer builds
+    per routed event, 3.5% of a first audit's CPU at 5M), no 128-character left-padded string,
+    no 38-digit decimals (Java BigDecimals in Spark)."""
     from pyspark.sql import functions as F
 
     digits = F.coalesce(F.col(column), F.lit(""))

@@ -283,7 +283,8 @@ def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, Da
     audit reduces its rows to one name each."""
     store = Store(root, spark)
     chosen = plan(store, EVENTS)
-    pending = _json(spark, store, event_schema(), chosen.json_keys())
+    schema = event_schema()
+    pending = _json(spark, store, schema, chosen.json_keys())
     named = [k for hour in sorted(chosen.manifests) for k in chosen.manifests[hour].names or []]
     unnamed = [
         k
@@ -291,7 +292,6 @@ def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, Da
         if chosen.manifests[hour].names is None
         for k in chosen.manifests[hour].files
     ]
-    schema = event_schema()
     from_events = _union(spark, schema, [_parquet(spark, store, schema, unnamed), pending])
     names = _union(
         spark,

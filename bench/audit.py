@@ -344,7 +344,8 @@ def _spark_child(root: str, master: str, horizon_ms: int = HORIZON_MS) -> None:
     new DataFrames (nothing cached or shuffled is reused), is the cost per event once warm."""
     started = time.perf_counter()
     from pipeline.audit import AuditWindow, audit, report
-    from pipeline.common import read_events_and_names, read_messages, spark_session
+    from pipeline.columnar import read_events_and_names, read_messages
+    from pipeline.common import spark_session
 
     spark = spark_session("shoal-bench-audit", master=master)
     jvm_start_s = time.perf_counter() - started

@@ -31,14 +31,19 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import boto3
 from shoal.aws import clients
 from shoal.aws.kinesis import ARCHIVER_MAPPING, PUSH_MAPPING, ROUTER_MAPPING
+from shoal.client.ws import WsSettings
 from shoal.core.config import get_config
 from shoal.declarations import DEPLOYMENT
 from shoal.delivery.events import EVENT_LOG
@@ -263,6 +268,8 @@ class Counts:
     api_requests: int = 0
     lambda_requests: int = 0
     lambda_gb_s: float = 0.0
+    #: the invocations' billed seconds (what concurrency follows)
+    lambda_s: float = 0.0
     dynamodb_wru: float = 0.0
     dynamodb_rru: float = 0.0
     #: records and bytes put into storage streams
@@ -419,17 +426,53 @@ def _http(
     return event
 
 
+class AwsSideTime:
+    """CPU time in-process moto spent answering calls: on AWS that work is the service's, and
+    the function only waits for it (``CALL_RTT_S`` a call, priced separately). Measured on the
+    answering thread, so a call made from a handler's worker thread is counted too."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        from moto.core.botocore_stubber import BotocoreStubber
+
+        original = BotocoreStubber.process_request
+        meter = self
+
+        def timed(stubber: Any, request: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return original(stubber, request)
+            finally:
+                spent = time.thread_time() - started
+                with meter._lock:
+                    meter.total_s += spent
+
+        BotocoreStubber.process_request = timed
+        self._installed = True
+
+
+AWS_SIDE = AwsSideTime()
+
+
 class Run:
     """One scenario's account, its handlers, and what they used."""
 
     def __init__(self, session: boto3.Session, scenario: Scenario) -> None:
         import functions.archiver.app as archiver_app
+        import functions.edge.app as edge_app
         import functions.messages.app as messages_app
         import functions.publish.app as publish_app
         import functions.push.app as push_app
         import functions.router.app as router_app
         import functions.sessions.app as sessions_app
         import functions.subscriptions.app as subscriptions_app
+        import functions.wsauth.app as wsauth_app
 
         self.session = session
         self.scenario = scenario
@@ -441,12 +484,18 @@ class Run:
             "messages": messages_app.handler,
             "sessions": sessions_app.handler,
             "subscriptions": subscriptions_app.handler,
+            "edge": edge_app.handler,
+            "wsauth": wsauth_app.handler,
         }
         self.push_app: Any = push_app
         self.event_log = get_config().streams[EVENT_LOG]
         self.meters = Meters(self.event_log)
         self.counts = Counts(scenario.name)
         self.metering = False
+        #: an invocation's time as the process's CPU time (without the waits of a loaded
+        #: machine), less in-process moto's (``AWS_SIDE``), instead of its wall time
+        self.cpu_time = False
+        AWS_SIDE.install()
         self.kinesis = session.client("kinesis")  # the bench's own reads: not metered
         #: stream -> the last sequence number handed to a function
         self.positions: dict[str, str] = {}
@@ -459,15 +508,19 @@ class Run:
         context = LambdaContext(
             f"shoal-{function}", memory_mb=fdef.memory_mb, timeout_s=fdef.timeout_s
         )
-        started = time.perf_counter()
+        clock = time.process_time if self.cpu_time else time.perf_counter
+        started, aws_side = clock(), AWS_SIDE.total_s
         answer = self.handlers[function](event, context)
-        elapsed = time.perf_counter() - started
+        elapsed = clock() - started
+        if self.cpu_time:
+            elapsed = max(elapsed - (AWS_SIDE.total_s - aws_side), 0.0)
         if self.metering:
             c = self.counts
             c.lambda_requests += 1
             c.api_requests += int(http)
             # billed per started millisecond
             c.lambda_gb_s += fdef.memory_mb / 1024 * math.ceil(elapsed * 1000) / 1000
+            c.lambda_s += math.ceil(elapsed * 1000) / 1000
             c.invocations[function] = c.invocations.get(function, 0) + 1
         if http and answer["statusCode"] >= 300:
             raise RuntimeError(f"{function}: {answer['statusCode']} {answer['body'][:200]}")
@@ -806,4 +859,688 @@ def report(figures: dict[str, Any]) -> str:
             f"{units(counts['wru_by_operation'])}; reads {units(counts['rru_by_operation'])}.",
         ]
     lines.append("")
+    return "\n".join(lines)
+
+
+# --- the fleet: clients held for a month, long-poll against WebSocket push against IoT Core ---
+
+WS_MESSAGE = Price(
+    1.00,
+    1e6,
+    "API Gateway WebSocket message (32 KB units; received and sent both count, a mock "
+    "route's answer too)",
+    "https://aws.amazon.com/api-gateway/pricing/ (WebSocket APIs); figure: "
+    "awsforengineers.com/blog/aws-api-gateway-pricing-explained (US East, first billion)",
+)
+WS_CONNECTION_MINUTE = Price(
+    0.25,
+    1e6,
+    "API Gateway WebSocket connection minute",
+    "https://aws.amazon.com/api-gateway/pricing/ (WebSocket APIs); figure not in the stored "
+    "copies (awsnegotiations.com/api-gateway-websocket-cost names the meter, not the rate)",
+)
+IOT_CONNECTION_MINUTE = Price(
+    0.08,
+    1e6,
+    "IoT Core connection minute (MQTT PINGREQ/PINGRESP are not metered)",
+    "https://aws.amazon.com/iot-core/pricing/; metering rules (pings, CONNACK, SUBACK and the "
+    "service's PUBACK free; a device's PUBACK one 5 KB message): its additional-details page, "
+    "in the stored copies; figure not in the stored copies",
+)
+
+FLEET = 100_000
+#: messages a second delivered to each client (each its own message, QoS 1, 256 bytes)
+FLEET_RATES: tuple[tuple[str, float], ...] = (
+    ("idle", 0.0),
+    ("1 a minute", 1 / 60),
+    ("1 a second", 1.0),
+)
+MONTH_S = 30 * 86_400
+#: the client's default settings, which the fleet's keep-alive figures follow
+CLIENT_SETTINGS = WsSettings()
+#: API Gateway closes a connection idle 10 minutes: the client (``shoal.client.ws``) sends a
+#: keep-alive after this long of its own silence
+KEEPALIVE_S = int(CLIENT_SETTINGS.ping_every_s)
+#: billed messages a keep-alive: one in ``check_every`` is a ping and its pong, the others a
+#: one-way ``keepalive`` frame
+KEEPALIVE_MESSAGES = 1 + 1 / CLIENT_SETTINGS.check_every
+#: and every connection after 2 hours: the client reconnects and resumes its session
+MAX_CONNECTION_S = 7200
+#: a long poll waits at most this long (``MAX_WAIT_MS``), then the client polls again
+LONG_POLL_S = 20
+#: the counted runs: clients, and measured rounds of one message to each
+FLEET_CLIENTS = 100
+FLEET_ROUNDS = 3
+#: a deployed AWS call's round trip (in-process moto answers in about a millisecond): added to
+#: the counted Lambda time per call for the concurrency estimate, which in-process time alone
+#: would understate
+CALL_RTT_S = 0.008
+#: an account's default Lambda concurrency quota (all functions together)
+DEFAULT_CONCURRENCY = 1000
+
+
+class Posts:
+    """Frames the functions post to ``@connections`` (moto answers them): per connection,
+    and their 32 KB message units."""
+
+    def __init__(self) -> None:
+        self.frames: dict[str, list[dict[str, Any]]] = {}
+        self.units = 0
+        self.closed: list[str] = []
+        self._attached: list[Any] = []
+
+    def attach(self, client: Any) -> None:
+        if any(c is client for c in self._attached):
+            return
+        self._attached.append(client)
+        client.meta.events.register(
+            "before-parameter-build.apigatewaymanagementapi.*", self._record
+        )
+
+    def _record(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        if model.name == "PostToConnection":
+            data = params["Data"]
+            self.units += max(1, math.ceil(len(data) / (32 * 1024)))
+            frame = json.loads(data)
+            self.frames.setdefault(params["ConnectionId"], []).append(frame)
+        elif model.name == "DeleteConnection":
+            self.closed.append(params["ConnectionId"])
+
+    def take(self, connection_id: str) -> list[dict[str, Any]]:
+        return self.frames.pop(connection_id, [])
+
+
+@dataclass
+class Unit:
+    """One unit of fleet work (a delivery, a reconnect, an empty poll): what it used, per
+    unit, from a counted run of ``units`` of them."""
+
+    name: str
+    units: int
+    api_requests: float = 0.0
+    lambda_requests: float = 0.0
+    lambda_gb_s: float = 0.0
+    lambda_s: float = 0.0
+    aws_calls: float = 0.0
+    dynamodb_wru: float = 0.0
+    dynamodb_rru: float = 0.0
+    kinesis_put_units: float = 0.0
+    kinesis_shard_hours: float = 0.0
+    s3_puts: float = 0.0
+    s3_gets: float = 0.0
+    #: API Gateway WebSocket messages (32 KB units), client to service and back
+    ws_in: float = 0.0
+    ws_out: float = 0.0
+    invocations: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, name: str, units: int, run: Run, ws_in: int = 0, ws_out: int = 0) -> Unit:
+        c, m = run.counts, run.meters
+        calls = dict(sorted(m.calls.calls.items()))
+        log = m.puts.log_records
+        shard = shard_hours(m.calls.records - log, m.puts.bytes) + shard_hours(
+            log, m.puts.log_bytes
+        )
+        u = cls(
+            name,
+            units,
+            api_requests=c.api_requests,
+            lambda_requests=c.lambda_requests,
+            lambda_gb_s=c.lambda_gb_s,
+            lambda_s=c.lambda_s,
+            aws_calls=sum(calls.values()),
+            dynamodb_wru=m.writes.units,
+            dynamodb_rru=m.reads.units,
+            kinesis_put_units=m.puts.units,
+            kinesis_shard_hours=shard,
+            s3_puts=sum(v for k, v in calls.items() if k in _S3_PUTS),
+            s3_gets=sum(v for k, v in calls.items() if k in _S3_GETS),
+            ws_in=ws_in,
+            ws_out=ws_out,
+            invocations=dict(c.invocations),
+            calls={k: float(v) for k, v in calls.items()},
+        )
+        for name_ in (*LINES, "lambda_s", "aws_calls", "ws_in", "ws_out"):
+            setattr(u, name_, getattr(u, name_) / units)
+        u.invocations = {k: v / units for k, v in u.invocations.items()}
+        u.calls = {k: v / units for k, v in u.calls.items()}
+        return u
+
+    def dollars(self) -> dict[str, float]:
+        """Per unit, by line (``LINES`` plus the WebSocket messages)."""
+        lines = {k: PRICES[k].cost(getattr(self, k)) for k in LINES}
+        lines["lambda_gb_s"] = PRICES["lambda_gb_s"].cost(self.billed_gb_s())
+        lines["ws_messages"] = WS_MESSAGE.cost(self.ws_in + self.ws_out)
+        return lines
+
+    def billed_gb_s(self) -> float:
+        """GB-s deployed: the counted (CPU) time's, plus a round trip a call at the invoked
+        functions' mean memory."""
+        memory_gb = self.lambda_gb_s / self.lambda_s if self.lambda_s else 0.5
+        return self.lambda_gb_s + memory_gb * self.aws_calls * CALL_RTT_S
+
+    def concurrency_s(self) -> float:
+        """Lambda seconds per unit deployed: the counted time plus a round trip a call."""
+        return self.lambda_s + self.aws_calls * CALL_RTT_S
+
+
+def _start_metering(run: Run) -> None:
+    run.meters.attach_all()
+    run.meters.reset()
+    run.counts = Counts(run.scenario.name)
+    run.metering = True
+
+
+def _stop_metering(run: Run) -> None:
+    run.metering = False
+    run.meters.attach_all()
+
+
+def _fleet_publish(run: Run, clients: list[str], round_: int) -> None:
+    """One message to each client's own topic, in one batch (a backend publishing its devices'
+    commands), each client its own ordering key."""
+    del round_  # every round the same messages: the count is per delivery
+    messages = [
+        {"topic": f"fleet/{c}", "text": PAYLOAD, "qos": 1, "ordering_key": c} for c in clients
+    ]
+    run.invoke("publish", _http("POST", "/v1/messages:batch", body={"messages": messages}))
+
+
+def count_long_poll() -> dict[str, Unit]:
+    """Long-poll: per delivery (publish, route, a get that returns it, its ack, archive) and
+    per empty poll (a get that waits ``LONG_POLL_S`` and finds nothing)."""
+    scenario = Scenario("fleet long-poll", batch=FLEET_CLIENTS, subscribers=FLEET_CLIENTS)
+    with emulated_account(default_partitions=1) as session:
+        from shoal.composite.service import ensure_default_topic
+        from shoal.wiring import topic_service
+
+        ensure_default_topic(topic_service(get_config(), stream_wait_s=30.0), 1)
+        run = Run(session, scenario)
+        run.cpu_time = True
+        clients = [f"bench-{n}" for n in range(FLEET_CLIENTS)]
+        sessions = []
+        for client in clients:
+            channel = run.session_call(
+                "sessions",
+                "PUT",
+                client,
+                body={"clean_start": False, "session_expiry_s": 86400, "keepalive_s": 60},
+            )["channel"]
+            run.session_call(
+                "subscriptions",
+                "POST",
+                client,
+                "/subscriptions",
+                body={"subscriptions": [{"filter": f"fleet/{client}", "qos": 1}]},
+                headers={"Shoal-Channel": channel},
+            )
+            sessions.append((client, channel))
+
+        def round_(n: int) -> int:
+            _fleet_publish(run, clients, n)
+            run.route()
+            got = run.consume(sessions, len(clients))
+            run.archive()
+            return got
+
+        round_(-1)
+        _start_metering(run)
+        delivered = sum(round_(n) for n in range(FLEET_ROUNDS))
+        _stop_metering(run)
+        delivery = Unit.of("long-poll delivery", delivered, run)
+        # an empty poll: the full wait, re-reading the inbox on the poll schedule
+        client, channel = sessions[0]
+        _start_metering(run)
+        page = run.session_call(
+            "messages",
+            "GET",
+            client,
+            "/messages",
+            query={"max": "100", "wait_ms": str(LONG_POLL_S * 1000)},
+            headers={"Shoal-Channel": channel},
+        )["messages"]
+        _stop_metering(run)
+        assert page == [], page
+        empty = Unit.of("empty long poll", 1, run)
+    return {"delivery": delivery, "empty_poll": empty}
+
+
+class _Edge:
+    """WebSocket clients as API Gateway would present them to ``wsauth`` and ``edge``."""
+
+    def __init__(self, run: Run, token: str, posts: Posts) -> None:
+        self.run = run
+        self.token = token
+        self.posts = posts
+        self.ws_in = 0
+        self.ws_out = 0
+        self.authorizer: dict[str, Any] = {}
+        self.serial = 0
+
+    def _event(self, name: str, connection: str) -> dict[str, Any]:
+        event: dict[str, Any] = json.loads((EVENTS / name).read_text())
+        context = event["requestContext"]
+        context["connectionId"] = connection
+        context["requestTimeEpoch"] = int(time.time() * 1000)
+        if "authorizer" in context:
+            context["authorizer"] = dict(self.authorizer)
+        return event
+
+    def handshake(self) -> str:
+        """The authorizer, then ``$connect``: a new connection's id."""
+        self.serial += 1
+        connection = f"bench{self.serial:06d}="
+        event = self._event("wsauth_connect.json", connection)
+        for headers in (event["headers"], event["multiValueHeaders"]):
+            for key, value in headers.items():
+                if key == "Authorization":
+                    headers[key] = (
+                        [f"Bearer {self.token}"]
+                        if isinstance(value, list)
+                        else f"Bearer {self.token}"
+                    )
+        policy = self.run.invoke("wsauth", event, http=False)
+        assert policy["policyDocument"]["Statement"][0]["Effect"] == "Allow", policy
+        self.authorizer = {**policy["context"], "principalId": policy["principalId"]}
+        answer = self.run.invoke("edge", self._event("edge_connect.json", connection), http=False)
+        assert answer["statusCode"] == 200, answer
+        return connection
+
+    def send(self, connection: str, frame: dict[str, Any]) -> list[dict[str, Any]]:
+        """One client frame (a message in); the frames it brought back (posted, or the route
+        response), each a message out."""
+        event = self._event("edge_frame.json", connection)
+        event["requestContext"]["routeKey"] = frame["action"]
+        event["body"] = json.dumps(frame)
+        self.ws_in += 1
+        answer = self.run.invoke("edge", event, http=False)
+        back = self.posts.take(connection)
+        if answer.get("body"):
+            back.append(json.loads(answer["body"]))
+        self.ws_out += len(back)
+        return back
+
+    def disconnected(self, connection: str) -> None:
+        event = self._event("edge_disconnect.json", connection)
+        self.run.invoke("edge", event, http=False)
+
+    def pushed(self, connection: str) -> list[dict[str, Any]]:
+        """Frames posted without a client frame (the router's pushes): messages out."""
+        back = self.posts.take(connection)
+        self.ws_out += len(back)
+        return back
+
+
+EVENTS = Path(__file__).resolve().parent.parent / "events"
+
+
+@contextmanager
+def _issuer() -> Iterator[tuple[str, str]]:
+    """A JWT issuer on loopback (its JWKS served over HTTP, as ``shoal dev`` serves its own)
+    and a token for every bench client: (issuer URL, token)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from shoal.local.authorizer import SigningKey, mint_token
+
+    key = SigningKey.generate()
+    document = json.dumps(key.jwks()).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(document)))
+            self.end_headers()
+            self.wfile.write(document)
+
+        def log_message(self, *_: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    issuer = f"http://127.0.0.1:{server.server_address[1]}"
+    token = mint_token(
+        key,
+        issuer=issuer,
+        sub="bench",
+        clients=["bench-*"],
+        publish=["#"],
+        subscribe=["#"],
+        ttl_s=3600,
+    )
+    try:
+        yield issuer, token
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def count_push() -> dict[str, Unit]:
+    """WebSocket push: per delivery (publish, route and its push, the client's ``ack`` frame
+    and the ``acked`` answer, archive) and per reconnect (``$disconnect`` of the old
+    connection, the authorizer and ``$connect`` of the new, a ``connect`` frame resuming the
+    session), counted on the real ``wsauth`` and ``edge`` handlers; ``@connections`` is
+    moto's (the posts are counted as messages out)."""
+    scenario = Scenario("fleet push", batch=FLEET_CLIENTS, subscribers=FLEET_CLIENTS)
+    with emulated_account(default_partitions=1) as session, _issuer() as (issuer, token):
+        from shoal.composite.service import ensure_default_topic
+        from shoal.wiring import topic_service
+
+        os.environ["SHOAL_CONNECTIONS_ENDPOINT"] = (
+            "https://bench.execute-api.us-east-1.amazonaws.com/v1"
+        )
+        os.environ["SHOAL_JWT_ISSUER"] = issuer
+        os.environ["SHOAL_JWT_AUDIENCE"] = "shoal"
+        os.environ["SHOAL_JWKS_URL"] = f"{issuer}/.well-known/jwks.json"
+        get_config.cache_clear()
+        config = get_config()
+        ensure_default_topic(topic_service(config, stream_wait_s=30.0), 1)
+        run = Run(session, scenario)
+        run.cpu_time = True
+        posts = Posts()
+        posts.attach(
+            clients.client(
+                "apigatewaymanagementapi",
+                config.region,
+                "connections",
+                endpoint_url=config.connections_endpoint,
+            )
+        )
+        edge = _Edge(run, token, posts)
+        names = [f"bench-{n}" for n in range(FLEET_CLIENTS)]
+        held: dict[str, str] = {}
+        for client in names:
+            connection = edge.handshake()
+            back = edge.send(
+                connection,
+                {
+                    "action": "connect",
+                    "client_id": client,
+                    "ref": "c",
+                    "clean_start": False,
+                    "session_expiry_s": 86400,
+                },
+            )
+            assert back and back[0]["action"] == "connected", back
+            back = edge.send(
+                connection,
+                {
+                    "action": "subscribe",
+                    "ref": "s",
+                    "subscriptions": [{"filter": f"fleet/{client}", "qos": 1}],
+                },
+            )
+            assert back and back[0]["action"] == "subscribed", back
+            held[client] = connection
+
+        def round_(n: int) -> int:
+            _fleet_publish(run, names, n)
+            run.route()
+            got = 0
+            for client in names:
+                frames = edge.pushed(held[client])
+                ids = [f["id"] for f in frames if f["action"] == "message"]
+                assert len(ids) == 1, frames
+                got += len(ids)
+                # as the client acks: no ref, so no answer frame
+                back = edge.send(held[client], {"action": "ack", "ids": ids})
+                assert back == [], back
+            run.archive()
+            return got
+
+        round_(-1)
+        edge.ws_in = edge.ws_out = 0
+        _start_metering(run)
+        delivered = sum(round_(n) for n in range(FLEET_ROUNDS))
+        _stop_metering(run)
+        delivery = Unit.of("push delivery", delivered, run, edge.ws_in, edge.ws_out)
+
+        def reconnect(client: str) -> None:
+            # API Gateway closed the old connection at its 2 hours: $disconnect, then the
+            # client's new handshake and a connect frame that resumes the session
+            edge.disconnected(held[client])
+            connection = edge.handshake()
+            back = edge.send(
+                connection,
+                {
+                    "action": "connect",
+                    "client_id": client,
+                    "ref": "c",
+                    "clean_start": False,
+                    "session_expiry_s": 86400,
+                },
+            )
+            assert back and back[0]["action"] == "connected", back
+            assert back[0]["session_present"] is True, back
+            held[client] = connection
+
+        reconnect(names[0])  # warm: the disconnect path's first run
+        edge.ws_in = edge.ws_out = 0
+        _start_metering(run)
+        for client in names:
+            reconnect(client)
+        _stop_metering(run)
+        again = Unit.of("reconnect", len(names), run, edge.ws_in, edge.ws_out)
+    return {"delivery": delivery, "reconnect": again}
+
+
+def fleet_model(counted: dict[str, dict[str, Unit]]) -> dict[str, Any]:
+    """Dollars per client-month and Lambda concurrency for ``FLEET`` clients at each of
+    ``FLEET_RATES``, for long-poll, WebSocket push and IoT Core."""
+    minutes = MONTH_S / 60
+    poll, push = counted["long_poll"], counted["push"]
+    messages_fn = DEPLOYMENT.function("messages")
+    iot_units = math.ceil(len(PAYLOAD) / 5120)
+    out: dict[str, Any] = {}
+    for label, rate in FLEET_RATES:
+        deliveries = rate * MONTH_S
+        rows: dict[str, Any] = {}
+        # long-poll: a poll always waiting (one messages Lambda held per client all month);
+        # the polls that end empty after LONG_POLL_S; the counted work of each delivery
+        interval = 1 / rate if rate else math.inf
+        empty = (
+            MONTH_S / LONG_POLL_S
+            if not rate
+            else deliveries * max(math.ceil(interval / LONG_POLL_S) - 1, 0)
+        )
+        held_gb_s = messages_fn.memory_mb / 1024 * MONTH_S
+        lines = {k: v * empty for k, v in poll["empty_poll"].dollars().items()}
+        # the empty polls' Lambda time is the holding time: priced once, below
+        lines["lambda_gb_s"] = 0.0
+        for k, v in poll["delivery"].dollars().items():
+            lines[k] = lines.get(k, 0.0) + v * deliveries
+        lines["lambda_gb_s"] += PRICES["lambda_gb_s"].cost(held_gb_s)
+        rows["long-poll"] = _row(
+            lines,
+            concurrency=FLEET * (1 + deliveries / MONTH_S * poll["delivery"].concurrency_s()),
+        )
+        # WebSocket push: connection minutes, a keep-alive every KEEPALIVE_S (KEEPALIVE_MESSAGES), a
+        # reconnect every MAX_CONNECTION_S, the counted work of each delivery
+        reconnects = MONTH_S / MAX_CONNECTION_S
+        pings = MONTH_S / KEEPALIVE_S
+        lines = {
+            "ws_connection_minutes": WS_CONNECTION_MINUTE.cost(minutes),
+            "ws_keepalive": WS_MESSAGE.cost(KEEPALIVE_MESSAGES * pings),
+        }
+        for unit, count in ((push["reconnect"], reconnects), (push["delivery"], deliveries)):
+            for k, v in unit.dollars().items():
+                lines[k] = lines.get(k, 0.0) + v * count
+        rows["WebSocket push"] = _row(
+            lines,
+            concurrency=FLEET
+            * (
+                reconnects / MONTH_S * push["reconnect"].concurrency_s()
+                + deliveries / MONTH_S * push["delivery"].concurrency_s()
+            ),
+        )
+        # IoT Core: connection minutes (pings free); a delivery is the backend's PUBLISH in,
+        # the PUBLISH out and the device's PUBACK, 5 KB units each
+        rows["IoT Core"] = _row(
+            {
+                "iot_connection_minutes": IOT_CONNECTION_MINUTE.cost(minutes),
+                "iot_messages": IOT_MESSAGE.cost(3 * iot_units * deliveries),
+            },
+            concurrency=0.0,
+        )
+        out[label] = {
+            "messages_per_s_each": rate,
+            "deliveries_per_client_month": deliveries,
+            "empty_polls_per_client_month": empty,
+            "rows": rows,
+        }
+    return out
+
+
+def _row(lines: dict[str, float], concurrency: float) -> dict[str, Any]:
+    total = sum(lines.values())
+    return {
+        "per_client_month": total,
+        "fleet_per_month": total * FLEET,
+        "lines": {k: v for k, v in sorted(lines.items(), key=lambda kv: -kv[1]) if v},
+        "dominant": max(lines, key=lambda k: lines[k]),
+        "lambda_concurrency": concurrency,
+    }
+
+
+#: goals of issue 31
+IDLE_GOAL = 0.02
+FLEET_LINES = {
+    **LINES,
+    "ws_messages": "WebSocket messages",
+    "ws_connection_minutes": "WebSocket connection minutes",
+    "ws_keepalive": "WebSocket keep-alive (keepalive, and ping + pong)",
+    "iot_connection_minutes": "IoT connection minutes",
+    "iot_messages": "IoT messages",
+}
+
+
+def fleet_run() -> dict[str, Any]:
+    counted = {"long_poll": count_long_poll(), "push": count_push()}
+    return {
+        "region": REGION,
+        "priced_on": PRICED_ON,
+        "fleet": FLEET,
+        "keepalive_s": KEEPALIVE_S,
+        "check_every": CLIENT_SETTINGS.check_every,
+        "max_connection_s": MAX_CONNECTION_S,
+        "long_poll_s": LONG_POLL_S,
+        "call_rtt_s": CALL_RTT_S,
+        "clients_counted": FLEET_CLIENTS,
+        "rounds_counted": FLEET_ROUNDS,
+        "prices": {
+            "ws_message": asdict(WS_MESSAGE),
+            "ws_connection_minute": asdict(WS_CONNECTION_MINUTE),
+            "iot_connection_minute": asdict(IOT_CONNECTION_MINUTE),
+            "iot_message": asdict(IOT_MESSAGE),
+        },
+        "counted": {t: {k: asdict(u) for k, u in units.items()} for t, units in counted.items()},
+        "model": fleet_model(counted),
+    }
+
+
+def fleet_report(figures: dict[str, Any]) -> str:
+    fleet = figures["fleet"]
+    model = figures["model"]
+    lines = [
+        f"## A fleet of {fleet:,} clients: long-poll, WebSocket push and IoT Core (fleet)",
+        "",
+        f"`python -m bench fleet`. List prices of {figures['region']} read on "
+        f"{figures['priced_on']} (`bench/cost.py`: API Gateway WebSocket "
+        f"${figures['prices']['ws_message']['dollars']:.2f} per million messages in 32 KB "
+        f"units, both directions, and ${figures['prices']['ws_connection_minute']['dollars']:.2f} "
+        "per million connection-minutes; IoT Core "
+        f"${figures['prices']['iot_connection_minute']['dollars']:.2f} per million "
+        f"connection-minutes and ${figures['prices']['iot_message']['dollars']:.2f} per million "
+        "messages in 5 KB units, pings free). Each client receives its own 256-byte QoS 1 "
+        "messages (a backend publishes one to each client's topic in batches) and acks each. "
+        "Shoal's work is counted on the real handlers over moto "
+        f"({figures['clients_counted']} clients, {figures['rounds_counted']} rounds): per "
+        "delivery, per empty long poll, per reconnect; a month is 30 days.",
+        "",
+        *(
+            [
+                f"Measured by `{figures['run_command']}` at {figures['run_at']} (load average "
+                f"{figures['run_load']}).",
+                "",
+            ]
+            if figures.get("run_command")
+            else []
+        ),
+        f"- Long-poll: a poll always waiting ({figures['long_poll_s']} s at most, then the "
+        "next), so one `messages` Lambda (512 MB) held per client all month; the polls that "
+        "end empty; each delivery's counted work (publish, router, a get, an ack, archiver).",
+        "- WebSocket push: the connection-minutes; a keep-alive every "
+        f"{figures['keepalive_s'] // 60} minutes taken by a mock route (no function): one in "
+        f"{figures.get('check_every', 1)} a `ping` and its `pong` (two messages), the others a "
+        "one-way `keepalive` (one message); a reconnect every "
+        f"{figures['max_connection_s'] // 3600} hours (`$disconnect`, "
+        "authorizer, `$connect`, a `connect` frame and its answer); each delivery's counted "
+        "work (publish, router and its push, the `message` frame out, the `ack` frame in and "
+        "the `acked` frame out, archiver).",
+        "- IoT Core: connection-minutes; a delivery is three metered messages (the backend's "
+        "PUBLISH in, the PUBLISH out, the device's PUBACK).",
+        "- Lambda time: an invocation's CPU time in-process (Shoal's work, without the waits "
+        "of the loaded shared machine and without in-process moto's answering, which is AWS's "
+        "side of a call) plus "
+        f"{figures['call_rtt_s'] * 1000:.0f} ms for each AWS call (the round trip deployed, "
+        "which in-process moto does not have); priced as GB-s at the invoked functions' "
+        "memory, and as concurrency: Lambda-seconds a second over the fleet (Little's law). "
+        "An account's default quota is "
+        f"{DEFAULT_CONCURRENCY:,}, all functions together.",
+        "",
+        "| traffic each | transport | $ per client-month | fleet $ per month | Lambda "
+        "concurrency | dominant line |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, m in model.items():
+        for transport, row in m["rows"].items():
+            lines.append(
+                f"| {label} | {transport} | {row['per_client_month']:.4f} "
+                f"| {row['fleet_per_month']:,.0f} | {row['lambda_concurrency']:,.1f} "
+                f"| {FLEET_LINES[row['dominant']]} |"
+            )
+    lines += ["", "Lines per client-month (dollars):", ""]
+    for label, m in model.items():
+        for transport, row in m["rows"].items():
+            parts = ", ".join(f"{FLEET_LINES[k]} {v:.4f}" for k, v in row["lines"].items())
+            lines.append(f"- {label}, {transport}: {parts}")
+    counted = figures["counted"]
+    lines += ["", "Counted per unit (the model's inputs):", ""]
+    for units in counted.values():
+        for u in units.values():
+            calls = ", ".join(f"{k} {v:.2f}" for k, v in u["calls"].items())
+            invoked = ", ".join(f"{k} {v:.2f}" for k, v in u["invocations"].items())
+            lines.append(
+                f"- {u['name']}: invocations {invoked}; {u['lambda_s'] * 1000:.1f} ms of Lambda "
+                "CPU; "
+                f"AWS calls {u['aws_calls']:.2f} ({calls}); DynamoDB WRU {u['dynamodb_wru']:.2f}, "
+                f"RRU {u['dynamodb_rru']:.2f}; WebSocket messages in {u['ws_in']:.2f}, out "
+                f"{u['ws_out']:.2f}; HTTP API requests {u['api_requests']:.2f}."
+            )
+    idle = model["idle"]["rows"]["WebSocket push"]
+    minute = model["1 a minute"]["rows"]
+    push_minute = minute["WebSocket push"]["per_client_month"]
+    iot_minute = minute["IoT Core"]["per_client_month"]
+    idle_cost = idle["per_client_month"]
+    lines += [
+        "",
+        f"Goal, idle at most ${IDLE_GOAL:.2f} per client-month: WebSocket push "
+        f"${idle_cost:.4f}, "
+        + (
+            "met."
+            if idle_cost <= IDLE_GOAL
+            else f"missed by ${idle_cost - IDLE_GOAL:.4f} ({idle_cost / IDLE_GOAL:.2f}x), "
+            f"dominated by {FLEET_LINES[idle['dominant']]}."
+        ),
+        f"Goal, at 1 message a minute at most IoT Core's ${iot_minute:.4f}: WebSocket push "
+        f"${push_minute:.4f}, "
+        + (
+            "met."
+            if push_minute <= iot_minute
+            else f"missed by ${push_minute - iot_minute:.4f} ({push_minute / iot_minute:.2f}x), "
+            f"dominated by {FLEET_LINES[minute['WebSocket push']['dominant']]}."
+        ),
+        "",
+    ]
     return "\n".join(lines)

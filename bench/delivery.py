@@ -334,6 +334,10 @@ def _count_deliveries(session: Any, config: Any) -> int:
 # --- end to end over shoal dev ------------------------------------------------------------------
 
 
+#: how long ``shoal dev`` may take to start
+START_TIMEOUT_S = 900
+
+
 def _shoal() -> list[str]:
     script = Path(sys.executable).with_name("shoal")
     return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
@@ -361,7 +365,8 @@ def _dev_server() -> Iterator[tuple[str, Path]]:
         log = open(Path(tmp) / "dev.log", "wb")  # noqa: SIM115 - closed below
         process = subprocess.Popen(args, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 90
+            # a loaded shared machine has taken minutes to import botocore and moto
+            deadline = time.monotonic() + START_TIMEOUT_S
             url = ""
             while time.monotonic() < deadline and not url:
                 if process.poll() is not None:
@@ -380,14 +385,20 @@ def _dev_server() -> Iterator[tuple[str, Path]]:
             yield url, state
         finally:
             process.terminate()
-            process.wait(30)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(30)
             log.close()
 
 
 def _token(state: Path) -> str:
     args = [*_shoal(), "token", "--sub", "bench", "--state-dir", str(state)]
     args += ["--clients", "bench-*", "--publish", "#", "--subscribe", "#"]
-    done = subprocess.run(args, capture_output=True, check=True, timeout=60, env=_environment())
+    done = subprocess.run(
+        args, capture_output=True, check=True, timeout=START_TIMEOUT_S, env=_environment()
+    )
     return done.stdout.decode().strip().splitlines()[-1]
 
 

@@ -22,16 +22,13 @@ bootstrap makes any stream (a create that fails later rolls back through its Del
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from aws_cdk import custom_resources
 from shoal.teardown import MAPPED_FUNCTIONS
 
-if TYPE_CHECKING:
-    from infra.stack import ShoalStack
+from infra.parts import StackParts
 
 #: the declared function the stack runs as the runtime resources' custom resource
 TEARDOWN = "teardown"
@@ -40,9 +37,10 @@ RESOURCE_TYPE = "Custom::ShoalRuntimeResources"
 BOOTSTRAP_RESOURCE = "DefaultTopic"
 
 
-def runtime_resources(stack: ShoalStack) -> cdk.CustomResource | None:
+def runtime_resources(parts: StackParts) -> cdk.CustomResource | None:
     """The teardown custom resource, when the deployment declares a ``teardown`` function."""
-    function = stack.functions.get(TEARDOWN)
+    stack = cdk.Stack.of(parts)
+    function = parts.functions.get(TEARDOWN)
     if function is None:
         return None
     # the handler reads its own stack's status: a Delete tears down only a stack going away
@@ -65,15 +63,15 @@ def runtime_resources(stack: ShoalStack) -> cdk.CustomResource | None:
         "RuntimeResources",
         service_token=provider.service_token,
         resource_type=RESOURCE_TYPE,
-        properties={"Retain": stack.settings.retain_streams},
+        properties={"Retain": parts.settings.retain_streams},
         # never RETAIN: retention is the handler's decision (the Retain property), so that a
         # deploy that changes the setting changes what the next deletion does
         removal_policy=cdk.RemovalPolicy.DESTROY,
     )
     for name in MAPPED_FUNCTIONS:
-        if name in stack.functions:
-            resource.node.add_dependency(stack.functions[name])
-    for table in stack.tables.values():
+        if name in parts.functions:
+            resource.node.add_dependency(parts.functions[name])
+    for table in parts.tables.values():
         resource.node.add_dependency(table)
     bootstrap = stack.node.try_find_child(BOOTSTRAP_RESOURCE)
     if bootstrap is not None:

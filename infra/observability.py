@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import aws_cdk as cdk
 from aws_cdk import aws_cloudwatch as cloudwatch
@@ -18,8 +17,7 @@ from aws_cdk import aws_sns as sns
 from shoal.core import metrics as names
 from shoal.push.model import MAX_BACKOFF_S
 
-if TYPE_CHECKING:
-    from infra.stack import ShoalStack
+from infra.parts import StackParts, pascal
 
 ALARM_PERIOD = cdk.Duration.minutes(5)
 GRAPH_PERIOD = cdk.Duration.minutes(1)
@@ -77,8 +75,10 @@ def search(expression: str, statistic: str, label: str) -> cloudwatch.MathExpres
 class Observability:
     """The dashboard and the lag, dead-letter and throttling alarms of one stack."""
 
-    def __init__(self, stack: ShoalStack, alarm_topic: sns.ITopic) -> None:
+    def __init__(self, stack: StackParts, alarm_topic: sns.ITopic) -> None:
         self.stack = stack
+        #: where the alarms and the dashboard are built: the stack these parts belong to
+        self.scope = cdk.Stack.of(stack)
         self.notify = cloudwatch_actions.SnsAction(alarm_topic)
         self.declared = {f.name for f in stack.deployment.functions}
         self.alarms: list[cloudwatch.Alarm] = []
@@ -102,7 +102,7 @@ class Observability:
         # the stack's alarm pattern (infra/stack.py): named after the stack, notify the topic,
         # missing data is not an alarm
         alarm = cloudwatch.Alarm(
-            self.stack,
+            self.scope,
             cid,
             alarm_name=f"{self.stack.stack_name}-{name}",
             alarm_description=f"{description} (see docs/operations.md)",
@@ -182,8 +182,6 @@ class Observability:
         )
 
     def _dynamodb_alarms(self) -> None:
-        from infra.stack import pascal
-
         for logical in self.stack.tables:
             self._alarm(
                 f"{pascal(logical)}TableThrottlesAlarm",
@@ -391,7 +389,7 @@ class Observability:
                 ]
             )
         dashboard = cloudwatch.Dashboard(
-            stack,
+            self.scope,
             "Dashboard",
             dashboard_name=stack.stack_name,
             default_interval=cdk.Duration.hours(3),
@@ -399,7 +397,7 @@ class Observability:
         for row in rows:
             dashboard.add_widgets(*row)
         cdk.CfnOutput(
-            stack,
+            self.scope,
             "DashboardName",
             value=dashboard.dashboard_name,
         )

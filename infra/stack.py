@@ -54,7 +54,9 @@ from shoal.declarations import (
 from infra.bundling import PipLayerBundling
 from infra.lifecycle import runtime_resources
 from infra.observability import Observability
+from infra.parts import pascal
 from infra.pipeline import PipelineJobs
+from infra.websocket import WebSocketEdge
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER_DIR = ROOT / "layers" / "shoal"
@@ -179,10 +181,6 @@ def _flag(value: Any, *, default: bool) -> bool:
     return str(value).strip().lower() in {"1", "true", "yes"}
 
 
-def pascal(name: str) -> str:
-    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[^A-Za-z0-9]+", name))
-
-
 class ShoalStack(cdk.Stack):
     """One Shoal deployment: API, functions, layer, tables, bucket, event log, schedules,
     alarms."""
@@ -223,6 +221,14 @@ class ShoalStack(cdk.Stack):
         # every function (itself included), which with generated names would be a cycle.
         self.function_names = {f.name: self._function_name(f) for f in deployment.functions}
         layer = self._layer()
+        # the WebSocket API (infra/websocket.py): made first, every function's environment names it
+        self.websocket = WebSocketEdge(
+            self,
+            "WebSocket",
+            deployment=deployment,
+            jwt_issuer=self.settings.jwt_issuer,
+            jwt_audiences=self.settings.jwt_audience,
+        )
         env = {
             **environment(
                 {logical: table.ref for logical, table in self.tables.items()},
@@ -232,6 +238,7 @@ class ShoalStack(cdk.Stack):
                 default_partitions=self.settings.default_partitions,
                 streams={logical: stream.ref for logical, stream in self.streams.items()},
             ),
+            **self.websocket.environment(),
             **deployment.extra_env,
         }
         self.functions = {
@@ -252,6 +259,7 @@ class ShoalStack(cdk.Stack):
                 self._event_source(fdef, source)
 
         self.api = self._api()
+        self.websocket.connect(self.functions)
         if BOOTSTRAP in self.functions:
             self._bootstrap()
         self._alarms()
@@ -261,6 +269,7 @@ class ShoalStack(cdk.Stack):
             self.pipeline = PipelineJobs(self, "Pipeline", archive=self.buckets["archive"])
         # the dashboard, and alarms on lag, dead letters and table throttling
         self.observability = Observability(self, self.alarm_topic)
+        self.websocket.observe(self.alarm_topic, self.observability.dashboard)
         # the runtime-made streams and mappings go with the stack (unless retainStreams)
         self.runtime_resources = runtime_resources(self)
 
@@ -495,6 +504,8 @@ class ShoalStack(cdk.Stack):
                     [mapping],
                     StringLike=invokes_target,
                 )
+        elif grant.kind == "connections":
+            self.websocket.grant_connections(fdef, fn, grant)
         else:  # pragma: no cover - the Literal type names every kind
             raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
 

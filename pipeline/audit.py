@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from pipeline.columnar import read_events_and_names, read_messages
 from pipeline.common import (
     SEQUENCE_KEYS,
     UTC,
@@ -49,8 +50,6 @@ from pipeline.common import (
     job_parser,
     matching_topics,
     parse_time,
-    read_events_and_names,
-    read_messages,
     read_subscriptions,
     sequence_order,
     spark_session,

@@ -275,9 +275,32 @@ def read(
     return _rows(spark, store, chosen, _json(spark, store, _schema(kind), chosen.json_keys()))
 
 
+def read_messages(
+    spark: SparkSession, root: str, since: int | None = None, until: int | None = None
+) -> DataFrame:
+    """The archived messages under ``root``: Parquet where compacted, JSON lines for the rest;
+    hours outside [since, until) unread."""
+    from pyspark.sql import functions as F
+
+    frame = read(spark, root, MESSAGES, since, until)
+    return frame.where(F.col("message_id").isNotNull())
+
+
+def read_events(spark: SparkSession, root: str) -> DataFrame:
+    """Every delivery event under ``root``: events of a message come at any time after its
+    publish, so no time range prunes them."""
+    return delivery_events(read(spark, root, EVENTS))
+
+
+def read_names(spark: SparkSession, root: str) -> DataFrame:
+    """``consumer_rows`` of every event under ``root``: from the names ``compact`` wrote beside
+    an hour's events, and from the events themselves where it did not."""
+    return read_events_and_names(spark, root)[1]
+
+
 def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, DataFrame]:
-    """Every event row under ``root`` (as ``read``) and the consumers' names, from one listing
-    of the archive and one read of each manifest. The names: ``consumer_rows`` from the names
+    """``read_events`` and ``read_names`` from one listing of the archive and one read of each
+    manifest (on S3 a GET each, one after another). The names: ``consumer_rows`` from the names
     files of the hours whose manifest names them, and from the events of the rest (Parquet of
     older manifests, JSON lines no manifest covers). A consumer named by both shows twice: the
     audit reduces its rows to one name each."""
@@ -301,7 +324,7 @@ def read_events_and_names(spark: SparkSession, root: str) -> tuple[DataFrame, Da
             consumer_rows(delivery_events(from_events)),
         ],
     )
-    return _rows(spark, store, chosen, pending), names
+    return delivery_events(_rows(spark, store, chosen, pending)), names
 
 
 def _rows(spark: SparkSession, store: Store, chosen: Plan, pending: DataFrame | None) -> DataFrame:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipeline.columnar import read_messages
 from pipeline.common import (
     Output,
     Progress,
@@ -48,7 +49,6 @@ from pipeline.common import (
     job_parser,
     matching_topics,
     parse_time,
-    read_messages,
     spark_session,
     unique_messages,
 )

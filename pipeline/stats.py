@@ -8,6 +8,12 @@
   waited since its publish; ``delivery_lag_ms`` publish to first delivery, p50 and p99.
 * **rates** - per consumer: ``retry_rate`` redeliveries per first delivery, ``dlq_rate``
   dead-lettered messages per message delivered or dead-lettered.
+
+The counts it shares with the audit mean what the audit means by them, so both reports agree
+on one archive: ``dead_lettered`` is a message whose outcome is the dead-letter queue (not
+acked later, as after a redrive; QoS 0 aside), the audit's ``dead_lettered`` status; and each
+consumer is named as the audit names it (``label``: a session's client id, a group's share name;
+``subscription``: a group's ``$share/...``), beside its id (a digest for sessions and groups).
 """
 
 from __future__ import annotations
@@ -17,17 +23,24 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline.audit import CONSUMER, DELIVERIES, PAIR, published
+from pipeline.audit import (
+    CONSUMER,
+    DELIVERIES,
+    PAIR,
+    consumer_names,
+    one_name_each,
+    published,
+)
+from pipeline.columnar import read_events, read_messages
 from pipeline.common import (
     Output,
     Progress,
     blank_as_null,
+    consumer_rows,
     in_range,
     iso,
     job_parser,
     parse_time,
-    read_events,
-    read_messages,
     spark_session,
     unique_messages,
 )
@@ -138,6 +151,10 @@ def consumers(events: DataFrame, as_of: int) -> DataFrame:
         & (F.col("dropped") == 0)
         & (F.coalesce("qos", F.lit(1)) > 0)
     )
+    # the audit's dead_lettered status: acked after all (a redrive) or QoS 0 is not one
+    dead_letter = (
+        (F.col("dead") == 1) & F.col("acked_at").isNull() & (F.coalesce("qos", F.lit(1)) > 0)
+    )
     lag = F.col("delivered_at") - F.col("published_at")
     return (
         per_message.groupBy(*CONSUMER)
@@ -145,7 +162,7 @@ def consumers(events: DataFrame, as_of: int) -> DataFrame:
             F.count(F.lit(1)).alias("messages"),
             F.sum("deliveries").alias("deliveries"),
             F.sum("redeliveries").alias("redeliveries"),
-            F.sum("dead").alias("dead_lettered"),
+            F.count(F.when(dead_letter, 1)).alias("dead_lettered"),
             F.count(F.when(open_, 1)).alias("backlog"),
             F.min(F.when(open_, F.col("published_at"))).alias("_oldest"),
             F.percentile(lag, [0.5, 0.99]).alias("_lag"),
@@ -182,6 +199,15 @@ def stats(
     end = as_of if as_of is not None else data_end(archive, resolved)
     hourly = [r.asDict() for r in throughput(messages, since, until).collect()]
     per_consumer = [r.asDict() for r in consumers(scoped, end).collect()]
+    names = {
+        (r["consumer_kind"], r["consumer"]): r
+        for r in one_name_each(consumer_names(consumer_rows(events))).collect()
+    }
+    for row in per_consumer:
+        # named as the audit names it (its ``Name``): the report's reader knows the client id
+        name = names.get((row["consumer_kind"], row["consumer"]))
+        row["label"] = name["label"] if name is not None else None
+        row["subscription"] = name["share"] if name is not None else None
     return {
         "since": since,
         "until": until,

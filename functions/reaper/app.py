@@ -1,4 +1,5 @@
-"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry, and
+"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry, the
+WebSocket sessions whose pushed deliveries passed their ack timeout (``shoal.edge.push``), and
 the seals of storage topics a SwitchProduce left behind (``shoal.drain``)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from shoal import wiring
 from shoal.core.config import get_config
 from shoal.core.observability import logger, observed
 from shoal.drain import Sealer
+from shoal.edge.push import Pusher
 from shoal.sessions.reaper import Reaper
 
 
@@ -24,9 +26,19 @@ def sealer() -> Sealer:
     return wiring.sealer(get_config())
 
 
+@cache
+def pusher() -> Pusher | None:
+    return wiring.pusher(get_config())
+
+
 @observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report = reaper().run().as_dict()
+    push = pusher()
+    if push is not None:
+        # WebSocket sessions whose pushed deliveries passed their ack timeout: again, dup
+        swept = push.sweep()
+        report |= {"push_swept": swept.swept, "push_again": swept.pushed}
     # after the sessions' work: a failing seal fails the run (the next one seals again)
     report["storage_topics_sealed"] = sealer().run()
     if any(report.values()):

@@ -14,7 +14,8 @@ until ``GET /v1/health`` answers. Use it like this::
 ``dev_factory(**options)`` starts one with other options (``default_partitions=4``,
 ``extra_args=[...]``, ``env={"SHOAL_ACK_TIMEOUT_S": "2"}``); every server it started is
 stopped after the test. ``shared_dev`` is
-one server per test module, for tests that neither stop it nor need a fresh account.
+one server per test process, for tests that neither stop it nor need a fresh account;
+``own_dev`` one per module.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import pytest
 from shoal.local.aws import EndpointSession
 
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 90.0
+#: a start took 60-110 s on CI's machine with the suite beside it, once over 90 s
+START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -76,7 +78,10 @@ class DevServer:
         self.log_path = state_dir.parent / f"{state_dir.name}.log"
         self.port = 0
         self.aws_port = 0
+        self.ws_port = 0
         self.url = ""
+        #: the WebSocket API (``ws://127.0.0.1:PORT``)
+        self.ws_url = ""
         self.aws_url = ""
         self.issuer = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -94,6 +99,8 @@ class DevServer:
             str(self.port),
             "--aws-port",
             str(self.aws_port),
+            "--ws-port",
+            str(self.ws_port),
             "--state-dir",
             str(self.state_dir),
             "--default-partitions",
@@ -124,6 +131,8 @@ class DevServer:
                 self.url, self.aws_url, self.issuer = info["url"], info["aws_url"], info["issuer"]
                 self.port = int(self.url.rsplit(":", 1)[1])
                 self.aws_port = int(self.aws_url.rsplit(":", 1)[1])
+                self.ws_url = info["ws_url"]
+                self.ws_port = int(self.ws_url.rsplit(":", 1)[1])
                 if self._healthy():
                     return
             time.sleep(0.1)
@@ -285,11 +294,21 @@ def dev(dev_factory: DevFactory) -> DevServer:
     return dev_factory()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    """One ``shoal dev`` for a whole test module (a start costs seconds).
+    """One ``shoal dev`` for every module of a test process (a start took 60 to 110 s on CI's
+    machine, and seven modules used to start one each).
 
-    Tests that use it see each other's state: use distinct names, and never stop it.
+    Tests that use it see each other's state, across modules: use names of the module's own
+    (``fd-``, ``cli``, ``wsa``), never assert on what the whole account holds, never stop it.
     """
     with _servers(tmp_path_factory.mktemp("shared-dev")) as start:
+        yield start()
+
+
+@pytest.fixture(scope="module")
+def own_dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    """One ``shoal dev`` for this module alone: for a module whose tests change what others
+    would see (the fuzzer creates topics of many shards and sessions subscribed to ``#``)."""
+    with _servers(tmp_path_factory.mktemp("own-dev")) as start:
         yield start()

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,78 @@ def test_exactly_once_through_client_restarts(dev: DevServer, tmp_path: Path) ->
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+FIRST_TOKEN_TTL_S = 45
+
+
+def test_a_subscriber_outlives_a_server_restart_and_its_token(
+    dev: DevServer, tmp_path: Path
+) -> None:
+    # Given `shoal subscribe` reading its token from a file, the token valid for 45 s (15 s ran
+    # out on CI's machine before `shoal subscribe` had started: the other tokens are minted
+    # first, as each `shoal token` takes seconds there)
+    publisher = dev.token("pub", publish=["lives/#"])
+    admin = dev.token("ops", admin=True)
+    token_file = tmp_path / "token"
+    token_file.write_text(
+        dev.token("lives", clients=["lives-*"], subscribe=["lives/#"], ttl_s=FIRST_TOKEN_TTL_S)
+    )
+    minted = time.monotonic()  # after the token was made: it expires before minted + its ttl
+    command = [*shoal_command(), "subscribe", "--url", dev.url, "--token-file", str(token_file)]
+    command += ["-i", "lives-1", "-t", "lives/#", "--wait-ms", "1000", "--retries", "1"]
+    command += ["--state", str(tmp_path / "sub.json")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_ENDPOINT", "SHOAL_"))}
+    subscriber = subprocess.Popen(
+        command, cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(subscriber.stdout.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
+    )
+    reader.start()
+
+    def publish(text: str) -> None:
+        status, body = dev.request(
+            "POST", "/v1/messages", token=publisher, json={"topic": "lives/a", "text": text}
+        )
+        assert status == 201, body
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 90
+        while len(lines) < count and time.monotonic() < deadline and subscriber.poll() is None:
+            time.sleep(0.2)
+
+    try:
+        # (subscribed once the session holds the subscription)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status, body = dev.request("GET", "/v1/sessions/lives-1", token=admin)
+            if status == 200 and body.get("subscriptions"):
+                break
+            time.sleep(0.2)
+        publish("m1")
+        wait_for(1)
+        # When whatever rotates the file writes a fresh token, shoal dev dies (kill -9) and
+        # starts again on its state, and the first token has expired by then
+        token_file.write_text(
+            dev.token("lives", clients=["lives-*"], subscribe=["lives/#"], ttl_s=3600)
+        )
+        dev.restart(kill=True)
+        time.sleep(max(0.0, minted + FIRST_TOKEN_TTL_S + 1 - time.monotonic()))
+        publish("m2")
+        publish("m3")
+        wait_for(3)
+        # Then the subscriber is still running, printed every message once, and said in one
+        # line that it lost the server and in one that it had it back
+        assert subscriber.poll() is None, subscriber.stderr.read()  # type: ignore[union-attr]
+        assert [line.strip() for line in lines] == ["m1", "m2", "m3"]
+    finally:
+        subscriber.send_signal(signal.SIGINT)
+        status = subscriber.wait(30)
+        err = subscriber.stderr.read()  # type: ignore[union-attr]
+    assert "shoal: lost " in err and " answers again; " in err, err
+    # And Ctrl-C ended it with 130 (after a clean disconnect)
+    assert status == 130, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import threading
@@ -14,6 +15,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from shoal import __version__
 from shoal.declarations import DEPLOYMENT
 from shoal.local.provision import LocalNames
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from tests.e2e.conftest import ROOT, DevServer, shoal_command
 
@@ -225,3 +228,21 @@ def test_a_topic_created_over_http_survives_kill_9(dev: DevServer) -> None:
     dev.restart(kill=True)
     # Then the topic reads back as it was created, with the same token (same key and issuer)
     assert dev.request("GET", "/v1/topics/durable", token=admin) == (200, created)
+
+
+def test_the_websocket_api_is_served_beside_the_http_api(shared_dev: DevServer) -> None:
+    # the banner and runtime.json name it, on loopback
+    assert shared_dev.ws_url.startswith("ws://127.0.0.1:")
+    assert f"WebSocket API: {shared_dev.ws_url}" in shared_dev.log()
+
+    # a handshake without a token is refused by the $connect authorizer, as deployed
+    async def handshake() -> int:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(shared_dev.ws_url, open_timeout=30):
+                pass
+        return refused.value.response.status_code
+
+    assert asyncio.run(handshake()) == 401
+    # the management API the functions' SDK clients reach: an unknown connection is gone
+    status, body = shared_dev.request("GET", "/@connections/L0SM9cOFvHcCIhw%3D")
+    assert (status, body) == (410, {"message": None})

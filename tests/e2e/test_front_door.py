@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -302,10 +303,19 @@ def test_128_concurrent_clients_are_all_answered(world: World) -> None:
 
             def call(method: str, path: str, body: Any = None) -> Any:
                 data = json.dumps(body).encode() if body is not None else None
-                conn.request(method, path, body=data, headers=headers)
-                response = conn.getresponse()
+                for _attempt in range(5):
+                    conn.request(method, path, body=data, headers=headers)
+                    response = conn.getresponse()
+                    answer = json.loads(response.read() or b"null")
+                    # 503 server_busy is an answer (the local runtime sheds a burst as Lambda
+                    # throttles one): a client sends the request again
+                    if response.status != 503:
+                        break
+                    time.sleep(1.0)
                 outcomes.append(response.status)
-                return json.loads(response.read() or b"null")
+                if response.status >= 300:
+                    raise RuntimeError(f"{method} {path}: {response.status} {answer}")
+                return answer
 
             # When each connects, publishes and gets
             channel = call("PUT", f"/v1/sessions/crowd-{n}", {"clean_start": True})["channel"]
@@ -314,15 +324,17 @@ def test_128_concurrent_clients_are_all_answered(world: World) -> None:
             call("GET", f"/v1/sessions/crowd-{n}/messages?max=1")
             conn.close()
         except Exception as exc:
-            outcomes.append(type(exc).__name__)
+            outcomes.append(f"client {n}: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=client, args=(n,)) for n in range(128)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
-    # Then no connection was reset and nothing failed
-    assert sorted(outcomes, key=str) == sorted([200, 201, 200] * 128, key=str)
+    # Then no connection was reset and nothing failed (a failure is named, with its message:
+    # on CI's machine 17 answers were missing once, and the comparison hid why)
+    assert [o for o in outcomes if isinstance(o, str)] == []
+    assert sorted(outcomes) == sorted([200, 201, 200] * 128)
 
 
 def test_of_32_racing_connects_the_newest_is_answered_and_live(world: World) -> None:
@@ -353,7 +365,8 @@ def test_of_32_racing_connects_the_newest_is_answered_and_live(world: World) -> 
         thread.join(300)
     # Then every request got an answer (none reset), the newest connect won,
     # and the others are outdated or taken over
-    assert all(status in (200, 409, 503) for status, _ in answers.values()), answers
+    unexpected = {n: a for n, a in answers.items() if a[0] not in (200, 409, 503)}
+    assert unexpected == {}
     status, newest = answers[31]
     if status == 503:
         # the registry's retries ran out under the race: a client retries, and then it wins

@@ -223,6 +223,9 @@ def test_seek_to_earliest_redelivers_history(client: Client, endpoint: Endpoint)
     assert endpoint.successes(name) == [*ids, *ids]
 
 
+# a thousand messages, a tenth of their calls failing and retried, through shoal dev's local
+# functions: over 180 s on CI's starved machine
+@pytest.mark.timeout(1200)
 def test_a_thousand_messages_with_random_failures_arrive_in_order(
     client: Client, endpoint: Endpoint
 ) -> None:
@@ -237,7 +240,7 @@ def test_a_thousand_messages_with_random_failures_arrive_in_order(
         # When every message got through once
         wait_for(
             lambda: len(endpoint.first_successes(name)) == 1000,
-            timeout_s=180,
+            timeout_s=900,
             what="all thousand messages",
         )
     finally:

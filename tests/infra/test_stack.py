@@ -256,9 +256,16 @@ def test_default_partitions_come_from_context(variant: Synth) -> None:
 
 
 def _routes(synthesized: Synth) -> dict[str, dict[str, Any]]:
+    """The HTTP API's routes (the WebSocket API's are tests/infra/test_websocket.py's)."""
+    [http] = [
+        k
+        for k, v in synthesized.of_type("AWS::ApiGatewayV2::Api").items()
+        if v["Properties"]["ProtocolType"] == "HTTP"
+    ]
     return {
         r["Properties"]["RouteKey"]: r["Properties"]
         for r in synthesized.of_type("AWS::ApiGatewayV2::Route").values()
+        if r["Properties"]["ApiId"] == {"Ref": http}
     }
 
 
@@ -485,13 +492,16 @@ def test_only_the_recorders_append_to_the_log_and_only_the_archiver_reads_it(
             for action in as_list(statement["Action"])
         }
 
-    # Then the functions that record put records, nothing else; the archiver reads, no more
-    for name in ("router", "messages", "push"):
+    # Then the functions that record put records, nothing else (the WebSocket edge records
+    # what it pushes and what is acked, as messages does for gets, and the reaper's sweep what
+    # it pushes again); the archiver reads, no more
+    recorders = ("router", "messages", "push", "edge", "reaper")
+    for name in recorders:
         assert on_log(name) == {"kinesis:PutRecord", "kinesis:PutRecords"}, name
     assert "kinesis:GetRecords" in on_log("archiver")
     assert not on_log("archiver") & {"kinesis:PutRecords", "kinesis:PutRecord"}
     for fdef in deployed.deployment.functions:
-        if fdef.name not in ("router", "messages", "push", "archiver"):
+        if fdef.name not in (*recorders, "archiver"):
             assert on_log(fdef.name) == set(), fdef.name
     # And the archiver writes the archive bucket without reading it; the recorders of gets,
     # acks and pushes no longer write it

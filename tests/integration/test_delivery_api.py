@@ -61,6 +61,10 @@ def test_a_request_of_only_invalid_filters_is_refused_and_changes_nothing(world:
     channel = connected(world)
     status, body = world.subscribe_call(CLIENT, channel, "a/#/b", "$share//x")
     assert (status, body["error"]["code"]) == (400, "invalid_filter")
+    # and the message names the rule the first filter breaks (MQTT 5 §4.7.1)
+    assert body["error"]["message"] == (
+        "'a/#/b': '#' must be the last level of a filter, on its own (as in 'a/#') [MQTT-4.7.1-1]"
+    )
     assert world.store.versions(["L:a", "W"]) == {"L:a": 0, "W": 0}
 
 

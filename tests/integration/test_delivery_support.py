@@ -9,9 +9,11 @@ as ``shoal dev`` does, with Lambda's retry semantics.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import boto3
+import moto.kinesis.models
 import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.composite.store import TopicStore
@@ -54,6 +56,10 @@ class World:
         self.session = session
         self.harness = Harness(session)
         self.clock = self.harness.clock
+        # the stream's clock: the emulated Kinesis stamps each record's arrival (what the
+        # subscriptions' cuts compare with) by the world's clock, plus a skew a test may set
+        self.stream_skew_ms = 0
+        monkeypatch.setattr(moto.kinesis.models, "utcnow", self._stream_now)
         config = get_config()
         dynamo = Dynamo(session.client("dynamodb"))
         self.settings = DeliverySettings(ack_timeout_s=30, window=100)
@@ -92,6 +98,10 @@ class World:
         self.router: Handler = router_app.handler
         self.invocations = 0
         self.esm = EventSourceMappings(session, self._invoke, self.clock)
+
+    def _stream_now(self) -> datetime:
+        at = (self.clock.now_ms() + self.stream_skew_ms) / 1000
+        return datetime.fromtimestamp(at, tz=UTC).replace(tzinfo=None)
 
     def _invoke(self, function_name: str, event: dict[str, Any]) -> Any:
         self.invocations += 1

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import boto3
 import pytest
 from shoal.composite.model import StorageTopic
 from shoal.delivery.model import source_id
+from shoal.drain import Sealer, seal_grace_ms
 from shoal.records import is_seal
+from shoal.wiring import SealingHooks
 
 from tests.integration.test_delivery_support import World, texts
 from tests.integration.test_drain_support import GRACE_MS, Drain, Feed, switch
@@ -173,3 +176,36 @@ def test_a_sealer_crash_between_the_seals_and_the_mark_is_completed_by_the_next_
     # Then T1 goes out
     world.clock.advance(2)
     assert texts(world.get("alice-1", channel, 100)) == ["m3", "m4", "m5"]
+
+
+def test_a_switch_seals_what_it_left_behind_once_no_routed_put_can_land(world: World) -> None:
+    # Given the topic service as the wiring root makes it: a switch seals what it leaves behind,
+    # with the default grace (the publish path's routing bound plus the skew margin)
+    drain, feed = Drain(world), Feed(world)
+    harness = world.harness
+    sealer = Sealer(harness.streams, drain.store, harness.store.scan, world.clock)
+    harness.topics.hooks = SealingHooks(harness.config, harness.streams, world.clock, sealer)
+    channel = world.connect("alice-1")
+    world.subscribe("alice-1", channel, {"filter": "orders/#", "qos": 1})
+    publish(world, ["m0", "m1", "m2"])
+    # When the admin switches produce (no reaper runs in this test)
+    switch("orders", 4)
+    # Then the call answered once T0 was sealed, at the switch's effect plus the grace, and
+    # not before: every T0 shard holds a seal
+    effective = harness.topic("orders").effective_at_ms
+    record = drain.store.record(T0)
+    assert record.sealed is not None and len(record.sealed) == 4
+    assert record.sealed_at == effective + seal_grace_ms() == world.clock.now_ms()
+    assert sum(1 for _, r in harness.records(T0) if is_seal(r["Data"])) == 4
+    # And a message published after the switch is delivered as soon as the router has the
+    # seals, after the key's T0 messages
+    publish(world, ["m3"])
+    feed.route(T1)
+    feed.route(T0)
+    got: list[Any] = []
+    for _ in range(3):
+        batch = world.get("alice-1", channel, 100)
+        if batch:
+            world.ack("alice-1", channel, [m["id"] for m in batch])
+        got += batch
+    assert texts(got) == ["m0", "m1", "m2", "m3"]

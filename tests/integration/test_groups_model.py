@@ -13,6 +13,11 @@ was acked, none twice for the group, and per ordering key in publish order.
 The same machine runs on a group of four lanes per shard (``LaneMachine``), publishing
 unkeyed messages too: a lane is a stream to the leader, so the same promises hold per lane,
 and the order promise holds for every explicit ordering key.
+
+``Qos2Machine`` subscribes with QoS 2, publishes QoS 2 messages beside QoS 1 ones, and ends
+sessions (a clean start) ([MQTT-4.8.2-4/5]): at every step no QoS 2 message has been handed to
+more than one session; at the end every message was acked once, except QoS 2 messages whose
+session ended (or left the group) before acking them, which no one acked.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ _examples = itertools.count()
 
 class GroupMachine(RuleBasedStateMachine):
     world: ClassVar[GroupWorld]
+    #: the members' subscription QoS
+    qos: ClassVar[int] = 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,9 +84,9 @@ class GroupMachine(RuleBasedStateMachine):
         if client not in self.channels:
             self._connect(client)
         granted = self.world.subscribe(
-            self.cid(client), self.channels[client], {"filter": self.text, "qos": 1}
+            self.cid(client), self.channels[client], {"filter": self.text, "qos": self.qos}
         )
-        assert granted == [1]
+        assert granted == [self.qos]
         self.members.add(client)
         self.sessions[client] = self.world.session_id(self.cid(client))
 
@@ -96,6 +103,10 @@ class GroupMachine(RuleBasedStateMachine):
     def _get(self, client: str, count: int) -> None:
         got = self.world.get(self.cid(client), self.channels[client], count)
         self.outstanding[client] += got
+        self._handed(client, got)
+
+    def _handed(self, client: str, got: list[dict[str, Any]]) -> None:
+        """What a get handed out (QoS 2 bookkeeping in ``Qos2Machine``)."""
 
     # -- rules
 
@@ -117,10 +128,17 @@ class GroupMachine(RuleBasedStateMachine):
     def leave(self, client: str) -> None:
         if client not in self.members or client not in self.channels:
             return
+        self._leaving(client)
         status, answer = self.world.unsubscribe(self.cid(client), self.channels[client], self.text)
         assert status == 200, answer
         self.members.discard(client)
         self.outstanding[client] = []
+
+    def _leaving(self, client: str) -> None:
+        """A member leaves the group (QoS 2 bookkeeping in ``Qos2Machine``)."""
+
+    def _settled(self) -> bool:
+        return {m for m, _ in self.published} <= set(self.acked)
 
     @rule(client=st.sampled_from(CLIENTS))
     def crash(self, client: str) -> None:
@@ -191,15 +209,14 @@ class GroupMachine(RuleBasedStateMachine):
 
     # -- at the end
 
-    def teardown(self) -> None:
+    def _settle(self) -> None:
         # everyone comes back, acks what it holds, then heartbeats, gets and acks until done
         for client in sorted(self.members):
             if client not in self.channels:
                 self._connect(client)
             self._ack(client, len(self.outstanding[client]))
-        wanted = {m for m, _ in self.published}
         for _ in range(SETTLE_ROUNDS):
-            if wanted <= set(self.acked):
+            if self._settled():
                 break
             self.world.clock.advance(2.0)
             for client in sorted(self.members):
@@ -207,6 +224,17 @@ class GroupMachine(RuleBasedStateMachine):
             for client in sorted(self.members):
                 self._get(client, 100)
                 self._ack(client, len(self.outstanding[client]))
+
+    def _remove_group(self) -> None:
+        # the group goes with its last member (later examples start from a clean slate)
+        for client in sorted(self.members):
+            status, _ = self.world.unsubscribe(self.cid(client), self.channels[client], self.text)
+            assert status == 200
+        assert self.world.group(self.share, "orders/#") is None
+
+    def teardown(self) -> None:
+        self._settle()
+        wanted = {m for m, _ in self.published}
         # every published message was acked, none twice for the group
         assert sorted(self.acked) == sorted(wanted)
         # per ordering key, acked in publish order
@@ -215,11 +243,67 @@ class GroupMachine(RuleBasedStateMachine):
             assert [m for m in self.acked if key_of[m] == key] == [
                 m for m, k in self.published if k == key
             ]
-        # the group goes with its last member (later examples start from a clean slate)
-        for client in sorted(self.members):
-            status, _ = self.world.unsubscribe(self.cid(client), self.channels[client], self.text)
-            assert status == 200
-        assert self.world.group(self.share, "orders/#") is None
+        self._remove_group()
+
+
+class Qos2Machine(GroupMachine):
+    qos: ClassVar[int] = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: QoS 2 message id -> every session it was handed to
+        self.pinned: dict[str, set[str]] = {}
+        #: sessions that ended (or left the group): their unacked QoS 2 messages go to no one
+        self.ended: set[str] = set()
+
+    def _handed(self, client: str, got: list[dict[str, Any]]) -> None:
+        for message in got:
+            if message["qos"] == 2:
+                self.pinned.setdefault(message["message_id"], set()).add(self.sessions[client])
+
+    @rule(key=st.sampled_from(KEYS), count=st.integers(1, 3))
+    def publish_qos2(self, key: str, count: int) -> None:
+        for _ in range(count):
+            message_id = self.world.publish(f"orders/{key}", "m", ordering_key=key, qos=2)
+            self.published.append((message_id, key))
+        self.world.route()
+
+    @precondition(lambda self: len(self.members) > 1)
+    @rule(client=st.sampled_from(CLIENTS))
+    def end_session(self, client: str) -> None:
+        # a clean start discards the session: it leaves the group, its QoS 2 messages drop
+        if client not in self.members:
+            return
+        self.ended.add(self.sessions[client])
+        self.world.clock.advance(0.001)
+        self.channels[client] = self.world.connect(self.cid(client), clean_start=True)
+        self.outstanding[client] = []
+        self.members.discard(client)
+
+    def _leaving(self, client: str) -> None:
+        self.ended.add(self.sessions[client])
+
+    def _settled(self) -> bool:
+        return all(
+            m in self.acked or self.pinned.get(m, {""}) <= self.ended for m, _ in self.published
+        )
+
+    @invariant()
+    def a_qos2_message_goes_to_one_session(self) -> None:
+        for message_id, sessions in self.pinned.items():
+            assert len(sessions) == 1, (message_id, sessions)
+
+    def teardown(self) -> None:
+        self._settle()
+        acked = set(self.acked)
+        assert len(self.acked) == len(acked), "a message acked twice for the group"
+        for message_id, _ in self.published:
+            if message_id in acked:
+                continue
+            # only a QoS 2 message of a session that ended before acking it may go unacked
+            sessions = self.pinned.get(message_id, set())
+            assert sessions and sessions <= self.ended, (message_id, sessions)
+        self._remove_group()
 
 
 class LaneMachine(GroupMachine):
@@ -256,6 +340,22 @@ def test_lanes_keep_the_promises_under_random_operations(
         settings=settings(
             max_examples=15,
             stateful_step_count=40,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+def test_qos2_in_a_group_stays_with_its_session_under_random_operations(
+    gworld: GroupWorld,
+) -> None:
+    Qos2Machine.world = gworld
+    run_state_machine_as_test(
+        Qos2Machine,
+        settings=settings(
+            max_examples=8,
+            stateful_step_count=30,
             deadline=None,
             database=None,
             suppress_health_check=list(HealthCheck),

@@ -9,7 +9,8 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.kinesis import OutRecord, PutOutcome
-from shoal.composite.model import route, stable_hash
+from shoal.composite.model import ROUTED_PUT_BOUND_MS, route, stable_hash
+from shoal.publish.writer import PUT_DEADLINE_MS
 from shoal.records import decode_record, record_partition_key
 
 from tests.helpers import load_event
@@ -465,3 +466,30 @@ def test_a_failing_key_does_not_fail_another_key_of_its_partition(
     codes = [r.get("error", {}).get("code") for r in body["results"]]
     assert codes == ["server_busy", None, "server_busy"]
     assert [m.ordering_key for _, m in harness.messages("shoal-orders-0")] == [b]
+
+
+def test_no_put_starts_once_the_routing_bound_is_too_near(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a publisher that chose the storage topic and then stalled (a slow reservation, a
+    # frozen container) until too little of ROUTED_PUT_BOUND_MS is left for one put call
+    choose = harness.publish.directory.destinations
+
+    def slow(topics: Sequence[str]) -> Any:
+        chosen = choose(topics)
+        harness.clock.advance((ROUTED_PUT_BOUND_MS - PUT_DEADLINE_MS) / 1000)
+        return chosen
+
+    monkeypatch.setattr(harness.publish.directory, "destinations", slow)
+    # When a plain and a sequenced message are published
+    plain, _ = publish_call({"topic": "orders/1", "text": "late"})
+    sequenced, body = publish_call(
+        {"topic": "orders/1", "text": "late", "publisher_id": "p", "publisher_seq": 1}
+    )
+    # Then both answer 503 (retry) and nothing reached the stream: a put into a storage topic
+    # ends within the bound after its choice, which is what the sealer waits for after a switch
+    assert (plain, sequenced, body["error"]["code"]) == (503, 503, "server_busy")
+    assert harness.messages("shoal-orders-0") == []
+    # And without the stall the same publish goes through
+    monkeypatch.setattr(harness.publish.directory, "destinations", choose)
+    assert publish_call({"topic": "orders/1", "text": "on time"})[0] == 201

@@ -28,6 +28,7 @@ def harness(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Har
     h.install(monkeypatch)
     h.default(partitions=1)
     admin_call("POST", "/v1/topics", {"name": "orders", "partitions": 4})
+    h.catch_up()
     yield h
 
 
@@ -180,6 +181,7 @@ def test_a_crash_at_any_step_neither_loses_nor_doubles_the_message(
     # Given a publish (retained, so every step runs) that dies at `point`
     dying = crashing_service(harness, aws)
     crash_in(harness, dying, point, monkeypatch)
+    harness.catch_up()
     with pytest.raises(Crash):
         dying.publish(ALICE, request(1, retain=True))
     # When the client retries on another container, after any hold has run out

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from shoal.push.endpoint import EndpointPolicy, HttpDeliverer, delivery_request
+from shoal.push.model import RetryPolicy
 
 from tests.unit.test_push_support import message
 
@@ -126,11 +127,14 @@ def test_a_slow_endpoint_times_out(server: Server) -> None:
     assert (result.ok, result.error) == (False, "timeout")
 
 
-def test_no_listener_counts_as_a_timeout(server: Server) -> None:
+def test_no_listener_is_a_refused_connection_not_a_timeout(server: Server) -> None:
+    # Given an endpoint where nothing listens (the port closed)
     url = server.url
     server.close()
     result = deliverer().deliver(delivery_request("o", url, message(1), 1))
-    assert result.error == "timeout"
+    # Then the reason says so (the DLQ shows it), and it retries as a no-answer does
+    assert result.error == "connection_refused"
+    assert RetryPolicy().retries(result)
 
 
 def test_a_refused_endpoint_is_not_called(server: Server) -> None:

@@ -18,13 +18,14 @@ from shoal import wiring
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
 from shoal.core.errors import ShoalError
-from shoal.local.provision import LocalNames, provision
+from shoal.local.provision import LocalNames
 from shoal.local.serialize import serialized_moto
 from shoal.sessions.model import RegistryView, Version, WillMessage
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
 
 import functions.sessions.app as sessions_app
+from tests.account import provision_account
 from tests.helpers import FakeContext, http_event, response_json
 
 #: claims as the JWT authorizer passes them (lists as "[a b]")
@@ -162,7 +163,7 @@ def account() -> Iterator[boto3.Session]:
         get_config.cache_clear()
         with mock_aws(), serialized_moto():
             session = boto3.Session(region_name="us-east-1")
-            provision(session, names)
+            provision_account(session, names)
             yield session
     get_config.cache_clear()
 

@@ -132,6 +132,21 @@ def _stories() -> tuple[list[Scenario], list[dict[str, Any]]]:
     s.record("routed", 0, 0.01)
     s.record("dropped", 0, 1, reason="expired")
 
+    # [MQTT-4.8.2-4/5]: a QoS 2 group message handed to a member whose session then ended
+    s = story("group-qos2-ended", "group")
+    s.publish(0, qos=2)
+    s.record("routed", 0, 0.01, qos=2)
+    s.delivery(0, 0.02, qos=2, label="member-a")
+    s.record("dropped", 0, 30, qos=2, reason="session_ended", label="member-a")
+
+    # the same member reconnected and got it again (dup, the same id), then acked it
+    s = story("group-qos2-held", "group")
+    s.publish(0, qos=2)
+    s.record("routed", 0, 0.01, qos=2)
+    kept = s.delivery(0, 0.02, qos=2, label="member-a")
+    s.record("redelivered", 0, 30, delivery_id=kept, qos=2, label="member-a")
+    s.ack(0, 30.1, kept)
+
     s = story("qos0")
     s.publish(0, qos=0)
     s.delivery(0, 0.01, qos=0)
@@ -272,6 +287,18 @@ def test_a_message_archived_twice_is_judged_once(rows: dict[str, dict[str, Any]]
 def test_events_recorded_twice_count_once(rows: dict[str, dict[str, Any]]) -> None:
     row = rows["events-twice"]
     assert (row["acked"], row["duplicated"], row["lost"]) == (1, 0, 0)
+
+
+def test_a_qos2_group_message_of_an_ended_session_is_dropped_not_lost(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given a QoS 2 group message whose member's session ended before it acked
+    # Then it is dropped (it went to no other member, [MQTT-4.8.2-5]), never lost
+    row = rows["group-qos2-ended"]
+    assert (row["dropped"], row["lost"], row["acked"]) == (1, 0, 0)
+    # and one held for its member and acked after a reconnect is acked once, no duplicate
+    row = rows["group-qos2-held"]
+    assert (row["acked"], row["lost"], row["duplicated"]) == (1, 0, 0)
 
 
 def test_dead_lettered_and_dropped_are_not_lost(rows: dict[str, dict[str, Any]]) -> None:

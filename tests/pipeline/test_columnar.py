@@ -20,15 +20,12 @@ from pipeline.columnar import (
     hour_folder,
     manifest_of,
     plan,
-)
-from pipeline.common import (
-    EVENTS,
-    MESSAGES,
     read_events,
     read_events_and_names,
     read_messages,
     read_names,
 )
+from pipeline.common import EVENTS, MESSAGES
 from tests.pipeline.data import T0, delivered_and_acked, event, message
 
 pytestmark = pytest.mark.pipeline

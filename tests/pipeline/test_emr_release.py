@@ -40,7 +40,7 @@ def test_the_local_pyspark_is_the_spark_of_the_pinned_emr_release() -> None:
 def test_local_sessions_collect_garbage_as_the_deployed_jobs(spark: SparkSession) -> None:
     # the stack gives EMR's driver and executors JVM_OPTIONS (tests/infra/test_pipeline.py):
     # the local JVM runs the same collector, the throughput one
-    management = spark.sparkContext._jvm.java.lang.management.ManagementFactory  # type: ignore[union-attr]
+    management = spark.sparkContext._jvm.java.lang.management.ManagementFactory
     collectors = {bean.getName() for bean in management.getGarbageCollectorMXBeans()}
     assert collectors == {"PS Scavenge", "PS MarkSweep"}
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from pipeline.audit import AuditWindow, audit, summarize
 from pipeline.stats import stats
 from tests.pipeline.data import SECOND, T0, Scenario, events_df, message, messages_df
 
@@ -62,3 +63,37 @@ def test_retry_and_dlq_rates(doc: dict[str, Any]) -> None:
     assert by_name["s1"]["retry_rate"] == pytest.approx(1 / 3)
     assert by_name["p1"]["dlq_rate"] == pytest.approx(1 / 2)
     assert doc["totals"]["dead_lettered"] == 1
+
+
+def test_stats_and_the_audit_agree_on_one_archive(spark: SparkSession) -> None:
+    # Given a push subscription whose messages were all dead-lettered once, three of them
+    # redriven and acked after, and a session known by a digest, labelled with its client id
+    p = Scenario("hooked", "push")
+    for n in range(4):
+        p.publish(n)
+        p.record("delivered", n, 0.1, attempt=1)
+        p.record("dead_lettered", n, 1, reason="connection_refused")
+    for n in range(1, 4):
+        p.record("delivered", n, 20, attempt=2)
+        p.record("acked", n, 21)
+    s = Scenario("1a401f7f899af9bd69296189")
+    s.publish(4)
+    d = s.delivery(4, 0.5, label="desk-1", subscription="sensors/#")
+    s.record("redelivered", 4, 30, delivery_id=d, label="desk-1")
+    s.ack(4, 31, d)
+    messages = messages_df(spark, p.messages + s.messages)
+    events = events_df(spark, p.events + s.events)
+    # When both reports read it
+    doc = stats(messages, events, as_of=T0 + HOUR)
+    audited = summarize(audit(messages, events, AuditWindow(as_of=T0 + HOUR)))
+    # Then every count they share is the same, consumer by consumer, and both name them alike
+    by_stats = {c["consumer"]: c for c in doc["consumers"]}
+    for counts in audited.consumers:
+        mine = by_stats[counts["consumer"]]
+        assert (mine["label"], mine["subscription"]) == (counts["label"], counts["subscription"])
+        assert mine["messages"] == counts["matched"]
+        assert mine["dead_lettered"] == counts["dead_lettered"]
+        assert mine["redeliveries"] == counts["redeliveries"]
+    assert by_stats["hooked"]["dead_lettered"] == 1
+    assert by_stats["1a401f7f899af9bd69296189"]["label"] == "desk-1"
+    assert doc["totals"]["dead_lettered"] == sum(c["dead_lettered"] for c in audited.consumers)

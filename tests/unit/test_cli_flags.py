@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shoal.cli.common import token_of
 from shoal.cli.dev import AWS_PORT_FILE, _emulator_port
 from shoal.cli.main import PIPELINE_JOBS, _parser, main
 from shoal.cli.pubsub import state_file
@@ -40,13 +41,14 @@ def test_url_and_token_default_from_the_environment_and_say_so(
 ) -> None:
     monkeypatch.setenv("SHOAL_URL", "http://shoal.example:9000")
     monkeypatch.setenv("SHOAL_TOKEN", "t.o.k")
+    monkeypatch.delenv("SHOAL_TOKEN_COMMAND", raising=False)
     args = _parser().parse_args(["publish", "-t", "a", "-m", "x"])
-    assert (args.url, args.token) == ("http://shoal.example:9000", "t.o.k")
+    assert (args.url, token_of(args).token()) == ("http://shoal.example:9000", "t.o.k")
     with pytest.raises(SystemExit):
         main(["publish", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default: $SHOAL_URL or http://127.0.0.1:8080" in text
-    assert "default: $SHOAL_TOKEN" in text
+    assert "else $SHOAL_TOKEN_COMMAND, else $SHOAL_TOKEN" in text
 
 
 def test_mosquitto_short_flags_mean_what_they_mean_there() -> None:
@@ -83,6 +85,7 @@ def test_every_usage_error_is_one_line_and_exit_2(
     says: str,
 ) -> None:
     monkeypatch.delenv("SHOAL_TOKEN", raising=False)
+    monkeypatch.delenv("SHOAL_TOKEN_COMMAND", raising=False)
     try:
         status = main(argv)
     except SystemExit as exit_:

@@ -450,7 +450,7 @@ def test_shoal_publish_and_subscribe_over_http(
 ) -> None:
     with serve(fake) as url:
         common = ["--url", url, "--token", TOKEN]
-        sub = [*common, "--client-id", "cli-1", "--filter", "news/#"]
+        sub = [*common, "--client-id", "cli-1", "--filter", "news/#", "--transport", "poll"]
         sub += ["--state", str(tmp_path / "sub.json")]
         pub = [*common, "--state", str(tmp_path / "pub.json"), "--topic", "news/today"]
         # Given a subscription made by `shoal subscribe --count 0`

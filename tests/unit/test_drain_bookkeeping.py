@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.aws.kinesis import OutRecord, PutOutcome
-from shoal.composite.model import CompositeTopic, StorageTopic, storage_of
+from shoal.composite.model import ROUTED_PUT_BOUND_MS, CompositeTopic, StorageTopic, storage_of
 from shoal.core.clock import ManualClock
 from shoal.core.config import Config
 from shoal.delivery.inbox import DeliveryState, InboxItem
@@ -31,9 +31,10 @@ def test_a_seal_record_is_recognised_and_holds_no_message() -> None:
     assert not is_seal(b'{"v":1,"m":[]}\n')
 
 
-def test_the_grace_is_the_longest_publishing_timeout_unless_the_environment_shortens_it() -> None:
-    # Then without the variable it covers the reaper's wills (120 s) and the skew margin
-    assert seal_grace_ms() == 121_000
+def test_the_grace_is_the_routed_put_bound_unless_the_environment_sets_it() -> None:
+    # Then without the variable it is the publish path's bound on a put after routing (10 s)
+    # and the skew margin, not a function timeout
+    assert seal_grace_ms() == ROUTED_PUT_BOUND_MS + 1_000 == 11_000
     assert seal_grace_ms(Config.from_env({"SHOAL_SEAL_GRACE_S": "0.5"}).seal_grace_s) == 500
 
 

@@ -11,6 +11,7 @@ from shoal.core.clock import ManualClock
 from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
 from shoal.local.authorizer import JwtAuthorizer, SigningKey
 from shoal.local.gateway import (
+    INVOCATIONS_PATH,
     MAX_REQUEST_BYTES,
     Gateway,
     HttpRequest,
@@ -367,3 +368,25 @@ def test_jwks_and_discovery_are_served(key: SigningKey) -> None:
 def test_response_carries_a_request_id(key: SigningKey) -> None:
     response = gateway(key, Recorder()).handle(HttpRequest("GET", "/x"))
     assert any(name == "apigw-requestid" and value for name, value in response.headers)
+
+
+def test_invocation_counts_are_answered_to_loopback_clients_only(key: SigningKey) -> None:
+    clock = ManualClock()
+    authorizer = JwtAuthorizer(issuer=ISSUER, audiences=["shoal"], jwks=key.jwks(), clock=clock)
+    gw = Gateway(
+        table(TOPICS),
+        authorizer,
+        Recorder(),
+        jwks=key.jwks(),
+        invocations=lambda: {"edge": 3, "wsauth": 2},
+    )
+    assert call(gw, "GET", INVOCATIONS_PATH) == (200, {"edge": 3, "wsauth": 2})
+    assert call(gw, "GET", INVOCATIONS_PATH, source_ip="::1")[0] == 200
+    # from another host it is no route at all
+    assert call(gw, "GET", INVOCATIONS_PATH, source_ip="10.0.0.7") == (
+        404,
+        {"message": "Not Found"},
+    )
+    # a gateway not given the counts has no such path
+    plain = Gateway(table(TOPICS), authorizer, Recorder(), jwks=key.jwks())
+    assert call(plain, "GET", INVOCATIONS_PATH) == (404, {"message": "Not Found"})

@@ -22,7 +22,19 @@ MAY_IMPORT: dict[str, set[str]] = {
     "sessions": {"core", "topics", "aws"},
     "delivery": {"core", "topics", "aws", "records", "composite", "drain", "sessions"},
     "groups": {"core", "topics", "aws", "composite", "drain", "sessions", "delivery"},
-    "router": {"core", "topics", "aws", "records", "composite", "drain", "delivery", "groups"},
+    #: the WebSocket edge: connections, pushing deliveries to them, the route functions' service
+    "edge": {"core", "aws", "declarations", "publish", "sessions", "delivery"},
+    "router": {
+        "core",
+        "topics",
+        "aws",
+        "records",
+        "composite",
+        "drain",
+        "delivery",
+        "groups",
+        "edge",
+    },
     "push": {"core", "topics", "aws", "records", "composite", "drain", "delivery"},
     "teardown": {"core", "aws", "composite", "push"},
     "wiring": {
@@ -40,6 +52,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "router",
         "push",
         "teardown",
+        "edge",
     },
     #: shoal dev runs the whole deployment: its start hooks do what the bootstrap function does
     "local": {"core", "aws", "declarations", "composite", "wiring"},

@@ -9,6 +9,7 @@ from shoal.core import errors
 from shoal.core.errors import InvalidFilter
 from shoal.topics.filters import (
     MAX_TOPIC_BYTES,
+    filter_problem,
     is_publishable_topic,
     is_valid_filter,
     is_valid_topic,
@@ -238,3 +239,30 @@ def test_invalid_filter_is_the_documented_bad_request() -> None:
 def test_shared_filters_wrap_any_valid_filter(parts: list[str]) -> None:
     topic_filter = "/".join(parts)
     assert parse_shared(f"$share/g/{topic_filter}") == ("g", topic_filter)
+
+
+@pytest.mark.parametrize(
+    ("topic_filter", "rule"),
+    [
+        (
+            "jobs/#/x",
+            "'#' must be the last level of a filter, on its own (as in 'a/#') [MQTT-4.7.1-1]",
+        ),
+        ("jobs/a#", "'#' must be the last level"),
+        ("jobs/a+/x", "'+' must fill a whole level of a filter (as in 'a/+/c') [MQTT-4.7.1-2]"),
+        ("", "at least one character long [MQTT-4.7.3-1]"),
+        ("a\x00b", "no null character (U+0000) [MQTT-4.7.3-2]"),
+        ("$share//x", "ShareName is at least one character without '/', '+' or '#'"),
+        ("$share/g", "$share/{ShareName}/{filter}"),
+        ("$share/g/a/#/b", "'$share/g/a/#/b': 'a/#/b': '#' must be the last level"),
+    ],
+)
+def test_an_invalid_filter_names_the_rule_it_breaks(topic_filter: str, rule: str) -> None:
+    problem = filter_problem(topic_filter)
+    assert problem is not None and rule in problem
+    assert not is_valid_filter(topic_filter) or topic_filter.startswith("$share/")
+
+
+def test_a_valid_filter_has_no_problem() -> None:
+    for topic_filter in ("a/#", "#", "+/b/+", "$share/g/a/+", "a//b"):
+        assert filter_problem(topic_filter) is None

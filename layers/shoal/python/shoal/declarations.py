@@ -40,11 +40,55 @@ class Route:
 @dataclass(frozen=True)
 class Grant:
     """What a function may do to one resource: a table, a bucket, a stream the stack owns
-    (``stream``), or the storage streams (``streams``: every topic's, made at run time)."""
+    (``stream``), the storage streams (``streams``: every topic's, made at run time), or the
+    WebSocket API's connections (``connections``: ``execute-api:ManageConnections`` on its
+    ``@connections`` API, to push frames to connected clients and close them)."""
 
-    kind: Literal["table", "bucket", "stream", "streams", "event_source_mappings"]
+    kind: Literal["table", "bucket", "stream", "streams", "event_source_mappings", "connections"]
     name: str
     access: Access
+
+
+@dataclass(frozen=True)
+class WsRoute:
+    """A route of the WebSocket API: ``$connect``, ``$disconnect``, ``$default`` or the
+    ``action`` of a client frame (the API's route selection expression)."""
+
+    key: str
+    #: the function's answer body goes back to the client as a frame (a route response)
+    two_way: bool = True
+
+
+@dataclass(frozen=True)
+class MockRoute:
+    """A WebSocket route API Gateway answers by itself (a mock integration): no function runs,
+    so a keep-alive costs an idle connection no compute (DESIGN.md, property 8)."""
+
+    key: str
+    #: the frame sent back, verbatim; None for a one-way route (nothing is sent back: one
+    #: billed message instead of two)
+    response: str | None
+
+
+@dataclass(frozen=True)
+class WebSocketDef:
+    """The WebSocket API beside the HTTP API (``shoal.edge``): its routes are the functions'
+    ``ws_routes`` and these mock routes, ``$connect`` guarded by ``authorizer``."""
+
+    #: the REQUEST authorizer function of ``$connect``
+    authorizer: str = "wsauth"
+    route_selection: str = "$request.body.action"
+    mock_routes: tuple[MockRoute, ...] = (
+        MockRoute("ping", '{"action":"pong"}'),
+        MockRoute("keepalive", None),
+    )
+    #: API Gateway's quotas, which ``shoal dev`` enforces the same way: a frame and a message
+    #: (close 1009 beyond either), idle and whole-connection lifetimes
+    max_frame_bytes: int = 32 * 1024
+    max_message_bytes: int = 128 * 1024
+    idle_timeout_s: int = 600
+    max_connection_s: int = 7200
+    stage: str = "v1"
 
 
 @dataclass(frozen=True)
@@ -74,6 +118,8 @@ class FunctionDef:
     #: "app.handler" inside functions/<name>/
     handler: str = "app.handler"
     routes: tuple[Route, ...] = ()
+    #: the WebSocket API's routes it serves (``WebSocketDef``)
+    ws_routes: tuple[WsRoute, ...] = ()
     grants: tuple[Grant, ...] = ()
     #: run every this many seconds (EventBridge schedule); None for no schedule
     schedule_s: int | None = None
@@ -143,6 +189,7 @@ class Deployment:
     buckets: tuple[BucketDef, ...]
     functions: tuple[FunctionDef, ...]
     streams: tuple[StreamDef, ...] = ()
+    websocket: WebSocketDef = field(default_factory=WebSocketDef)
     #: the composite topic every MQTT topic without a topic of its own belongs to
     default_topic: str = "default"
     stream_prefix: str = "shoal"
@@ -153,6 +200,9 @@ class Deployment:
 
     def routes(self) -> list[tuple[Route, FunctionDef]]:
         return [(r, f) for f in self.functions for r in f.routes]
+
+    def ws_routes(self) -> list[tuple[WsRoute, FunctionDef]]:
+        return [(r, f) for f in self.functions for r in f.ws_routes]
 
 
 DEPLOYMENT = Deployment(
@@ -193,7 +243,8 @@ DEPLOYMENT = Deployment(
             ),
             grants=(
                 Grant("table", "topics", "read_write"),
-                # create the storage streams and read their shards
+                # create the storage streams and read their shards; a switch puts the seals of
+                # the storage topics it left behind (shoal.drain)
                 Grant("streams", "storage", "read_write"),
                 # the router's mapping on each new stream; listing makes creation idempotent
                 Grant("event_source_mappings", "router", "read_write"),
@@ -232,6 +283,11 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "write"),
                 # its ``routed`` delivery events (shoal.delivery.events)
                 Grant("stream", "events", "write"),
+                # sessions connected over the WebSocket API get their new deliveries pushed
+                # (shoal.edge.push): their delivery state and channel, and the connection
+                Grant("table", "sessions", "read"),
+                Grant("table", "connections", "read_write"),
+                Grant("connections", "websocket", "write"),
             ),
             timeout_s=60,
         ),
@@ -310,6 +366,13 @@ DEPLOYMENT = Deployment(
                 # and its shared groups (the last member removes a group with its backlog)
                 Grant("table", "groups", "read_write"),
                 Grant("table", "inboxes", "read_write"),
+                # WebSocket connections whose $disconnect never came (shoal.edge): the sweep
+                # ends their channels and closes what API Gateway still holds
+                Grant("table", "connections", "read_write"),
+                Grant("connections", "websocket", "write"),
+                # and pushes again what passed its ack timeout, recording it as the edge does
+                # (shoal.delivery.events)
+                Grant("stream", "events", "write"),
             ),
             schedule_s=60,
             timeout_s=120,
@@ -348,6 +411,48 @@ DEPLOYMENT = Deployment(
                 Grant("bucket", "archive", "read"),
                 # delivery events of gets and acks (shoal.delivery.events)
                 Grant("stream", "events", "write"),
+            ),
+        ),
+        FunctionDef(
+            name="wsauth",
+            description="The WebSocket API's $connect authorizer: the HTTP API's JWT rules",
+            memory_mb=256,
+            timeout_s=10,
+        ),
+        FunctionDef(
+            name="edge",
+            description="The WebSocket API: a session's life in JSON frames, deliveries pushed",
+            ws_routes=(
+                # $connect answers the browser's chosen subprotocol; $disconnect ends the
+                # channel (a will after its delay unless a normal disconnect came first)
+                WsRoute("$connect", two_way=False),
+                WsRoute("$disconnect", two_way=False),
+                WsRoute("connect"),
+                WsRoute("subscribe"),
+                WsRoute("unsubscribe"),
+                WsRoute("publish"),
+                WsRoute("ack"),
+                WsRoute("disconnect"),
+                # a frame without a known action: a coded error frame
+                WsRoute("$default"),
+            ),
+            grants=(
+                # the connect, subscribe, publish and get/ack paths, as their HTTP functions
+                Grant("table", "sessions", "read_write"),
+                Grant("table", "subscriptions", "read_write"),
+                Grant("table", "inboxes", "read_write"),
+                Grant("table", "groups", "read_write"),
+                Grant("table", "retained", "read_write"),
+                Grant("table", "topics", "read"),
+                Grant("table", "publishers", "read_write"),
+                Grant("streams", "storage", "write"),
+                Grant("streams", "storage", "read"),
+                Grant("bucket", "archive", "read"),
+                Grant("stream", "events", "write"),
+                # which session a connection holds
+                Grant("table", "connections", "read_write"),
+                # answers, deliveries, and closing a taken-over connection
+                Grant("connections", "websocket", "write"),
             ),
         ),
         FunctionDef(

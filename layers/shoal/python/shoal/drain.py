@@ -5,9 +5,11 @@ in T(j); the router consumes every storage shard on its own, so without a gate a
 hand out a T(j) message of a key before that key's last T(j-1) message. The drain closes it:
 
 - **Seal.** Once the switch is in effect and every put that could still land in T(j-1) is over
-  (``effective_at_ms`` plus ``seal_grace_ms()``: the longest timeout of a function that
-  publishes, plus the clock-skew margin), the reaper puts a *seal record* into every shard of
-  T(j-1) (ExplicitHashKey = the shard's starting hash key), then records the shards as sealed.
+  (``effective_at_ms`` plus ``seal_grace_ms()``: ``ROUTED_PUT_BOUND_MS``, the longest a put can
+  take after its publisher chose the storage topic, which the publish path enforces, plus the
+  clock-skew margin: 11 s), the switch-produce call itself (``Sealer.seal_behind``, waiting
+  those seconds), or failing that the reaper's next run, puts a *seal record* into every shard
+  of T(j-1) (ExplicitHashKey = the shard's starting hash key), then records the shards as sealed.
   A seal holds no message (``{"seal":...,"v":1,"m":[]}``): ``publishing.decode_record`` answers
   no message for it, so the archive, the pipeline and push taps count nothing. A crash before
   the record is written makes the next run seal again; a second seal in a shard is harmless.
@@ -45,6 +47,7 @@ from shoal.aws.dynamo import Dynamo, to_item
 from shoal.aws.kinesis import OutRecord, Streams
 from shoal.composite.model import (
     EFFECTIVE_DELAY_MS,
+    ROUTED_PUT_BOUND_MS,
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
     storage_of,
@@ -52,7 +55,6 @@ from shoal.composite.model import (
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.observability import logger
-from shoal.declarations import DEPLOYMENT
 from shoal.records import is_seal, seal_record
 
 #: the drain record of a storage topic in the inboxes table
@@ -72,22 +74,14 @@ RECHECK_MS = 1_000
 def seal_grace_ms(override_s: float | None = None) -> int:
     """How long after a switch is in effect a put routed before it may still land.
 
-    A put is made by a function that publishes (publish, and the reaper for wills, and push for
-    its queues) and cannot outlive that function's timeout; the margin covers clock skew (the
-    publishers switch by their own clocks, up to the delay's margin over the cache TTL).
+    Every put into a storage topic goes through the publish path (publish, and the reaper's
+    wills), which ends it within ``ROUTED_PUT_BOUND_MS`` of choosing the storage topic; a
+    publisher chose the old one only before the switch was in effect by its own clock, hence
+    the margin for clock skew (the delay's margin over the cache TTL).
     """
-    margin = EFFECTIVE_DELAY_MS - TOPIC_CACHE_TTL_MS
     if override_s is not None:
         return int(override_s * 1000)
-    # those with the put grant (``read_write`` is stream management: admin, bootstrap and
-    # teardown put nothing; push admin's redrive does, and its 29 s are below the others)
-    longest = max(
-        f.timeout_s
-        for f in DEPLOYMENT.functions
-        if any(g.kind == "streams" and g.access in ("write", "read_write") for g in f.grants)
-        and f.name not in ("admin", "bootstrap", "teardown")
-    )
-    return longest * 1000 + margin
+    return ROUTED_PUT_BOUND_MS + EFFECTIVE_DELAY_MS - TOPIC_CACHE_TTL_MS
 
 
 def due(topic: CompositeTopic, now_ms: int, grace_ms: int) -> list[int]:
@@ -238,20 +232,31 @@ class Sealer:
 
     def run(self) -> int:
         """Seal what is due; how many storage topics were sealed by this run."""
-        sealed = 0
         now = self.clock.now_ms()
-        for topic in self.topics():
-            if not topic.created:
+        return sum(self._seal_due(topic, now) for topic in self.topics() if topic.created)
+
+    def seal_behind(self, topic: CompositeTopic, max_wait_ms: int) -> int:
+        """Just after ``topic``'s switch: wait until no put routed before it can still land,
+        then seal the storage topics behind the pointer; how many were sealed. Waits at most
+        ``max_wait_ms`` (the caller's budget): beyond, nothing, and the reaper seals later."""
+        wait_ms = topic.effective_at_ms + self.grace_ms - self.clock.now_ms()
+        if wait_ms > max_wait_ms:
+            return 0
+        if wait_ms > 0:
+            self.clock.sleep(wait_ms / 1000)
+        return self._seal_due(topic, self.clock.now_ms())
+
+    def _seal_due(self, topic: CompositeTopic, now: int) -> int:
+        sealed = 0
+        for index in due(topic, now, self.grace_ms):
+            storage = topic.storage_topics[index]
+            if storage.stream in self._sealed:
                 continue
-            for index in due(topic, now, self.grace_ms):
-                storage = topic.storage_topics[index]
-                if storage.stream in self._sealed:
-                    continue
-                if self.store.record(storage.stream).sealed is not None:
-                    self._sealed.add(storage.stream)
-                    continue
-                if self.seal(storage.stream):
-                    sealed += 1
+            if self.store.record(storage.stream).sealed is not None:
+                self._sealed.add(storage.stream)
+                continue
+            if self.seal(storage.stream):
+                sealed += 1
         return sealed
 
     def seal(self, stream: str) -> bool:

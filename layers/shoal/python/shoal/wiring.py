@@ -15,6 +15,7 @@ from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
 from shoal.composite.directory import TopicDirectory
+from shoal.composite.model import CompositeTopic
 from shoal.composite.service import TopicService
 from shoal.composite.store import TopicStore
 from shoal.core.auth import Principal
@@ -29,6 +30,9 @@ from shoal.delivery.retained import RetainedReader
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
+from shoal.edge.connections import ConnectionStore
+from shoal.edge.push import Connections, Pusher
+from shoal.edge.service import EdgeService
 from shoal.groups.gate import group_gate
 from shoal.groups.service import GroupService, StreamRegistrar
 from shoal.groups.store import GroupStore
@@ -83,9 +87,27 @@ def topic_service(
         TopicStore.from_config(config),
         streams,
         clock,
-        hooks=TapHooks(config, streams, clock),
+        hooks=SealingHooks(config, streams, clock, sealer(config, clock)),
         stream_wait_s=stream_wait_s,
     )
+
+
+#: how long a switch-produce call waits to seal what it left behind: the grace (11 s) fits in
+#: API Gateway's 30 s with room; a longer configured grace leaves the sealing to the reaper
+SWITCH_SEAL_WAIT_MS = 20_000
+
+
+class SealingHooks(TapHooks):
+    """The push taps follow a topic's changes, and a switch seals what it left behind as soon
+    as no put routed before it can land (``shoal.drain``), instead of at the reaper's next
+    run: delivery from the new storage topic waits seconds, not a minute or two."""
+
+    def __init__(self, config: Config, streams: Streams, clock: Clock, sealer: Sealer) -> None:
+        super().__init__(config, streams, clock)
+        self.sealer = sealer
+
+    def switch_in_effect(self, topic: CompositeTopic) -> None:
+        self.sealer.seal_behind(topic, SWITCH_SEAL_WAIT_MS)
 
 
 def teardown(config: Config) -> Teardown:
@@ -183,6 +205,35 @@ def delivery_service(config: Config, clock: Clock | None = None) -> DeliveryServ
     )
 
 
+def pusher(config: Config, clock: Clock | None = None) -> Pusher | None:
+    """Pushed delivery to WebSocket connections (``shoal.edge.push``); None without a
+    WebSocket API (``SHOAL_CONNECTIONS_ENDPOINT`` unset)."""
+    api = Connections.from_config(config)
+    if api is None:
+        return None
+    return Pusher(
+        ConnectionStore.from_config(config, clock), api, delivery_service(config, clock), clock
+    )
+
+
+def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:
+    """The WebSocket API's routes: the HTTP routes' services, acting for a connection."""
+    push = pusher(config, clock)
+    if push is None:
+        raise RuntimeError("the WebSocket API's functions need SHOAL_CONNECTIONS_ENDPOINT")
+    subscriptions = subscription_service(config, clock)
+    return EdgeService(
+        subscriptions.registry,
+        subscriptions,
+        PublishService.from_config(config),
+        delivery=push.delivery,
+        connections=push.connections,
+        pusher=push,
+        settings=config.delivery,
+        clock=clock,
+    )
+
+
 class ServiceWillPublisher:
     """Wills go through the publish path (``shoal.publish``), exactly once each.
 
@@ -256,4 +307,6 @@ def router(config: Config) -> Router:
         ArchiveWriter.from_config(config),
         Recording.from_config(config),
         Faults.from_config(config, "router"),
+        # sessions connected over the WebSocket API get their new deliveries at once
+        pusher=pusher(config),
     )

@@ -49,6 +49,16 @@ PROFILES: dict[str, BotoConfig] = {
         retries={"mode": "standard", "total_max_attempts": 1},
         max_pool_connections=MAX_POOL_CONNECTIONS,
     ),
+    # the WebSocket API's @connections: a push that fails loses nothing (the inbox holds the
+    # delivery, redelivered with dup on reconnect or after the ack timeout), so it is not worth
+    # waiting for, and never retried: a POST that was delivered but answered late would reach
+    # the client twice, the second time without dup (seen over shoal dev under load)
+    "connections": BotoConfig(
+        connect_timeout=1,
+        read_timeout=5,
+        retries={"mode": "standard", "total_max_attempts": 1},
+        max_pool_connections=MAX_POOL_CONNECTIONS,
+    ),
 }
 
 
@@ -60,12 +70,16 @@ def error_code(error: ClientError) -> str:
 _lock = threading.Lock()
 #: the process's one boto3 session (made on first use), and the clients made from it
 _sessions: list[boto3.session.Session] = []
-_clients: dict[tuple[str, str, str], Any] = {}
+_clients: dict[tuple[str, str, str, str], Any] = {}
 
 
-def client(service: str, region: str, profile: str = "default") -> Any:
-    """The process's client of ``service`` in ``region`` with a profile of ``PROFILES``."""
-    key = (service, region, profile)
+def client(
+    service: str, region: str, profile: str = "default", *, endpoint_url: str | None = None
+) -> Any:
+    """The process's client of ``service`` in ``region`` with a profile of ``PROFILES``;
+    ``endpoint_url`` for an API with one endpoint per resource (a WebSocket API's
+    ``@connections``)."""
+    key = (service, region, profile, endpoint_url or "")
     found = _clients.get(key)
     if found is not None:
         return found
@@ -77,6 +91,7 @@ def client(service: str, region: str, profile: str = "default") -> Any:
                 service,  # type: ignore[call-overload]
                 region_name=region,
                 config=PROFILES[profile],
+                endpoint_url=endpoint_url,
             )
         return _clients[key]
 

@@ -339,3 +339,43 @@ class GroupItemModel(Model):
 
 
 TABLES += (TableDef(GROUPS, GroupItemModel),)
+
+
+CONNECTIONS = "connections"
+
+
+class ConnectionDueIndex(GlobalSecondaryIndex["ConnectionModel"]):
+    """Sparse: only a connected session's item whose pushed deliveries may come due again
+    (an ack timeout) carries ``due_shard``/``due_at_ms``; the reaper asks each shard for
+    ``due_at_ms <= now`` and pushes those sessions again (``shoal.edge.push``)."""
+
+    class Meta:
+        index_name = "due"
+        projection = KeysOnlyProjection()
+
+    due_shard = UnicodeAttribute(hash_key=True)
+    due_at_ms = NumberAttribute(range_key=True)
+
+
+class ConnectionModel(Model):
+    """The WebSocket API's connections (``shoal.edge.connections``). ``key`` is
+    ``conn#<connection id>`` (which client id, channel and session the connection holds once
+    its ``connect`` frame is answered) or ``session#<session id>`` (the connection a session's
+    deliveries are pushed to, its in-flight window, and the push lease). Written at the
+    ``connect`` frame, removed at ``$disconnect``; TTL removes what a lost ``$disconnect``
+    left (API Gateway closes every connection within two hours). Only the key and TTL
+    attributes are declared."""
+
+    class Meta:
+        table_name = CONNECTIONS
+        region = "us-east-1"
+
+    key = UnicodeAttribute(hash_key=True)
+    #: epoch seconds
+    expires_at = NumberAttribute(null=True)
+    due_shard = UnicodeAttribute(null=True)
+    due_at_ms = NumberAttribute(null=True)
+    due = ConnectionDueIndex()
+
+
+TABLES += (TableDef(CONNECTIONS, ConnectionModel, ttl_attribute="expires_at"),)

@@ -19,14 +19,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from shoal.cli.common import Help, note, policy_of, print_document, token_of
+from shoal.cli.common import Help, note, policy_of, print_document, token_of, url_of
 from shoal.client.http import ShoalClient
 
 Arguments = Callable[[argparse.ArgumentParser], None]
 
 
 def _client(args: argparse.Namespace, **options: Any) -> ShoalClient:
-    return ShoalClient(args.url, token_of(args), policy=policy_of(args), **options)
+    return ShoalClient(url_of(args), token_of(args), policy=policy_of(args), **options)
 
 
 def _name(value: str) -> str:

@@ -7,6 +7,7 @@ come with the ``dev`` extra, not with the library.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import logging
 import os
@@ -97,14 +98,25 @@ def run_dev(args: argparse.Namespace) -> int:
     missing = missing_modules(EMULATOR_MODULES + SIGNING_MODULES)
     if missing:
         return _without_dev_extra("dev", missing)
+    # Starting creates a few hundred thousand objects that live until the process ends (the
+    # emulator's modules and service models, the provisioned account): the collector's full
+    # passes over them, repeated while loading and then while serving, are skipped (below).
+    gc.disable()
     # imported here: only `shoal dev` needs the local runtime, the other commands start faster
     from shoal.local.logs import configure
     from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
+    from shoal.local.websocket import lifetimes_from_environment
 
     configure(args.log_level.upper())
     aws_port = _emulator_port(args)
     if aws_port is None:
         return 1
+    try:
+        # SHOAL_WS_IDLE_TIMEOUT_S / SHOAL_WS_MAX_CONNECTION_S: shorter lifetimes, for tests
+        lifetimes = lifetimes_from_environment()
+    except ValueError as exc:
+        print(f"shoal dev: cannot start: {exc}", file=sys.stderr)
+        return 2
     options = DevOptions(
         host=args.host,
         port=args.port,
@@ -116,6 +128,9 @@ def run_dev(args: argparse.Namespace) -> int:
         audience=args.audience,
         triggers=not args.no_triggers,
         schedule_every_s=tuple(args.schedule),
+        ws_port=args.ws_port,
+        ws_idle_timeout_s=lifetimes["idle_timeout_s"],
+        ws_max_connection_s=lifetimes["max_connection_s"],
     )
     stopping = threading.Event()
 
@@ -131,6 +146,11 @@ def run_dev(args: argparse.Namespace) -> int:
     except (StateDirInUse, OSError, ValueError) as exc:
         print(f"shoal dev: cannot start: {exc}", file=sys.stderr)
         return 1
+    finally:
+        # as a pre-forking server does once loaded: what exists now is out of the collector's
+        # passes, which then walk only what serving creates
+        gc.freeze()
+        gc.enable()
     try:
         assert runtime.aws is not None
         _remember_emulator_port(options.state_dir, runtime.aws_url)
@@ -139,6 +159,7 @@ def run_dev(args: argparse.Namespace) -> int:
         token = runtime.mint_token("admin", admin=True, ttl_s=ADMIN_TOKEN_TTL_S)
         lines = [
             f"Shoal dev is serving {runtime.url}",
+            f"  WebSocket API: {runtime.ws_url}",
             f"  AWS emulator:  {runtime.aws_url}  (AWS_ENDPOINT_URL for boto3 and the AWS CLI)",
             f"  state:         {state}",
         ]

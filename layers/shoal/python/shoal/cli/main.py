@@ -102,6 +102,12 @@ def _parser() -> Parser:
 def _dev_arguments(dev: Parser) -> None:
     dev.add_argument("--host", default="127.0.0.1", help="interface to serve on")
     dev.add_argument("--port", type=int, default=8080, help="port to serve on (0: a free one)")
+    dev.add_argument(
+        "--ws-port",
+        type=int,
+        help="port of the WebSocket API (default: --port + 1, or a free one with --port 0; "
+        "0: a free one)",
+    )
     dev.add_argument("--aws-host", default="127.0.0.1", help="interface of the AWS emulator")
     dev.add_argument(
         "--aws-port",
@@ -168,7 +174,12 @@ def _token_arguments(token: Parser) -> None:
         default=DEFAULT_STATE_DIR,
         help="the state directory of the shoal dev whose key signs",
     )
-    token.add_argument("--ttl-s", type=int, default=3600, help="seconds the token is valid")
+    token.add_argument(
+        "--ttl-s",
+        type=int,
+        default=3600,
+        help="seconds the token is valid (an hour; e.g. 86400 for a day)",
+    )
     token.add_argument("--issuer", help="default: the issuer of shoal dev on --state-dir")
     token.add_argument("--audience", help="default: the audience of shoal dev on --state-dir")
 
@@ -181,8 +192,16 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token",
-        default=os.environ.get("SHOAL_TOKEN"),
-        help="a JWT (default: $SHOAL_TOKEN); `shoal token` mints one for shoal dev",
+        help="a JWT (default: --token-file, else $SHOAL_TOKEN_COMMAND, else $SHOAL_TOKEN); "
+        "`shoal token` mints one for shoal dev, valid an hour unless --ttl-s says more",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="read the JWT from this file, and again whenever it is about to expire or is "
+        "refused (whatever rotates the file renews it); $SHOAL_TOKEN_COMMAND instead names a "
+        "command whose last line of output is the JWT, run again likewise",
     )
     parser.add_argument(
         "--retries",

@@ -6,13 +6,22 @@ the principal (the token's subject), and everything in a state file is keyed by 
 publish left in flight by a run against one server is sent again only to that server, under
 that principal. When a run finds publishes an earlier run left in flight, it says so on stderr
 before it sends them (``--discard-pending`` forgets them instead).
+
+Transports. ``shoal subscribe`` holds its session over the WebSocket API by default
+(``shoal.client.ws``: messages pushed, no request while idle); ``--transport poll`` long-polls
+the HTTP API (``shoal.client.http``). Both keep the processed ids under the HTTP API's URL in
+the same state file, so either prints each message once, whichever printed the ones before.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import hashlib
+import ipaddress
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -21,12 +30,21 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from shoal.cli.common import UsageError, note, policy_of, token_of
+from shoal.cli.common import UsageError, note, policy_of, token_of, url_of
 from shoal.cli.dev import DEFAULT_STATE_DIR
 from shoal.client.batch import PublisherClosed
 from shoal.client.errors import ApiError, ClientError, Unavailable
 from shoal.client.http import ShoalClient
-from shoal.client.support import MAX_BATCH, BatchSettings, PublishResult, principal_of
+from shoal.client.support import (
+    MAX_BATCH,
+    BatchSettings,
+    FlowControl,
+    PublishResult,
+    ReceivedMessage,
+    principal_of,
+)
+from shoal.client.tokens import TokenKeeper
+from shoal.client.ws import ShoalWsClient, check_ws_url
 
 CLIENT_DIR = DEFAULT_STATE_DIR / "client"
 #: MQTT 5 §3.8.3.1 Retain Handling, as `shoal subscribe --help` words it
@@ -36,8 +54,17 @@ RETAIN_HANDLING = {
     2: "never send them",
 }
 
+#: where `shoal subscribe` finds the WebSocket API when --ws-url is not given
+WS_URL_ENV = "SHOAL_WS_URL"
+#: `shoal dev` and `make run` keep their runtime file here (`shoal token`'s default --state-dir)
+RUNTIME_FILE = DEFAULT_STATE_DIR / "runtime.json"
+#: messages pushed to `shoal subscribe` unacked at most (its receive maximum)
+SUBSCRIBE_WINDOW = 100
+
 #: exit status of `shoal subscribe -C N -W SECONDS` when fewer than N came in time (mosquitto_sub)
 TIMED_OUT = 27
+#: exit status after Ctrl-C, as a shell reports a command ended by SIGINT (128 + 2)
+INTERRUPTED = 130
 
 Arguments = Callable[[argparse.ArgumentParser], None]
 
@@ -106,7 +133,10 @@ def publish_arguments(parser: argparse.ArgumentParser, client_arguments: Argumen
     )
     parser.add_argument(
         "--ordering-key",
-        help="messages of one key reach each subscriber in publish order (default: the topic)",
+        help="messages of one key reach each subscriber in publish order, and one member of "
+        "a shared group at a time. Without it a message routes by its topic, in order for "
+        "plain subscribers, but a shared group treats it as unkeyed: spread over the members, "
+        "in no order (give a key to keep order in a group)",
     )
     parser.add_argument(
         "--state",
@@ -160,23 +190,24 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
 def run_publish(args: argparse.Namespace) -> int:
     """``shoal publish``: one message (``-m -f -s -n``) or one per line of stdin (``-l``), each
     exactly once; one JSON line per message on stdout."""
+    url = url_of(args)
     token = token_of(args)
     chosen = args.text is not None or args.file or args.stdin_line or args.stdin_file
     if not (chosen or args.null_message or args.discard_pending):
         raise UsageError("give the payload: one of -m TEXT, -f FILE, -l, -s, -n")
     settings = _batch_settings(args)
     message = None if args.stdin_line or not (chosen or args.null_message) else _payload(args)
-    state = args.state or state_file("publish", args.url.rstrip("/"), principal_of(token))
+    state = args.state or state_file("publish", url, principal_of(token.token()))
 
     def on_resend(bodies: list[dict[str, Any]]) -> None:
         seqs = [int(b["publisher_seq"]) for b in bodies]
         note(
             f"sending again {len(bodies)} message(s) an earlier run left in flight to "
-            f"{args.url} (sequence {min(seqs)}..{max(seqs)}); --discard-pending forgets them"
+            f"{url} (sequence {min(seqs)}..{max(seqs)}); --discard-pending forgets them"
         )
 
     with ShoalClient(
-        args.url,
+        url,
         token,
         publisher_id=args.publisher_id,
         state=state,
@@ -205,9 +236,8 @@ def run_publish(args: argparse.Namespace) -> int:
             left = len(client.pending_publishes)
             unread = "; the lines after them were not sent" if args.stdin_line else ""
             raise ClientError(
-                f"{args.url} did not answer ({exc.message}); {left} message(s) stay in flight "
-                f"for the next shoal publish to {args.url} (--discard-pending forgets them)"
-                + unread
+                f"{url} did not answer ({exc.message}); {left} message(s) stay in flight "
+                f"for the next shoal publish to {url} (--discard-pending forgets them)" + unread
             ) from exc
         if args.debug:
             note(f"{client.requests_sent} request(s) sent")
@@ -336,8 +366,9 @@ def subscribe_arguments(parser: argparse.ArgumentParser, client_arguments: Argum
         type=int,
         default=60,
         metavar="SECONDS",
-        help="the session's keepalive: silent for 1.5 times this, it is disconnected (and its "
-        "will published)",
+        help="with --transport poll: the session's keepalive: silent for 1.5 times this, it is "
+        "disconnected (and its will published). Over ws the connection is the liveness: its "
+        "close ends the channel at once",
     )
     parser.add_argument(
         "-x",
@@ -381,11 +412,25 @@ def subscribe_arguments(parser: argparse.ArgumentParser, client_arguments: Argum
         help="publish the will this long after the session died (not if it reconnects first)",
     )
     parser.add_argument(
+        "--transport",
+        choices=("ws", "poll"),
+        default="ws",
+        help="ws: hold the session over the WebSocket API, messages pushed; poll: long-poll "
+        "the HTTP API (GET .../messages)",
+    )
+    parser.add_argument(
+        "--ws-url",
+        metavar="URL",
+        help=f"the WebSocket API (ws:// or wss://; a stack's WebSocketUrl output). Default: "
+        f"${WS_URL_ENV}; else, for a shoal dev on this machine, the ws_url of "
+        f"{RUNTIME_FILE} when it serves --url, else --url's port + 1 (shoal dev's default)",
+    )
+    parser.add_argument(
         "--wait-ms",
         type=int,
         default=20_000,
         metavar="MS",
-        help="how long one request waits for messages (long poll)",
+        help="with --transport poll: how long one request waits for messages",
     )
     parser.add_argument(
         "--state",
@@ -410,57 +455,224 @@ def _will(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
+def ws_url_of(url: str, given: str | None) -> tuple[str, bool]:
+    """The WebSocket API's URL for the HTTP API at ``url``, and whether it is known (given, or
+    read from shoal dev's runtime file) rather than guessed (shoal dev's port + 1).
+
+    ``--ws-url``, else ``$SHOAL_WS_URL``; else, for a loopback ``url`` (a ``shoal dev`` on this
+    machine), the ``ws_url`` of ``.shoal/runtime.json`` when that file describes the server at
+    ``url`` (``make run``), else ``url``'s port + 1 (``shoal dev``'s default ``--ws-port``). A
+    deployed stack's WebSocket API has a URL of its own, not derivable from the HTTP API's:
+    without one given, a usage error says where to find it.
+    """
+    named = given or os.environ.get(WS_URL_ENV)
+    if named:
+        try:
+            return check_ws_url(named), True
+        except ValueError as exc:
+            flag = "--ws-url" if given else f"${WS_URL_ENV}"
+            raise UsageError(f"{flag} {exc}") from exc
+    parts = urlsplit(url)
+    if _loopback(parts.hostname or ""):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            info = json.loads(RUNTIME_FILE.read_text())
+            if str(info.get("url", "")).rstrip("/") == url.rstrip("/") and info.get("ws_url"):
+                return check_ws_url(str(info["ws_url"])), True
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        scheme = "wss" if parts.scheme == "https" else "ws"
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"{scheme}://{host}:{port + 1}", False
+    raise UsageError(
+        f"which WebSocket API serves {url}? give --ws-url (a stack's WebSocketUrl output, "
+        f"wss://...) or set {WS_URL_ENV}; or --transport poll to long-poll the HTTP API"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _subscriptions(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [
+        # MQTT 5 §3.8.3.1: the Retain Handling and No Local subscription options
+        {"filter": f, "qos": args.qos, "retain_handling": args.retain_handling}
+        | ({"no_local": True} if args.no_local else {})
+        for f in args.filters
+    ]
+
+
+def _check_granted(args: argparse.Namespace, granted: list[Any]) -> None:
+    refused = [
+        f"{f}: {answer}"
+        for f, answer in zip(args.filters, granted, strict=False)
+        if not isinstance(answer, int)
+    ]
+    if refused:
+        raise ClientError(f"subscription refused ({', '.join(refused)})")
+
+
+def _printer(args: argparse.Namespace) -> Callable[[ReceivedMessage], None]:
+    out = sys.stdout.buffer
+
+    def show(message: ReceivedMessage) -> None:
+        if args.json:
+            out.write(message.as_json_line().encode() + b"\n")
+        elif args.verbose:
+            out.write(message.topic.encode() + b" " + message.payload + b"\n")
+        else:
+            out.write(message.payload + b"\n")
+        out.flush()
+
+    return show
+
+
 def run_subscribe(args: argparse.Namespace) -> int:
     """``shoal subscribe``: each message of the session printed once, then acked."""
+    url = url_of(args)
     token = token_of(args)
-    principal = principal_of(token)
+    principal = principal_of(token.token())
     client_id = args.client_id or principal
-    url = args.url.rstrip("/")
     state = args.state or state_file("subscribe", url, principal, client_id)
     will = _will(args)
-    out = sys.stdout.buffer
-    with ShoalClient(
-        url, token, client_id=client_id, state=state, policy=policy_of(args)
-    ) as client:
-        client.connect(
-            clean_start=args.clean_start,
-            session_expiry_s=args.session_expiry_s,
-            keepalive_s=args.keepalive,
+    if args.transport == "ws":
+        ws_url, known = ws_url_of(url, args.ws_url)
+        printed = _subscribe_ws(
+            args,
+            url=url,
+            ws_url=ws_url,
+            known=known,
+            token=token,
+            client_id=client_id,
+            state=state,
             will=will,
         )
-        subscriptions = [
-            # MQTT 5 §3.8.3.1: the Retain Handling and No Local subscription options
-            {"filter": f, "qos": args.qos, "retain_handling": args.retain_handling}
-            | ({"no_local": True} if args.no_local else {})
-            for f in args.filters
-        ]
-        granted = client.subscribe(subscriptions)
-        refused = [
-            f"{f}: {answer}"
-            for f, answer in zip(args.filters, granted, strict=False)
-            if not isinstance(answer, int)
-        ]
-        if refused:
-            raise ClientError(f"subscription refused ({', '.join(refused)})")
-        until_ms = None
-        if args.timeout is not None:
-            until_ms = client.clock.now_ms() + int(args.timeout * 1000)
-        printed = 0
-        try:
-            for message in client.messages(
-                count=args.count, wait_ms=args.wait_ms, until_ms=until_ms
-            ):
-                printed += 1
-                if args.json:
-                    out.write(message.as_json_line().encode() + b"\n")
-                elif args.verbose:
-                    out.write(message.topic.encode() + b" " + message.payload + b"\n")
-                else:
-                    out.write(message.payload + b"\n")
-                out.flush()
-        except KeyboardInterrupt:
-            pass
-        client.close(disconnect=True)
+    else:
+        printed = _subscribe_poll(
+            args, url=url, token=token, client_id=client_id, state=state, will=will
+        )
+    if printed is None:
+        return INTERRUPTED
     # as mosquitto_sub -W: the time ran out before -C N messages came
     timed_out = args.timeout is not None and args.count is not None and printed < args.count
     return TIMED_OUT if timed_out else 0
+
+
+def _subscribe_ws(
+    args: argparse.Namespace,
+    *,
+    url: str,
+    ws_url: str,
+    known: bool,
+    token: TokenKeeper,
+    client_id: str,
+    state: Path,
+    will: dict[str, Any] | None,
+) -> int | None:
+    """Over the WebSocket API; the messages printed, None after Ctrl-C. A guessed URL (shoal
+    dev's port + 1) that does not answer as Shoal's WebSocket API falls back to the long poll."""
+    policy = policy_of(args)
+    client = ShoalWsClient(
+        ws_url,
+        token,
+        client_id=client_id,
+        state=state,
+        # the processed ids are kept under the HTTP API's URL, as the long poll keeps them:
+        # a run over either transport never prints what a run over the other printed
+        state_scope=url,
+        flow=FlowControl(max_messages=SUBSCRIBE_WINDOW),
+        policy=dataclasses.replace(policy, attempts=1) if not known else policy,
+    )
+    with client:
+        try:
+            client.connect(
+                clean_start=args.clean_start, session_expiry_s=args.session_expiry_s, will=will
+            )
+        except (Unavailable, ApiError) as exc:
+            if known:
+                if isinstance(exc, Unavailable):
+                    raise ClientError(
+                        f"{ws_url} did not answer ({exc.message}); nothing was subscribed (is "
+                        f"the server up, and is --ws-url right?)"
+                    ) from exc
+                raise
+            note(
+                f"no Shoal WebSocket API at {ws_url} (shoal dev's port + 1): long-polling "
+                f"{url} instead (--ws-url names the WebSocket API; --transport poll says so)"
+            )
+            client.close()
+            return _subscribe_poll(
+                args, url=url, token=token, client_id=client_id, state=state, will=will
+            )
+        client.policy = policy
+        _check_granted(args, client.subscribe(_subscriptions(args)))
+        until_ms = None
+        if args.timeout is not None:
+            until_ms = client.clock.now_ms() + int(args.timeout * 1000)
+        show = _printer(args)
+        printed = 0
+        try:
+            # a lost connection is ridden out for ever (a line on stderr as it goes and comes
+            # back); only a refusal (403, a token refused with no renewal) or a takeover ends it
+            for message in client.messages(count=args.count, until_ms=until_ms, on_outage=note):
+                show(message)
+                printed += 1
+        except KeyboardInterrupt:
+            # Ctrl-C: a clean DISCONNECT, so the server publishes no will (MQTT 5 §3.14.4)
+            client.close(disconnect=True)
+            return None
+        client.close(disconnect=True)
+    return printed
+
+
+def _subscribe_poll(
+    args: argparse.Namespace,
+    *,
+    url: str,
+    token: TokenKeeper,
+    client_id: str,
+    state: Path,
+    will: dict[str, Any] | None,
+) -> int | None:
+    """Over the HTTP API's long poll; the messages printed, None after Ctrl-C."""
+    with ShoalClient(
+        url, token, client_id=client_id, state=state, policy=policy_of(args)
+    ) as client:
+        try:
+            client.connect(
+                clean_start=args.clean_start,
+                session_expiry_s=args.session_expiry_s,
+                keepalive_s=args.keepalive,
+                will=will,
+            )
+        except Unavailable as exc:
+            # never connected: a wrong --url or a server not started, said as publish says it
+            raise ClientError(
+                f"{url} did not answer ({exc.message}); nothing was subscribed (is the server "
+                f"up, and is --url right?)"
+            ) from exc
+        _check_granted(args, client.subscribe(_subscriptions(args)))
+        until_ms = None
+        if args.timeout is not None:
+            until_ms = client.clock.now_ms() + int(args.timeout * 1000)
+        show = _printer(args)
+        printed = 0
+        interrupted = False
+        try:
+            # a lost server is waited out for ever (a line on stderr as it goes and comes
+            # back); only a refusal (403, a token refused with no renewal) ends the loop
+            for message in client.messages(
+                count=args.count, wait_ms=args.wait_ms, until_ms=until_ms, on_outage=note
+            ):
+                show(message)
+                printed += 1
+        except KeyboardInterrupt:
+            # Ctrl-C ends the session's connection normally: a clean DISCONNECT, so the server
+            # publishes no will (MQTT 5 §3.14.4); exit status 130 as any interrupted command
+            interrupted = True
+        client.close(disconnect=True)
+    return None if interrupted else printed

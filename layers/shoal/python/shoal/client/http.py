@@ -16,6 +16,18 @@ delivered again. ``409 session_taken_over`` is never retried: another channel ow
 id now, so the client forgets its channel, raises ``SessionTakenOver``, and connects again (not
 starting clean) only when it is asked to do another session call.
 
+Tokens. ``token`` is a JWT, or a ``TokenSource`` (``shoal.client.tokens``: a file or a command
+read again when the token is due): a token about to expire is renewed before a request, and a
+401 is answered by sending again with a renewed token when the source has one; with none, the
+401 is final.
+
+Outages. ``messages()`` outlives a lost server: when a call gets no answer after its retries
+(``Unavailable``), the loop says so once (``on_outage``, else a warning of the
+``shoal.client`` logger), tries again for ever with capped backoff (``Outages``), then resumes
+its session: the old channel if the server still knows it, else a new connect that resumes the
+session (not starting clean) and subscribes again when the session did not survive. Only a
+permanent refusal (403, a refused token without a renewal) ends it.
+
 Crash safety. The client keeps a small state file, rewritten atomically (temporary file, fsync,
 rename, fsync of the folder) and locked for the life of the client. Everything in it is keyed by
 (URL, principal), the principal being the token's ``sub`` read without verifying it: what was
@@ -51,6 +63,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import random
 import threading
 import uuid
@@ -77,14 +90,19 @@ from shoal.client.support import (
     CallRetry,
     Connection,
     FlowControl,
+    Outages,
     PublishResult,
     ReceivedMessage,
+    check_url,
     principal_of,
 )
+from shoal.client.tokens import StaticToken, TokenKeeper, TokenSource
 from shoal.core.clock import Clock, SystemClock
 
 if TYPE_CHECKING:
     from shoal.client.batch import BatchPublisher
+
+logger = logging.getLogger("shoal.client")
 
 CHANNEL_HEADER = "Shoal-Channel"
 #: ids per ack request (the API's limit)
@@ -104,14 +122,15 @@ def _digest(body: Mapping[str, Any]) -> str:
 class ShoalClient:
     """One principal's client: a publisher (``publisher_id``) and a session (``client_id``).
 
-    ``http`` is the transport (a ``requests.Session``; tests mount a fake adapter on it),
-    ``clock`` gives the time for keepalives and the sleeps between retries, ``rng`` the jitter.
+    ``token``: a JWT, or where to read one again (``shoal.client.tokens``). ``http`` is the
+    transport (a ``requests.Session``; tests mount a fake adapter on it), ``clock`` gives the
+    time for keepalives and the sleeps between retries, ``rng`` the jitter.
     """
 
     def __init__(
         self,
         url: str,
-        token: str,
+        token: str | TokenSource | TokenKeeper,
         *,
         client_id: str | None = None,
         publisher_id: str | None = None,
@@ -122,11 +141,14 @@ class ShoalClient:
         rng: random.Random | None = None,
         on_resend: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
-        self._token = token
+        # refused before the state file is opened: nothing is kept under a URL that is none
+        self.url = check_url(url)
+        if isinstance(token, str):
+            token = StaticToken(token)
+        self.tokens = token if isinstance(token, TokenKeeper) else TokenKeeper(token)
         self.client_id = client_id
         #: whose sequences and sessions these are: the token's subject (read, not verified)
-        self.principal = principal_of(token)
+        self.principal = principal_of(self.tokens.token())
         self.state = state if isinstance(state, ClientState) else ClientState(state)
         self.state.use_scope((self.url, self.principal))
         self._publisher_id = publisher_id
@@ -147,6 +169,9 @@ class ShoalClient:
         self._last_heartbeat_ms = 0
         # a $share/ filter was subscribed through this client: heartbeat for its group leases
         self._in_group = False
+        # every subscription made through this client, by filter: made again after an outage
+        # that the session did not survive
+        self._subscriptions: dict[str, dict[str, Any]] = {}
         # processed (recorded) ids whose ack has not been sent yet
         self._unacked: list[str] = []
         # handed out without auto_ack and not processed yet: id -> payload bytes (flow control)
@@ -186,18 +211,22 @@ class ShoalClient:
     ) -> tuple[Any, bool]:
         """One call with retries: the parsed answer, and whether an earlier attempt's outcome is
         unknown (it may have been carried out though its answer never came)."""
-        headers = {
-            "Authorization": f"Bearer {self._token}",
-            "User-Agent": f"shoal-client/{__version__}",
-        }
-        if channel is not None:
-            headers[CHANNEL_HEADER] = channel
         uncertain = False
         last: ApiError | None = None
-        for attempt in range(self.policy.attempts):
+        renewals = 0
+        attempt = -1
+        while attempt + 1 < self.policy.attempts:
+            attempt += 1
             if attempt:
                 wait_s = retry_after(last)
                 self.clock.sleep(self.policy.delay_s(attempt - 1, self.rng, wait_s))
+            token = self.tokens.token()
+            headers = {
+                "Authorization": f"Bearer {token}",
+                "User-Agent": f"shoal-client/{__version__}",
+            }
+            if channel is not None:
+                headers[CHANNEL_HEADER] = channel
             self.requests_sent += 1
             try:
                 response = self.http.request(
@@ -217,6 +246,12 @@ class ShoalClient:
             if 200 <= response.status_code < 300:
                 return answer, uncertain
             error = error_of(response.status_code, answer, response.headers)
+            if response.status_code == 401 and renewals == 0 and self._renewed(token):
+                # the token expired (or was revoked) and its source has a new one: send it now,
+                # once, without counting an attempt
+                renewals += 1
+                attempt -= 1
+                continue
             if response.status_code in self.policy.retry_statuses:
                 uncertain = uncertain or response.status_code != 429
                 error.details.setdefault("retry_after", response.headers.get("Retry-After"))
@@ -233,6 +268,18 @@ class ShoalClient:
             f"{method} {path}: no answer after {self.policy.attempts} attempts ({last.message})",
             {"uncertain": uncertain},
         )
+
+    def _renewed(self, refused: str) -> bool:
+        """The server refused ``refused``: whether another token of the same principal is now
+        at hand (a token of another principal would mix two principals' state: refused)."""
+        if not self.tokens.refused(refused):
+            return False
+        if principal_of(self.tokens.token()) != self.principal:
+            raise ClientError(
+                f"{self.tokens.source.description} now holds a token of another principal "
+                f"than {self.principal!r}"
+            )
+        return True
 
     def call(
         self,
@@ -639,11 +686,17 @@ class ShoalClient:
         answer = self._session_call("POST", "/subscriptions", body={"subscriptions": subscriptions})
         if any(str(s.get("filter", "")).startswith("$share/") for s in subscriptions):
             self._in_group = True
-        return list(answer.get("granted", []))
+        granted = list(answer.get("granted", []))
+        for subscription, outcome in zip(subscriptions, granted, strict=False):
+            if isinstance(outcome, int):
+                self._subscriptions[str(subscription["filter"])] = subscription
+        return granted
 
     def unsubscribe(self, filters: str | Sequence[str]) -> None:
         items = [filters] if isinstance(filters, str) else list(filters)
         self._session_call("POST", "/unsubscribe", body={"filters": items})
+        for item in items:
+            self._subscriptions.pop(item, None)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -725,6 +778,8 @@ class ShoalClient:
         flow: FlowControl | None = None,
         auto_ack: bool = True,
         until_ms: int | None = None,
+        outages: Outages | None = None,
+        on_outage: Callable[[str], None] | None = None,
     ) -> Iterator[ReceivedMessage]:
         """Messages in order, each once.
 
@@ -732,26 +787,37 @@ class ShoalClient:
         acks go out in one request before each fetch and when the iteration ends. Without it,
         a message stays outstanding until ``mark_processed`` (from any thread) or ``ack``, and
         ``flow`` bounds what is outstanding: no fetch while it is full. ``until_ms`` (the
-        client clock's time) ends the iteration then, whatever ``count`` says.
+        client clock's time) ends the iteration then, whatever ``count`` says. A lost server is
+        ridden out as ``outages`` says (default: for ever), each outage told once as it starts
+        and once as it ends to ``on_outage`` (default: the ``shoal.client`` logger).
         """
+        outages = outages or Outages()
+        say = on_outage or logger.warning
         handed = 0
         try:
             while count is None or handed < count:
-                self.flush_acks()
                 if until_ms is not None:
                     left_ms = until_ms - self.clock.now_ms()
                     if left_ms <= 0:
                         return
                     wait_ms = min(wait_ms, left_ms)
                 wanted = max_messages if count is None else min(max_messages, count - handed)
-                room = self._room(flow, wanted)
-                if room == 0:
-                    # full: wait for acks, heartbeating so the session and leases stay alive
-                    self._heartbeat_if_due()
-                    with self._outstanding_changed:
-                        self._outstanding_changed.wait(IDLE_POLL_MS / 1000)
+                try:
+                    self.flush_acks()
+                    room = self._room(flow, wanted)
+                    if room == 0:
+                        # full: wait for acks, heartbeating so the session and leases stay alive
+                        self._heartbeat_if_due()
+                        with self._outstanding_changed:
+                            self._outstanding_changed.wait(IDLE_POLL_MS / 1000)
+                        continue
+                    batch = self.fetch(room, wait_ms)
+                except Unavailable as exc:
+                    if not outages.forever:
+                        raise
+                    if not self._ride_out(exc, outages, say, until_ms):
+                        return
                     continue
-                batch = self.fetch(room, wait_ms)
                 if not batch and not self._unacked and wait_ms < IDLE_POLL_MS:
                     # the server did not wait: do not ask again at once
                     self.clock.sleep(IDLE_POLL_MS / 1000)
@@ -770,6 +836,57 @@ class ShoalClient:
             if self.connection is not None:
                 with contextlib.suppress(ClientError):
                     self.flush_acks()
+
+    def _ride_out(
+        self,
+        lost: Unavailable,
+        outages: Outages,
+        say: Callable[[str], None],
+        until_ms: int | None,
+    ) -> bool:
+        """Wait out a lost server and resume the session; False if ``until_ms`` came first.
+
+        Raises only what is permanent (any ``ApiError`` but ``Unavailable``)."""
+        say(
+            f"lost {self.url} ({lost.message}); trying again, at most every "
+            f"{outages.max_s:g} s, until it answers"
+        )
+        retry = 0
+        while True:
+            delay_s = outages.delay_s(retry, self.rng)
+            if until_ms is not None:
+                left_s = (until_ms - self.clock.now_ms()) / 1000
+                if left_s <= delay_s:
+                    self.clock.sleep(max(left_s, 0))
+                    return False
+            self.clock.sleep(delay_s)
+            retry += 1
+            try:
+                how = self._resume()
+            except Unavailable:
+                continue
+            say(f"{self.url} answers again; {how}")
+            return True
+
+    def _resume(self) -> str:
+        """After an outage: the old channel if the server still knows it, else a connect that
+        resumes the session (and subscribes again if the session was lost); what was done."""
+        if self.connection is not None:
+            try:
+                self.heartbeat()
+                return "the session goes on"
+            except SessionTakenOver:
+                pass  # the channel expired meanwhile (its keepalive ran out): connect again
+            except ApiError as exc:
+                if exc.code != "session_not_found":
+                    raise
+        self.connection = None
+        connection = self.connect(**self._connect_options)
+        if connection.session_present:
+            return "the session was resumed"
+        if self._subscriptions:
+            self.subscribe(list(self._subscriptions.values()))
+        return "the session had ended: a new one, subscribed again"
 
 
 def _chunk(in_flight: list[dict[str, Any]], settings: BatchSettings) -> list[dict[str, Any]]:

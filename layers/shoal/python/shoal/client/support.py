@@ -10,6 +10,17 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+
+def check_url(url: str) -> str:
+    """``url`` without its trailing slash if it can be an API's URL (http or https, a host);
+    else ValueError saying why, before anything is sent or kept under it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f"; did you mean http://{url}?" if "://" not in url else ""
+        raise ValueError(f"{url!r} is not an http:// or https:// URL{hint}")
+    return url.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,23 @@ class CallRetry:
         if retry_after_s is not None:
             delay = max(delay, min(retry_after_s, self.max_backoff_s))
         return delay
+
+
+@dataclass(frozen=True)
+class Outages:
+    """How a receiving loop (``ShoalClient.messages``) rides out a lost server: it tries again
+    for ever (``forever``; False: the ``Unavailable`` is raised as from any call), waiting
+    ``first_s`` doubling up to ``max_s`` between tries (jittered), as paho's and mosquitto's
+    clients reconnect. Only a permanent refusal (403, a token the server refuses and no new one
+    to send) ends it."""
+
+    forever: bool = True
+    first_s: float = 0.5
+    max_s: float = 30.0
+
+    def delay_s(self, retry: int, rng: random.Random) -> float:
+        ceiling = min(self.max_s, self.first_s * 2**retry)
+        return ceiling * (0.5 + rng.random() / 2)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ MAX_PARTITIONS = 500
 TOPIC_CACHE_TTL_MS = 1_000
 #: how long after it is written a routing change takes effect: the TTL plus a clock-skew margin
 EFFECTIVE_DELAY_MS = 2_000
+#: the longest from a publisher choosing a storage topic (reading the produce pointer) to the
+#: end of its put into it: the publish path starts no put later than this less one call's bound
+#: (``shoal.publish.writer``), so the sealer need wait no longer after a switch (``shoal.drain``)
+ROUTED_PUT_BOUND_MS = 10_000
 
 
 def is_valid_topic_name(name: object) -> bool:

@@ -61,12 +61,20 @@ class StorageTopicHooks(Protocol):
         """``topic``'s produce pointer moved (best effort: the switch stands regardless)."""
         ...
 
+    def switch_in_effect(self, topic: CompositeTopic) -> None:
+        """``topic``'s switch is in effect: what is behind the pointer may be sealed (the ordered
+        drain, ``shoal.drain``; best effort: the reaper seals it otherwise)."""
+        ...
+
 
 class NoHooks:
     def storage_topic_added(self, topic: CompositeTopic, pending: StorageTopic) -> None:
         return None
 
     def produce_switched(self, topic: CompositeTopic) -> None:
+        return None
+
+    def switch_in_effect(self, topic: CompositeTopic) -> None:
         return None
 
 
@@ -184,6 +192,11 @@ class TopicService:
                 # tap of several lanes is given back: later delivery, never out of order.
                 logger.exception("push taps not refitted after a switch", extra={"topic": name})
             self._wait_until(effective)
+            try:
+                self.hooks.switch_in_effect(switched)
+            except Exception:
+                # the switch stands; the reaper's next run seals what this did not
+                logger.exception("storage topics not sealed after a switch", extra={"topic": name})
             return self.get(name)
         raise ServerBusy(f"topic {name} is changing; retry")
 

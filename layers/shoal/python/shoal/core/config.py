@@ -34,6 +34,9 @@ DEFAULT_LEASE_TIMEOUT_S = 6.0
 DEFAULT_WRITE_CONCURRENCY = 4
 #: a shared group's work spreads over at least this many members (``shoal.groups.streams``)
 DEFAULT_GROUP_PARALLELISM = 8
+#: Lambda's and Kinesis' clocks are both kept by the Amazon Time Sync Service (well under a
+#: millisecond apart); a hundred times that margin costs a new subscription 200 ms at most
+DEFAULT_STREAM_SKEW_MS = 100
 
 
 class DeliverySettings(BaseModel):
@@ -48,6 +51,10 @@ class DeliverySettings(BaseModel):
     retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
     #: the router's inbox batch writes in flight at once (``InboxStore.put``)
     write_concurrency: int = Field(default=DEFAULT_WRITE_CONCURRENCY, ge=1, le=16)
+    #: the most the functions' clocks and Kinesis' arrival stamps may differ by: a subscription's
+    #: cut stands this far after its subscribe began, and the subscribe returns only once its
+    #: clock is this far past the cut (``shoal.delivery.subscriptions``, "The cut")
+    stream_skew_ms: int = Field(default=DEFAULT_STREAM_SKEW_MS, ge=0, le=5_000)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DeliverySettings:
@@ -57,6 +64,7 @@ class DeliverySettings(BaseModel):
             ("window", "SHOAL_INFLIGHT_WINDOW"),
             ("retention_s", "SHOAL_INBOX_RETENTION_S"),
             ("write_concurrency", "SHOAL_ROUTER_WRITE_CONCURRENCY"),
+            ("stream_skew_ms", "SHOAL_STREAM_CLOCK_SKEW_MS"),
         ):
             if env.get(key):
                 values[name] = env[key]
@@ -129,6 +137,17 @@ class Config(BaseModel):
     #: ``shoal dev``, whose AWS_ENDPOINT_URL names its emulator on loopback (a deployed
     #: function has no AWS_ENDPOINT_URL at all, so that is the signal that we run locally)
     push_loopback_http: bool = False
+    #: the WebSocket API's ``@connections`` management endpoint
+    #: (``https://{api}.execute-api.{region}.amazonaws.com/{stage}``; under ``shoal dev`` its
+    #: loopback URL): where pushed frames go (``shoal.edge``). Empty: no WebSocket API, and
+    #: nothing is pushed.
+    connections_endpoint: str = ""
+    #: the JWT rules the WebSocket API's authorizer applies, the HTTP API's JWT authorizer's
+    #: (``SHOAL_JWT_ISSUER``, ``SHOAL_JWT_AUDIENCE``: comma-separated; the keys from
+    #: ``SHOAL_JWKS_URL``, by default the issuer's ``/.well-known/jwks.json``)
+    jwt_issuer: str = ""
+    jwt_audiences: tuple[str, ...] = ()
+    jwks_url: str = ""
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -155,6 +174,12 @@ class Config(BaseModel):
             if env.get("SHOAL_SEAL_GRACE_S")
             else None,
             push_loopback_http=_on_loopback(env.get("AWS_ENDPOINT_URL", "")),
+            connections_endpoint=env.get("SHOAL_CONNECTIONS_ENDPOINT", ""),
+            jwt_issuer=env.get("SHOAL_JWT_ISSUER", ""),
+            jwt_audiences=tuple(
+                a.strip() for a in env.get("SHOAL_JWT_AUDIENCE", "").split(",") if a.strip()
+            ),
+            jwks_url=env.get("SHOAL_JWKS_URL", ""),
         )
 
 

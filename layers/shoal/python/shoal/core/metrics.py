@@ -28,6 +28,10 @@ REDRIVEN: Final = "MessagesRedriven"  # pushadmin: DLQ messages sent back
 REPLAYED: Final = "MessagesReplayed"
 # shared groups: a leader's transition that changed who holds which stream, once committed
 REBALANCES: Final = "GroupRebalances"
+# edge/router: frames pushed to WebSocket connections (deliveries), and pushes that failed
+# (the connection was gone, or @connections refused): the inbox keeps what they carried
+PUSHED: Final = "FramesPushed"
+PUSH_FAILED: Final = "PushFailed"
 # archiver: delivery-event lines written to the archive (a retried batch counts again)
 ARCHIVED_EVENTS: Final = "DeliveryEventsArchived"
 

@@ -268,6 +268,9 @@ class Subscription:
     share: str | None = None
     #: a shared subscription's group incarnation (``shoal.groups``): where the router writes
     group: str | None = None
+    #: the cut, in ms of Kinesis' arrival stamps: the router gives this subscription only
+    #: records that arrived after it (a shared one: its group's cut); None: every record
+    cut_ms: int | None = None
 
     @property
     def topic_filter(self) -> str:
@@ -290,6 +293,8 @@ class Subscription:
             out["share"] = self.share
         if self.group is not None:
             out["group"] = self.group
+        if self.cut_ms is not None:
+            out["cut"] = self.cut_ms
         return out
 
     @classmethod
@@ -305,6 +310,7 @@ class Subscription:
             no_local=bool(data.get("no_local", False)),
             share=data.get("share"),
             group=data.get("group"),
+            cut_ms=None if data.get("cut") is None else int(data["cut"]),
         )
 
 

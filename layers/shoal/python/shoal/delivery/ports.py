@@ -17,6 +17,8 @@ class MembershipPlan:
 
     parts: list[dict[str, Any]] = field(default_factory=list)
     incarnations: dict[str, str] = field(default_factory=dict)
+    #: each joined filter's group cut (None: a group made before cuts existed)
+    cuts: dict[str, int | None] = field(default_factory=dict)
     #: groups it joins that existed (their leaders advance once it committed: a join is
     #: granted its streams at once, not at the next call)
     joined: list[str] = field(default_factory=list)
@@ -24,6 +26,8 @@ class MembershipPlan:
     left: list[str] = field(default_factory=list)
     #: groups it removes: (key, incarnation)
     removed: list[tuple[str, str]] = field(default_factory=list)
+    #: (group key, session id) of every leave: its held QoS 2 deliveries are dropped
+    leavers: list[tuple[str, str]] = field(default_factory=list)
 
 
 class SharedGroups(Protocol):
@@ -38,6 +42,7 @@ class SharedGroups(Protocol):
         joins: Iterable[str] = (),
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
         lanes: Mapping[str, int] | None = None,
+        cut_ms: int | None = None,
     ) -> MembershipPlan: ...
 
     def after(self, plan: MembershipPlan) -> None: ...

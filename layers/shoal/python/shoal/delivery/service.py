@@ -146,7 +146,11 @@ class DeliveryService:
         channel: Channel | None,
         max_messages: int = 10,
         wait_ms: int = 0,
+        *,
+        window: int | None = None,
     ) -> dict[str, Any]:
+        """``window``: the session's in-flight window when it is not the service's (a
+        WebSocket client's Receive Maximum, ``shoal.edge``)."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -176,6 +180,7 @@ class DeliveryService:
                     wanted=wanted,
                     now=now,
                     lines=lines,
+                    window=window or self.settings.window,
                 )
                 if not plan.changed:
                     break
@@ -218,12 +223,13 @@ class DeliveryService:
         wanted: int,
         now: int,
         lines: LineCache,
+        window: int,
     ) -> _Plan:
         plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
             plan.changed = True
         self._redeliver(session_id, plan, channel, wanted, now)
-        window_left = self.settings.window - state.in_flight()
+        window_left = window - state.in_flight()
         if len(plan.out) < wanted and window_left > 0:
             self._deliver_new(
                 session_id=session_id,

@@ -68,6 +68,7 @@ counter with its own clock, which a process-less leader cannot do.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -82,12 +83,23 @@ from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
 from shoal.groups.state import AgentView, agent_sync
-from shoal.groups.store import ATTEMPTS, GroupRef, GroupStore, Loaded, group_refs, member_record
+from shoal.groups.store import (
+    ATTEMPTS,
+    GroupRef,
+    GroupStore,
+    Loaded,
+    group_refs,
+    held_record,
+    member_record,
+)
 from shoal.groups.streams import (
+    GroupDelivery,
+    Handed,
     StaleLease,
     StreamProgress,
     StreamReader,
     StreamState,
+    Unpinned,
     answer,
     group_partition,
     parse_delivery_id,
@@ -97,6 +109,9 @@ from shoal.groups.streams import (
 from shoal.groups.streams import delivery_id as stream_delivery_id
 from shoal.sessions.model import Channel
 from shoal.topics.filters import parse_shared
+
+#: the reason a QoS 2 delivery of an ended session is dropped (delivery events, the audit)
+SESSION_ENDED = "session_ended"
 
 # --- the member's side -------------------------------------------------------------------------
 
@@ -145,9 +160,11 @@ class GroupService:
         joins: Iterable[str] = (),
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
         lanes: Mapping[str, int] | None = None,
+        cut_ms: int | None = None,
     ) -> MembershipPlan:
         """The group parts of a subscribe (``joins``: filter texts; ``lanes``: the lane count
-        a filter asks its group to be created with), an unsubscribe or a session's end
+        a filter asks its group to be created with; ``cut_ms``: the cut of a group it
+        creates), an unsubscribe or a session's end
         (``leaves``: filter text -> the session's option for it). Read fresh on every attempt
         of the caller's transaction."""
         now = self.clock.now_ms()
@@ -157,14 +174,17 @@ class GroupService:
             if shared is None:
                 continue
             ref = GroupRef(text, shared[0], shared[1], 1, None, (lanes or {}).get(text))
-            inc, parts = self.store.join_parts(ref, session_id, client_id, now)
+            inc, cut, parts = self.store.join_parts(ref, session_id, client_id, now, cut_ms)
             plan.incarnations[text] = inc
+            plan.cuts[text] = cut
             plan.parts += parts
             if parts and "Update" in parts[0]:
                 plan.joined.append(ref.key)
         for ref in group_refs(leaves or {}):
             parts, removed = self.store.leave_parts(ref, session_id)
             plan.parts += parts
+            if parts:
+                plan.leavers.append((ref.key, session_id))
             if removed is not None:
                 plan.removed.append((ref.key, removed))
             elif parts:
@@ -186,6 +206,13 @@ class GroupService:
                 self.store.advance(key, now, operation="leave")
             except Exception:
                 logger.exception("advancing a group after a leave failed")
+        for key, member_id in plan.leavers:
+            try:
+                self.drop_held(key, member_id)
+            except Exception:
+                # held items of a non-member are never served; the next leave retries nothing,
+                # so they wait for the group's removal (remove_backlog) or TTL
+                logger.exception("dropping a leaver's held QoS 2 deliveries failed")
         for key, incarnation in plan.removed:
             try:
                 self.store.remove_backlog(key, incarnation)
@@ -255,6 +282,8 @@ class GroupService:
             mine = sorted(
                 s for s, x in loaded.state.streams.items() if x.holder == session_id and x.held
             )
+            if loaded.held.get(session_id):
+                out += self._serve_held(ref, session_id, wanted - len(out), now, channel)
             known = self._progresses(ref.key, mine)
             for stream in _rotated(mine, self._turn):
                 if len(out) >= wanted:
@@ -284,6 +313,66 @@ class GroupService:
                 found = self.store.lane_progress(key, source)
                 out.update({s: found[s] for s in held if s in found})
         return out
+
+    def _serve_held(
+        self, ref: GroupRef, member_id: str, wanted: int, now: int, channel: Channel
+    ) -> list[dict[str, Any]]:
+        """The member's QoS 2 deliveries held off the streams ([MQTT-4.8.2-4]): due again, with
+        ``dup`` and their first id, on a new channel (a reconnect) or after the ack timeout."""
+        if wanted <= 0:
+            return []
+        timeout = int(self.delivery.ack_timeout_s * 1000)
+        out: list[dict[str, Any]] = []
+        sent: list[dict[str, Any]] = []
+        for record in self.store.held(ref.key, member_id):
+            if len(out) >= wanted:
+                break
+            if record.get("ch") == channel and int(record.get("sa", 0)) + timeout > now:
+                continue
+            out.append(json.loads(str(record["msg"])))
+            sent.append({**record, "sa": now, "ch": channel})
+        self.store.mark_held_sent(sent)
+        if out and self.events is not None and self.events.enabled:
+            events = self.events.new()
+            for message in out:
+                events.add(
+                    "redelivered",
+                    "group",
+                    ref.key,
+                    delivery_id=message["id"],
+                    message_id=message["message_id"],
+                    topic=message["topic"],
+                    published_at=message["published_at"],
+                    qos=message["qos"],
+                    label=member_id,
+                )
+            events.flush(f"group-held/{ref.key}/{member_id}/{now}")
+        return out
+
+    def drop_held(self, key: str, member_id: str) -> int:
+        """A member's session ended: its held QoS 2 deliveries go to no one ([MQTT-4.8.2-5]),
+        each recorded ``dropped`` with its reason. How many."""
+        records = self.store.held(key, member_id)
+        gone = set(self.store.release_held(key, member_id, [str(r["d"]) for r in records]))
+        if gone and self.events is not None and self.events.enabled:
+            events = self.events.new()
+            for record in records:
+                if str(record["d"]) not in gone:
+                    continue
+                message = json.loads(str(record["msg"]))
+                events.add(
+                    "dropped",
+                    "group",
+                    key,
+                    message_id=message["message_id"],
+                    topic=message["topic"],
+                    published_at=message["published_at"],
+                    qos=message["qos"],
+                    reason=SESSION_ENDED,
+                    label=member_id,
+                )
+            events.flush(f"group-ended/{key}/{member_id}/{self.clock.now_ms()}")
+        return len(gone)
 
     def _renew_if_due(self, key: str, loaded: Loaded, member_id: str, now: int) -> None:
         """A member that gets is alive: its renewal is written once a third of the lease
@@ -328,6 +417,7 @@ class GroupService:
             expected = progress.pv
             work = progress
             dropped: list[InboxMessage] = []
+            unpinned: list[Unpinned] = []
             handed, changed = serve(
                 work,
                 reader=reader or self.reader,
@@ -342,13 +432,36 @@ class GroupService:
                 admit=None if gate is None else partial(gate.admits, ref.key, partition, lanes),
                 dropped=dropped,
                 lanes=lanes,
+                member_id=member_id,
+                members=loaded.state.members.keys(),
+                unpinned=unpinned,
             )
             if not changed:
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
                     self.store.advance(ref.key, now, operation="revoked")
                 return []
             work.pv = expected + 1
-            if self.store.save_progress(ref.key, work, expected, member_id):
+            held = [
+                held_record(
+                    ref.key,
+                    loaded.state.incarnation,
+                    u.member,
+                    stream_delivery_id(ref.key, source, u.delivery_id_lease, u.ordinal),
+                    answer(
+                        group_key=ref.key,
+                        source=source,
+                        lease=u.delivery_id_lease,
+                        handed=Handed(u.ordinal, u.message, True),
+                        subscription=ref.text,
+                        qos=ref.qos,
+                        now_ms=now,
+                        payloads=self.payloads,
+                    ),
+                )
+                for u in unpinned
+                if not u.ended
+            ]
+            if self.store.save_progress_holding(ref.key, work, expected, member_id, held):
                 if lease.state is StreamState.REVOKING and work.in_flight() == 0:
                     # nothing left in flight: that was the final progress, hand it over
                     self.store.advance(ref.key, now, operation="revoked")
@@ -365,10 +478,19 @@ class GroupService:
                     )
                     for h in handed
                 ]
-                if self.events is not None and self.events.enabled and (answers or dropped):
+                ended = [(u.member, u.message) for u in unpinned if u.ended]
+                if (
+                    self.events is not None
+                    and self.events.enabled
+                    and (answers or dropped or ended)
+                ):
                     events = self.events.new()
                     record_answers(events, "group", ref.key, answers, label=member_id)
-                    for message in dropped:
+                    reasons = [("expired", member_id, m) for m in dropped]
+                    # [MQTT-4.8.2-5]: a QoS 2 message whose member's session ended before it
+                    # was acked goes to no other member
+                    reasons += [(SESSION_ENDED, owner, m) for owner, m in ended]
+                    for reason, label, message in reasons:
                         events.add(
                             "dropped",
                             "group",
@@ -377,8 +499,8 @@ class GroupService:
                             topic=message.topic,
                             published_at=message.published_at_ms,
                             qos=message.qos,
-                            reason="expired",
-                            label=member_id,
+                            reason=reason,
+                            label=label,
                         )
                     events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
                 return answers
@@ -417,6 +539,7 @@ class GroupService:
         member_id: str,
         known: StreamProgress | None = None,
     ) -> int:
+        released = 0
         for attempt in range(ATTEMPTS):
             progress = known if known is not None and attempt == 0 else None
             if progress is None:
@@ -424,7 +547,32 @@ class GroupService:
             if progress is None or (
                 ref.incarnation is not None and progress.incarnation != ref.incarnation
             ):
-                return 0
+                return released
+            if attempt == 0:
+                # ids of a lease the member no longer holds may be QoS 2 deliveries held for
+                # it off the stream ([MQTT-4.8.2-4]): acked there, and not fenced below
+                stale = [
+                    stream_delivery_id(ref.key, source, lease, o)
+                    for lease, ordinals in sorted(by_lease.items())
+                    if lease != progress.lease or progress.holder != member_id
+                    for o in sorted(ordinals)
+                ]
+                if stale:
+                    gone = self.store.release_held(ref.key, member_id, stale)
+                    released = len(gone)
+                    self._record_held_acks(ref, member_id, gone)
+                    taken = {parse_delivery_id(d) for d in gone}
+                    by_lease = {
+                        lease: {
+                            o
+                            for o in ordinals
+                            if GroupDelivery(ref.key, source, lease, o) not in taken
+                        }
+                        for lease, ordinals in by_lease.items()
+                    }
+                    by_lease = {lease: o for lease, o in by_lease.items() if o}
+                    if not by_lease:
+                        return released
             expected = progress.pv
             count = 0
             fenced = False
@@ -437,16 +585,24 @@ class GroupService:
                 self.store.lost(ref.key, member_id)
             if count == 0:
                 self._record_acks(ref, source, by_lease, progress, member_id)
-                return 0
+                return released
             progress.pv = expected + 1
             if self.store.save_progress(ref.key, progress, expected, member_id):
                 if progress.state is StreamState.REVOKING and progress.in_flight() == 0:
                     # the holder's final progress: hand the stream over now
                     self.store.advance(ref.key, self.clock.now_ms(), operation="revoked")
                 self._record_acks(ref, source, by_lease, progress, member_id)
-                return count
+                return count + released
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this group stream is contended; retry")
+
+    def _record_held_acks(self, ref: GroupRef, member_id: str, delivery_ids: list[str]) -> None:
+        if not delivery_ids or self.events is None or not self.events.enabled:
+            return
+        events = self.events.new()
+        for did in delivery_ids:
+            events.add("acked", "group", ref.key, delivery_id=did, label=member_id)
+        events.flush(f"group-held-ack/{ref.key}/{member_id}/{delivery_ids[0]}")
 
     def _record_acks(
         self,

@@ -60,6 +60,9 @@ class GroupState:
     streams: Mapping[str, StreamLease] = field(default_factory=dict)
     #: lanes per source (``shoal.groups.streams``), set when the group is created
     lanes: int = 1
+    #: the group's cut (``shoal.delivery.subscriptions``): it gets the records that arrived
+    #: at Kinesis after it, whichever member joins when; None (groups made before): all
+    cut_ms: int | None = None
 
     def holdings(self, member_id: str) -> dict[str, StreamLease]:
         """The streams a member holds (granted or revoking), by source."""
@@ -93,9 +96,17 @@ def stored_view(state: GroupState) -> tuple[object, ...]:
 
 
 def new_group(
-    share: str, topic_filter: str, incarnation: str, now_ms: int, lanes: int = 1
+    share: str,
+    topic_filter: str,
+    incarnation: str,
+    now_ms: int,
+    lanes: int = 1,
+    *,
+    cut_ms: int | None = None,
 ) -> GroupState:
-    return GroupState(share, topic_filter, incarnation, created_at_ms=now_ms, lanes=lanes)
+    return GroupState(
+        share, topic_filter, incarnation, created_at_ms=now_ms, lanes=lanes, cut_ms=cut_ms
+    )
 
 
 def join(state: GroupState, member_id: str, client_id: str, now_ms: int) -> GroupState:

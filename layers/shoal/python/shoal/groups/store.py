@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,6 +58,39 @@ ATTEMPTS = 12
 
 #: items of a removed group's backlog deleted at once; TTL removes the rest
 MAX_BACKLOG_DELETE = 1000
+
+
+HELD_PREFIX = "q#"
+
+
+def held_prefix(member_id: str) -> str:
+    return f"{HELD_PREFIX}{member_id}#"
+
+
+def held_item(member_id: str, delivery_id: str) -> str:
+    """A QoS 2 delivery held for its member off the group's streams ([MQTT-4.8.2-4/5])."""
+    return held_prefix(member_id) + delivery_id
+
+
+def held_record(
+    key: str,
+    incarnation: str,
+    member_id: str,
+    delivery_id: str,
+    message: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``message``: the delivery as get answers it (``streams.answer``), kept whole."""
+    return {
+        "group": key,
+        "item": held_item(member_id, delivery_id),
+        "inc": incarnation,
+        "mid": member_id,
+        "d": delivery_id,
+        "msg": json.dumps(message, separators=(",", ":")),
+        # never sent from here yet: due at once
+        "sa": 0,
+        "ch": "",
+    }
 
 
 def group_key(share: str, topic_filter: str) -> str:
@@ -123,7 +156,7 @@ def leader_record(key: str, state: GroupState) -> dict[str, Any]:
         if lease.holder is not None:
             entry["h"] = lease.holder
         streams[source] = entry
-    return {
+    record: dict[str, Any] = {
         "group": key,
         "item": LEADER,
         "v": state.version,
@@ -139,6 +172,9 @@ def leader_record(key: str, state: GroupState) -> dict[str, Any]:
         "st": json.dumps(streams, separators=(",", ":"), sort_keys=True),
         "ln": state.lanes,
     }
+    if state.cut_ms is not None:
+        record["cut"] = state.cut_ms
+    return record
 
 
 def member_record(
@@ -181,6 +217,8 @@ class Loaded:
     views: dict[str, AgentView]
     #: members' renewals as stored (``state`` may hold a renewal not written yet)
     renewed: dict[str, int] = field(default_factory=dict)
+    #: QoS 2 deliveries held for a member off its streams (``q#`` items), by member
+    held: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,6 +290,8 @@ class GroupStore:
             "vw",
             "lost",
             "ln",
+            "cut",
+            "mid",
         )
         names = {f"#a{n}": a for n, a in enumerate(attributes)}
         rows = self.dynamo.query(
@@ -270,10 +310,15 @@ class GroupStore:
         renewals: dict[str, int] = {}
         views: dict[str, AgentView] = {}
         fences: dict[str, Fence] = {}
+        held_counts: dict[str, int] = {}
         for row in rows:
             name = str(row["item"])
             if row.get("inc") != inc:
                 continue  # left behind by an earlier incarnation
+            if name.startswith(HELD_PREFIX):
+                member = str(row.get("mid"))
+                held_counts[member] = held_counts.get(member, 0) + 1
+                continue
             if name.startswith(MEMBER_PREFIX):
                 member_id = name[len(MEMBER_PREFIX) :]
                 renewals[member_id] = int(row.get("r", 0))
@@ -310,9 +355,17 @@ class GroupStore:
             streams=streams,
             # groups created before lanes existed have one
             lanes=int(leader.get("ln", 1)),
+            cut_ms=None if leader.get("cut") is None else int(leader["cut"]),
         )
         state = add_streams(state, sorted(fences))
-        return Loaded(key, state, fences, views, {m: x.renewed_at_ms for m, x in members.items()})
+        return Loaded(
+            key,
+            state,
+            fences,
+            views,
+            {m: x.renewed_at_ms for m, x in members.items()},
+            held_counts,
+        )
 
     def progress(self, key: str, source: str) -> StreamProgress | None:
         raw = self.dynamo.get(self.table, {"group": key, "item": stream_item(source)})
@@ -514,6 +567,80 @@ class GroupStore:
         self.stats.count("progress", conflict=False)
         return True
 
+    def save_progress_holding(
+        self,
+        key: str,
+        progress: StreamProgress,
+        expected_pv: int,
+        member_id: str,
+        held: Sequence[Mapping[str, Any]],
+    ) -> bool:
+        """``save_progress`` with the QoS 2 deliveries it took off the stream kept for their
+        members (``held_record``), in one transaction: a crash keeps both or neither."""
+        if not held:
+            return self.save_progress(key, progress, expected_pv, member_id)
+        parts: list[dict[str, Any]] = [
+            {
+                "Put": {
+                    "TableName": self.table,
+                    "Item": to_item(progress.record(key)),
+                    "ConditionExpression": (
+                        "#pv = :pv AND #l = :l AND #h = :h AND #s = :s AND #inc = :inc"
+                    ),
+                    "ExpressionAttributeNames": {
+                        "#pv": "pv",
+                        "#l": "lease",
+                        "#h": "holder",
+                        "#s": "state",
+                        "#inc": "inc",
+                    },
+                    "ExpressionAttributeValues": to_item(
+                        {
+                            ":pv": expected_pv,
+                            ":l": progress.lease,
+                            ":h": member_id,
+                            ":s": progress.state.value,
+                            ":inc": progress.incarnation,
+                        }
+                    ),
+                }
+            }
+        ]
+        parts += [{"Put": {"TableName": self.table, "Item": to_item(h)}} for h in held]
+        ok = self.dynamo.transact(parts) is None
+        self.stats.count("progress", conflict=not ok)
+        return ok
+
+    def held(self, key: str, member_id: str) -> list[dict[str, Any]]:
+        """The QoS 2 deliveries held for a member, strongly consistent."""
+        return self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#g = :g AND begins_with(#i, :p)",
+            ExpressionAttributeNames={"#g": "group", "#i": "item"},
+            ExpressionAttributeValues=to_item({":g": key, ":p": held_prefix(member_id)}),
+            ConsistentRead=True,
+        )
+
+    def mark_held_sent(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """When and to which channel held deliveries went again (their member's own writes)."""
+        if records:
+            self.dynamo.batch_put(self.table, list(records))
+
+    def release_held(self, key: str, member_id: str, delivery_ids: Iterable[str]) -> list[str]:
+        """Remove held deliveries (acked, or dropped with the member's session): the ids that
+        were still held."""
+        out: list[str] = []
+        for did in delivery_ids:
+            if self.dynamo.conditional(
+                "delete_item",
+                TableName=self.table,
+                Key=to_item({"group": key, "item": held_item(member_id, did)}),
+                ConditionExpression="attribute_exists(#i)",
+                ExpressionAttributeNames={"#i": "item"},
+            ):
+                out.append(did)
+        return out
+
     # -- members' renewals and views
 
     def renew_members(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -571,9 +698,17 @@ class GroupStore:
         return self.dynamo.get(self.table, {"group": key, "item": LEADER})
 
     def join_parts(
-        self, ref: GroupRef, member_id: str, client_id: str, now_ms: int
-    ) -> tuple[str, list[dict[str, Any]]]:
-        """Join (creating the group when it does not exist): its incarnation and one part.
+        self,
+        ref: GroupRef,
+        member_id: str,
+        client_id: str,
+        now_ms: int,
+        cut_ms: int | None = None,
+    ) -> tuple[str, int | None, list[dict[str, Any]]]:
+        """Join (creating the group when it does not exist): its incarnation, its cut and one
+        part. A group this join creates takes ``cut_ms`` (the subscribe's cut); an existing one
+        keeps its own: a message published before the group existed reaches none of its
+        members, and one published while it existed reaches one of them, whenever it joined.
 
         Joining an existing group adds the member with one update of the leader (no read of
         its version: racing joins of many members never conflict), which bumps the version
@@ -588,50 +723,70 @@ class GroupStore:
             inc = new_incarnation()
             lanes = ref.lanes or self.settings.lanes or self._default_lanes(ref.filter)
             state = join(
-                new_group(ref.share, ref.filter, inc, now_ms, lanes), member_id, client_id, now_ms
+                new_group(ref.share, ref.filter, inc, now_ms, lanes, cut_ms=cut_ms),
+                member_id,
+                client_id,
+                now_ms,
             )
-            return inc, [
-                {
-                    "Put": {
-                        "TableName": self.table,
-                        "Item": to_item(leader_record(key, replace(state, version=1))),
-                        "ConditionExpression": "attribute_not_exists(#i)",
-                        "ExpressionAttributeNames": {"#i": "item"},
+            return (
+                inc,
+                cut_ms,
+                [
+                    {
+                        "Put": {
+                            "TableName": self.table,
+                            "Item": to_item(leader_record(key, replace(state, version=1))),
+                            "ConditionExpression": "attribute_not_exists(#i)",
+                            "ExpressionAttributeNames": {"#i": "item"},
+                        }
                     }
-                }
-            ]
+                ],
+            )
         inc = str(raw["inc"])
+        cut = None if raw.get("cut") is None else int(raw["cut"])
         if member_id in (raw.get("mb") or {}):
-            return inc, [
+            return (
+                inc,
+                cut,
+                [
+                    {
+                        "ConditionCheck": {
+                            "TableName": self.table,
+                            "Key": leader,
+                            "ConditionExpression": "#inc = :inc AND attribute_exists(#mb.#m)",
+                            "ExpressionAttributeNames": {
+                                "#inc": "inc",
+                                "#mb": "mb",
+                                "#m": member_id,
+                            },
+                            "ExpressionAttributeValues": to_item({":inc": inc}),
+                        }
+                    }
+                ],
+            )
+        return (
+            inc,
+            cut,
+            [
                 {
-                    "ConditionCheck": {
+                    "Update": {
                         "TableName": self.table,
                         "Key": leader,
-                        "ConditionExpression": "#inc = :inc AND attribute_exists(#mb.#m)",
-                        "ExpressionAttributeNames": {"#inc": "inc", "#mb": "mb", "#m": member_id},
-                        "ExpressionAttributeValues": to_item({":inc": inc}),
+                        "UpdateExpression": "SET #mb.#m = :m, #v = #v + :one",
+                        "ConditionExpression": "#inc = :inc",
+                        "ExpressionAttributeNames": {
+                            "#mb": "mb",
+                            "#m": member_id,
+                            "#v": "v",
+                            "#inc": "inc",
+                        },
+                        "ExpressionAttributeValues": to_item(
+                            {":m": {"c": client_id, "j": now_ms, "sv": 0}, ":one": 1, ":inc": inc}
+                        ),
                     }
                 }
-            ]
-        return inc, [
-            {
-                "Update": {
-                    "TableName": self.table,
-                    "Key": leader,
-                    "UpdateExpression": "SET #mb.#m = :m, #v = #v + :one",
-                    "ConditionExpression": "#inc = :inc",
-                    "ExpressionAttributeNames": {
-                        "#mb": "mb",
-                        "#m": member_id,
-                        "#v": "v",
-                        "#inc": "inc",
-                    },
-                    "ExpressionAttributeValues": to_item(
-                        {":m": {"c": client_id, "j": now_ms, "sv": 0}, ":one": 1, ":inc": inc}
-                    ),
-                }
-            }
-        ]
+            ],
+        )
 
     def leave_parts(self, ref: GroupRef, member_id: str) -> tuple[list[dict[str, Any]], str | None]:
         """Leave: one part, and the incarnation when the member is the last one (then the

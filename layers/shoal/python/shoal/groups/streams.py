@@ -50,7 +50,7 @@ import base64
 import bisect
 import json
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -239,6 +239,9 @@ class StreamProgress:
     cursor: str = ""
     at_item: str = ""
     runs: list[StreamRun] = field(default_factory=list)
+    #: QoS 2 ordinals not done, and the member (session id) each went to: they stay with it
+    #: ([MQTT-4.8.2-4/5]); another holder of the stream never hands them out
+    pins: dict[int, str] = field(default_factory=dict)
 
     def is_done(self, ordinal: int) -> bool:
         return ordinal < self.floor or ordinal in self.done
@@ -267,6 +270,7 @@ class StreamProgress:
     def normalize(self) -> None:
         """Move the floor over done ordinals; forget runs and done ordinals below it."""
         self.floor, self.done, self.runs = settle(self.runs, self.floor, self.next, self.done)
+        self.pins = {o: m for o, m in self.pins.items() if not self.is_done(o)}
 
     def record(self, group_key: str) -> dict[str, Any]:
         """The item: the fence as attributes (conditions name them), the rest as one JSON
@@ -279,6 +283,8 @@ class StreamProgress:
             "ai": self.at_item,
             "ru": [r.data() for r in self.runs],
         }
+        if self.pins:
+            body["pn"] = {str(o): m for o, m in sorted(self.pins.items())}
         out: dict[str, Any] = {
             "group": group_key,
             "item": stream_item(self.source),
@@ -311,6 +317,7 @@ class StreamProgress:
             cursor=str(body.get("cu", "")),
             at_item=str(body.get("ai", "")),
             runs=[StreamRun.from_data(list(r)) for r in body.get("ru") or []],
+            pins={int(o): str(m) for o, m in (body.get("pn") or {}).items()},
         )
 
 
@@ -464,6 +471,19 @@ class Handed:
     dup: bool
 
 
+@dataclass(frozen=True)
+class Unpinned:
+    """A QoS 2 delivery a serve found pinned to another member ([MQTT-4.8.2-4/5]): done on
+    the stream, and held for ``member`` (``ended``: its session is gone, so dropped)."""
+
+    member: str
+    #: the delivery's id as the member got it (its lease and ordinal)
+    delivery_id_lease: int
+    ordinal: int
+    message: InboxMessage
+    ended: bool
+
+
 def serve(
     progress: StreamProgress,
     *,
@@ -479,6 +499,9 @@ def serve(
     admit: Callable[[InboxItem], bool] | None = None,
     dropped: list[InboxMessage] | None = None,
     lanes: int = 1,
+    member_id: str = "",
+    members: Collection[str] | None = None,
+    unpinned: list[Unpinned] | None = None,
 ) -> tuple[list[Handed], bool]:
     """Plan one get on one stream the caller holds: due runs again, then (while the stream is
     granted, not revoking) new messages after the cursor. Changes ``progress`` in place;
@@ -486,7 +509,12 @@ def serve(
     of an item it refuses (a later storage topic not drained yet: ``shoal.drain``). New
     messages that expired before going out are done at once and added to ``dropped`` (delivery
     events: the audit must not count them lost). ``lanes``: the group's lane count (the stream
-    is one lane of its source when it is more than one)."""
+    is one lane of its source when it is more than one).
+
+    QoS 2 ([MQTT-4.8.2-4/5]): a QoS 2 delivery is pinned to ``member_id``, the member it
+    goes to. A due run's delivery pinned to another member is never handed out: it is done
+    on the stream and added to ``unpinned``, held for that member (the caller keeps it for
+    it), or dropped when that member is no longer among ``members`` (its session ended)."""
     source, lane = stream_lane(progress.source, lanes)
     out: list[Handed] = []
     changed = False
@@ -513,9 +541,19 @@ def serve(
             if _expired(f, now_ms):
                 progress.done.add(run.first + n)
                 continue
+            owner = progress.pins.get(run.first + n)
+            if owner is not None and owner != member_id:
+                # another member's QoS 2 delivery: it stays with that member's session
+                progress.done.add(run.first + n)
+                if unpinned is not None:
+                    ended = members is not None and owner not in members
+                    unpinned.append(Unpinned(owner, run.lease, run.first + n, f.message, ended))
+                continue
             out.append(Handed(run.first + n, f.message, True))
             if min(qos, f.message.qos) == 0:
                 progress.done.add(run.first + n)
+            elif min(qos, f.message.qos) == 2:
+                progress.pins[run.first + n] = member_id
         if len(taken) == len(pending):
             run.sent_at_ms, run.lease, run.channel = now_ms, progress.lease, channel
             continue
@@ -583,6 +621,8 @@ def serve(
             if min(qos, f.message.qos) == 0:
                 progress.done.add(ordinal)  # at most once: done as it goes out
             else:
+                if min(qos, f.message.qos) == 2:
+                    progress.pins[ordinal] = member_id
                 room -= 1
     if changed:
         progress.normalize()

@@ -1,11 +1,8 @@
-"""The JWT authorizer of the deployed HTTP API, and the local identity provider behind it.
+"""The local identity provider behind ``shoal dev``'s JWT authorizer.
 
-``JwtAuthorizer`` checks a request the way API Gateway's JWT authorizer does: the token from
-the Authorization header (with or without ``Bearer``), an RSA signature (RS256) by the JWKS key
-named in the header's ``kid``, ``iss`` equal to the configured issuer, ``aud`` (or, only when
-``aud`` is absent, ``client_id``) among the configured audiences, ``exp`` in the future and
-``nbf``/``iat`` not in the future. It hands the function the claims as API Gateway does: every
-value a string, arrays as ``"[a b c]"``, booleans ``"true"``/``"false"``, null claims left out.
+The checks themselves (``JwtAuthorizer``: the deployed HTTP API's JWT authorizer's rules) live
+in ``shoal.core.jwt``, shipped in the Lambda layer, because the WebSocket API's ``$connect``
+authorizer applies them deployed; they are re-exported here for ``shoal dev``'s gateway.
 
 ``SigningKey`` is the local identity provider's RSA key (kept in the state directory, mode
 0600), which ``shoal dev`` publishes as a JWKS and ``shoal token`` signs with.
@@ -18,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,21 +25,37 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from shoal.core.auth import CLAIM_ADMIN, CLAIM_CLIENTS, CLAIM_PUBLISH, CLAIM_SUBSCRIBE
-from shoal.core.clock import Clock, SystemClock
+from shoal.core.jwt import (
+    ALGORITHM,
+    AuthorizationFailed,
+    Authorized,
+    JwtAuthorizer,
+    bearer_token,
+    stringify_claim,
+    stringify_claims,
+)
+
+__all__ = [
+    "ALGORITHM",
+    "DEFAULT_AUDIENCE",
+    "UNAUTHORIZED_BODY",
+    "AuthorizationFailed",
+    "Authorized",
+    "IssuerSettings",
+    "JwtAuthorizer",
+    "SigningKey",
+    "bearer_token",
+    "mint_token",
+    "shoal_claims",
+    "stringify_claim",
+    "stringify_claims",
+    "unauthorized_header",
+]
 
 KEY_FILE = "jwt-signing-key.pem"
 #: issuer and audience of the running ``shoal dev``, so ``shoal token`` mints matching tokens
 SETTINGS_FILE = "authorizer.json"
 DEFAULT_AUDIENCE = "shoal"
-ALGORITHM = "RS256"
-
-
-class AuthorizationFailed(Exception):
-    """The request is not authorized; ``reason`` is safe to show (it never quotes the token)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 #: API Gateway's own 401 body; the reason goes in ``WWW-Authenticate`` (``unauthorized_header``)
@@ -54,140 +67,6 @@ def unauthorized_header(reason: str) -> str:
     # the reason is this module's own text; keep the quoted-string well formed all the same
     safe = "".join(c for c in reason if c.isprintable() and c not in '"\\')
     return f'Bearer scope="" error="invalid_token" error_description="{safe}"'
-
-
-# --- claims as API Gateway passes them -------------------------------------------------------
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value, separators=(",", ":"))
-
-
-def stringify_claim(value: Any) -> str | None:
-    """One claim value rendered as API Gateway renders it; None for a null claim (omitted)."""
-    if value is None:
-        return None
-    if isinstance(value, list):
-        return "[" + " ".join(_scalar(v) for v in value) + "]"
-    return _scalar(value)
-
-
-def stringify_claims(claims: Mapping[str, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in claims.items():
-        rendered = stringify_claim(value)
-        if rendered is not None:
-            out[name] = rendered
-    return out
-
-
-# --- the authorizer --------------------------------------------------------------------------
-
-
-def _bearer_token(authorization: str | None) -> str:
-    if authorization is None or not authorization.strip():
-        raise AuthorizationFailed("the request carries no Authorization header")
-    token = authorization.strip()
-    if token[:7].lower() == "bearer ":
-        token = token[7:].strip()
-    if not token:
-        raise AuthorizationFailed("the Authorization header carries no token")
-    return token
-
-
-def _numeric(claims: Mapping[str, Any], name: str) -> float | None:
-    value = claims.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise AuthorizationFailed(f"the token's {name} claim is not a number")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class Authorized:
-    """What the authorizer hands the function: requestContext.authorizer.jwt."""
-
-    claims: dict[str, str]
-    scopes: list[str] | None = None
-
-    def context(self) -> dict[str, Any]:
-        return {"jwt": {"claims": self.claims, "scopes": self.scopes}}
-
-
-class JwtAuthorizer:
-    def __init__(
-        self,
-        *,
-        issuer: str,
-        audiences: Sequence[str],
-        jwks: Mapping[str, Any],
-        clock: Clock | None = None,
-    ) -> None:
-        self.issuer = issuer
-        self.audiences = tuple(audiences)
-        self._keys = {k["kid"]: k for k in jwks.get("keys", []) if "kid" in k}
-        self._clock = clock or SystemClock()
-
-    def authorize(self, authorization: str | None) -> Authorized:
-        token = _bearer_token(authorization)
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError as exc:
-            raise AuthorizationFailed("the token is not a well-formed JWT") from exc
-        if header.get("alg") != ALGORITHM:
-            raise AuthorizationFailed(f"the token is not signed with {ALGORITHM}")
-        jwk = self._keys.get(str(header.get("kid")))
-        if jwk is None:
-            raise AuthorizationFailed("the token's kid matches no key of the issuer")
-        try:
-            key = jwt.PyJWK(dict(jwk), algorithm=ALGORITHM).key
-            claims: dict[str, Any] = jwt.decode(
-                token,
-                key=key,
-                algorithms=[ALGORITHM],
-                # the claims are checked below, against the injected clock
-                options={
-                    "verify_signature": True,
-                    "verify_aud": False,
-                    "verify_iss": False,
-                    "verify_exp": False,
-                    "verify_nbf": False,
-                    "verify_iat": False,
-                    "require": [],
-                },
-            )
-        except jwt.PyJWTError as exc:
-            raise AuthorizationFailed("the token's signature does not verify") from exc
-        self._check_claims(claims)
-        return Authorized(stringify_claims(claims))
-
-    def _check_claims(self, claims: Mapping[str, Any]) -> None:
-        if claims.get("iss") != self.issuer:
-            raise AuthorizationFailed("the token was issued by another issuer")
-        if "aud" in claims:
-            aud = claims["aud"]
-            audiences = aud if isinstance(aud, list) else [aud]
-        else:
-            audiences = [claims.get("client_id")]
-        if not any(isinstance(a, str) and a in self.audiences for a in audiences):
-            raise AuthorizationFailed("the token is meant for another audience")
-        now = self._clock.now_ms() / 1000
-        exp = _numeric(claims, "exp")
-        if exp is None:
-            raise AuthorizationFailed("the token has no exp claim")
-        if exp <= now:
-            raise AuthorizationFailed("the token has expired")
-        nbf = _numeric(claims, "nbf")
-        if nbf is not None and nbf > now:
-            raise AuthorizationFailed("the token is not valid yet (nbf)")
-        iat = _numeric(claims, "iat")
-        if iat is not None and iat > now:
-            raise AuthorizationFailed("the token was issued in the future (iat)")
 
 
 # --- the local identity provider -------------------------------------------------------------

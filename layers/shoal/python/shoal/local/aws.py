@@ -137,8 +137,81 @@ class _Pinned:
         _MotoClock.frozen_at = None
 
 
+def share_service_models() -> None:
+    """One botocore model loader, model and TLS context per process, whatever the number of
+    boto3 sessions.
+
+    Each new boto3 session parses the service models it makes clients of again (megabytes of
+    JSON). Deployed, a function makes one session for its life (``shoal.aws.clients``); but
+    ``shoal dev`` and the tests make a fresh account, and so fresh sessions, again and again:
+    profiled, a worker of the suite spent half its time parsing the same models. The models
+    are read-only once loaded, so one loader per search path serves every session.
+    """
+    import botocore.loaders
+    import botocore.session
+
+    if getattr(botocore.session.create_loader, "shoal_shared", False):
+        return
+    make = botocore.loaders.create_loader
+    loaders: dict[str, botocore.loaders.Loader] = {}
+    lock = threading.Lock()
+
+    def shared(search_path_string: str | None = None) -> botocore.loaders.Loader:
+        with lock:
+            key = search_path_string or ""
+            if key not in loaders:
+                loaders[key] = make(search_path_string)
+            return loaders[key]
+
+    shared.shoal_shared = True  # type: ignore[attr-defined]
+    botocore.session.create_loader = shared
+
+    # A client's service model resolves each operation's shapes on first use (profiled: most of
+    # a fresh client's first calls); a model made once per loaded model keeps that work.
+    import botocore.client
+    import botocore.model
+
+    models: dict[tuple[int, str], botocore.model.ServiceModel] = {}
+
+    def service_model(
+        creator: botocore.client.ClientCreator, service_name: str, api_version: str | None = None
+    ) -> botocore.model.ServiceModel:
+        loader = vars(creator)["_loader"]  # botocore keeps it private
+        document = loader.load_service_model(service_name, "service-2", api_version=api_version)
+        # the shared loader caches the document: its identity names one model for the process
+        key = (id(document), service_name)
+        with lock:
+            if key not in models:
+                models[key] = botocore.model.ServiceModel(document, service_name=service_name)
+            return models[key]
+
+    botocore.client.ClientCreator._load_service_model = service_model  # type: ignore[attr-defined]
+
+    # Each client's HTTP session makes an SSL context, and OpenSSL 3 makes one slowly: profiled
+    # on CI's machine, a sixth of an integration test's time went into contexts for emulated
+    # endpoints that never speak TLS. One context serves every client; botocore changes a
+    # context only for a proxy's own TLS settings, and those sessions still get their own.
+    import botocore.httpsession
+
+    session_class = botocore.httpsession.URLLib3Session
+    make_context = session_class._get_ssl_context  # type: ignore[attr-defined]
+    contexts: list[Any] = []
+
+    def ssl_context(session: botocore.httpsession.URLLib3Session) -> Any:
+        proxy = vars(session)["_proxy_config"].settings
+        if proxy.get("proxy_ca_bundle") is not None or proxy.get("proxy_client_cert") is not None:
+            return make_context(session)
+        with lock:
+            if not contexts:
+                contexts.append(make_context(session))
+            return contexts[0]
+
+    session_class._get_ssl_context = ssl_context  # type: ignore[attr-defined]
+
+
 def adapt_moto() -> None:
     """What the emulator changes in moto, process-wide and idempotent (server and tests)."""
+    share_service_models()
     detach_moto_lambda_triggers()
     roll_back_transactions_by_partition()
     query_one_partition()

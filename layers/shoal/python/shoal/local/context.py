@@ -42,5 +42,5 @@ class LambdaContext(PowertoolsContext):
         self._log_stream_name = log_stream
         self._deadline = time.monotonic() + timeout_s
 
-    def get_remaining_time_in_millis(self) -> int:  # type: ignore[override]
+    def get_remaining_time_in_millis(self) -> int:
         return max(0, int((self._deadline - time.monotonic()) * 1000))

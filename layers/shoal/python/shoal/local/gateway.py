@@ -59,8 +59,15 @@ LISTEN_BACKLOG = 1024
 #: the methods an HTTP API route can have; any other is 405
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 API_ID = "local"
+#: the WebSocket API's management API (``shoal.local.websocket``), served here as the functions'
+#: ``apigatewaymanagementapi`` client calls it: ``{endpoint}/@connections/{connectionId}``
+CONNECTIONS_PATH = "/@connections/"
 JWKS_PATH = "/.well-known/jwks.json"
 DISCOVERY_PATH = "/.well-known/openid-configuration"
+#: ``shoal dev``'s own counters, for tests: invocations so far by function (an idle WebSocket
+#: connection must run none). Not API Gateway's; answered to loopback clients only.
+INVOCATIONS_PATH = "/_shoal/invocations"
+LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 #: request bodies API Gateway passes as text; every other content type arrives base64-encoded
 _TEXT_TYPES = frozenset(
@@ -324,6 +331,12 @@ def to_http_response(result: Any) -> HttpResponse:
 Invoke = Callable[[FunctionDef, dict[str, Any]], Any]
 
 
+class ConnectionsApi(Protocol):
+    """The WebSocket API's ``@connections``: POST (send a frame), GET, DELETE (close)."""
+
+    def manage(self, method: str, connection_id: str, body: bytes) -> HttpResponse: ...
+
+
 class Gateway:
     """Routes, authorizes and invokes: one HTTP request in, one HTTP response out."""
 
@@ -335,7 +348,11 @@ class Gateway:
         *,
         jwks: Mapping[str, Any],
         public_url: str = "",
+        connections: ConnectionsApi | None = None,
+        invocations: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
+        self.connections = connections
+        self.invocations = invocations
         self.routes = routes
         self.authorizer = authorizer
         self.invoke = invoke
@@ -345,6 +362,18 @@ class Gateway:
     def handle(self, request: HttpRequest) -> HttpResponse:
         if request.method.upper() == "GET" and request.raw_path in (JWKS_PATH, DISCOVERY_PATH):
             return self._identity_provider(request.raw_path)
+        if (
+            self.invocations is not None
+            and request.raw_path == INVOCATIONS_PATH
+            and request.method.upper() == "GET"
+            and request.source_ip in LOOPBACK
+        ):
+            return HttpResponse.json(200, dict(self.invocations()))
+        if self.connections is not None and request.raw_path.startswith(CONNECTIONS_PATH):
+            connection_id = unquote(request.raw_path[len(CONNECTIONS_PATH) :])
+            if not connection_id or "/" in connection_id:
+                return HttpResponse.json(404, {"message": "Not Found"})
+            return self.connections.manage(request.method, connection_id, request.body)
         if len(request.body) > MAX_REQUEST_BYTES:
             return HttpResponse.json(413, {"message": "Request Entity Too Large"})
         match = self.routes.match(request.method, request.raw_path)

@@ -49,7 +49,7 @@ class LocalNames:
         )
 
     def environment(self) -> dict[str, str]:
-        return environment(
+        env = environment(
             self.tables,
             self.buckets,
             self.functions,
@@ -57,6 +57,14 @@ class LocalNames:
             default_partitions=self.default_partitions,
             streams=self.streams,
         )
+        env["SHOAL_STREAM_CLOCK_SKEW_MS"] = str(LOCAL_STREAM_SKEW_MS)
+        return env
+
+
+#: the emulated Kinesis stamps arrivals with the clock of the process the functions run in
+#: (``shoal dev``, the tests' account): the skew is the stamps' rounding (under a millisecond
+#: each way), not two clocks' drift, so a subscribe waits 5 ms instead of the deployed 201
+LOCAL_STREAM_SKEW_MS = 2
 
 
 def _placeholder_zip() -> bytes:

@@ -3,7 +3,8 @@
 Start order: the embedded AWS (journal replayed), the process environment exactly as a deployed
 function sees it, provisioning from the declarations (idempotent, so a restart keeps what is
 there), the store bound, the start hooks, the triggers (event source mappings and schedules)
-and last the gateway, so nothing reaches a handler before the account is ready.
+and last the WebSocket API and the gateway, so nothing reaches a handler before the account is
+ready.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +38,14 @@ from shoal.local.authorizer import (
     mint_token,
 )
 from shoal.local.aws import EmbeddedAws
+from shoal.local.calls import install_from_environment
 from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.context import REGION, LambdaContext
 from shoal.local.esm.mappings import EventSourceMappings
-from shoal.local.gateway import Gateway, GatewayServer, RouteTable
+from shoal.local.gateway import JWKS_PATH, Gateway, GatewayServer, RouteTable
 from shoal.local.provision import LocalNames, provision, provision_mappings
 from shoal.local.scheduler import Scheduler, schedules_for
+from shoal.local.websocket import WebSocketServer, WsLimits
 
 log = logging.getLogger("shoal-dev.runtime")
 
@@ -180,6 +184,15 @@ class Functions:
             fn.name: _Sandboxes(fn, concurrency.get(fn.name, max_concurrency))
             for fn in deployment.functions
         }
+        #: invocations so far, by declared function name (``warm`` counts none): what shows
+        #: that an idle WebSocket connection runs no function
+        self.invocations: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+
+    def invocation_counts(self) -> dict[str, int]:
+        """A copy of ``invocations`` (read from the gateway's threads)."""
+        with self._count_lock:
+            return dict(self.invocations)
 
     def warm(self) -> None:
         """Import every function once, before anything is served: the first requests after a
@@ -195,6 +208,8 @@ class Functions:
         return self.invoke_def(fn, event)
 
     def invoke_def(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
+        with self._count_lock:
+            self.invocations[fn.name] += 1
         sandboxes = self._sandboxes[fn.name]
         handler = sandboxes.acquire()
         # the function's own environment (its service name) for this invocation only: every
@@ -245,6 +260,17 @@ class DevOptions:
     project_root: Path | None = None
     #: declared function name -> run every this many seconds instead of its declared period
     schedule_every_s: tuple[tuple[str, int], ...] = ()
+    #: the WebSocket API's port (None: ``port`` + 1, or a free one when ``port`` is 0)
+    ws_port: int | None = None
+    #: shorter idle and whole-connection lifetimes than API Gateway's (tests; None: its own)
+    ws_idle_timeout_s: float | None = None
+    ws_max_connection_s: float | None = None
+
+    @property
+    def websocket_port(self) -> int:
+        if self.ws_port is not None:
+            return self.ws_port
+        return self.port + 1 if self.port else 0
 
 
 class StateDirInUse(RuntimeError):
@@ -267,6 +293,7 @@ class LocalRuntime:
         )
         self.aws: EmbeddedAws | None = None
         self.gateway: GatewayServer | None = None
+        self.websocket: WebSocketServer | None = None
         self.functions = Functions(deployment, self.names)
         self.key: SigningKey | None = None
         self.issuer = ""
@@ -286,15 +313,34 @@ class LocalRuntime:
 
     def _start(self) -> None:
         options = self.options
+        # SHOAL_DEV_CALL_LOG: each function's AWS calls recorded for the check against its
+        # role (shoal.local.calls); before any session exists, so every one records
+        install_from_environment()
         ensure_functions_importable(options.project_root)
         state = self._open_state_dir()
         # bound first, so a port in use fails at once; it serves nothing before start(). The
         # default issuer is its URL, port 0 included.
         server = GatewayServer(options.host, options.port)
         self.gateway = server
+        websocket = WebSocketServer(
+            self.deployment,
+            self.functions.invoke_def,
+            host=options.host,
+            port=options.websocket_port,
+            limits=WsLimits.of(
+                self.deployment.websocket,
+                idle_timeout_s=options.ws_idle_timeout_s,
+                max_connection_s=options.ws_max_connection_s,
+            ),
+        )
+        self.websocket = websocket
+        public = server.url
+        if options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
+            public = f"http://127.0.0.1:{server.port}"
+        self.issuer = options.issuer or public
         self.aws = EmbeddedAws(options.aws_host, options.aws_port, options.state_dir)
         self.aws.start()
-        self._set_environment(self.aws.url)
+        self._set_environment(self.aws.url, public)
         session = self.aws.session()
         provision(session, self.names, self.deployment)
         # the mappings the stack declares (the archiver's on the event log); the router's and
@@ -309,10 +355,6 @@ class LocalRuntime:
             hook(config)
 
         self.key = SigningKey.load_or_create(state)
-        public = server.url
-        if options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
-            public = f"http://127.0.0.1:{server.port}"
-        self.issuer = options.issuer or public
         server.gateway = Gateway(
             RouteTable(self.deployment.routes()),
             JwtAuthorizer(
@@ -324,12 +366,15 @@ class LocalRuntime:
             self.functions.invoke_def,
             jwks=self.key.jwks(),
             public_url=public,
+            connections=websocket,
+            invocations=self.functions.invocation_counts,
         )
         IssuerSettings(self.issuer, options.audience).save(state)
 
         self.functions.warm()
         if options.triggers:
             self._start_triggers(state)
+        websocket.start()
         server.start()
         self._write_runtime_file(state, public)
 
@@ -357,6 +402,10 @@ class LocalRuntime:
     def stop(self) -> None:
         """Stop serving, then the triggers, then the emulator; safe to call more than once."""
         started = time.monotonic()
+        if self.websocket is not None:
+            # first: closing its connections runs $disconnect, which needs the account
+            self.websocket.stop()
+            self.websocket = None
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
@@ -400,7 +449,7 @@ class LocalRuntime:
         self._state_dir = state
         return state
 
-    def _set_environment(self, aws_url: str) -> None:
+    def _set_environment(self, aws_url: str, public_url: str) -> None:
         for key in list(os.environ):
             # a developer's own AWS settings must not leak into the emulated account
             if key.startswith("AWS_ENDPOINT_URL_") or key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
@@ -408,12 +457,20 @@ class LocalRuntime:
         os.environ.update(BASE_ENVIRONMENT)
         os.environ["AWS_ENDPOINT_URL"] = aws_url
         os.environ.update(self.names.environment())
+        # what the stack gives the WebSocket API's functions: the management API their boto3
+        # client pushes frames through (this gateway serves /@connections), and the JWT rules
+        # of the HTTP API's authorizer for the $connect authorizer (the local issuer's)
+        os.environ["SHOAL_CONNECTIONS_ENDPOINT"] = public_url
+        os.environ["SHOAL_JWT_ISSUER"] = self.issuer
+        os.environ["SHOAL_JWT_AUDIENCE"] = self.options.audience
+        os.environ["SHOAL_JWKS_URL"] = f"{public_url}{JWKS_PATH}"
 
     def _write_runtime_file(self, state: Path, public_url: str) -> None:
         assert self.aws is not None
         info = {
             "pid": os.getpid(),
             "url": public_url,
+            "ws_url": self.ws_url,
             "aws_url": self.aws.url,
             "issuer": self.issuer,
             "audience": self.options.audience,
@@ -428,6 +485,14 @@ class LocalRuntime:
     def url(self) -> str:
         assert self.gateway is not None
         return self.gateway.url
+
+    @property
+    def ws_url(self) -> str:
+        """The WebSocket API's URL, as clients on this machine reach it."""
+        assert self.websocket is not None
+        if self.options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
+            return f"ws://127.0.0.1:{self.websocket.port}"
+        return self.websocket.url
 
     @property
     def aws_url(self) -> str:

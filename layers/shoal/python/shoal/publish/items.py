@@ -23,6 +23,9 @@ class Item:
     partition: int = 0
     message_id: str = ""
     published_at: int = 0
+    #: the clock just before the storage topic was chosen: the put must end within
+    #: ``ROUTED_PUT_BOUND_MS`` of it (None: never routed)
+    routed_at: int | None = None
     key: str | None = None
     seq: int | None = None
     sub: str = ""

@@ -210,6 +210,9 @@ class PublishService:
             checked.append(item)
         if not checked:
             return items
+        # taken before the choice: a put must end within ROUTED_PUT_BOUND_MS of it, so the
+        # sealer of a storage topic behind the produce pointer can wait that long and no longer
+        routed_at = self.clock.now_ms()
         destinations = self.directory.destinations([i.request.topic for i in checked])  # type: ignore[union-attr]
         now = self.clock.now_ms()
         for item, destination in zip(checked, destinations, strict=True):
@@ -217,6 +220,7 @@ class PublishService:
                 item.error = destination
                 continue
             item.destination = destination
+            item.routed_at = routed_at
             item.partition = destination.storage.partition_for(item.ordering_key)
             item.published_at = now
             if item.key is not None and item.seq is not None:

@@ -13,6 +13,12 @@ the same PutRecords call (which keeps no order among them; none is promised).
 
 A read-back (``shoal.publish.service``) is unaffected: it looks in the partition's shard by
 message id, whatever record holds the message.
+
+Every put, sequenced or not, ends within ``ROUTED_PUT_BOUND_MS`` of the moment its storage
+topic was chosen: no call starts later than that less ``PUT_DEADLINE_MS``, and a call ends
+within ``PUT_CALL_BOUND_MS``. A message that would start later fails with 503 (nothing was put;
+the client retries, and the retry routes again). That bound is what lets the sealer close a
+storage topic seconds after a SwitchProduce (``shoal.drain.seal_grace_ms``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from shoal.aws.kinesis import (
     Streams,
     put_chunks,
 )
+from shoal.composite.model import ROUTED_PUT_BOUND_MS
 from shoal.core.clock import Clock
 from shoal.core.errors import ServerBusy
 from shoal.core.retry import backoff_s
@@ -48,12 +55,13 @@ class RecordWriter:
         self.clock = clock
 
     def within_hold(self, items: list[Item]) -> list[Item]:
-        """The items whose reservation leaves time for a put; the others fail with 503."""
+        """The items whose reservation and routing leave time for a put; the others fail with
+        503."""
         now = self.clock.now_ms()
         out: list[Item] = []
         for item in items:
-            ticket = item.ticket
-            if ticket is not None and now >= ticket.run.held_until - PUT_DEADLINE_MS:
+            deadline = _put_deadline([item])
+            if deadline is not None and now >= deadline:
                 item.error = ServerBusy("the publish took too long; retry")
             else:
                 out.append(item)
@@ -148,9 +156,11 @@ class RecordWriter:
 
 
 def _put_deadline(group: list[Item]) -> int | None:
-    """The last instant a call may start to put ``group``: its holds' end less a call's bound."""
-    holds = [i.ticket.run.held_until for i in group if i.ticket is not None]
-    return min(holds) - PUT_DEADLINE_MS if holds else None
+    """The last instant a call may start to put ``group``: the earliest of its holds' ends and
+    its routing bounds, less a call's bound."""
+    ends = [i.ticket.run.held_until for i in group if i.ticket is not None]
+    ends += [i.routed_at + ROUTED_PUT_BOUND_MS for i in group if i.routed_at is not None]
+    return min(ends) - PUT_DEADLINE_MS if ends else None
 
 
 def _pack(items: list[Item]) -> list[list[Item]]:

@@ -565,3 +565,7 @@ class TapHooks:
         if "push" not in self.config.functions:
             return  # no push function deployed: no taps
         self._admin().refit_behind(topic)
+
+    def switch_in_effect(self, topic: CompositeTopic) -> None:
+        """Nothing more for the taps: they were refitted at the switch."""
+        return None

@@ -87,7 +87,11 @@ def _is_internal(host: str) -> bool:
 @dataclass(frozen=True)
 class DeliveryResult:
     status: int | None = None
-    #: "timeout" (no answer in time, or no connection), "redirect" never: a 3xx is a status
+    #: why no status came: "timeout" (no answer in time), "connection_refused" (nothing
+    #: listens at the endpoint), "connection_failed" (no connection for another reason: a reset,
+    #: a name that does not resolve), "endpoint_refused" (the policy refused the endpoint),
+    #: "request_failed"; "redirect" never: a 3xx is a status. All but the policy's refusal
+    #: retry under the retry policy's "timeout" class (no answer)
     error: str | None = None
 
     @property
@@ -186,7 +190,29 @@ class HttpDeliverer:
                 # bounded: the endpoint's answer is not ours to buffer
                 response.raw.read(MAX_RESPONSE_BYTES, decode_content=False)
                 return DeliveryResult(status=response.status_code)
-        except (requests.Timeout, requests.ConnectionError):
+        except requests.Timeout:
+            # ConnectTimeout included (it is a ConnectionError too): no answer in time
             return DeliveryResult(error="timeout")
+        except requests.ConnectionError as exc:
+            return DeliveryResult(error=_connection_error(exc))
         except requests.RequestException:
             return DeliveryResult(error="request_failed")
+
+
+def _connection_error(exc: requests.ConnectionError) -> str:
+    """``connection_refused`` when the endpoint's host answered that nothing listens there (a
+    wrong port, a server down), else ``connection_failed``: the DLQ tells an operator which."""
+    cause: BaseException | None = exc
+    seen = 0
+    while cause is not None and seen < 10:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection_refused"
+        # urllib3 wraps the socket's error in its own, inside requests' (reason or args)
+        inner = getattr(cause, "reason", None)
+        if not isinstance(inner, BaseException):
+            inner = next(
+                (a for a in getattr(cause, "args", ()) if isinstance(a, BaseException)), None
+            )
+        cause = inner or cause.__cause__ or cause.__context__
+        seen += 1
+    return "connection_failed"

@@ -32,6 +32,7 @@ from shoal.core import metrics
 from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
+from shoal.edge.push import Pusher
 from shoal.router.archive import ArchiveWriter
 from shoal.router.fanout import Fanout
 
@@ -40,23 +41,36 @@ class Router:
     """Routes one event source mapping batch: archive, fan-out, delivery events, in that order."""
 
     def __init__(
-        self, fanout: Fanout, archive: ArchiveWriter, recording: Recording, faults: Faults
+        self,
+        fanout: Fanout,
+        archive: ArchiveWriter,
+        recording: Recording,
+        faults: Faults,
+        *,
+        pusher: Pusher | None = None,
     ) -> None:
         self.fanout = fanout
         self.archive = archive
         self.recording = recording
         self.faults = faults
+        #: WebSocket connections of the sessions a batch wrote to (None: no WebSocket API)
+        self.pusher = pusher
 
     def handle(self, event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         self._lag(event)
         batch = self.archive.batch()
         records: list[tuple[str, bytes]] = []
+        #: each record's arrival at Kinesis, ms: the subscriptions' cuts compare with it
+        arrivals: dict[str, int] = {}
 
         def handle(record: KinesisDataStreamRecord) -> None:
             batch.add(record)
             data = record.kinesis.data
             assert isinstance(data, bytes)
             records.append((record.kinesis.sequenceNumber, data))
+            arrivals[record.kinesis.sequenceNumber] = round(
+                record.kinesis.approximateArrivalTimestamp * 1000
+            )
 
         # one processor per invocation: the local runtime invokes concurrently in one process
         processor = BatchProcessor(
@@ -77,7 +91,9 @@ class Router:
         fault.at("before_inbox")
         if routed:
             events = self.recording.new()
-            report = self.fanout.route_records(batch.stream, batch.shard, routed, events, lines)
+            report = self.fanout.route_records(
+                batch.stream, batch.shard, routed, events, lines, arrivals=arrivals
+            )
             # per batch: the fan-out counted them already
             count(metrics.ROUTED, report.messages)
             count(metrics.DELIVERIES, report.deliveries)
@@ -85,6 +101,10 @@ class Router:
             fault.at("before_events")
             events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
             fault.at("after_events")
+            if self.pusher is not None and report.sessions:
+                # after every write of the batch: a push that fails, or a crash here, loses
+                # nothing (the deliveries wait in the inboxes for the next push or a reconnect)
+                self.pusher.push_sessions(report.sessions)
         return dict(response)
 
     def _lag(self, event: dict[str, Any]) -> None:

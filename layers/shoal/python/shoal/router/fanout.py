@@ -154,6 +154,12 @@ class RouteReport:
     already_written: int = 0
     retried: bool = False
     shared_skipped: int = 0
+    #: the sessions whose inboxes got deliveries, and the members of the shared groups whose
+    #: streams did (a member's get serves its group's streams): those connected over the
+    #: WebSocket API are pushed (``shoal.edge.push``)
+    sessions: set[str] = field(default_factory=set)
+    #: (message, subscription) matches left out because the record arrived before the cut
+    before_cut: int = 0
 
 
 def message_expiry_ms(message: Message) -> int | None:
@@ -193,16 +199,19 @@ class Fanout:
         records: Sequence[tuple[str, bytes]],
         events: DeliveryEvents | None = None,
         lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
+        *,
+        arrivals: Mapping[str, int] | None = None,
     ) -> RouteReport:
         """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
-        not Shoal's are skipped here (the archive quarantines them)."""
+        not Shoal's are skipped here (the archive quarantines them). ``arrivals``: each
+        record's ``ApproximateArrivalTimestamp`` in ms, by sequence number."""
         decoded: list[tuple[str, list[Message]]] = []
         for sequence_number, data in records:
             try:
                 decoded.append((sequence_number, decode_record(data)))
             except MalformedRecord:
                 continue
-        report = self.route(stream, shard, decoded, events, lines)
+        report = self.route(stream, shard, decoded, events, lines, arrivals=arrivals)
         if self.drain is not None:
             # after the batch's deliveries are written: everything before its seal is routed
             self.drain.after_batch(stream, shard, records)
@@ -215,8 +224,13 @@ class Fanout:
         records: Sequence[tuple[str, list[Message]]],
         events: DeliveryEvents | None = None,
         lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
+        *,
+        arrivals: Mapping[str, int] | None = None,
     ) -> RouteReport:
-        """``events``: the invocation's recorder; gets a ``routed`` event per delivery (the
+        """``arrivals``: when each record arrived at Kinesis (ms, by sequence number): a
+        subscription gets only the records that arrived after its cut (``Subscription.cut_ms``);
+        a record of unknown arrival reaches every matching subscription, as before cuts.
+        ``events``: the invocation's recorder; gets a ``routed`` event per delivery (the
         caller flushes it once the inbox writes are done). ``lines``: where the batch's
         messages are archived, by (sequence number, index in the record), written before this
         call: a session's deliveries then name their lines instead of copying the messages
@@ -232,6 +246,8 @@ class Fanout:
         deliveries: dict[str, list[InboxMessage]] = {}
         #: a group's partition -> (group key, incarnation), for the groups this batch reaches
         streams: dict[str, tuple[str, str]] = {}
+        #: a group's partition -> the sessions of its members that matched
+        members: dict[str, set[str]] = {}
         for sequence_number, messages in records:
             for index, message in enumerate(messages):
                 report.messages += 1
@@ -239,7 +255,10 @@ class Fanout:
                 if expires_at is not None and expires_at <= now:
                     continue
                 at = position(sequence_number, index)
-                chosen = self._choose(message, at, report, streams)
+                arrived = arrivals.get(sequence_number) if arrivals else None
+                chosen = self._choose(
+                    message, at, report, streams, arrived=arrived, members=members
+                )
                 if not chosen:
                     continue
                 line = lines.get((int(sequence_number), index)) if lines else None
@@ -306,6 +325,10 @@ class Fanout:
             for item in pack(session_id, source, messages, end, expires, stream=label)
         ]
         self.inbox.put(items)
+        report.sessions = set()
+        for session_id, written in deliveries.items():
+            if written:
+                report.sessions |= members.get(session_id, {session_id})
         report.items = len(items)
         report.deliveries = sum(len(m) for m in deliveries.values())
         return report
@@ -323,6 +346,9 @@ class Fanout:
         at: str,
         report: RouteReport,
         streams: dict[str, tuple[str, str]],
+        *,
+        arrived: int | None = None,
+        members: dict[str, set[str]] | None = None,
     ) -> dict[str, tuple[int, Subscription]]:
         """Per matching session, or shared group: the granted QoS and the subscription that
         grants it (a group gets each message once, however many members match)."""
@@ -330,12 +356,23 @@ class Fanout:
         # in no fixed order: the choice below depends on it only between a group's members of
         # one filter and QoS, whose deliveries are the same
         for subscription in self.cache.match(message.topic):
+            if (
+                arrived is not None
+                and subscription.cut_ms is not None
+                and arrived <= subscription.cut_ms
+            ):
+                # published before the subscription (or its group) was made: MQTT routes at
+                # publish time, so it never reaches it (a retained copy is the subscribe's)
+                report.before_cut += 1
+                continue
             target = subscription.session_id
             if subscription.share is not None and subscription.group is not None and self.groups:
                 # the group's stream for this source; MQTT forbids no_local on shared ones
                 target = group_partition(subscription.group)
                 key = group_key(subscription.share, subscription.topic_filter)
                 streams[target] = (key, subscription.group)
+                if members is not None:
+                    members.setdefault(target, set()).add(subscription.session_id)
             elif subscription.share is not None:
                 # a shared subscription without its group's incarnation (the group is being
                 # made or removed): no session inbox takes it

@@ -264,6 +264,14 @@ class SessionRegistry:
             self.repository.deregister(client_id, version)
         raise self._refuse(who, head)
 
+    def lose(self, who: Principal, client_id: str, channel: Channel) -> bool:
+        """A channel's connection is gone without a disconnect: the reaper expires it next,
+        publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session is resumed
+        first. False when the channel is not the live one any more (a takeover, a normal
+        disconnect): nothing to do."""
+        version = self._scope(who, client_id, channel)
+        return self.repository.lose(client_id, version, who.sub, self.clock.now_ms())
+
     def session(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         head = self.require_live(who, client_id, channel)
         document = session_document(client_id, head)

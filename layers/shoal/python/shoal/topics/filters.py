@@ -65,6 +65,47 @@ def is_valid_filter(text: str) -> bool:
     return True
 
 
+def filter_problem(text: object) -> str | None:
+    """Why ``text`` is not a valid topic filter (``$share/...`` included), naming the rule of
+    MQTT 5 it breaks; None when it is valid. The words of an ``invalid_filter`` answer."""
+    if not isinstance(text, str):
+        return "a topic filter is a string"
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    if text.startswith(SHARE_PREFIX):
+        share, sep, rest = text[len(SHARE_PREFIX) :].partition(SEPARATOR)
+        if not share or SINGLE_LEVEL in share or MULTI_LEVEL in share:
+            return (
+                f"{shown!r}: a shared subscription's ShareName is at least one character "
+                "without '/', '+' or '#' [MQTT-4.8.2-1, MQTT-4.8.2-2]"
+            )
+        if not sep or not rest:
+            return (
+                f"{shown!r}: a shared subscription is $share/{{ShareName}}/{{filter}}: the "
+                "ShareName is followed by '/' and a topic filter [MQTT-4.8.2-2]"
+            )
+        inner = filter_problem(rest)
+        return f"{shown!r}: {inner}" if inner is not None else None
+    length = _utf8_length(text)
+    if not text:
+        return "a topic filter is at least one character long [MQTT-4.7.3-1]"
+    if "\x00" in text:
+        return f"{shown!r}: a topic filter holds no null character (U+0000) [MQTT-4.7.3-2]"
+    if length is None or length > MAX_TOPIC_BYTES:
+        return "a topic filter is UTF-8 of at most 65,535 bytes [MQTT-4.7.3-3]"
+    levels = text.split(SEPARATOR)
+    for position, level in enumerate(levels):
+        if MULTI_LEVEL in level and (level != MULTI_LEVEL or position != len(levels) - 1):
+            return (
+                f"{shown!r}: '#' must be the last level of a filter, on its own "
+                "(as in 'a/#') [MQTT-4.7.1-1]"
+            )
+        if SINGLE_LEVEL in level and level != SINGLE_LEVEL:
+            return (
+                f"{shown!r}: '+' must fill a whole level of a filter (as in 'a/+/c') [MQTT-4.7.1-2]"
+            )
+    return None
+
+
 def matches(topic_filter: str, topic: str) -> bool:
     """Whether ``topic_filter`` matches the topic name ``topic``.
 

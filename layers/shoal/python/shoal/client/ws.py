@@ -1,0 +1,963 @@
+"""A session over Shoal's WebSocket API: deliveries pushed, each processed once, across reconnects.
+
+    client = ShoalWsClient(ws_url, token, client_id="sensor-7", state="sensor-7.json",
+                           flow=FlowControl(max_messages=50))
+    client.subscribe(["alerts/#"], qos=1)                    # connects on demand
+    for message in client.messages():                        # acked once you ask for the next
+        handle(message)
+
+It holds one WebSocket connection (``websockets.sync.client``) and speaks the frames of
+``shoal.edge.frames`` (``docs/asyncapi.yaml``). It reuses the HTTP client's pieces
+(``shoal.client.http``): the state file, token sources, errors, ``FlowControl``, ``Outages``.
+
+Sessions. The first connect takes ``clean_start`` as given; every later one resumes the
+session (``clean_start`` false), and when the server answers ``session_present`` false (the
+session expired meanwhile) the client subscribes again with every subscription it made.
+
+Reconnects. Any loss (a server restart, a close 1001 or 1006, a ``ping`` left unanswered for
+``WsSettings.pong_timeout_s``) is ridden out by ``messages()`` as the HTTP client rides out an
+outage: said once as it starts and once as it ends (``on_outage``), tried again for ever with
+capped exponential backoff and jitter (``Outages``), the token renewed before each handshake.
+API Gateway closes every connection after 2 hours: the client opens a new one before that, at a
+jittered moment, make-before-break (the new connection's connect takes the session over; the old
+one is then closed), so nothing waits for a reconnect. Calls (``connect``, ``subscribe``, ...)
+outside ``messages()`` try ``CallRetry.attempts`` times, then raise ``Unavailable``.
+
+Flow control. ``flow.max_messages`` is the connection's ``receive_maximum`` (MQTT 5
+§3.3.4): the server pushes no more QoS 1/2 deliveries than that unacked, so the client never
+holds more than the application can. ``flow.max_bytes`` cannot be told to the server; the client
+hands out no more messages while the outstanding ones (``auto_ack=False``) hold that many bytes.
+
+Acks, exactly-once processing. A message counts as processed once the application asks
+``messages()`` for the next one (or ``consume``'s handler returned, or ``mark_processed``): its
+id is recorded in the state file, then acked. Acks go out in batches (when the client would
+wait for frames, or half a window is pending), and are never waited for: a lost ack means the
+message comes again with ``dup``, and a redelivered id already recorded is acked again without
+being handed to the application. A message handed out but not processed (the handler raised,
+the loop was left) is handed out first by the next ``messages()`` of this client.
+
+Keep-alive. API Gateway closes a connection after 10 minutes without a frame *from the client*
+(pushes do not count). The client sends a keep-alive (taken by API Gateway itself, no function
+runs) after ``ping_every_s`` of its own silence, from a small thread too, so a handler that runs
+long does not cost the connection. One in ``check_every`` is a ``ping``, whose ``pong`` proves the
+connection alive; the others are one-way ``keepalive`` frames, half the billed messages.
+
+Takeover. A newer connect for the client id elsewhere makes the server send ``disconnect``
+with ``session_taken_over`` and close: the client forgets its connection and raises
+``SessionTakenOver`` (from ``messages()`` or the call), and connects again (not clean) only
+when asked for another session call, as the HTTP client does.
+
+Never logged: tokens, payloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+from urllib.parse import urlsplit
+
+from shoal import __version__
+from shoal.client.errors import (
+    ApiError,
+    ClientError,
+    SessionTakenOver,
+    Unavailable,
+    error_of,
+)
+from shoal.client.state import ClientState
+from shoal.client.support import (
+    CallRetry,
+    Connection,
+    FlowControl,
+    Outages,
+    ReceivedMessage,
+    principal_of,
+)
+from shoal.client.tokens import StaticToken, TokenKeeper, TokenSource
+from shoal.core.clock import Clock, SystemClock
+
+logger = logging.getLogger("shoal.client")
+
+#: ids per ack frame (the API's limit, as for ``POST .../acks``)
+MAX_ACK_IDS = 1000
+#: MQTT 5 §3.1.2.11.3: Receive Maximum is at most 65,535
+MAX_RECEIVE_MAXIMUM = 65_535
+#: the receive maximum when no ``FlowControl`` is given (the server caps it at its own window)
+DEFAULT_RECEIVE_MAXIMUM = 100
+#: how long a session outlives its connection unless told (as ``ShoalClient.connect``)
+DEFAULT_SESSION_EXPIRY_S = 3600
+#: how often a loop waiting for frames looks at acks marked from other threads
+ACK_POLL_S = 0.2
+#: the close code API Gateway's 2-hour limit and a normal client close use
+NORMAL_CLOSURE = 1000
+
+
+@dataclass(frozen=True)
+class WsSettings:
+    """The connection's timings. API Gateway closes a connection idle (no client frame) for 10
+    minutes and any connection after 2 hours; ``shoal dev`` does the same."""
+
+    #: a ``ping`` after this long without a client frame: under the 10-minute idle limit by
+    #: the keep-alive thread's wake-up (at most 30 s) and a margin. Each ping and its pong are
+    #: two billed WebSocket messages, the largest line of an idle client's bill after the
+    #: connection minutes (bench/cost.py, "fleet"): at 240 s they were $0.0216 a client-month
+    ping_every_s: float = 540.0
+    #: one keep-alive in this many is a ``ping`` (answered ``pong``: a check that the connection
+    #: is alive), the others one-way ``keepalive`` frames (one billed message, not two). A
+    #: half-open connection is found within ``ping_every_s * check_every + pong_timeout_s``
+    #: (36.5 minutes by default, AWS IoT Core's 1.5 keep-alives at its longest keep-alive
+    #: being 30); 1 checks at every keep-alive
+    check_every: int = 4
+    #: after a ``ping``, nothing received for this long: the connection is dead (half-open TCP)
+    pong_timeout_s: float = 30.0
+    #: API Gateway's limit on a connection's life
+    max_connection_s: float = 7200.0
+    #: reconnect this long (plus up to as much again, jittered) before ``max_connection_s``
+    renew_before_s: float = 300.0
+    #: the WebSocket handshake's timeout (it runs the authorizer and ``$connect`` functions)
+    open_timeout_s: float = 30.0
+    #: how long a frame's answer may take: API Gateway's integration timeout is 29 s, so an
+    #: answer not there by then is not coming (the frame is sent again on a new connection)
+    answer_timeout_s: float = 30.0
+    #: send keep-alive pings from a thread too (while the application's handler runs)
+    keepalive_thread: bool = True
+
+    def __post_init__(self) -> None:
+        timings = (self.ping_every_s, self.pong_timeout_s, self.open_timeout_s)
+        if min(*timings, self.answer_timeout_s) <= 0:
+            raise ValueError("ping_every_s and the timeouts must be positive")
+        if self.check_every < 1:
+            raise ValueError("check_every must be at least 1")
+        if not 0 <= self.renew_before_s * 2 < self.max_connection_s:
+            raise ValueError("renew_before_s must be under half of max_connection_s")
+
+
+class Socket(Protocol):
+    """What the client needs of a WebSocket connection (``websockets.sync`` gives it)."""
+
+    def send(self, message: str) -> None: ...
+
+    def recv(self, timeout: float | None = None) -> str | bytes: ...
+
+    def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None: ...
+
+
+#: opens a connection: (URL, extra headers, open timeout) -> a socket. Raises ``HandshakeRefused``
+#: for an HTTP answer other than 101, ``LinkLost`` for anything else that failed.
+Connector = Callable[[str, Mapping[str, str], float], Socket]
+
+
+class LinkLost(Exception):
+    """The connection failed or was closed (``code`` as received, None when none came)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HandshakeRefused(Exception):
+    """The server answered the handshake with an HTTP status (401, 403, 429, 5xx)."""
+
+    def __init__(self, status: int, body: bytes = b"") -> None:
+        super().__init__(f"the handshake was answered {status}")
+        self.status = status
+        self.body = body
+
+
+def websockets_connector(url: str, headers: Mapping[str, str], open_timeout_s: float) -> Socket:
+    """A ``websockets.sync.client`` connection, as API Gateway wants it: no compression (it
+    offers none), no protocol-level pings (the client sends ``ping`` frames: API Gateway's
+    idle timer counts only data frames), frames up to its 128 KB message limit."""
+    # imported here: the HTTP client and the CLI's other commands do not need the library
+    from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
+    from websockets.sync.client import connect
+
+    try:
+        ws = connect(
+            url,
+            additional_headers=dict(headers),
+            user_agent_header=None,
+            compression=None,
+            open_timeout=open_timeout_s,
+            ping_interval=None,
+            close_timeout=5,
+            max_size=256 * 1024,
+        )
+    except InvalidStatus as exc:
+        raise HandshakeRefused(exc.response.status_code, bytes(exc.response.body or b"")) from exc
+    except InvalidURI as exc:
+        raise ClientError(f"{url!r} is not a ws:// or wss:// URL") from exc
+    except (OSError, TimeoutError, InvalidHandshake) as exc:
+        raise LinkLost(f"cannot open {url} ({type(exc).__name__})") from exc
+    return _WebsocketsSocket(ws)
+
+
+class _WebsocketsSocket:
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+
+    def send(self, message: str) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            self.ws.send(message)
+        except ConnectionClosed as exc:
+            raise LinkLost("the connection was closed", _code(exc)) from exc
+        except OSError as exc:
+            raise LinkLost(f"the connection broke ({type(exc).__name__})") from exc
+
+    def recv(self, timeout: float | None = None) -> str | bytes:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            message: str | bytes = self.ws.recv(timeout)
+        except ConnectionClosed as exc:
+            raise LinkLost("the connection was closed", _code(exc)) from exc
+        return message
+
+    def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+        with contextlib.suppress(Exception):
+            self.ws.close(code, reason)
+
+
+def _code(closed: Any) -> int | None:
+    rcvd = getattr(closed, "rcvd", None)
+    return int(rcvd.code) if rcvd is not None else None
+
+
+def check_ws_url(url: str) -> str:
+    """``url`` without its trailing slash if it can be a WebSocket API's URL; else ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"{url!r} is not a ws:// or wss:// URL")
+    return url.rstrip("/")
+
+
+@dataclass
+class _Link:
+    """One open connection and what the client tracks of it (times on the client's clock)."""
+
+    socket: Socket
+    opened_ms: int
+    #: when to open the next connection, before API Gateway's 2-hour close
+    renew_at_ms: int
+    last_sent_ms: int
+    last_received_ms: int
+    #: a ping sent and nothing received since: when it was sent
+    ping_sent_ms: int | None = None
+    #: keep-alives sent on this connection (every ``check_every``-th is a ping)
+    keepalives: int = 0
+    connection: Connection | None = None
+    receive_maximum: int = 0
+
+
+class _TakenOver(Exception):
+    """The server's ``disconnect`` with ``session_taken_over`` came on the live connection."""
+
+
+class ShoalWsClient:
+    """One principal's session (``client_id``) over the WebSocket API at ``url`` (ws://, wss://).
+
+    ``token``: a JWT, or where to read one again (``shoal.client.tokens``). ``state_scope``: the
+    URL the state file keeps the processed ids under (default ``url``). ``flow`` bounds what
+    the application holds (``receive_maximum`` is its ``max_messages``). ``connector`` opens a
+    connection (tests give a fake server), ``clock`` gives the time for keep-alives and the
+    sleeps between retries, ``rng`` the jitter.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | TokenSource | TokenKeeper,
+        *,
+        client_id: str,
+        state: ClientState | str | Path | None = None,
+        state_scope: str | None = None,
+        flow: FlowControl | None = None,
+        policy: CallRetry | None = None,
+        settings: WsSettings | None = None,
+        connector: Connector | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.url = check_ws_url(url)
+        if isinstance(token, str):
+            token = StaticToken(token)
+        self.tokens = token if isinstance(token, TokenKeeper) else TokenKeeper(token)
+        self.client_id = client_id
+        self.principal = principal_of(self.tokens.token())
+        self.state = state if isinstance(state, ClientState) else ClientState(state)
+        # what the processed ids are kept under: the WebSocket URL unless told (``shoal
+        # subscribe`` gives the HTTP API's URL, so that both transports share them: delivery
+        # ids are the session's, whichever transport carried them)
+        self.state.use_scope((state_scope or self.url, self.principal))
+        self.flow = flow or FlowControl(max_messages=DEFAULT_RECEIVE_MAXIMUM)
+        self.policy = policy or CallRetry()
+        self.settings = settings or WsSettings()
+        self.connector = connector or websockets_connector
+        self.clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        #: connections opened (handshakes that succeeded): tests and the CLI's notes read it
+        self.connections_opened = 0
+        self._link: _Link | None = None
+        # sends (from the loop and the keep-alive thread) and link swaps
+        self._lock = threading.RLock()
+        # a connect on demand (a call before ``connect``) keeps the session, as connect's
+        # defaults do
+        self._connect_options: dict[str, Any] = {
+            "clean_start": False,
+            "session_expiry_s": DEFAULT_SESSION_EXPIRY_S,
+        }
+        self._subscriptions: dict[str, dict[str, Any]] = {}
+        # received, not yet handed out, in order; their ids (to drop a second copy)
+        self._buffer: deque[ReceivedMessage] = deque()
+        # handed out and not processed yet: id -> payload bytes; the one auto_ack will mark
+        self._outstanding: dict[str, int] = {}
+        self._outstanding_changed = threading.Condition(self._lock)
+        # processed (recorded) ids whose ack has not been sent yet
+        self._unacked: list[str] = []
+        # answers to our frames by ref
+        self._answers: dict[str, dict[str, Any]] = {}
+        self._waiting: set[str] = set()
+        self._internal_errors = 0
+        self._closed = False
+        self._keepalive: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ShoalWsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def connection(self) -> Connection | None:
+        """The live connection's session (``session_present``, ``channel``), if connected."""
+        link = self._link
+        return link.connection if link is not None else None
+
+    @property
+    def receive_maximum(self) -> int:
+        """The window this connection was granted (the server's answer), else the one asked."""
+        link = self._link
+        if link is not None and link.receive_maximum:
+            return link.receive_maximum
+        return min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM)
+
+    def close(self, *, disconnect: bool = False) -> None:
+        """Send pending acks (best effort), optionally disconnect (no will), close, release
+        the state file."""
+        try:
+            if self._link is not None:
+                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
+                    self._flush_acks()
+                if disconnect:
+                    with contextlib.suppress(ClientError, LinkLost, _TakenOver):
+                        self.disconnect()
+        finally:
+            self._closed = True
+            self._stop.set()
+            self._drop_link()
+            self.state.close()
+
+    # -- the connection -----------------------------------------------------------------
+
+    def connect(
+        self,
+        *,
+        clean_start: bool = False,
+        session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S,
+        will: Mapping[str, Any] | None = None,
+    ) -> Connection:
+        """Open a connection and send ``connect``: the session resumes unless ``clean_start``.
+
+        The defaults keep the session across restarts. Later reconnects resume it. Tries
+        ``policy.attempts`` times (``Unavailable`` after); a refusal (401 without a renewed
+        token, 403) raises at once."""
+        options: dict[str, Any] = {"clean_start": clean_start, "session_expiry_s": session_expiry_s}
+        if will is not None:
+            options["will"] = dict(will)
+        self._connect_options = options
+        try:
+            self._call_with_retries(self._reconnect, "connect")
+        except _TakenOver:
+            self._taken_over()
+        connection = self.connection
+        assert connection is not None
+        return connection
+
+    def _ensure_link(self) -> _Link:
+        if self._link is None:
+            if self._closed:
+                raise ClientError("this client is closed")
+            self._call_with_retries(self._reconnect, "connect")
+        assert self._link is not None
+        return self._link
+
+    def _reconnect(self) -> None:
+        """A new connection holding the session (make-before-break: the old one, if any, is
+        closed only once the new one's connect was answered). Raises ``LinkLost`` and
+        ``ApiError``."""
+        socket = self._open_socket()
+        now = self.clock.now_ms()
+        life_ms = self.settings.max_connection_s * 1000
+        before_ms = self.settings.renew_before_s * 1000 * (1 + self.rng.random())
+        link = _Link(
+            socket=socket,
+            opened_ms=now,
+            renew_at_ms=int(now + life_ms - before_ms),
+            last_sent_ms=now,
+            last_received_ms=now,
+        )
+        old = self._link
+        try:
+            answer = self._ask_on(
+                link,
+                {
+                    "action": "connect",
+                    "client_id": self.client_id,
+                    **self._connect_options,
+                    "receive_maximum": min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM),
+                },
+            )
+        except BaseException:
+            socket.close()
+            raise
+        link.connection = Connection(
+            session_present=bool(answer.get("session_present")),
+            channel=str(answer.get("channel", "")),
+            keepalive_s=int(answer.get("keepalive_s", 0)),
+        )
+        link.receive_maximum = int(answer.get("receive_maximum") or 0)
+        with self._lock:
+            self._link = link
+        # a later connect resumes this session rather than starting a new one
+        self._connect_options = {**self._connect_options, "clean_start": False}
+        self.connections_opened += 1
+        if old is not None:
+            old.socket.close()
+        self._start_keepalive()
+        if not link.connection.session_present and self._subscriptions:
+            # the session did not survive: subscribe again with everything made before
+            self._subscribe_on(link, list(self._subscriptions.values()))
+        # acks of messages processed while no connection was open
+        self._flush_acks()
+
+    def _open_socket(self) -> Socket:
+        renewed = False
+        while True:
+            token = self.tokens.token()
+            headers = {
+                "Authorization": f"Bearer {token}",
+                "User-Agent": f"shoal-client/{__version__}",
+            }
+            try:
+                return self.connector(self.url, headers, self.settings.open_timeout_s)
+            except HandshakeRefused as exc:
+                if exc.status == 401 and not renewed and self._renewed(token):
+                    # expired or revoked, and the source has another: send it now, once
+                    renewed = True
+                    continue
+                raise _handshake_error(exc) from exc
+
+    def _renewed(self, refused: str) -> bool:
+        if not self.tokens.refused(refused):
+            return False
+        if principal_of(self.tokens.token()) != self.principal:
+            raise ClientError(
+                f"{self.tokens.source.description} now holds a token of another principal "
+                f"than {self.principal!r}"
+            )
+        return True
+
+    def _drop_link(self, code: int = NORMAL_CLOSURE) -> None:
+        with self._lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.socket.close(code)
+
+    def _call_with_retries(self, attempt: Callable[[], Any], what: str) -> Any:
+        """``attempt`` until it does not lose its connection, ``policy.attempts`` times with
+        backoff; a busy server (429, 5xx) counts as a loss."""
+        last = ""
+        for tried in range(self.policy.attempts):
+            if tried:
+                self.clock.sleep(self.policy.delay_s(tried - 1, self.rng))
+            try:
+                return attempt()
+            except LinkLost as exc:
+                self._drop_link()
+                last = str(exc)
+            except _Busy as exc:
+                self._drop_link()
+                last = exc.error.message
+        raise Unavailable(
+            0, "no_answer", f"{what}: no answer after {self.policy.attempts} attempts ({last})", {}
+        )
+
+    # -- sending and receiving frames -----------------------------------------------------
+
+    def _send_on(self, link: _Link, frame: Mapping[str, Any]) -> None:
+        text = json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            link.socket.send(text)
+            link.last_sent_ms = self.clock.now_ms()
+
+    def _ask_on(self, link: _Link, frame: Mapping[str, Any]) -> dict[str, Any]:
+        """Send ``frame`` with a fresh ``ref`` and receive until its answer (other frames are
+        handled meanwhile); the answer, or its error raised (``_Busy`` for 429/5xx)."""
+        ref = uuid.uuid4().hex[:12]
+        self._waiting.add(ref)
+        try:
+            self._send_on(link, {**frame, "ref": ref})
+            deadline = self.clock.now_ms() + self.settings.answer_timeout_s * 1000
+            internal_errors = self._internal_errors
+            while ref not in self._answers:
+                left_s = (deadline - self.clock.now_ms()) / 1000
+                if left_s <= 0:
+                    raise LinkLost(
+                        f"no answer to {frame['action']} in {self.settings.answer_timeout_s:g} s"
+                    )
+                self._receive_on(link, left_s)
+                if self._internal_errors != internal_errors and ref not in self._answers:
+                    # API Gateway's answer when a function fails carries no ref: ours (the one
+                    # frame waiting) may have failed. Every frame is safe to send again.
+                    raise _Busy(ApiError(500, "internal_error", "Internal server error", {}))
+            answer = self._answers.pop(ref)
+        finally:
+            self._waiting.discard(ref)
+            self._answers.pop(ref, None)
+        if answer.get("action") == "error":
+            error = error_of(int(answer.get("status", 500)), answer)
+            if error.code == "session_taken_over":
+                raise _TakenOver()
+            if error.status in self.policy.retry_statuses or error.status >= 500:
+                raise _Busy(error)
+            raise error
+        return answer
+
+    def _receive_on(self, link: _Link, timeout_s: float) -> bool:
+        """Receive and handle one frame, waiting at most ``timeout_s``; False if none came."""
+        try:
+            text = link.socket.recv(max(timeout_s, 0))
+        except TimeoutError:
+            return False
+        link.last_received_ms = self.clock.now_ms()
+        link.ping_sent_ms = None
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            logger.warning("a frame that is not JSON was ignored")
+            return True
+        if isinstance(frame, dict):
+            self._handle(frame)
+        return True
+
+    def _handle(self, frame: dict[str, Any]) -> None:
+        action = frame.get("action")
+        ref = frame.get("ref")
+        if action == "message":
+            self._received(frame)
+        elif action == "disconnect" and ref not in self._waiting:
+            if frame.get("reason") == "session_taken_over":
+                raise _TakenOver()
+            # the server ends the connection (its close follows): reconnect and resume
+            raise LinkLost(f"the server disconnected ({frame.get('reason')})")
+        elif isinstance(ref, str) and ref in self._waiting:
+            self._answers[ref] = frame
+        elif action == "error":
+            code = (frame.get("error") or {}).get("code") if isinstance(frame, dict) else None
+            if code == "session_taken_over":
+                raise _TakenOver()
+            # an ack's refusal: the message comes again, and is acked again then
+            logger.info("a frame was refused (%s %s)", frame.get("status"), code)
+        elif action is None and frame.get("message") == "Internal server error":
+            self._internal_errors += 1
+            logger.info("the server failed a frame (Internal server error)")
+
+    def _received(self, frame: dict[str, Any]) -> None:
+        raw = {k: v for k, v in frame.items() if k != "action"}
+        try:
+            message = ReceivedMessage.from_api(raw)
+        except (KeyError, TypeError, ValueError):
+            logger.warning("a message frame without an id was ignored")
+            return
+        with self._lock:
+            if self.state.was_processed(self.client_id, message.id):
+                # redelivered because its ack was lost: ack again, never hand it out again
+                if message.id not in self._unacked:
+                    self._unacked.append(message.id)
+                return
+            if message.id in self._outstanding or any(m.id == message.id for m in self._buffer):
+                return  # a second copy (dup) of one held already
+            self._buffer.append(message)
+
+    # -- keep-alive and the connection's life ------------------------------------------
+
+    def _ping_if_due(self) -> None:
+        with self._lock:
+            link = self._link
+            if link is None:
+                return
+            now = self.clock.now_ms()
+            if now - link.last_sent_ms < self.settings.ping_every_s * 1000:
+                return
+            link.keepalives += 1
+            if link.keepalives % self.settings.check_every:
+                # one way: API Gateway takes it and answers nothing
+                link.socket.send('{"action":"keepalive"}')
+                link.last_sent_ms = now
+                return
+            # a ping API Gateway answers itself: no ref (its mock answer cannot echo one)
+            link.socket.send('{"action":"ping"}')
+            link.last_sent_ms = now
+            if link.ping_sent_ms is None:
+                link.ping_sent_ms = now
+
+    def _check_link(self, link: _Link) -> None:
+        """Raise ``LinkLost`` for a connection whose ping went unanswered too long."""
+        if link.ping_sent_ms is None:
+            return
+        if self.clock.now_ms() - link.ping_sent_ms >= self.settings.pong_timeout_s * 1000:
+            raise LinkLost(f"no answer to a ping in {self.settings.pong_timeout_s:g} s")
+
+    def _start_keepalive(self) -> None:
+        if not self.settings.keepalive_thread or self._keepalive is not None:
+            return
+
+        def run() -> None:
+            every_s = max(min(self.settings.ping_every_s / 4, 30.0), 0.05)
+            while not self._stop.wait(every_s):
+                # a loss is the receiving loop's to find and handle
+                with contextlib.suppress(LinkLost, OSError, ClientError):
+                    self._ping_if_due()
+
+        self._keepalive = threading.Thread(target=run, name="shoal-ws-keepalive", daemon=True)
+        self._keepalive.start()
+
+    def _wait_s(self, link: _Link) -> float:
+        """How long the loop may wait for a frame before it has something to do."""
+        now = self.clock.now_ms()
+        due = [
+            link.last_sent_ms + self.settings.ping_every_s * 1000,
+            link.renew_at_ms,
+        ]
+        if link.ping_sent_ms is not None:
+            due.append(link.ping_sent_ms + self.settings.pong_timeout_s * 1000)
+        wait_s = max((min(due) - now) / 1000, 0.0)
+        if self._outstanding:
+            # acks marked from other threads go out within this
+            wait_s = min(wait_s, ACK_POLL_S)
+        return wait_s
+
+    # -- session calls ------------------------------------------------------------------
+
+    def _session_call(self, frame: Mapping[str, Any]) -> dict[str, Any]:
+        """One frame answered on the live connection, connecting on demand; a lost connection
+        is opened again and the frame sent again (every frame is safe to repeat)."""
+
+        def attempt() -> dict[str, Any]:
+            link = self._ensure_link()
+            return self._ask_on(link, frame)
+
+        try:
+            result: dict[str, Any] = self._call_with_retries(attempt, str(frame["action"]))
+        except _TakenOver:
+            self._taken_over()
+        return result
+
+    def _taken_over(self) -> NoReturn:
+        self._drop_link()
+        raise SessionTakenOver(
+            409, "session_taken_over", "a newer connect for this client id took the session", {}
+        )
+
+    def subscribe(
+        self,
+        filters: str | Sequence[str | Mapping[str, Any]],
+        *,
+        qos: int = 1,
+    ) -> list[Any]:
+        """Subscribe with one or more filters (strings take ``qos``; mappings are sent as they
+        are); the granted QoS or error code of each, in order. Made again after a reconnect
+        that found the session gone."""
+        items = [filters] if isinstance(filters, str) else list(filters)
+        subscriptions = [
+            {"filter": item, "qos": qos} if isinstance(item, str) else dict(item) for item in items
+        ]
+        answer = self._session_call({"action": "subscribe", "subscriptions": subscriptions})
+        granted = list(answer.get("granted", []))
+        self._remember(subscriptions, granted)
+        return granted
+
+    def _subscribe_on(self, link: _Link, subscriptions: list[dict[str, Any]]) -> None:
+        answer = self._ask_on(link, {"action": "subscribe", "subscriptions": subscriptions})
+        self._remember(subscriptions, list(answer.get("granted", [])))
+
+    def _remember(self, subscriptions: list[dict[str, Any]], granted: list[Any]) -> None:
+        for subscription, outcome in zip(subscriptions, granted, strict=False):
+            if isinstance(outcome, int):
+                self._subscriptions[str(subscription["filter"])] = subscription
+
+    def unsubscribe(self, filters: str | Sequence[str]) -> list[Any]:
+        items = [filters] if isinstance(filters, str) else list(filters)
+        answer = self._session_call({"action": "unsubscribe", "filters": items})
+        for item in items:
+            self._subscriptions.pop(item, None)
+        return list(answer.get("removed") or [])
+
+    def disconnect(self, *, with_will: bool = False) -> None:
+        """End the session's connection normally: no will (``with_will``: MQTT 5's
+        "Disconnect with Will Message", the will follows after its delay)."""
+        link = self._link
+        if link is None:
+            return
+        frame: dict[str, Any] = {"action": "disconnect"}
+        if with_will:
+            frame["with_will"] = True
+        try:
+            self._ask_on(link, frame)
+        except (LinkLost, _Busy):
+            pass  # closed before the answer came: it was sent, the close follows anyway
+        except _TakenOver:
+            pass  # nothing of ours to end
+        finally:
+            self._drop_link()
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def mark_processed(self, *messages: ReceivedMessage | str) -> None:
+        """Record messages as processed (durably) and queue their acks. Safe from any
+        thread: a receiving loop sends the acks soon."""
+        ids = [m.id if isinstance(m, ReceivedMessage) else m for m in messages]
+        with self._outstanding_changed:
+            self.state.record_processed(self.client_id, ids)
+            self._unacked.extend(i for i in ids if i not in self._unacked)
+            for message_id in ids:
+                self._outstanding.pop(message_id, None)
+            self._outstanding_changed.notify_all()
+
+    def ack(self, *messages: ReceivedMessage | str) -> None:
+        """Record the messages as processed, then send their acks (and any queued) now."""
+        self.mark_processed(*messages)
+        self._ensure_link()
+        try:
+            self._flush_acks()
+        except LinkLost:
+            # the acks stay queued: the next connection sends them
+            self._drop_link()
+        except _TakenOver:
+            self._taken_over()
+
+    def _flush_acks(self) -> int:
+        """One ack frame per 1000 processed ids not acked yet (no answer is asked for: a lost
+        ack means the message comes again, acked again then); the ids sent."""
+        sent = 0
+        while True:
+            with self._lock:
+                link = self._link
+                ids = self._unacked[:MAX_ACK_IDS]
+                if link is None or not ids:
+                    return sent
+                # no ref: an ack is answered only when asked (one billed message fewer)
+                self._send_on(link, {"action": "ack", "ids": ids})
+                del self._unacked[: len(ids)]
+            sent += len(ids)
+
+    def _next_ready(self, flow_bytes: int) -> ReceivedMessage | None:
+        """The next buffered message to hand out, if ``flow.max_bytes`` leaves room."""
+        with self._lock:
+            while self._buffer:
+                message = self._buffer[0]
+                if self.state.was_processed(self.client_id, message.id):
+                    # processed meanwhile (a copy handed out earlier): ack again, skip
+                    self._buffer.popleft()
+                    if message.id not in self._unacked:
+                        self._unacked.append(message.id)
+                    continue
+                held = sum(self._outstanding.values())
+                if self._outstanding and held + len(message.payload) > flow_bytes:
+                    return None
+                return self._buffer.popleft()
+        return None
+
+    def messages(
+        self,
+        *,
+        count: int | None = None,
+        auto_ack: bool = True,
+        until_ms: int | None = None,
+        outages: Outages | None = None,
+        on_outage: Callable[[str], None] | None = None,
+    ) -> Generator[ReceivedMessage, None, None]:
+        """Messages in order, each once, as they are pushed.
+
+        With ``auto_ack`` (the default), asking for the next one marks the previous processed
+        (recorded in the state file, then acked). Without it, a message stays outstanding until
+        ``mark_processed`` (from any thread) or ``ack``. ``until_ms`` (the client clock's time)
+        ends the iteration then, whatever ``count`` says. A lost connection is ridden out as
+        ``outages`` says (default: for ever), each outage told once as it starts and once as it
+        ends to ``on_outage`` (default: the ``shoal.client`` logger). Raises
+        ``SessionTakenOver`` when a newer connect took the session, and what is permanent
+        (a refused token without a renewal, 403).
+        """
+        outages = outages or Outages()
+        say = on_outage or logger.warning
+        handed = 0
+        current: ReceivedMessage | None = None
+        try:
+            while count is None or handed < count:
+                if current is not None and auto_ack:
+                    self.mark_processed(current)
+                current = None
+                if until_ms is not None and until_ms - self.clock.now_ms() <= 0:
+                    return
+                try:
+                    message = self._wait_for_message(until_ms)
+                except (LinkLost, _Busy) as exc:
+                    if not outages.forever:
+                        self._drop_link()
+                        raise Unavailable(0, "no_answer", str(exc), {}) from exc
+                    if not self._ride_out(str(exc), outages, say, until_ms):
+                        return
+                    continue
+                except Unavailable:
+                    if not outages.forever:
+                        raise
+                    if not self._ride_out("no connection", outages, say, until_ms):
+                        return
+                    continue
+                except _TakenOver:
+                    self._taken_over()
+                if message is None:
+                    return  # until_ms came
+                handed += 1
+                with self._lock:
+                    self._outstanding[message.id] = len(message.payload)
+                current = message
+                yield message
+            if current is not None and auto_ack:
+                self.mark_processed(current)
+                current = None
+        finally:
+            with self._lock:
+                if auto_ack and current is not None and current.id in self._outstanding:
+                    # handed out, not processed (the handler raised, the loop was left): the
+                    # next messages() hands it out first
+                    del self._outstanding[current.id]
+                    self._buffer.appendleft(current)
+            if self._link is not None:
+                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
+                    self._flush_acks()
+
+    def _wait_for_message(self, until_ms: int | None) -> ReceivedMessage | None:
+        """The next message to hand out, receiving frames (and sending acks and pings, and
+        renewing the connection before its end) until one is ready or ``until_ms`` came."""
+        while True:
+            link = self._ensure_link()
+            message = self._next_ready(self.flow.max_bytes)
+            if message is not None:
+                if len(self._unacked) >= max(1, self.receive_maximum // 2):
+                    self._flush_acks()
+                return message
+            # nothing to hand out: what was processed is acked before waiting (opens the window)
+            self._flush_acks()
+            self._check_link(link)
+            if self.clock.now_ms() >= link.renew_at_ms:
+                # before API Gateway's 2-hour close: a new connection takes the session over
+                self._call_with_retries(self._reconnect, "connect")
+                continue
+            self._ping_if_due()
+            wait_s = self._wait_s(link)
+            if until_ms is not None:
+                left_s = (until_ms - self.clock.now_ms()) / 1000
+                if left_s <= 0:
+                    return None
+                wait_s = min(wait_s, left_s)
+            self._receive_on(link, wait_s)
+
+    def _ride_out(
+        self, lost: str, outages: Outages, say: Callable[[str], None], until_ms: int | None
+    ) -> bool:
+        """Wait out a lost connection and open a new one; False if ``until_ms`` came first.
+        Raises only what is permanent (``ApiError`` but ``Unavailable``; a takeover)."""
+        self._drop_link()
+        say(
+            f"lost {self.url} ({lost}); trying again, at most every {outages.max_s:g} s, "
+            "until it answers"
+        )
+        retry = 0
+        while True:
+            delay_s = outages.delay_s(retry, self.rng)
+            if until_ms is not None:
+                left_s = (until_ms - self.clock.now_ms()) / 1000
+                if left_s <= delay_s:
+                    self.clock.sleep(max(left_s, 0))
+                    return False
+            self.clock.sleep(delay_s)
+            retry += 1
+            try:
+                self._reconnect()
+            except (LinkLost, _Busy):
+                self._drop_link()
+                continue
+            except _TakenOver:
+                self._taken_over()
+            link = self._link
+            assert link is not None and link.connection is not None
+            how = (
+                "the session was resumed"
+                if link.connection.session_present
+                else "the session had ended: a new one, subscribed again"
+            )
+            say(f"{self.url} answers again; {how}")
+            return True
+
+    def consume(
+        self,
+        handler: Callable[[ReceivedMessage], Any],
+        *,
+        count: int | None = None,
+        until_ms: int | None = None,
+        on_outage: Callable[[str], None] | None = None,
+    ) -> int:
+        """Call ``handler`` with each message; a message is processed (recorded, acked) only
+        once the handler returned. A handler that raises ends the loop with its exception;
+        that message is not acked, and is handed out first by the next ``messages()`` or
+        ``consume`` (or comes again from the server). The number handled."""
+        handled = 0
+        # auto_ack: a message is marked processed when the loop asks for the next, which is
+        # after the handler returned
+        for message in self.messages(count=count, until_ms=until_ms, on_outage=on_outage):
+            handler(message)
+            handled += 1
+        return handled
+
+
+class _Busy(Exception):
+    """A frame answered 429 or 5xx (or API Gateway's internal error): try again later."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _handshake_error(refused: HandshakeRefused) -> Exception:
+    """What a refused handshake means: a busy server is a loss (tried again), the rest final."""
+    try:
+        answer = json.loads(refused.body or b"null")
+    except ValueError:
+        answer = None
+    error = error_of(refused.status, answer)
+    if refused.status in (429, 500, 502, 503, 504):
+        return LinkLost(f"the handshake was answered {refused.status}")
+    return error

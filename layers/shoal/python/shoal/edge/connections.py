@@ -1,0 +1,278 @@
+"""Where the WebSocket API's connections are kept: the ``connections`` table.
+
+Two items per connected session (``shoal.aws.tables.ConnectionModel``):
+
+- ``conn#<connection id>``: the client id, principal, channel and session the connection holds,
+  read by every frame (API Gateway names the connection, not the session);
+- ``session#<session id>``: the connection its deliveries are pushed to and its in-flight
+  window, read by whoever writes the session's inbox (the router), and the *push lease*.
+
+The push lease keeps one pusher per session at a time, so that frames reach the client in the
+order their deliveries were handed out (two pushers each writing the delivery state and then
+posting could interleave their posts). A pusher that finds the lease held marks the item
+``again`` instead; the holder clears ``again`` before each round and releases only when no
+``again`` came in meanwhile, so a delivery written during a round is pushed by the next one.
+A holder that dies leaves a lease that expires after ``LEASE_MS``: the next write, ack or sweep
+pushes what it held.
+"""
+
+from __future__ import annotations
+
+import secrets
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.aws import tables
+from shoal.aws.dynamo import Dynamo, Expression, to_item
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+
+CONNECTION = "conn#"
+SESSION = "session#"
+#: a push round posts at most a window of frames (each a ~10 ms call deployed): a lease
+#: outlives a round by far, and a dead holder's lease is free again soon
+LEASE_MS = 10_000
+#: API Gateway closes every connection within two hours; an item left by a lost $disconnect
+#: is removed by TTL a little after
+MAX_CONNECTION_S = 7200
+TTL_MARGIN_S = 3600
+#: the due index's partitions (a stable hash of the session id spreads its writes)
+DUE_SHARDS = 8
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A connection that answered its ``connect`` frame: the session it holds."""
+
+    connection_id: str
+    client_id: str
+    sub: str
+    channel: str
+    session_id: str
+    #: the in-flight window: the client's Receive Maximum, at most the service's
+    window: int
+    connected_at_ms: int
+
+    def record(self, expires_at: int) -> dict[str, Any]:
+        return {
+            "key": CONNECTION + self.connection_id,
+            "client_id": self.client_id,
+            "sub": self.sub,
+            "channel": self.channel,
+            "session_id": self.session_id,
+            "window": self.window,
+            "connected_at_ms": self.connected_at_ms,
+            "expires_at": expires_at,
+        }
+
+    def target(self, expires_at: int) -> dict[str, Any]:
+        """The session's item: where its deliveries go."""
+        return {
+            "key": SESSION + self.session_id,
+            "connection_id": self.connection_id,
+            "client_id": self.client_id,
+            "sub": self.sub,
+            "channel": self.channel,
+            "window": self.window,
+            "connected_at_ms": self.connected_at_ms,
+            "expires_at": expires_at,
+        }
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any], session_id: str | None = None) -> Connection:
+        return cls(
+            connection_id=str(raw.get("connection_id") or raw["key"][len(CONNECTION) :]),
+            client_id=str(raw["client_id"]),
+            sub=str(raw["sub"]),
+            channel=str(raw["channel"]),
+            session_id=str(session_id or raw["session_id"]),
+            window=int(raw["window"]),
+            connected_at_ms=int(raw["connected_at_ms"]),
+        )
+
+
+class ConnectionStore:
+    def __init__(self, dynamo: Dynamo, table: str, clock: Clock | None = None) -> None:
+        self.dynamo = dynamo
+        self.table = table
+        self.clock = clock or SystemClock()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> ConnectionStore:
+        return cls(Dynamo.from_config(config, clock), config.table(tables.CONNECTIONS), clock)
+
+    def _expires(self) -> int:
+        return self.clock.now_ms() // 1000 + MAX_CONNECTION_S + TTL_MARGIN_S
+
+    # -- the connection's session
+
+    def bind(self, connection: Connection) -> None:
+        """The connection holds its session now, and the session's deliveries go to it (one
+        transaction: a frame never finds a session whose pushes go elsewhere)."""
+        expires = self._expires()
+        self.dynamo.transact(
+            [
+                {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
+                {"Put": {"TableName": self.table, "Item": _item(connection.target(expires))}},
+            ]
+        )
+
+    def connection(self, connection_id: str) -> Connection | None:
+        raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})
+        return None if raw is None or "session_id" not in raw else Connection.from_record(raw)
+
+    def unbind(self, connection: Connection) -> None:
+        """The connection is gone: its item, and the session's when it still names it (a
+        newer connection of the session keeps its own)."""
+        self.dynamo.call(
+            "delete_item", TableName=self.table, Key=_key(CONNECTION + connection.connection_id)
+        )
+        expression = Expression()
+        params = expression.params(
+            f"{expression.n('connection_id')} = {expression.v(connection.connection_id)}"
+        )
+        self.dynamo.conditional(
+            "delete_item", TableName=self.table, Key=_key(SESSION + connection.session_id), **params
+        )
+
+    def targets(self, session_ids: Iterable[str]) -> list[Connection]:
+        """The connections of those sessions that have one: strongly consistent, so a session
+        whose connect frame was answered before an inbox write is never missed by it."""
+        keys = [{"key": SESSION + s} for s in sorted(set(session_ids))]
+        if not keys:
+            return []
+        found = self.dynamo.batch_get(self.table, keys, consistent=True)
+        return [Connection.from_record(r, r["key"][len(SESSION) :]) for r in found]
+
+    def target(self, session_id: str) -> Connection | None:
+        raw = self.dynamo.get(self.table, {"key": SESSION + session_id})
+        return None if raw is None else Connection.from_record(raw, session_id)
+
+    # -- the push lease
+
+    def take_lease(self, connection: Connection) -> str | None:
+        """The session's push lease, or None when another pusher holds it (then that pusher is
+        told to go round once more)."""
+        owner = secrets.token_hex(8)
+        now = self.clock.now_ms()
+        e = Expression()
+        e.set("lease_owner", owner).set("lease_until", now + LEASE_MS).set("again", False)
+        condition = (
+            f"{e.n('connection_id')} = {e.v(connection.connection_id)} AND "
+            f"(attribute_not_exists({e.n('lease_until')}) OR {e.n('lease_until')} < {e.v(now)})"
+        )
+        if self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **e.params(condition),
+        ):
+            return owner
+        again = Expression()
+        again.set("again", True)
+        self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **again.params(f"attribute_exists({again.n('lease_owner')})"),
+        )
+        return None
+
+    def next_round(self, connection: Connection, owner: str) -> bool:
+        """Clears ``again`` before a round; False when the lease is no longer ours."""
+        e = Expression()
+        e.set("again", False).set("lease_until", self.clock.now_ms() + LEASE_MS)
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
+        )
+
+    def release(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> bool:
+        """Gives the lease back; False when ``again`` came in during the round (then the
+        holder goes round once more, still holding it). ``due_at_ms``: when the deliveries
+        the push handed out come due again, if they do (written in the same update)."""
+        e = Expression()
+        e.remove("lease_owner", "lease_until", "again")
+        if due_at_ms is not None:
+            _arm(e, connection.session_id, due_at_ms)
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **e.params(f"{e.n('lease_owner')} = {e.v(owner)} AND {e.n('again')} = {e.v(False)}"),
+        )
+
+    # -- the due index: pushed deliveries whose ack timeout passes while connected
+
+    def arm(self, connection: Connection, due_at_ms: int, *, earliest: bool = True) -> bool:
+        """The session is swept at ``due_at_ms``; with ``earliest``, or earlier if it is due
+        earlier already. False when the item names another connection or is gone."""
+        e = Expression()
+        _arm(e, connection.session_id, due_at_ms, earliest=earliest)
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **e.params(f"{e.n('connection_id')} = {e.v(connection.connection_id)}"),
+        )
+
+    def due(self, shard: int, now_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(session id, due at) of the sessions in ``shard`` that are due (the index, never a
+        scan), earliest first."""
+        found: list[tuple[str, int]] = []
+        e = Expression()
+        condition = f"{e.n('due_shard')} = {e.v(str(shard))} AND {e.n('due_at_ms')} <= "
+        request: dict[str, Any] = {
+            "TableName": self.table,
+            "IndexName": "due",
+            "KeyConditionExpression": condition + e.v(now_ms),
+            "Limit": limit,
+            **e.params(),
+        }
+        while len(found) < limit:
+            page = self.dynamo.call("query", **request)
+            found += [
+                (i["key"]["S"][len(SESSION) :], int(i["due_at_ms"]["N"]))
+                for i in page.get("Items", [])
+            ]
+            if "LastEvaluatedKey" not in page:
+                break
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+        return found[:limit]
+
+    def disarm(self, session_id: str, due_at_ms: int) -> bool:
+        """Takes the session off the index, unless it was armed again meanwhile; False then
+        (or when it is gone): another sweep has it."""
+        e = Expression()
+        e.remove("due_shard", "due_at_ms")
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + session_id),
+            **e.params(f"{e.n('due_at_ms')} = {e.v(due_at_ms)}"),
+        )
+
+
+def due_shard(session_id: str) -> int:
+    return zlib.crc32(session_id.encode()) % DUE_SHARDS
+
+
+def _arm(e: Expression, session_id: str, due_at_ms: int, *, earliest: bool = True) -> None:
+    if earliest:
+        # the one armed first wins: a sweep then pushes what is due and arms the next
+        e.set_raw("due_at_ms", f"if_not_exists({e.n('due_at_ms')}, {e.v(due_at_ms)})")
+    else:
+        e.set("due_at_ms", due_at_ms)
+    e.set("due_shard", str(due_shard(session_id)))
+
+
+def _key(key: str) -> dict[str, Any]:
+    return {"key": {"S": key}}
+
+
+def _item(record: dict[str, Any]) -> dict[str, Any]:
+    return to_item(record)

@@ -1,0 +1,219 @@
+"""Pushed delivery: a connected session's deliveries handed to its WebSocket connection.
+
+Whoever writes a connected session's inbox (the router) or frees its window (an ack, a
+connect) calls ``Pusher.push``. A push is a get (``shoal.delivery.DeliveryService.get``) for the
+connection's channel within its window, then one ``PostToConnection`` per delivery: the get's
+conditional write of the session's delivery state hands each delivery out exactly once, as for
+HTTP, and the inbox stays the one source of truth. A post that fails loses nothing: the
+delivery is in flight for that channel and comes again with ``dup`` on reconnect (another
+channel) or after the ack timeout, like an unacked get. One pusher at a time per session
+(``ConnectionStore``'s push lease) keeps frames in the order they were handed out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.aws import clients
+from shoal.aws.clients import error_code
+from shoal.core import metrics
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ShoalError
+from shoal.core.observability import count, logger
+from shoal.delivery.model import MAX_GET
+from shoal.delivery.service import DeliveryService
+from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
+from shoal.edge.frames import MessageFrame, ServerDisconnectFrame, encode
+
+#: rounds one push goes before leaving the rest to the next trigger: a round hands out at most
+#: the window, so a client that acks at once is not held in one invocation forever
+MAX_ROUNDS = 8
+GONE = "GoneException"
+
+
+@dataclass
+class SweepReport:
+    #: sessions found due
+    swept: int = 0
+    #: frames pushed to them (deliveries again, with ``dup``, and any new ones)
+    pushed: int = 0
+    #: sessions armed again for deliveries still in flight
+    armed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class ConnectionGone(Exception):
+    """The connection was closed (``@connections`` answered 410)."""
+
+
+class Connections:
+    """The WebSocket API's ``@connections`` management API."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @classmethod
+    def from_config(cls, config: Config) -> Connections | None:
+        if not config.connections_endpoint:
+            return None
+        return cls(
+            clients.client(
+                "apigatewaymanagementapi",
+                config.region,
+                "connections",
+                endpoint_url=config.connections_endpoint,
+            )
+        )
+
+    def post(self, connection_id: str, frame: str) -> None:
+        try:
+            self.client.post_to_connection(ConnectionId=connection_id, Data=frame.encode())
+        except ClientError as exc:
+            if error_code(exc) == GONE:
+                raise ConnectionGone(connection_id) from exc
+            raise
+
+    def close(self, connection_id: str) -> None:
+        """Closes the connection (API Gateway then invokes ``$disconnect``); a gone one is
+        closed already."""
+        try:
+            self.client.delete_connection(ConnectionId=connection_id)
+        except ClientError as exc:
+            if error_code(exc) != GONE:
+                raise
+
+
+class Pusher:
+    def __init__(
+        self,
+        connections: ConnectionStore,
+        api: Connections,
+        delivery: DeliveryService,
+        clock: Clock | None = None,
+    ) -> None:
+        self.connections = connections
+        self.api = api
+        self.delivery = delivery
+        self.clock = clock or SystemClock()
+
+    def push_sessions(self, session_ids: Iterable[str]) -> int:
+        """Pushes to those of ``session_ids`` that are connected over the WebSocket API (one
+        strongly consistent batch read finds them); the frames pushed."""
+        pushed = 0
+        for connection in self.connections.targets(session_ids):
+            pushed += self.push(connection)
+        return pushed
+
+    def push(self, connection: Connection) -> int:
+        """The connection's deliveries, within its window, in order; the frames pushed. Never
+        raises for a failed push: the inbox keeps what it would have carried.
+
+        Handing out a QoS 1/2 delivery arms the session in the due index for its ack timeout
+        (in the lease's release: no extra write), so that the reaper's sweep pushes it again
+        with ``dup`` if no ack came by then; nothing else would, while the client stays."""
+        owner = self.connections.take_lease(connection)
+        if owner is None:
+            return 0  # the holder goes round once more for us
+        pushed = 0
+        due: int | None = None
+        try:
+            for _ in range(MAX_ROUNDS):
+                if not self.connections.next_round(connection, owner):
+                    return pushed
+                frames, acked_later = self._round(connection)
+                pushed += frames
+                if acked_later and due is None:
+                    due = self.clock.now_ms() + self._ack_timeout_ms
+                if self.connections.release(connection, owner, due):
+                    return pushed
+            # rounds used up: the lease runs out and the next trigger goes on
+            if due is not None:
+                self.connections.arm(connection, due)
+            return pushed
+        except ConnectionGone:
+            count(metrics.PUSH_FAILED)
+            self.connections.unbind(connection)
+            return pushed
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            # e.g. the channel was taken over: the newer connection pushes for itself
+            count(metrics.PUSH_FAILED)
+            logger.info("push stopped", extra={"error_type": type(exc).__name__})
+            return pushed
+
+    @property
+    def _ack_timeout_ms(self) -> int:
+        return int(self.delivery.settings.ack_timeout_s * 1000)
+
+    def sweep(self, limit_per_shard: int = 500) -> SweepReport:
+        """The reaper's part: pushes again the connected sessions whose pushed deliveries
+        passed their ack timeout (the due index), and arms each for its next deadline."""
+        report = SweepReport()
+        now = self.clock.now_ms()
+        for shard in range(DUE_SHARDS):
+            for session_id, due_at_ms in self.connections.due(shard, now, limit_per_shard):
+                # taken off first, so a sweep that dies later loses only the timer (the next
+                # push or reconnect hands the deliveries out again)
+                if not self.connections.disarm(session_id, due_at_ms):
+                    continue
+                report.swept += 1
+                # most sessions acked in time: one read of the delivery state says so
+                following = self._next_deadline(session_id)
+                if following is None:
+                    continue
+                connection = self.connections.target(session_id)
+                if connection is None:
+                    continue
+                if following <= now:
+                    report.pushed += self.push(connection)
+                    following = self._next_deadline(session_id)
+                if following is not None and self.connections.arm(
+                    connection, following, earliest=False
+                ):
+                    report.armed += 1
+        return report
+
+    def _next_deadline(self, session_id: str) -> int | None:
+        """When the earliest of the session's deliveries still in flight comes due again."""
+        runs = self.delivery.inbox.state(session_id).runs
+        if not runs:
+            return None
+        return min(r.sent_at_ms for r in runs) + self._ack_timeout_ms
+
+    def _round(self, connection: Connection) -> tuple[int, bool]:
+        """The frames pushed, and whether any of them waits for an ack."""
+        who = Principal(sub=connection.sub, clients=(connection.client_id,))
+        pushed = 0
+        acked_later = False
+        while True:
+            messages = self.delivery.get(
+                who,
+                connection.client_id,
+                connection.channel,
+                max_messages=MAX_GET,
+                window=connection.window,
+            )["messages"]
+            for message in messages:
+                self.api.post(connection.connection_id, encode(MessageFrame(**message)))
+                acked_later = acked_later or message["qos"] > 0
+            pushed += len(messages)
+            count(metrics.PUSHED, len(messages))
+            if len(messages) < MAX_GET:
+                # all there was, or the window is full: acks open it again
+                return pushed, acked_later
+
+    def disconnect(self, connection_id: str, reason: str, ref: str | None = None) -> None:
+        """Sends the service's ``disconnect`` frame, then closes the connection (MQTT 5
+        §3.14: the server's DISCONNECT, then the network connection is closed)."""
+        try:
+            self.api.post(connection_id, encode(ServerDisconnectFrame(reason=reason, ref=ref)))  # type: ignore[arg-type]
+        except ConnectionGone:
+            return
+        self.api.close(connection_id)

@@ -1,0 +1,252 @@
+"""The WebSocket API's routes: a session's life in frames (``shoal.edge.frames``).
+
+Each client frame is answered by the same service as its HTTP route (the session registry,
+subscribe, publish, get/ack), acting as the channel its connection holds; the answers and the
+errors are the HTTP API's, in frames. A frame's function returns its answer as the route
+response, except where deliveries follow the answer (``connect``, ``subscribe``, ``ack``): then
+it posts the answer first and pushes after, so a client never sees a delivery before the
+CONNACK that opens its session (MQTT 5 §3.2) or the SUBACK of its retained messages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+from pydantic import BaseModel
+
+from shoal.core.auth import Principal
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import DeliverySettings
+from shoal.core.errors import BadRequest, Conflict, ShoalError
+from shoal.core.observability import logger
+from shoal.delivery.service import DeliveryService
+from shoal.delivery.subscriptions import SubscriptionService
+from shoal.edge.connections import MAX_CONNECTION_S, Connection, ConnectionStore
+from shoal.edge.frames import (
+    AckedFrame,
+    AckFrame,
+    ConnectedFrame,
+    ConnectFrame,
+    DisconnectFrame,
+    KeepaliveFrame,
+    PingFrame,
+    PongFrame,
+    PublishedFrame,
+    PublishFrame,
+    SubscribedFrame,
+    SubscribeFrame,
+    UnsubscribedFrame,
+    UnsubscribeFrame,
+    encode,
+)
+from shoal.edge.push import ConnectionGone, Pusher
+from shoal.publish.request import PublishRequest
+from shoal.publish.service import PublishService
+from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest
+from shoal.sessions.registry import SessionRegistry
+
+#: the keepalive a WebSocket channel registers with: its grace (``KEEPALIVE_GRACE`` times it)
+#: ends past API Gateway's two-hour limit by ``CHANNEL_MARGIN_S``, so only a channel whose
+#: connection is surely closed and whose ``$disconnect`` never came is expired by the reaper
+CHANNEL_MARGIN_S = 300
+CHANNEL_KEEPALIVE_S = math.ceil((MAX_CONNECTION_S + CHANNEL_MARGIN_S) / KEEPALIVE_GRACE)
+
+#: the subprotocol a browser offers (with its token as ``bearer.<jwt>``) and gets back
+SUBPROTOCOL = "shoal.v1"
+
+
+class NotConnected(ShoalError):
+    """A frame other than ``connect`` before the connection's ``connect`` was answered
+    (MQTT 5 §3.1: CONNECT is the first packet)."""
+
+    status = 409
+    code = "not_connected"
+
+
+class AlreadyConnected(Conflict):
+    """A second ``connect`` on one connection ([MQTT-3.1.0-2]: a protocol error)."""
+
+    code = "already_connected"
+
+
+def chosen_subprotocol(offered: str | None) -> str | None:
+    """The ``Sec-WebSocket-Protocol`` the handshake answers: ``shoal.v1`` when offered."""
+    names = [p.strip() for p in (offered or "").split(",")]
+    return SUBPROTOCOL if SUBPROTOCOL in names else None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a frame's function does: the frame it returns (the route response), or None."""
+
+    frame: str | None = None
+
+
+class EdgeService:
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        subscriptions: SubscriptionService,
+        publish: PublishService,
+        *,
+        delivery: DeliveryService,
+        connections: ConnectionStore,
+        pusher: Pusher,
+        settings: DeliverySettings,
+        clock: Clock | None = None,
+    ) -> None:
+        self.registry = registry
+        self.subscriptions = subscriptions
+        self.publisher = publish
+        self.delivery = delivery
+        self.connections = connections
+        self.pusher = pusher
+        self.settings = settings
+        self.clock = clock or SystemClock()
+
+    # -- the connection's own events
+
+    def disconnected(self, connection_id: str) -> None:
+        """``$disconnect``: the connection is gone. Unless a ``disconnect`` frame ended the
+        channel first, it is lost: its will follows after the delay."""
+        connection = self.connections.connection(connection_id)
+        if connection is None:
+            return
+        self.connections.unbind(connection)
+        who = Principal(sub=connection.sub, clients=(connection.client_id,))
+        # False: not the live channel any more (a normal disconnect, a takeover)
+        self.registry.lose(who, connection.client_id, connection.channel)
+
+    # -- client frames
+
+    def frame(
+        self, connection_id: str, who: Principal, frame: BaseModel, requested_at_ms: int | None
+    ) -> Answer:
+        if isinstance(frame, PingFrame):
+            # API Gateway answers ping itself; a $default or direct invocation still answers
+            return Answer(encode(PongFrame()))
+        if isinstance(frame, KeepaliveFrame):
+            return Answer()  # one way, as API Gateway's mock route
+        if isinstance(frame, ConnectFrame):
+            return self._connect(connection_id, who, frame, requested_at_ms)
+        connection = self.connections.connection(connection_id)
+        if connection is None:
+            raise NotConnected("send connect first: this connection holds no session")
+        if isinstance(frame, SubscribeFrame):
+            answer = self.subscriptions.subscribe(
+                who, connection.client_id, connection.channel, frame
+            )
+            return self._post_then_push(
+                connection, encode(SubscribedFrame(ref=frame.ref, **answer))
+            )
+        if isinstance(frame, UnsubscribeFrame):
+            answer = self.subscriptions.unsubscribe(
+                who, connection.client_id, connection.channel, frame
+            )
+            return Answer(encode(UnsubscribedFrame.model_validate({"ref": frame.ref, **answer})))
+        if isinstance(frame, PublishFrame):
+            request = frame.model_dump(exclude={"action", "ref"}, exclude_unset=True)
+            _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
+            return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
+        if isinstance(frame, AckFrame):
+            answer = self.delivery.ack(who, connection.client_id, connection.channel, frame)
+            if frame.ref is None:
+                # nothing asked back: the freed window is filled at once
+                self.pusher.push(connection)
+                return Answer()
+            return self._post_then_push(connection, encode(AckedFrame(ref=frame.ref, **answer)))
+        if isinstance(frame, DisconnectFrame):
+            return self._disconnect(connection, who, frame)
+        raise BadRequest("this frame has no handler")
+
+    def _connect(
+        self,
+        connection_id: str,
+        who: Principal,
+        frame: ConnectFrame,
+        requested_at_ms: int | None,
+    ) -> Answer:
+        if self.connections.connection(connection_id) is not None:
+            raise AlreadyConnected("this connection holds a session already")
+        previous = self._previous(frame.client_id)
+        # the connection's liveness replaces the client's keepalive: API Gateway closes a
+        # silent connection after 10 minutes and $disconnect ends the channel at once. The
+        # registry still holds a bound (CHANNEL_BOUND_S) that outlives the longest connection:
+        # AWS calls $disconnect best effort, and a channel whose $disconnect never came is
+        # expired by the reaper as a lost connection (its will follows), like a keepalive
+        request = ConnectRequest.model_validate(
+            {
+                **frame.model_dump(
+                    exclude={"action", "ref", "client_id", "receive_maximum"}, exclude_unset=True
+                ),
+                "keepalive_s": CHANNEL_KEEPALIVE_S,
+            }
+        )
+        connected = self.registry.connect(who, frame.client_id, request, requested_at_ms)
+        head = self.registry.require_live(who, frame.client_id, connected.channel)
+        window = min(frame.receive_maximum or self.settings.window, self.settings.window)
+        connection = Connection(
+            connection_id=connection_id,
+            client_id=frame.client_id,
+            sub=who.sub,
+            channel=connected.channel,
+            session_id=head.session_id or "",
+            window=window,
+            connected_at_ms=self.clock.now_ms(),
+        )
+        self.connections.bind(connection)
+        if previous is not None and previous.connection_id != connection_id:
+            # MQTT 5 §4.13 / [MQTT-3.1.4-3]: the older connection is told why, then closed
+            self.pusher.disconnect(previous.connection_id, "session_taken_over")
+        answer = ConnectedFrame(
+            ref=frame.ref,
+            session_present=connected.session_present,
+            channel=connected.channel,
+            keepalive_s=0,
+            receive_maximum=window,
+        )
+        return self._post_then_push(connection, encode(answer))
+
+    def _previous(self, client_id: str) -> Connection | None:
+        """The connection that holds the client id's session now, if any (to be taken over)."""
+        head = self.registry.repository.head(client_id)
+        if head is None or not head.connected or not head.session_id:
+            return None
+        return self.connections.target(head.session_id)
+
+    def _disconnect(self, connection: Connection, who: Principal, frame: DisconnectFrame) -> Answer:
+        if frame.with_will:
+            # MQTT 5 reason 0x04, "Disconnect with Will Message": as if the connection was lost
+            self.registry.lose(who, connection.client_id, connection.channel)
+        else:
+            self.registry.disconnect(who, connection.client_id, connection.channel)
+        self.connections.unbind(connection)
+        self.pusher.disconnect(connection.connection_id, "normal", ref=frame.ref)
+        return Answer()
+
+    def _post_then_push(self, connection: Connection, answer: str) -> Answer:
+        """Posts the answer, then pushes what the session has waiting; the route response is
+        empty then. A post that fails for another reason than a gone connection (throttled,
+        answered late) must not turn a frame that did its work into an error: the answer goes
+        back as the route response instead, and nothing is pushed after it (a delivery must
+        not overtake it); the next write, ack or sweep pushes."""
+        try:
+            self.pusher.api.post(connection.connection_id, answer)
+        except ConnectionGone:
+            return Answer()
+        except (ClientError, BotoCoreError) as exc:
+            logger.info(
+                "answer posted as the route response", extra={"error_type": type(exc).__name__}
+            )
+            return Answer(answer)
+        self.pusher.push(connection)
+        return Answer()
+
+
+def requested_at(context: Mapping[str, Any]) -> int | None:
+    value = context.get("requestTimeEpoch")
+    return int(value) if isinstance(value, int | float) else None

@@ -1,0 +1,43 @@
+"""The emulated account a test starts from: provisioned through the API once per process,
+then copied for each test.
+
+Provisioning every declared table, stream, bucket and function through moto's API took 8 to
+25 s per account on CI's machine (moto serializes each response attribute by attribute), and
+about 400 integration tests each start from a fresh account: over an hour of the suite. The
+first account of a process is provisioned through the API (``shoal.local.provision``, as
+``shoal dev`` does it); moto's backends are then deep-copied, and each later account is that
+copy again (about half a second), as independent of the others as a provisioned one.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from typing import Any
+
+import boto3
+from moto.backends import get_backend
+from shoal.local.provision import LocalNames, provision
+
+#: the services ``provision`` creates resources in
+SERVICES = ("dynamodb", "kinesis", "s3", "iam", "lambda")
+
+_provisioned: dict[tuple[tuple[str, str], ...], dict[str, dict[str, Any]]] = {}
+
+
+def provision_account(session: boto3.Session, names: LocalNames) -> None:
+    """Inside a fresh ``mock_aws()``: every declared resource, named by ``names``."""
+    key = tuple(sorted(names.environment().items()))
+    snapshot = _provisioned.get(key)
+    if snapshot is None:
+        provision(session, names)
+        _provisioned[key] = {
+            service: copy.deepcopy(dict(get_backend(service))) for service in SERVICES
+        }
+        # the snapshot lives as long as the process: out of the collector's passes (conftest)
+        gc.freeze()
+        return
+    for service, accounts in snapshot.items():
+        backends = get_backend(service)
+        for account, backend in accounts.items():
+            backends[account] = copy.deepcopy(backend)

@@ -1,0 +1,236 @@
+"""``shoal.client.ws`` and ``shoal subscribe`` over one ``shoal dev``'s WebSocket API.
+
+Each message is processed once through a connection the server closes (``DELETE`` on
+``@connections``, as API Gateway's management API does it), a handler that raises gets its
+message again, the in-flight window is what the client asked for, a takeover raises, and
+``shoal subscribe`` prints over the WebSocket API by default and over the long poll with
+``--transport poll``. Messages are published over HTTP (``ShoalClient``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shoal.cli.main import main
+from shoal.client.errors import SessionTakenOver
+from shoal.client.http import ShoalClient
+from shoal.client.support import FlowControl, ReceivedMessage
+from shoal.client.ws import ShoalWsClient
+from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
+
+from tests.e2e.conftest import DevServer
+
+pytestmark = pytest.mark.e2e
+
+#: how long a test waits for what should come (a bound on a hang, never a speed assertion)
+PATIENCE_S = 120.0
+#: how long a test watches for what should not come
+QUIET_S = 2.0
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def token(dev: DevServer, sub: str, topic: str) -> str:
+    """A token of ``shoal dev``'s local issuer, minted in this process (``shoal token`` in a
+    subprocess costs seconds on a loaded machine)."""
+    settings = IssuerSettings.load(dev.state_dir)
+    assert settings is not None
+    return mint_token(
+        SigningKey.load_or_create(dev.state_dir),
+        issuer=settings.issuer,
+        audience=settings.audience,
+        sub=sub,
+        clients=[f"{sub}*"],
+        publish=[f"{topic}/#"],
+        subscribe=[f"{topic}/#"],
+    )
+
+
+def publish(dev: DevServer, jwt: str, topic: str, texts: list[str]) -> None:
+    with ShoalClient(dev.url, jwt) as client:
+        bodies = [ShoalClient.message_body(topic, text=t, qos=1) for t in texts]
+        results = client.publish_many(bodies)
+    assert all(not isinstance(r, Exception) for r in results), results
+
+
+def ws_client(dev: DevServer, jwt: str, client_id: str, state: Path, **options: Any) -> Any:
+    return ShoalWsClient(dev.ws_url, jwt, client_id=client_id, state=state, **options)
+
+
+def connection_ids(dev: DevServer, client_id: str) -> list[str]:
+    """The WebSocket connections that hold ``client_id``'s session (the connections table)."""
+    dynamo = dev.aws().client("dynamodb")
+    (table,) = [t for t in dynamo.list_tables()["TableNames"] if t.endswith("-connections")]
+    items = dynamo.scan(TableName=table)["Items"]
+    return [
+        i["key"]["S"].removeprefix("conn#")
+        for i in items
+        if i["key"]["S"].startswith("conn#") and i.get("client_id", {}).get("S") == client_id
+    ]
+
+
+def texts(messages: list[ReceivedMessage]) -> list[str | None]:
+    return [m.text for m in messages]
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "ws-client.json"
+
+
+def test_each_pushed_message_once_through_a_connection_the_server_closes(
+    shared_dev: DevServer, state: Path
+) -> None:
+    jwt = token(shared_dev, "wsa", "wsa")
+    said: list[str] = []
+    got: list[ReceivedMessage] = []
+    with ws_client(shared_dev, jwt, "wsa-1", state) as client:
+        client.connect(clean_start=True)
+        assert client.subscribe("wsa/#") == [1]
+        publish(shared_dev, jwt, "wsa/x", [f"m{n}" for n in range(6)])
+        deadline = now_ms() + int(PATIENCE_S * 1000)
+        for message in client.messages(count=6, until_ms=deadline, on_outage=said.append):
+            got.append(message)
+            if len(got) == 3:
+                # the server side closes the connection (a deploy, API Gateway's limits):
+                # the 3rd is being processed, the rest may be in flight on the dead connection
+                (connection_id,) = connection_ids(shared_dev, "wsa-1")
+                status, _ = shared_dev.request("DELETE", f"/@connections/{connection_id}")
+                assert status == 204
+        # whatever came again with dup after the reconnect was not handed out again
+        more = list(client.messages(until_ms=now_ms() + int(QUIET_S * 1000)))
+        assert client.connections_opened == 2
+    assert texts(got) == [f"m{n}" for n in range(6)]
+    assert more == []
+    assert len(said) == 2 and "the session was resumed" in said[1]
+
+
+def test_a_message_whose_handler_raised_comes_again_and_is_processed_once(
+    shared_dev: DevServer, state: Path
+) -> None:
+    jwt = token(shared_dev, "wsb", "wsb")
+    handled: list[str | None] = []
+
+    def handler(message: ReceivedMessage) -> None:
+        if message.text == "second" and "second" not in handled:
+            handled.append("failed")
+            raise RuntimeError("the handler failed")
+        handled.append(message.text)
+
+    deadline = now_ms() + int(PATIENCE_S * 1000)
+    with ws_client(shared_dev, jwt, "wsb-1", state) as client:
+        client.connect(clean_start=True)
+        client.subscribe("wsb/#")
+        publish(shared_dev, jwt, "wsb/x", ["first", "second", "third"])
+        with pytest.raises(RuntimeError):
+            client.consume(handler, until_ms=deadline)
+    # not acked: a new client (a restarted process, same state file) gets it from the server
+    # again, with dup, and the one processed before is not handed out again
+    redelivered: list[ReceivedMessage] = []
+    with ws_client(shared_dev, jwt, "wsb-1", state) as client:
+        client.consume(redelivered.append, count=2, until_ms=deadline)
+        more = list(client.messages(until_ms=now_ms() + int(QUIET_S * 1000)))
+    assert handled == ["first", "failed"]
+    assert texts(redelivered) == ["second", "third"]
+    assert redelivered[0].dup is True
+    assert more == []
+
+
+def test_the_server_pushes_no_more_than_the_window_the_client_asked_for(
+    shared_dev: DevServer, state: Path
+) -> None:
+    jwt = token(shared_dev, "wsc", "wsc")
+    deadline = now_ms() + int(PATIENCE_S * 1000)
+    with ws_client(shared_dev, jwt, "wsc-1", state, flow=FlowControl(max_messages=3)) as client:
+        client.connect(clean_start=True)
+        assert client.receive_maximum == 3
+        client.subscribe("wsc/#")
+        publish(shared_dev, jwt, "wsc/x", [f"n{n}" for n in range(6)])
+        held = list(client.messages(count=3, auto_ack=False, until_ms=deadline))
+        # the application holds three, unacked: nothing more is pushed
+        assert list(client.messages(auto_ack=False, until_ms=now_ms() + int(QUIET_S * 1000))) == []
+        # one processed opens the window by one
+        client.ack(held[0])
+        (fourth,) = list(client.messages(count=1, auto_ack=False, until_ms=deadline))
+        client.ack(*held[1:], fourth)
+        rest = list(client.messages(count=2, until_ms=deadline))
+    assert texts([*held, fourth, *rest]) == [f"n{n}" for n in range(6)]
+
+
+def test_a_newer_connect_for_the_client_id_takes_the_session_over(
+    shared_dev: DevServer, tmp_path: Path
+) -> None:
+    jwt = token(shared_dev, "wsd", "wsd")
+    first = ws_client(shared_dev, jwt, "wsd-1", tmp_path / "a.json")
+    second = ws_client(shared_dev, jwt, "wsd-1", tmp_path / "b.json")
+    try:
+        first.connect(clean_start=True)
+        first.subscribe("wsd/#")
+        assert second.connect().session_present is True
+        with pytest.raises(SessionTakenOver):
+            list(first.messages(until_ms=now_ms() + int(PATIENCE_S * 1000)))
+        assert first.connection is None
+        # the newer connection holds the session and its subscription
+        publish(shared_dev, jwt, "wsd/x", ["to the newer one"])
+        got = list(second.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
+        assert texts(got) == ["to the newer one"]
+    finally:
+        first.close()
+        second.close()
+
+
+# -- shoal subscribe ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(
+    shared_dev: DevServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> Iterator[Any]:
+    monkeypatch.chdir(tmp_path)  # the default state files go under ./.shoal/client
+    for name in ("SHOAL_URL", "SHOAL_TOKEN", "SHOAL_WS_URL", "SHOAL_TOKEN_COMMAND"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        capsys.readouterr()
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
+        status = main(argv)
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    yield run
+
+
+def test_shoal_subscribe_prints_over_the_websocket_api_and_the_long_poll(
+    shared_dev: DevServer, cli: Any
+) -> None:
+    jwt = token(shared_dev, "wse", "wse")
+    common = ["--url", shared_dev.url, "--token", jwt, "-i", "wse-1", "-t", "wse/#"]
+    ws = ["--ws-url", shared_dev.ws_url]
+    # the session and its subscription, then two messages
+    status, _, err = cli(["subscribe", *common, *ws, "-C", "0"])
+    assert status == 0, err
+    publish(shared_dev, jwt, "wse/a", ["one", "two"])
+    status, out, err = cli(["subscribe", *common, *ws, "-C", "2", "-W", str(PATIENCE_S), "--json"])
+    assert status == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    # the API's message objects, as the long poll prints them (no frame `action`)
+    assert [line["text"] for line in lines] == ["one", "two"]
+    assert all("action" not in line and line["topic"] == "wse/a" for line in lines)
+    assert err == ""
+    # the long poll goes on with the same session and state file: nothing printed twice
+    publish(shared_dev, jwt, "wse/b", ["three"])
+    poll = ["--transport", "poll", "--wait-ms", "1000"]
+    status, out, err = cli(["subscribe", *common, *poll, "-C", "1", "-W", str(PATIENCE_S), "-v"])
+    assert status == 0, err
+    assert out == "wse/b three\n"

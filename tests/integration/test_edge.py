@@ -1,0 +1,480 @@
+"""The WebSocket edge's routes over moto: frames in, frames out, deliveries pushed.
+
+The edge function is driven with API Gateway's WebSocket events (``events/edge_*.json``), the
+router runs through the emulated event source mappings, and ``@connections`` is a recording
+port: what each connection was sent, and which were closed or are gone.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from shoal.aws.dynamo import Dynamo
+from shoal.core.config import get_config
+from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
+from shoal.edge.frames import SERVICE_FRAMES
+from shoal.edge.push import ConnectionGone, Connections, Pusher
+from shoal.edge.routes import handle
+from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
+from shoal.sessions.reaper import Reaper
+from shoal.sessions.repository import SessionRepository
+
+import functions.router.app as router_app
+from tests.helpers import load_event
+from tests.integration.test_delivery_support import World
+from tests.integration.test_sessions_support import RecordingPublisher
+
+_MODELS = {m.model_fields["action"].default: m for m in SERVICE_FRAMES}
+
+
+class RecordingConnections(Connections):
+    """``@connections`` as a port: frames posted per connection, closed and gone ones."""
+
+    def __init__(self) -> None:
+        super().__init__(client=None)
+        self.sent: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.closed: list[str] = []
+        self.gone: set[str] = set()
+
+    def post(self, connection_id: str, frame: str) -> None:
+        if connection_id in self.gone:
+            raise ConnectionGone(connection_id)
+        data = json.loads(frame)
+        # every frame the service sends fits its schema
+        _MODELS[data["action"]].model_validate(data)
+        self.sent[connection_id].append(data)
+
+    def close(self, connection_id: str) -> None:
+        self.closed.append(connection_id)
+        self.gone.add(connection_id)
+
+
+class Edge:
+    def __init__(self, world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.world = world
+        config = get_config()
+        self.api = RecordingConnections()
+        self.connections = ConnectionStore(
+            Dynamo(world.session.client("dynamodb")), config.table("connections"), world.clock
+        )
+        self.pusher = Pusher(self.connections, self.api, world.delivery, world.clock)
+        publish = world.harness.publish
+        self.service = EdgeService(
+            world.registry,
+            world.subscriptions,
+            publish,
+            delivery=world.delivery,
+            connections=self.connections,
+            pusher=self.pusher,
+            settings=world.settings,
+            clock=world.clock,
+        )
+        # the router pushes to connected sessions after its writes
+        monkeypatch.setattr(router_app.router(), "pusher", self.pusher)
+
+    def event(self, name: str, connection: str, **context: Any) -> dict[str, Any]:
+        event = load_event(name)
+        event["requestContext"]["connectionId"] = connection
+        event["requestContext"]["requestTimeEpoch"] = self.world.clock.now_ms()
+        event["requestContext"].update(context)
+        return event
+
+    def send(self, connection: str, frame: dict[str, Any] | str, **context: Any) -> Any:
+        """One client frame; the route response's frame (None when it sent none)."""
+        event = self.event("edge_frame.json", connection, **context)
+        event["body"] = frame if isinstance(frame, str) else json.dumps(frame)
+        event["requestContext"]["routeKey"] = (
+            frame.get("action", "$default") if isinstance(frame, dict) else "$default"
+        )
+        answer = handle(lambda: self.service, event)
+        assert answer["statusCode"] == 200
+        return json.loads(answer["body"]) if "body" in answer else None
+
+    def connect(self, connection: str, client_id: str = "alice-1", **fields: Any) -> dict[str, Any]:
+        # a connect's version is its request time: two in one millisecond are ordered by their
+        # random part (either may be the newer), so a test's connects come a millisecond apart
+        self.world.clock.advance(0.001)
+        fields.setdefault("clean_start", False)
+        fields.setdefault("session_expiry_s", 3600)
+        answer = self.send(connection, {"action": "connect", "client_id": client_id, **fields})
+        assert answer is None, answer
+        connected = self.api.sent[connection][0]
+        assert connected["action"] == "connected", connected
+        return connected
+
+    def dropped(self, connection: str) -> None:
+        """The connection is gone without a disconnect frame: ``$disconnect``."""
+        self.api.gone.add(connection)
+        handle(lambda: self.service, self.event("edge_disconnect.json", connection))
+
+    def messages(self, connection: str) -> list[dict[str, Any]]:
+        return [f for f in self.api.sent[connection] if f["action"] == "message"]
+
+
+def texts(frames: list[dict[str, Any]]) -> list[str]:
+    return [base64.b64decode(f["payload"]).decode() for f in frames]
+
+
+@pytest.fixture
+def edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
+    world = World(aws, monkeypatch)
+    world.topic("default")
+    yield Edge(world, monkeypatch)
+
+
+# --- connect
+
+
+def test_connect_answers_the_session_and_the_window(edge: Edge) -> None:
+    connected = edge.connect("c1", ref="r1", receive_maximum=5)
+    assert connected["ref"] == "r1"
+    assert connected["session_present"] is False
+    assert connected["receive_maximum"] == 5
+    # the connection's liveness replaces the keepalive
+    assert connected["keepalive_s"] == 0
+    # a larger Receive Maximum than the service's window gets the service's
+    other = edge.connect("c2", client_id="alice-2", receive_maximum=65_535)
+    assert other["receive_maximum"] == edge.world.settings.window
+
+
+def test_a_frame_before_connect_is_refused_with_a_code(edge: Edge) -> None:
+    answer = edge.send(
+        "c1", {"action": "subscribe", "ref": "s", "subscriptions": [{"filter": "a"}]}
+    )
+    assert answer["action"] == "error"
+    assert answer["ref"] == "s"
+    assert answer["error"]["code"] == "not_connected"
+    assert answer["status"] == 409
+
+
+def test_a_second_connect_on_one_connection_is_refused(edge: Edge) -> None:
+    edge.connect("c1")
+    answer = edge.send("c1", {"action": "connect", "client_id": "alice-1"})
+    assert answer["error"]["code"] == "already_connected"
+
+
+def test_connect_as_a_client_id_the_token_does_not_allow_is_forbidden(edge: Edge) -> None:
+    answer = edge.send("c1", {"action": "connect", "client_id": "bob-1", "ref": "x"})
+    assert answer["status"] == 403
+    assert answer["error"]["code"] == "forbidden"
+    assert answer["ref"] == "x"
+    assert edge.connections.connection("c1") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ("not json", "malformed_json"),
+        ("[1, 2]", "invalid_request"),
+        ('{"action": "shout"}', "unknown_action"),
+        ('{"action": "connect", "client_id": "alice-1", "receive_maximum": 0}', "invalid_request"),
+        ('{"action": "ack", "ids": "x"}', "invalid_request"),
+    ],
+)
+def test_bad_frames_get_the_http_apis_codes(edge: Edge, body: str, code: str) -> None:
+    answer = edge.send("c1", body)
+    assert answer["action"] == "error"
+    assert answer["error"]["code"] == code
+    assert 400 <= answer["status"] < 500
+
+
+# --- pushed delivery
+
+
+def test_a_connected_session_is_pushed_its_messages_and_an_ack_ends_them(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send(
+        "c1", {"action": "subscribe", "ref": "s1", "subscriptions": [{"filter": "a/#", "qos": 1}]}
+    )
+    assert edge.api.sent["c1"][1] == {"action": "subscribed", "ref": "s1", "granted": [1]}
+    for n in range(3):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    pushed = edge.messages("c1")
+    assert texts(pushed) == ["m0", "m1", "m2"]
+    assert not any(f["dup"] for f in pushed)
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [f["id"] for f in pushed]})
+    assert {"action": "acked", "ref": "a1", "acked": 3} in edge.api.sent["c1"]
+    # an acked id never comes again, after the ack timeout either
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.pusher.push_sessions([edge.connections.connection("c1").session_id])  # type: ignore[union-attr]
+    assert len(edge.messages("c1")) == 3
+
+
+def test_an_ack_without_a_ref_is_answered_with_nothing_and_still_acks(edge: Edge) -> None:
+    edge.connect("c1", receive_maximum=1)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    for n in range(2):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    [first] = edge.messages("c1")
+    before = len(edge.api.sent["c1"])
+    # an ack without a ref: no acked frame (MQTT 5 §3.4, a PUBACK is not answered) ...
+    assert edge.send("c1", {"action": "ack", "ids": [first["id"]]}) is None
+    after = edge.api.sent["c1"][before:]
+    assert [f["action"] for f in after] == ["message"]
+    # ... yet the window opened (the next message pushed) and the id is acked for good
+    assert texts(after) == ["m1"]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.pusher.push_sessions([edge.connections.connection("c1").session_id])  # type: ignore[union-attr]
+    assert [f["id"] for f in edge.messages("c1")].count(first["id"]) == 1
+
+
+def test_the_window_holds_deliveries_until_acks_open_it(edge: Edge) -> None:
+    edge.connect("c1", receive_maximum=2)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    for n in range(5):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    edge.send("c1", {"action": "ack", "ids": [edge.messages("c1")[0]["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2", "m3", "m4"]
+
+
+def test_unacked_messages_come_again_with_dup_after_the_ack_timeout(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "once")
+    edge.world.route()
+    first = edge.messages("c1")
+    assert [f["dup"] for f in first] == [False]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    # the next trigger of a push (here another message routed) sends it again first
+    edge.world.publish("a/b", "twice")
+    edge.world.route()
+    frames = edge.messages("c1")
+    assert texts(frames) == ["once", "once", "twice"]
+    assert [f["dup"] for f in frames] == [False, True, False]
+    assert frames[0]["id"] == frames[1]["id"]
+
+
+def _session_of(edge: Edge, connection: str) -> str:
+    found = edge.connections.connection(connection)
+    assert found is not None
+    return found.session_id
+
+
+def test_the_sweep_pushes_again_with_dup_what_passed_its_ack_timeout(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "once")
+    edge.world.route()
+    assert [f["dup"] for f in edge.messages("c1")] == [False]
+    # before the ack timeout the sweep finds nothing due
+    assert edge.pusher.sweep().swept == 0
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    # no other trigger: the reaper's sweep alone sends it again
+    report = edge.pusher.sweep()
+    assert (report.swept, report.pushed, report.armed) == (1, 1, 1)
+    frames = edge.messages("c1")
+    assert [f["dup"] for f in frames] == [False, True]
+    assert frames[0]["id"] == frames[1]["id"]
+    edge.send("c1", {"action": "ack", "ids": [frames[1]["id"]]})
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    # acked: found due once more, then off the index; never sent again
+    assert edge.pusher.sweep().pushed == 0
+    assert edge.pusher.sweep().swept == 0
+    assert len(edge.messages("c1")) == 2
+
+
+def test_a_session_that_acked_in_time_costs_the_sweep_one_look(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m")
+    edge.world.route()
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    report = edge.pusher.sweep()
+    assert (report.swept, report.pushed, report.armed) == (1, 0, 0)
+    assert edge.pusher.sweep().swept == 0
+
+
+def test_the_sweep_arms_the_next_deadline_of_later_deliveries(edge: Edge) -> None:
+    timeout = edge.world.settings.ack_timeout_s
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "early")
+    edge.world.route()
+    edge.world.clock.advance(timeout / 2)
+    edge.world.publish("a/b", "late")
+    edge.world.route()
+    early = edge.messages("c1")[0]
+    edge.send("c1", {"action": "ack", "ids": [early["id"]]})
+    # the first deadline (early's) passes: early was acked, late is not due yet
+    edge.world.clock.advance(timeout / 2 + 0.5)
+    assert (edge.pusher.sweep().pushed, len(edge.messages("c1"))) == (0, 2)
+    edge.world.clock.advance(timeout / 2 + 0.5)
+    assert edge.pusher.sweep().pushed == 1
+    assert texts(edge.messages("c1")) == ["early", "late", "late"]
+    assert edge.messages("c1")[-1]["dup"] is True
+
+
+def test_a_taken_over_sessions_due_item_is_not_pushed_to_the_old_connection(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m")
+    edge.world.route()
+    edge.connect("c2")  # takes the session over: c1 is told and closed
+    sent_before = len(edge.api.sent["c1"])
+    # the newer connection got the unacked message again on its connect (dup)
+    assert [(texts([f]), f["dup"]) for f in edge.messages("c2")] == [(["m"], True)]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    assert edge.pusher.sweep().pushed == 1
+    # still unacked after its timeout: again to the newer connection, never to the older
+    assert len(edge.api.sent["c1"]) == sent_before
+    assert [(texts([f]), f["dup"]) for f in edge.messages("c2")] == [(["m"], True)] * 2
+
+
+def test_a_push_to_a_gone_connection_loses_nothing(edge: Edge) -> None:
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.api.gone.add("c1")  # gone, and $disconnect not come yet
+    edge.world.publish("a/b", "kept")
+    edge.world.route()
+    assert edge.messages("c1") == []
+    edge.dropped("c1")
+    # the session resumes on a new connection: the message comes, as a redelivery
+    connected = edge.connect("c2")
+    assert connected["session_present"] is True
+    frames = edge.messages("c2")
+    assert texts(frames) == ["kept"]
+
+
+def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:
+    edge.connect("c1", receive_maximum=1)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 0}]})
+    for n in range(3):
+        edge.world.publish("a/b", f"q{n}", qos=0)
+    edge.world.route()
+    # QoS 0 takes no room in the window, and never comes again
+    assert texts(edge.messages("c1")) == ["q0", "q1", "q2"]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.world.publish("a/b", "q3", qos=0)
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["q0", "q1", "q2", "q3"]
+
+
+# --- publish
+
+
+def test_publish_over_the_connection_is_exactly_once(edge: Edge) -> None:
+    edge.connect("c1")
+    frame: dict[str, Any] = {"action": "publish", "ref": "p1", "topic": "a/b", "text": "x"}
+    frame |= {"publisher_id": "dev-1", "publisher_seq": 1}
+    first = edge.send("c1", frame)
+    assert first["action"] == "published"
+    assert first["ref"] == "p1"
+    assert first["duplicate"] is False
+    again = edge.send("c1", frame)
+    assert again["duplicate"] is True
+    assert again["message_id"] == first["message_id"]
+    gap = edge.send("c1", frame | {"publisher_seq": 5})
+    assert gap["error"]["code"] == "publisher_seq_gap"
+
+
+# --- takeover, disconnect and wills
+
+
+def test_a_newer_connect_takes_the_session_over_and_closes_the_older_connection(
+    edge: Edge,
+) -> None:
+    edge.connect("c1")
+    edge.connect("c2")
+    assert {"action": "disconnect", "reason": "session_taken_over"} in edge.api.sent["c1"]
+    assert edge.api.closed == ["c1"]
+    # the older connection's frames are refused from now on
+    answer = edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a"}]})
+    assert answer["action"] == "error"
+    # its $disconnect, when it comes, leaves the newer channel alone
+    edge.dropped("c1")
+    later = edge.send("c2", {"action": "subscribe", "subscriptions": [{"filter": "a/#"}]})
+    assert later is None
+    assert edge.api.sent["c2"][-1]["action"] == "subscribed"
+
+
+def _reaper(edge: Edge) -> tuple[Reaper, RecordingPublisher]:
+    publisher = RecordingPublisher()
+    repository = SessionRepository(
+        Dynamo(edge.world.session.client("dynamodb")), get_config().table("sessions")
+    )
+    return Reaper(repository, publisher, edge.world.clock), publisher
+
+
+WILL = {"topic": "alice/status", "text": "offline", "delay_s": 5}
+
+
+def test_a_lost_connection_publishes_its_will_after_the_delay(edge: Edge) -> None:
+    edge.connect("c1", will=WILL)
+    edge.dropped("c1")
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    assert publisher.published == []  # the delay runs
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:
+    edge.connect("c1", will=WILL)
+    assert edge.send("c1", {"action": "disconnect", "ref": "d"}) is None
+    assert edge.api.sent["c1"][-1] == {"action": "disconnect", "ref": "d", "reason": "normal"}
+    edge.dropped("c1")
+    reaper, publisher = _reaper(edge)
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert publisher.published == []
+
+
+def test_disconnect_with_will_publishes_it(edge: Edge) -> None:
+    edge.connect("c1", will=WILL | {"delay_s": 0})
+    edge.send("c1", {"action": "disconnect", "with_will": True})
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    reaper.run()
+    assert len(publisher.published) == 1
+
+
+def test_resuming_within_the_will_delay_publishes_no_will(edge: Edge) -> None:
+    edge.connect("c1", will=WILL)
+    edge.dropped("c1")
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    edge.connect("c2")  # resumes the session within the delay
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert publisher.published == []
+
+
+def test_a_connection_whose_disconnect_never_came_is_expired_after_api_gateways_limit(
+    edge: Edge,
+) -> None:
+    edge.connect("c1", will=WILL | {"delay_s": 0})
+    edge.api.gone.add("c1")  # API Gateway closed it, and its $disconnect was lost
+    reaper, publisher = _reaper(edge)
+    edge.world.clock.advance(MAX_CONNECTION_S)
+    reaper.run()
+    # a connection may still be open up to the two-hour limit: no will yet
+    assert publisher.published == []
+    edge.world.clock.advance(CHANNEL_MARGIN_S + 60)
+    reaper.run()
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+# --- the handshake
+
+
+def test_connect_route_answers_the_offered_subprotocol_never_the_token(edge: Edge) -> None:
+    answer = handle(lambda: edge.service, edge.event("edge_connect.json", "c1"))
+    assert answer == {"statusCode": 200, "headers": {"Sec-WebSocket-Protocol": "shoal.v1"}}
+    event = edge.event("edge_connect.json", "c1")
+    del event["headers"]["Sec-WebSocket-Protocol"]
+    assert handle(lambda: edge.service, event) == {"statusCode": 200}

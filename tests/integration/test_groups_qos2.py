@@ -1,0 +1,141 @@
+"""QoS 2 in a shared group stays with the member it was handed to ([MQTT-4.8.2-4/5]).
+
+A member that got a QoS 2 message and dies without acking: the message is not handed to another
+member, ever; it is delivered again to the same session (``dup``) when it reconnects, even when
+its lane moved meanwhile; if that session ends first, the message is dropped for the group with
+the reason ``session_ended``. QoS 1 keeps today's rule: it moves to a live member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+
+from tests.integration.test_events_recording import events, recording_of
+from tests.integration.test_groups_support import LEASE_S, GroupWorld
+
+GROUP = "$share/w/jobs/#"
+
+
+@pytest.fixture
+def gworld(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[GroupWorld]:
+    w = GroupWorld(aws, monkeypatch)
+    w.topic("default", 1)
+    w.groups.events = recording_of(aws, w.clock)
+    yield w
+
+
+def members(w: GroupWorld) -> dict[str, str]:
+    channels = {}
+    for client in ("alice-a", "alice-b"):
+        channels[client] = w.connect(client, clean_start=False, session_expiry_s=3600)
+        w.subscribe(client, channels[client], {"filter": GROUP, "qos": 2})
+    for client, channel in channels.items():
+        w.heartbeat(client, channel)
+    return channels
+
+
+def handed(w: GroupWorld, qos: int) -> tuple[dict[str, str], str, str, dict[str, Any]]:
+    """Two members and one message of ``qos`` handed to one of them: (channels, the holder,
+    the other, the delivery)."""
+    channels = members(w)
+    w.publish("jobs/1", "job", qos=qos)
+    w.route()
+    got = {c: w.get(c, ch) for c, ch in channels.items()}
+    [holder] = [c for c, m in got.items() if m]
+    [other] = [c for c in channels if c != holder]
+    [delivery] = got[holder]
+    assert not delivery["dup"] and delivery["qos"] == qos
+    return channels, holder, other, delivery
+
+
+def outlive_the_holder(w: GroupWorld, other: str, channel: str) -> list[Any]:
+    """The holder is dead (no call); the other member heartbeats and gets for the lease
+    timeout plus 10 s: what it got."""
+    got: list[Any] = []
+    for _ in range(int((LEASE_S + 10) / 2)):
+        w.clock.advance(2)
+        w.heartbeat(other, channel)
+        got += w.get(other, channel)
+    return got
+
+
+def test_a_killed_members_qos2_message_reaches_no_other_member(gworld: GroupWorld) -> None:
+    w = gworld
+    # Given a QoS 2 message handed to one member, which then dies without acking
+    channels, holder, other, delivery = handed(w, 2)
+    # When the other member lives on past the lease timeout plus 10 s, holding the lane
+    got = outlive_the_holder(w, other, channels[other])
+    loaded = w.group("w", "jobs/#")
+    # Then it got nothing, although it holds the stream by now
+    assert got == []
+    assert loaded is not None
+    assert {x.holder for x in loaded.state.streams.values()} == {w.session_id(other)}
+    # When the dead member reconnects (same session) and gets
+    channel = w.connect(holder, clean_start=False, session_expiry_s=3600)
+    again = w.get(holder, channel)
+    # Then the message comes again to it, dup, under the id it had
+    assert [(m["id"], m["message_id"], m["dup"]) for m in again] == [
+        (delivery["id"], delivery["message_id"], True)
+    ]
+    # and its ack completes it: nobody gets it again
+    status, answer = w.ack(holder, channel, [delivery["id"]])
+    assert status == 200 and answer["acked"] == 1, answer
+    w.clock.advance(40)
+    w.heartbeat(other, channels[other])
+    w.heartbeat(holder, channel)
+    assert w.get(holder, channel) == [] and w.get(other, channels[other]) == []
+    acked = [e for e in events(w.session) if e["event"] == "acked"]
+    assert [e["delivery_id"] for e in acked] == [delivery["id"]]
+
+
+def test_a_qos2_message_of_an_ended_session_is_dropped_with_its_reason(gworld: GroupWorld) -> None:
+    w = gworld
+    # Given a QoS 2 message handed to a member that died, its lane taken by the other member
+    channels, holder, other, delivery = handed(w, 2)
+    session = w.session_id(holder)
+    assert outlive_the_holder(w, other, channels[other]) == []
+    # When the dead member's session ends (a clean start discards it)
+    fresh = w.connect(holder, clean_start=True)
+    # Then the message is dropped for the group with its reason, and goes to no one
+    w.clock.advance(40)
+    w.heartbeat(other, channels[other])
+    assert w.get(other, channels[other]) == [] and w.get(holder, fresh) == []
+    group = [e for e in events(w.session) if e["consumer_kind"] == "group"]
+    dropped = [e for e in group if e["event"] == "dropped"]
+    assert [(e["message_id"], e["reason"]) for e in dropped] == [
+        (delivery["message_id"], "session_ended")
+    ]
+    # and it was only ever handed to the member it was pinned to
+    delivered = [e for e in group if e["event"] in ("delivered", "redelivered")]
+    assert {e.get("label") for e in delivered} == {session}
+
+
+def test_a_qos2_message_pinned_on_the_stream_is_dropped_when_its_session_ends_first(
+    gworld: GroupWorld,
+) -> None:
+    w = gworld
+    # Given a QoS 2 message handed to a member that dies, its session ending before anyone
+    # served the lane again
+    channels, holder, other, delivery = handed(w, 2)
+    w.clock.advance(LEASE_S + 1)
+    w.connect(holder, clean_start=True)
+    # When the other member takes the lane and gets
+    w.heartbeat(other, channels[other])
+    got = w.get(other, channels[other])
+    # Then it does not get the message; it is dropped with its reason
+    assert got == []
+    dropped = [e for e in events(w.session) if e["event"] == "dropped"]
+    assert [(e["message_id"], e["reason"]) for e in dropped] == [
+        (delivery["message_id"], "session_ended")
+    ]
+
+
+def test_qos1_still_moves_to_a_live_member(gworld: GroupWorld) -> None:
+    w = gworld
+    channels, _holder, other, delivery = handed(w, 1)
+    got = outlive_the_holder(w, other, channels[other])
+    assert [(m["message_id"], m["dup"]) for m in got] == [(delivery["message_id"], True)]

@@ -1,0 +1,83 @@
+"""The check of calls against roles fails when a grant is missing, and names the call.
+
+The whole-suite check (tests/iam/plugin.py) passes when every call is allowed; this proves it
+would not pass a call its role lacks: the same publish, held against a stack synthesized from
+declarations without the publish function's write grant on the storage streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import boto3
+import pytest
+from shoal.core.config import get_config
+from shoal.declarations import DEPLOYMENT, Deployment, Grant
+from shoal.local import calls as recorder
+
+from tests.iam.check import denied
+from tests.iam.requests import Call
+from tests.iam.roles import deployed_roles, synthesized_roles
+from tests.integration.test_publish_harness import publish_call
+
+pytestmark = pytest.mark.infra
+
+STORAGE_WRITE = Grant("streams", "storage", "write")
+
+
+def without_grant(deployment: Deployment, function: str, grant: Grant) -> Deployment:
+    functions = tuple(
+        dataclasses.replace(f, grants=tuple(g for g in f.grants if g != grant))
+        if f.name == function
+        else f
+        for f in deployment.functions
+    )
+    return dataclasses.replace(deployment, functions=functions)
+
+
+@contextmanager
+def recorded() -> Iterator[list[Call]]:
+    """The calls functions make inside the block, each one, as the suite's recorder sees them."""
+    log = recorder.installed()
+    assert log is not None, "the suite records calls (tests/iam/plugin.py)"
+    seen: list[Call] = []
+
+    def listen(line: Mapping[str, Any]) -> None:
+        seen.append(Call.from_json(line))
+
+    log.listeners.append(listen)
+    try:
+        yield seen
+    finally:
+        log.listeners.remove(listen)
+
+
+def test_a_publish_without_its_stream_grant_is_named_by_the_check(aws: boto3.Session) -> None:
+    from shoal.composite.service import ensure_default_topic
+    from shoal.wiring import topic_service
+
+    ensure_default_topic(topic_service(get_config()))
+    # Given a publish, recorded
+    with recorded() as calls:
+        status, _ = publish_call({"topic": "orders/eu/1", "text": "hello"})
+    assert status == 201
+    puts = [c for c in calls if c.function == "publish" and c.service == "kinesis"]
+    assert puts, "the publish function's put is recorded as its own"
+    # When held against the roles of the real declarations, Then every call is allowed
+    assert denied(calls, deployed_roles()) == []
+    # When held against a stack whose publish role lacks the write grant on the streams
+    reduced = synthesized_roles(without_grant(DEPLOYMENT, "publish", STORAGE_WRITE))
+    found = denied(calls, reduced)
+    # Then the check names the function, the action and the stream it was put to
+    assert any(
+        d.function == "publish"
+        and d.action in ("kinesis:PutRecord", "kinesis:PutRecords")
+        and d.resource == "arn:aws:kinesis:us-east-1:123456789012:stream/shoal-default-0"
+        and d.why == "no statement allows it"
+        for d in found
+    ), found
+    # And nothing it still grants (the reads kept by the read grant) is named
+    assert {d.action for d in found} <= {"kinesis:PutRecord", "kinesis:PutRecords"}

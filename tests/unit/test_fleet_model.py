@@ -1,0 +1,112 @@
+"""The fleet cost model's arithmetic (``bench.cost.fleet_model``) on made-up counted units: each
+transport's month is its connection, keep-alive, reconnect and per-delivery lines, at list
+prices."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from bench import cost
+
+
+def _unit(name: str, **counts: float) -> cost.Unit:
+    return cost.Unit(name, 1, **counts)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def model() -> dict[str, Any]:
+    counted = {
+        "long_poll": {
+            "delivery": _unit(
+                "long-poll delivery", lambda_requests=2, api_requests=2, dynamodb_wru=3
+            ),
+            "empty_poll": _unit(
+                "empty poll",
+                lambda_requests=1,
+                api_requests=1,
+                dynamodb_rru=24,
+                lambda_gb_s=10,
+                lambda_s=20,
+            ),
+        },
+        "push": {
+            "delivery": _unit(
+                "push delivery",
+                lambda_requests=1,
+                dynamodb_wru=9,
+                ws_in=1,
+                ws_out=2,
+                lambda_gb_s=0.01,
+                lambda_s=0.02,
+                aws_calls=20,
+            ),
+            "reconnect": _unit(
+                "reconnect", lambda_requests=4, dynamodb_wru=16, ws_in=1, ws_out=1, lambda_s=0.1
+            ),
+        },
+    }
+    return cost.fleet_model(counted)
+
+
+def _row(model: dict[str, Any], traffic: str, transport: str) -> dict[str, Any]:
+    return model[traffic]["rows"][transport]
+
+
+def test_an_idle_websocket_client_pays_its_minutes_pings_and_reconnects(model: dict) -> None:
+    row = _row(model, "idle", "WebSocket push")
+    minutes = 30 * 24 * 60
+    keepalives = minutes / 9  # the client's default: one every 540 s of its silence
+    reconnects = 30 * 12
+    lines = row["lines"]
+    assert lines["ws_connection_minutes"] == pytest.approx(minutes * 0.25 / 1e6)
+    # three one-way keepalive frames in, then a ping in and its pong out: 5 messages per 4
+    assert lines["ws_keepalive"] == pytest.approx(1.25 * keepalives / 1e6)
+    # each reconnect: 4 Lambda requests, 16 write units, a frame each way
+    assert lines["lambda_requests"] == pytest.approx(reconnects * 4 * 0.20 / 1e6)
+    assert lines["dynamodb_wru"] == pytest.approx(reconnects * 16 * 0.625 / 1e6)
+    assert lines["ws_messages"] == pytest.approx(reconnects * 2 / 1e6)
+    assert row["per_client_month"] == pytest.approx(sum(lines.values()))
+    assert row["fleet_per_month"] == pytest.approx(cost.FLEET * row["per_client_month"])
+    assert row["dominant"] == "ws_connection_minutes"
+
+
+def test_an_idle_long_poll_client_holds_a_lambda_all_month(model: dict) -> None:
+    row = _row(model, "idle", "long-poll")
+    month_s = 30 * 86400
+    polls = month_s / 20
+    assert model["idle"]["empty_polls_per_client_month"] == pytest.approx(polls)
+    # priced once as the held time (512 MB all month), not again per empty poll
+    assert row["lines"]["lambda_gb_s"] == pytest.approx(0.5 * month_s * 0.0000133334)
+    assert row["lines"]["dynamodb_rru"] == pytest.approx(polls * 24 * 0.125 / 1e6)
+    assert row["lambda_concurrency"] == pytest.approx(cost.FLEET)
+
+
+def test_a_message_a_minute_adds_deliveries_and_fewer_empty_polls(model: dict) -> None:
+    deliveries = 30 * 24 * 60
+    # the poll ending at 20 s and 40 s finds nothing, the one at 60 s the message
+    assert model["1 a minute"]["empty_polls_per_client_month"] == pytest.approx(2 * deliveries)
+    push = _row(model, "1 a minute", "WebSocket push")
+    idle = _row(model, "idle", "WebSocket push")
+    # three frames a delivery (message, ack, acked) on top of the idle client's
+    added = push["lines"]["ws_messages"] - idle["lines"]["ws_messages"]
+    assert added == pytest.approx(3 * deliveries / 1e6)
+    iot = _row(model, "1 a minute", "IoT Core")
+    assert iot["lines"]["iot_messages"] == pytest.approx(3 * deliveries / 1e6)
+    assert iot["lines"]["iot_connection_minutes"] == pytest.approx(deliveries * 0.08 / 1e6)
+    assert iot["lambda_concurrency"] == 0
+
+
+def test_push_concurrency_is_lambda_seconds_a_second(model: dict) -> None:
+    row = _row(model, "1 a second", "WebSocket push")
+    delivery_s = 0.02 + 20 * cost.CALL_RTT_S
+    reconnect_s = 0.1
+    expected = cost.FLEET * (1.0 * delivery_s + reconnect_s / 7200)
+    assert row["lambda_concurrency"] == pytest.approx(expected)
+    # the delivery's GB-s: its counted time's, plus a round trip a call at its mean memory
+    deliveries = 30 * 86400
+    gb_s = 0.01 + 0.5 * 20 * cost.CALL_RTT_S
+    assert row["lines"]["lambda_gb_s"] == pytest.approx(deliveries * gb_s * 0.0000133334, rel=1e-3)
+    assert not math.isnan(row["per_client_month"])

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from websockets.exceptions import InvalidHandshake
@@ -73,6 +74,7 @@ class ReconnectingClient:
     confirmed: list[Confirmed] = field(default_factory=list)
     #: session_present of each connect answered
     present: list[bool] = field(default_factory=list)
+    subscribed: bool = False
     failures: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -85,13 +87,11 @@ class ReconnectingClient:
         return self.stopping.is_set() or time.monotonic() > self.give_up_at
 
     async def run(self) -> None:
-        subscribed = False
         for attempt in itertools.count():
             if self._done():
                 return
             try:
-                await self._session(subscribed)
-                subscribed = True
+                await self._session()
             except asyncio.CancelledError:
                 raise
             except (OSError, InvalidHandshake, TimeoutError, ConnectionError) as exc:
@@ -101,18 +101,24 @@ class ReconnectingClient:
                 self.failures.append(f"AssertionError: {str(exc)[:200]}")
             await asyncio.sleep(min(0.2 * 2 ** min(attempt, 4), 2.0))
 
-    async def _session(self, subscribed: bool) -> None:
+    async def _session(self) -> None:
         client = await WsClient.open(self.url, self.token)
         try:
             connection = len(self.present)
+            # a clean start until subscribed: after that the session (expiry 600 s) holds the
+            # subscription and the unacked deliveries across the kill
             answer = await client.connect(
-                self.client_id, clean_start=not subscribed, session_expiry_s=600
+                self.client_id, clean_start=not self.subscribed, session_expiry_s=600
             )
             self.present.append(bool(answer["session_present"]))
-            if not answer["session_present"]:
-                subs = [{"filter": self.topic_filter, "qos": 1, "lanes": GROUP_LANES}]
+            if not (answer["session_present"] and self.subscribed):
+                subs: list[dict[str, Any]] = [{"filter": self.topic_filter, "qos": 1}]
+                if self.topic_filter.startswith("$share/"):
+                    # lanes are a shared subscription's (a plain one is refused them)
+                    subs[0]["lanes"] = GROUP_LANES
                 granted = await client.ask({"action": "subscribe", "subscriptions": subs})
                 assert granted.get("granted") == [1], granted
+                self.subscribed = True
             while not self._done():
                 if client.closed.done():
                     raise ConnectionError("closed")
@@ -212,18 +218,36 @@ def kill_dev(dev_factory: DevFactory) -> Iterator[DevServer]:
     yield dev_factory()
 
 
+def where_it_stands(session: ReconnectingClient, members: list[ReconnectingClient]) -> str:
+    """What each client had when the scenario ran out of time: a hang says what is missing."""
+    everything = {f"{KEYS[n % len(KEYS)]}:{n}" for n in range(COUNT)}
+    group = {f"{c.key}:{c.number}" for m in members for c in m.confirmed}
+    alone = {f"{c.key}:{c.number}" for c in session.confirmed}
+    lines = [
+        f"the session never acked {sorted(everything - alone)}",
+        f"the group never acked {sorted(everything - group)}",
+    ]
+    for client in [session, *members]:
+        lines.append(
+            f"{client.client_id}: connects {client.present}, {len(client.deliveries)} deliveries, "
+            f"{len(client.confirmed)} acks, failures {client.failures[-5:]}"
+        )
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(DEADLINE_S + 120)
 def test_kill_9_during_a_stream_to_websocket_subscribers(kill_dev: DevServer) -> None:
     dev = kill_dev
     token = dev.token("killer", clients=["kill-*"], publish=["#"], subscribe=["#"])
     publisher_id = f"kill-{uuid.uuid4().hex[:8]}"
     restarts: list[float] = []
+    session = ReconnectingClient(dev.ws_url, token, "kill-session", "kill/#")
+    members = [
+        ReconnectingClient(dev.ws_url, token, f"kill-member-{i}", "$share/g/kill/#")
+        for i in range(MEMBERS)
+    ]
 
-    async def scenario() -> tuple[ReconnectingClient, list[ReconnectingClient]]:
-        session = ReconnectingClient(dev.ws_url, token, "kill-session", "kill/#")
-        members = [
-            ReconnectingClient(dev.ws_url, token, f"kill-member-{i}", "$share/g/kill/#")
-            for i in range(MEMBERS)
-        ]
+    async def scenario() -> None:
         everyone = [session, *members]
         tasks = [asyncio.create_task(c.run()) for c in everyone]
         # every client subscribed before the first publish
@@ -254,9 +278,11 @@ def test_kill_9_during_a_stream_to_websocket_subscribers(kill_dev: DevServer) ->
         for client in everyone:
             client.stopping.set()
         await asyncio.gather(*tasks)
-        return session, members
 
-    session, members = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    except TimeoutError:
+        pytest.fail(f"not done within {DEADLINE_S} s:\n{where_it_stands(session, members)}")
     group_deliveries = sorted((d for m in members for d in m.deliveries), key=lambda d: d.at)
     group_confirmed = sorted((c for m in members for c in m.confirmed), key=lambda c: c.at)
     everyone = [session, *members]

@@ -127,6 +127,204 @@ def test_racing_conditional_increments_lose_no_update(start: Start) -> None:
     assert sum(conflicts) > 0
 
 
+def scan_all(ddb: Any, table: str) -> list[dict[str, Any]]:
+    items = ddb.scan(TableName=table, ConsistentRead=True)["Items"]
+    return sorted(items, key=lambda i: (i["pk"]["S"], i.get("sk", {}).get("S", "")))
+
+
+def test_a_cancelled_transaction_leaves_every_item_it_named_as_it_was(start: Start) -> None:
+    # Given a table with a sort key and one without, each with items beside the ones a
+    # transaction will name (in the same partition and in others)
+    aws = start()
+    ddb = create_counter_table(aws)
+    ddb.create_table(
+        TableName="ranged",
+        BillingMode="PAY_PER_REQUEST",
+        AttributeDefinitions=[
+            {"AttributeName": "pk", "AttributeType": "S"},
+            {"AttributeName": "sk", "AttributeType": "S"},
+        ],
+        KeySchema=[
+            {"AttributeName": "pk", "KeyType": "HASH"},
+            {"AttributeName": "sk", "KeyType": "RANGE"},
+        ],
+    )
+    for pk, sk, n in [("p", "a", "1"), ("p", "b", "2"), ("p", "c", "3"), ("q", "a", "4")]:
+        ddb.put_item(TableName="ranged", Item={"pk": {"S": pk}, "sk": {"S": sk}, "n": {"N": n}})
+    for pk, n in [("x", "1"), ("y", "2")]:
+        ddb.put_item(TableName=TABLE, Item={"pk": {"S": pk}, "n": {"N": n}})
+    before = (scan_all(ddb, "ranged"), scan_all(ddb, TABLE))
+
+    def update(table: str, key: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "Update": {
+                "TableName": table,
+                "Key": key,
+                "UpdateExpression": "SET n = :n",
+                "ExpressionAttributeValues": {":n": {"N": "99"}},
+            }
+        }
+
+    # When a transaction puts into an existing partition and a new one, updates, deletes, and
+    # then fails its last condition (after moto applied the parts before it)
+    with pytest.raises(ClientError) as refused:
+        ddb.transact_write_items(
+            TransactItems=[
+                {"Put": {"TableName": "ranged", "Item": {"pk": {"S": "p"}, "sk": {"S": "d"}}}},
+                {"Put": {"TableName": "ranged", "Item": {"pk": {"S": "new"}, "sk": {"S": "a"}}}},
+                update("ranged", {"pk": {"S": "p"}, "sk": {"S": "a"}}),
+                {"Delete": {"TableName": "ranged", "Key": {"pk": {"S": "p"}, "sk": {"S": "b"}}}},
+                {"Put": {"TableName": TABLE, "Item": {"pk": {"S": "z"}}}},
+                update(TABLE, {"pk": {"S": "x"}}),
+                {"Delete": {"TableName": TABLE, "Key": {"pk": {"S": "y"}}}},
+                {
+                    "ConditionCheck": {
+                        "TableName": "ranged",
+                        "Key": {"pk": {"S": "q"}, "sk": {"S": "a"}},
+                        "ConditionExpression": "n = :other",
+                        "ExpressionAttributeValues": {":other": {"N": "5"}},
+                    }
+                },
+            ]
+        )
+    # Then it is refused and both tables hold exactly what they held before
+    assert refused.value.response["Error"]["Code"] == "TransactionCanceledException"
+    assert (scan_all(ddb, "ranged"), scan_all(ddb, TABLE)) == before
+    # and the partition the put would have made does not exist (a query finds nothing there)
+    empty = ddb.query(
+        TableName="ranged",
+        KeyConditionExpression="pk = :pk",
+        ExpressionAttributeValues={":pk": {"S": "new"}},
+    )
+    assert empty["Items"] == []
+    # and the same transaction without the failing condition applies every part
+    ddb.transact_write_items(
+        TransactItems=[
+            {"Put": {"TableName": "ranged", "Item": {"pk": {"S": "new"}, "sk": {"S": "a"}}}},
+            update("ranged", {"pk": {"S": "p"}, "sk": {"S": "a"}}),
+            {"Delete": {"TableName": TABLE, "Key": {"pk": {"S": "y"}}}},
+        ]
+    )
+    after = scan_all(ddb, "ranged")
+    assert {"pk": {"S": "new"}, "sk": {"S": "a"}} in after
+    assert {"pk": {"S": "p"}, "sk": {"S": "a"}, "n": {"N": "99"}} in after
+    assert [i["pk"]["S"] for i in scan_all(ddb, TABLE)] == ["x"]
+
+
+def test_queries_answer_as_moto_itself_does(start: Start) -> None:
+    # Given a table with a sort key and an index whose keys some items lack, in several
+    # partitions of both
+    from moto.dynamodb.models.table import Table
+
+    aws = start()
+    ddb = client(aws, "dynamodb")
+    ddb.create_table(
+        TableName="due",
+        BillingMode="PAY_PER_REQUEST",
+        AttributeDefinitions=[
+            {"AttributeName": name, "AttributeType": kind}
+            for name, kind in [("pk", "S"), ("sk", "S"), ("shard", "S"), ("at", "N")]
+        ],
+        KeySchema=[
+            {"AttributeName": "pk", "KeyType": "HASH"},
+            {"AttributeName": "sk", "KeyType": "RANGE"},
+        ],
+        GlobalSecondaryIndexes=[
+            {
+                "IndexName": "by-due",
+                "KeySchema": [
+                    {"AttributeName": "shard", "KeyType": "HASH"},
+                    {"AttributeName": "at", "KeyType": "RANGE"},
+                ],
+                "Projection": {"ProjectionType": "ALL"},
+            }
+        ],
+    )
+    for n in range(120):
+        item = {"pk": {"S": f"p{n % 7}"}, "sk": {"S": f"s{n:03d}"}, "v": {"N": str(n)}}
+        if n % 5:
+            item["shard"] = {"S": f"d{n % 3}"}
+        if n % 4:
+            item["at"] = {"N": str((n * 37) % 101)}
+        ddb.put_item(TableName="due", Item=item)
+    queries: list[dict[str, Any]] = [
+        {"KeyConditionExpression": "pk = :h", "ExpressionAttributeValues": {":h": {"S": "p3"}}},
+        {
+            "KeyConditionExpression": "pk = :h AND sk BETWEEN :a AND :b",
+            "ExpressionAttributeValues": {
+                ":h": {"S": "p2"},
+                ":a": {"S": "s010"},
+                ":b": {"S": "s090"},
+            },
+        },
+    ]
+    for shard in ("d0", "d1", "d2", "none"):
+        values = {":h": {"S": shard}, ":t": {"N": "50"}}
+        queries += [
+            {
+                "IndexName": "by-due",
+                "KeyConditionExpression": "shard = :h",
+                "ExpressionAttributeValues": {":h": {"S": shard}},
+            },
+            {
+                "IndexName": "by-due",
+                "KeyConditionExpression": "shard = :h AND #at <= :t",
+                "ExpressionAttributeNames": {"#at": "at"},
+                "ExpressionAttributeValues": values,
+            },
+            {
+                "IndexName": "by-due",
+                "KeyConditionExpression": "shard = :h AND #at > :t",
+                "ExpressionAttributeNames": {"#at": "at"},
+                "ExpressionAttributeValues": values,
+                "ScanIndexForward": False,
+            },
+        ]
+
+    def answers() -> list[Any]:
+        seen = []
+        for query in queries:
+            for limit in (None, 3):
+                pages, start_key = [], None
+                while True:
+                    extra: dict[str, Any] = {"Limit": limit} if limit else {}
+                    if start_key:
+                        extra["ExclusiveStartKey"] = start_key
+                    page = ddb.query(TableName="due", **query, **extra)
+                    pages.append((page["Items"], page.get("LastEvaluatedKey")))
+                    start_key = page.get("LastEvaluatedKey")
+                    if not start_key:
+                        break
+                seen.append(pages)
+        return seen
+
+    # When each query is answered through the emulator's shortcuts and by moto's own query
+    patched = answers()
+    shortcut = Table.query
+    Table.query = shortcut.__wrapped__  # type: ignore[attr-defined]
+    try:
+        plain = answers()
+    finally:
+        Table.query = shortcut
+
+    # Then the answers are the same, page by page, but for one thing: where the last item
+    # that meets the key condition fills a page, moto's own query still answers a
+    # LastEvaluatedKey (it saw a next item in the partition, outside the condition) and a
+    # client reads one more, empty, page; a client reads every item either way
+    def trimmed(pages: list[Any]) -> list[Any]:
+        return pages[:-1] if len(pages) > 1 and pages[-1] == ([], None) else pages
+
+    def items_of(pages: list[Any]) -> list[Any]:
+        return [item for items, _ in pages for item in items]
+
+    assert [items_of(p) for p in patched] == [items_of(p) for p in plain]
+    assert [[items for items, _ in trimmed(p)] for p in patched] == [
+        [items for items, _ in trimmed(p)] for p in plain
+    ]
+    # and the queries found something
+    assert sum(len(items) for pages in patched for items, _ in pages) > 100
+
+
 def write_state(aws: EmbeddedAws) -> dict[str, Any]:
     """One item, one S3 object (with metadata) and two Kinesis records; returns what was told."""
     ddb = create_counter_table(aws)

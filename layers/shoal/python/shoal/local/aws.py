@@ -213,7 +213,7 @@ def adapt_moto() -> None:
     """What the emulator changes in moto, process-wide and idempotent (server and tests)."""
     share_service_models()
     detach_moto_lambda_triggers()
-    roll_back_transactions_by_partition()
+    roll_back_transactions_by_item()
     query_one_partition()
     serialize_attribute_values_directly()
 
@@ -232,8 +232,14 @@ def query_one_partition() -> None:
     moto sorts and checks them as before, so the answer is the same (``DynamoType`` hashes and
     compares by type and value alike, so the dict lookup finds exactly the items moto's filter
     kept), except that moto no longer ends a page early for the size of an item outside the
-    key condition, which DynamoDB never reads either. Index queries, and queries with a legacy
-    ``QueryFilter``, only get the partition.
+    key condition, which DynamoDB never reads either. Queries with a legacy ``QueryFilter``
+    only get the partition.
+
+    An index query is handed the items in its index partition that meet its key conditions,
+    unsorted: moto's own ``all_items`` sorts the whole table first, and ``shoal dev``'s timers
+    query sharded "due" indexes every few seconds (the reaper, the push sweep). With 1,000
+    WebSocket sessions those queries were 30 % of the process's GIL time (py-spy ``--gil``),
+    most of it in that sort.
     """
     from moto.dynamodb.models.table import Table
 
@@ -279,15 +285,65 @@ def query_one_partition() -> None:
 
         return wanted
 
+    class _IndexPartition:
+        """The table as an index query sees it: ``all_items`` is the items in the queried
+        index partition that meet ``wanted``, unsorted (moto sorts an index query's results
+        in the index's order itself)."""
+
+        def __init__(self, table: Any, wanted: Callable[[Any], bool]) -> None:
+            self._table = table
+            self._wanted = wanted
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._table, name)
+
+        def all_items(self) -> list[Any]:
+            table = self._table
+            if table.range_key_attr:
+                return [i for p in table.items.values() for i in p.values() if self._wanted(i)]
+            return [item for item in table.items.values() if self._wanted(item)]
+
+    def index_condition(arguments: dict[str, Any]) -> Callable[[Any], bool] | None:
+        """moto's own checks of an index query's key conditions, for ``Table.query`` with an
+        index: every hash key attribute equal, and the sort key condition, on an item that has
+        the attribute (an item without it is not in the index)."""
+        hashes = arguments.get("hash_key_conditions") or []
+        if not hashes:
+            return None
+        comparison = arguments.get("range_comparison")
+        conditions = arguments.get("range_key_conditions")
+        name = conditions[-1][0] if conditions else None
+        values = arguments.get("range_objs") or []
+        compared = bool(comparison and name and not arguments.get("filter_kwargs"))
+
+        def wanted(item: Any) -> bool:
+            attrs = item.attrs
+            for attr, expected in hashes:
+                value = attrs.get(attr)
+                if not value or value != expected:
+                    return False
+            if not compared:
+                return True
+            value = attrs.get(name)
+            return bool(value and value.compare(comparison, values))
+
+        return wanted
+
     def query(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         hash_key = arguments.get("hash_key")
-        if arguments.get("index_name") or hash_key is None:
+        if arguments.get("index_name"):
+            wanted = index_condition(arguments)
+            if wanted is None:
+                return original(self, *args, **kwargs)
+            return original(_IndexPartition(self, wanted), *args, **kwargs)
+        if hash_key is None:
             return original(self, *args, **kwargs)
         view = _OnePartition(self, hash_key, sort_key_condition(arguments))
         return original(view, *args, **kwargs)
 
     query._one_partition = True  # type: ignore[attr-defined]
+    query.__wrapped__ = original  # type: ignore[attr-defined]  # the tests compare answers
     Table.query = query
 
 
@@ -364,16 +420,20 @@ def serialize_attribute_values_directly() -> None:
     BaseJSONSerializer._serialize = _serialize
 
 
-def roll_back_transactions_by_partition() -> None:
-    """Make a failed TransactWriteItems undo only the partitions it touched.
+def roll_back_transactions_by_item() -> None:
+    """Make a failed TransactWriteItems undo only the items it names.
 
     moto deep-copies every table a transaction names before applying it, to restore the copy if
     the transaction fails, so each transaction costs time in proportion to the whole table:
     under ``shoal dev`` with a few hundred sessions a connect took seconds, and most of the
-    emulator's CPU went into ``copy.deepcopy`` (measured with py-spy, 128 clients). This keeps
-    the same all-or-nothing outcome by saving and restoring only the partitions (hash keys) the
-    transaction touches. Requests run one at a time under ``BACKEND_LOCK``, so nothing else can
-    see the partial writes before they are undone.
+    emulator's CPU went into ``copy.deepcopy`` (measured with py-spy, 128 clients). Copying the
+    partitions (hash keys) a transaction touches instead still grew with a partition: with
+    1,000 WebSocket sessions subscribing, 42 % of the process's GIL time was that copy (py-spy
+    ``--gil``) and each hundred sessions took longer than the last. A transaction writes only
+    the items its parts name (at most 100, each by its full key), so saving those items, or
+    their absence, and putting them back keeps the same all-or-nothing outcome at a cost that
+    does not grow with the table. Requests run one at a time under ``BACKEND_LOCK``, so
+    nothing else can see the partial writes before they are undone.
     """
     import copy
 
@@ -381,7 +441,7 @@ def roll_back_transactions_by_partition() -> None:
     from moto.dynamodb.models.dynamo_type import DynamoType
 
     backend_class = models.DynamoDBBackend
-    if getattr(backend_class.transact_write_items, "_by_partition", False):
+    if getattr(backend_class.transact_write_items, "_by_item", False):
         return
     original = backend_class.transact_write_items
 
@@ -392,35 +452,64 @@ def roll_back_transactions_by_partition() -> None:
         def deepcopy(value: Any, memo: Any = None) -> Any:
             return value if isinstance(value, models.Table) else copy.deepcopy(value, memo)
 
+    #: (table name, hash key, range key or None) -> (the partition existed, the item or None)
+    Saved = dict[tuple[str, Any, Any], tuple[bool, Any]]
+
+    def save(saved: Saved, table: Any, name: str, key: dict[str, Any]) -> None:
+        if table.hash_key_attr not in key:
+            return  # moto refuses the part before it writes anything
+        hash_value = DynamoType(key[table.hash_key_attr])
+        range_value = None
+        if table.range_key_attr is not None:
+            if table.range_key_attr not in key:
+                return
+            range_value = DynamoType(key[table.range_key_attr])
+        if (name, hash_value, range_value) in saved:
+            return
+        # .get, not [...]: the table's items are a defaultdict, and a lookup must not add
+        partition = table.items.get(hash_value)
+        if range_value is None:
+            item = partition
+        else:
+            item = partition.get(range_value) if partition is not None else None
+        saved[(name, hash_value, range_value)] = (partition is not None, copy.deepcopy(item))
+
+    def restore(saved: Saved, tables: dict[str, Any]) -> None:
+        for (name, hash_value, range_value), (existed, item) in saved.items():
+            table = tables[name]
+            if range_value is None:
+                if item is None:
+                    table.items.pop(hash_value, None)
+                else:
+                    table.items[hash_value] = item
+                continue
+            if item is not None:
+                table.items[hash_value][range_value] = item
+                continue
+            partition = table.items.get(hash_value)
+            if partition is not None:
+                partition.pop(range_value, None)
+                if not partition and not existed:
+                    table.items.pop(hash_value, None)
+
     def transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
-        saved: dict[tuple[str, Any], Any] = {}
+        saved: Saved = {}
         for entry in transact_items:
             op: dict[str, Any] = next(iter(entry.values()), {})
             name = str(op.get("TableName"))
             table = self.tables.get(name)
-            if table is None:
-                continue
-            key = op.get("Key") or op.get("Item") or {}
-            if table.hash_key_attr not in key:
-                continue
-            hash_value = DynamoType(key[table.hash_key_attr])
-            if (name, hash_value) not in saved:
-                saved[(name, hash_value)] = copy.deepcopy(table.items.get(hash_value))
+            if table is not None:
+                save(saved, table, name, op.get("Key") or op.get("Item") or {})
         models.copy = _NoTableCopies
         try:
             original(self, transact_items)
         except Exception:
-            for (name, hash_value), partition in saved.items():
-                table = self.tables[name]
-                if partition is None:
-                    table.items.pop(hash_value, None)
-                else:
-                    table.items[hash_value] = partition
+            restore(saved, self.tables)
             raise
         finally:
             models.copy = copy
 
-    transact_write_items._by_partition = True  # type: ignore[attr-defined]
+    transact_write_items._by_item = True  # type: ignore[attr-defined]
     backend_class.transact_write_items = transact_write_items
 
 

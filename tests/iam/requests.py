@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.declarations import DEPLOYMENT
 from shoal.local.calls import KEY_ELIDED
 from shoal.local.provision import ACCOUNT_ID
 
@@ -182,10 +183,11 @@ def _cloudformation(call: Call) -> list[Request]:
 
 def _execute_api(call: Call) -> list[Request]:
     # https://<api>.execute-api.<region>.amazonaws.com/<stage>/@connections/<id>; locally the
-    # endpoint has no API id and maybe no stage: "local" stands for them
+    # endpoint has no API id ("local" stands for it) and no stage: the stage is the declared
+    # one, which the deployed endpoint carries
     api = call.endpoint.split(".", 1)[0] if ".execute-api." in call.endpoint else "local"
     before, _, _ = call.path.partition("/@connections")
-    stage = before.strip("/") or "local"
+    stage = before.strip("/") or DEPLOYMENT.websocket.stage
     connection = call.params.get("ConnectionId", "*")
     method = call.method or "POST"
     return [

@@ -301,7 +301,7 @@ def test_queries_answer_as_moto_itself_does(start: Start) -> None:
     # When each query is answered through the emulator's shortcuts and by moto's own query
     patched = answers()
     shortcut = Table.query
-    Table.query = shortcut.__wrapped__  # type: ignore[attr-defined]
+    Table.query = shortcut.__wrapped__
     try:
         plain = answers()
     finally:

@@ -345,6 +345,9 @@ DEPLOYMENT = Deployment(
                 # leaves its groups, and the last member removes a group with its backlog
                 Grant("table", "groups", "read_write"),
                 Grant("table", "inboxes", "read_write"),
+                # an ended session's held QoS 2 group deliveries are dropped, each recorded
+                # with its reason ([MQTT-4.8.2-5]; seen by the IAM check, 2026-11-29)
+                Grant("stream", "events", "write"),
             ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
@@ -393,6 +396,8 @@ DEPLOYMENT = Deployment(
                 Grant("table", "topics", "read"),
                 # shared subscriptions join and leave their groups in the same transaction
                 Grant("table", "groups", "read_write"),
+                # a member that leaves drops its held QoS 2 deliveries, recording each
+                Grant("stream", "events", "write"),
             ),
         ),
         FunctionDef(

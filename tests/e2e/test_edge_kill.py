@@ -37,7 +37,9 @@ COUNT = len(KEYS) * PER_KEY
 KILL_AFTER = 15
 MEMBERS = 3
 GROUP_LANES = 4
-DEADLINE_S = 420.0
+#: alone the scenario takes about 18 s; a whole run's stall (the xfail below) waited 420 s
+#: three times for nothing, so the deadline is what a starved machine needs, no more
+DEADLINE_S = 150.0
 
 
 @dataclass
@@ -261,10 +263,12 @@ def where_it_stands(session: ReconnectingClient, members: list[ReconnectingClien
 @pytest.mark.xfail(
     strict=False,
     reason=(
-        "issue 31, open: in a whole-suite run (2026-11-29) the group's last messages on two of "
-        "three keys (k0:36-42, k2:35-44) were never acked within 420 s while one member had no "
-        "delivery at all, and a group ack whose answer the kill cut cannot be told from one "
-        "fenced off (both answer 0); alone, and beside the 1,000-session test, it passes"
+        "issue 31, open: in whole-suite runs (2026-11-29, three of three) the group's last "
+        "messages on two of three keys (k0:36-42, k2:35-44) were never acked within 420 s while "
+        "one member had no delivery at all (suspected: a WebSocket member's lane leases are "
+        "renewed only by functions it runs, and an idle connection runs none), and a group ack "
+        "whose answer the kill cut cannot be told from one fenced off (both answer 0); alone, "
+        "with tests/e2e, and beside the 1,000-session test, it passes"
     ),
 )
 @pytest.mark.timeout(DEADLINE_S + 120)

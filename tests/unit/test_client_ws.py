@@ -19,7 +19,8 @@ from shoal.cli.common import UsageError
 from shoal.cli.pubsub import ws_url_of
 from shoal.client.errors import ApiError, SessionTakenOver, Unavailable
 from shoal.client.support import CallRetry, FlowControl, Outages
-from shoal.client.ws import HandshakeRefused, LinkLost, ShoalWsClient, WsSettings
+from shoal.client.ws import ShoalWsClient
+from shoal.client.wslink import HandshakeRefused, LinkLost, WsSettings
 from shoal.core.clock import ManualClock
 
 URL = "ws://shoal.test"

@@ -12,7 +12,8 @@ from moto import mock_aws
 from moto.core.serialize import BaseJSONSerializer
 from moto.dynamodb.models.dynamo_type import Item
 from moto.dynamodb.models.table import Table
-from shoal.local.aws import _attribute_value_json, _NotAnAttributeValue, adapt_moto
+from shoal.local.aws import adapt_moto
+from shoal.local.moto_dynamodb import _attribute_value_json, _NotAnAttributeValue
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ from shoal.client.support import (
     principal_of,
 )
 from shoal.client.tokens import TokenKeeper
-from shoal.client.ws import ShoalWsClient, check_ws_url
+from shoal.client.ws import ShoalWsClient
+from shoal.client.wslink import check_ws_url
 
 CLIENT_DIR = DEFAULT_STATE_DIR / "client"
 #: MQTT 5 §3.8.3.1 Retain Handling, as `shoal subscribe --help` words it

@@ -1,0 +1,197 @@
+"""The connection under a WebSocket session (``shoal.client.ws``): its timings, the socket it
+needs, and how a handshake or a connection fails.
+
+Keep-alive. API Gateway closes a connection after 10 minutes without a frame *from the client*
+(pushes do not count). The client sends a keep-alive (taken by API Gateway itself, no function
+runs) after ``ping_every_s`` of its own silence, from a small thread too, so a handler that runs
+long does not cost the connection. One in ``check_every`` is a ``ping``, whose ``pong`` proves the
+connection alive; the others are one-way ``keepalive`` frames, half the billed messages.
+
+Never logged: tokens, payloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from shoal.client.errors import ClientError, error_of
+from shoal.client.support import Connection
+
+#: the close code API Gateway's 2-hour limit and a normal client close use
+NORMAL_CLOSURE = 1000
+
+
+@dataclass(frozen=True)
+class WsSettings:
+    """The connection's timings. API Gateway closes a connection idle (no client frame) for 10
+    minutes and any connection after 2 hours; ``shoal dev`` does the same."""
+
+    #: a ``ping`` after this long without a client frame: under the 10-minute idle limit by
+    #: the keep-alive thread's wake-up (at most 30 s) and a margin. Each ping and its pong are
+    #: two billed WebSocket messages, the largest line of an idle client's bill after the
+    #: connection minutes (bench/cost.py, "fleet"): at 240 s they were $0.0216 a client-month
+    ping_every_s: float = 540.0
+    #: one keep-alive in this many is a ``ping`` (answered ``pong``: a check that the connection
+    #: is alive), the others one-way ``keepalive`` frames (one billed message, not two). A
+    #: half-open connection is found within ``ping_every_s * check_every + pong_timeout_s``
+    #: (36.5 minutes by default, AWS IoT Core's 1.5 keep-alives at its longest keep-alive
+    #: being 30); 1 checks at every keep-alive
+    check_every: int = 4
+    #: after a ``ping``, nothing received for this long: the connection is dead (half-open TCP)
+    pong_timeout_s: float = 30.0
+    #: API Gateway's limit on a connection's life
+    max_connection_s: float = 7200.0
+    #: reconnect this long (plus up to as much again, jittered) before ``max_connection_s``
+    renew_before_s: float = 300.0
+    #: the WebSocket handshake's timeout (it runs the authorizer and ``$connect`` functions)
+    open_timeout_s: float = 30.0
+    #: how long a frame's answer may take: API Gateway's integration timeout is 29 s, so an
+    #: answer not there by then is not coming (the frame is sent again on a new connection)
+    answer_timeout_s: float = 30.0
+    #: send keep-alive pings from a thread too (while the application's handler runs)
+    keepalive_thread: bool = True
+
+    def __post_init__(self) -> None:
+        timings = (self.ping_every_s, self.pong_timeout_s, self.open_timeout_s)
+        if min(*timings, self.answer_timeout_s) <= 0:
+            raise ValueError("ping_every_s and the timeouts must be positive")
+        if self.check_every < 1:
+            raise ValueError("check_every must be at least 1")
+        if not 0 <= self.renew_before_s * 2 < self.max_connection_s:
+            raise ValueError("renew_before_s must be under half of max_connection_s")
+
+
+class Socket(Protocol):
+    """What the client needs of a WebSocket connection (``websockets.sync`` gives it)."""
+
+    def send(self, message: str) -> None: ...
+
+    def recv(self, timeout: float | None = None) -> str | bytes: ...
+
+    def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None: ...
+
+
+#: opens a connection: (URL, extra headers, open timeout) -> a socket. Raises ``HandshakeRefused``
+#: for an HTTP answer other than 101, ``LinkLost`` for anything else that failed.
+Connector = Callable[[str, Mapping[str, str], float], Socket]
+
+
+class LinkLost(Exception):
+    """The connection failed or was closed (``code`` as received, None when none came)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HandshakeRefused(Exception):
+    """The server answered the handshake with an HTTP status (401, 403, 429, 5xx)."""
+
+    def __init__(self, status: int, body: bytes = b"") -> None:
+        super().__init__(f"the handshake was answered {status}")
+        self.status = status
+        self.body = body
+
+
+def websockets_connector(url: str, headers: Mapping[str, str], open_timeout_s: float) -> Socket:
+    """A ``websockets.sync.client`` connection, as API Gateway wants it: no compression (it
+    offers none), no protocol-level pings (the client sends ``ping`` frames: API Gateway's
+    idle timer counts only data frames), frames up to its 128 KB message limit."""
+    # imported here: the HTTP client and the CLI's other commands do not need the library
+    from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
+    from websockets.sync.client import connect
+
+    try:
+        ws = connect(
+            url,
+            additional_headers=dict(headers),
+            user_agent_header=None,
+            compression=None,
+            open_timeout=open_timeout_s,
+            ping_interval=None,
+            close_timeout=5,
+            max_size=256 * 1024,
+        )
+    except InvalidStatus as exc:
+        raise HandshakeRefused(exc.response.status_code, bytes(exc.response.body or b"")) from exc
+    except InvalidURI as exc:
+        raise ClientError(f"{url!r} is not a ws:// or wss:// URL") from exc
+    except (OSError, TimeoutError, InvalidHandshake) as exc:
+        raise LinkLost(f"cannot open {url} ({type(exc).__name__})") from exc
+    return _WebsocketsSocket(ws)
+
+
+class _WebsocketsSocket:
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+
+    def send(self, message: str) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            self.ws.send(message)
+        except ConnectionClosed as exc:
+            raise LinkLost("the connection was closed", _code(exc)) from exc
+        except OSError as exc:
+            raise LinkLost(f"the connection broke ({type(exc).__name__})") from exc
+
+    def recv(self, timeout: float | None = None) -> str | bytes:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            message: str | bytes = self.ws.recv(timeout)
+        except ConnectionClosed as exc:
+            raise LinkLost("the connection was closed", _code(exc)) from exc
+        return message
+
+    def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+        with contextlib.suppress(Exception):
+            self.ws.close(code, reason)
+
+
+@dataclass
+class Link:
+    """One open connection and what the client tracks of it (times on the client's clock)."""
+
+    socket: Socket
+    opened_ms: int
+    #: when to open the next connection, before API Gateway's 2-hour close
+    renew_at_ms: int
+    last_sent_ms: int
+    last_received_ms: int
+    #: a ping sent and nothing received since: when it was sent
+    ping_sent_ms: int | None = None
+    #: keep-alives sent on this connection (every ``check_every``-th is a ping)
+    keepalives: int = 0
+    connection: Connection | None = None
+    receive_maximum: int = 0
+
+
+def _code(closed: Any) -> int | None:
+    rcvd = getattr(closed, "rcvd", None)
+    return int(rcvd.code) if rcvd is not None else None
+
+
+def check_ws_url(url: str) -> str:
+    """``url`` without its trailing slash if it can be a WebSocket API's URL; else ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"{url!r} is not a ws:// or wss:// URL")
+    return url.rstrip("/")
+
+
+def handshake_error(refused: HandshakeRefused) -> Exception:
+    """What a refused handshake means: a busy server is a loss (tried again), the rest final."""
+    try:
+        answer = json.loads(refused.body or b"null")
+    except ValueError:
+        answer = None
+    error = error_of(refused.status, answer)
+    if refused.status in (429, 500, 502, 503, 504):
+        return LinkLost(f"the handshake was answered {refused.status}")
+    return error

@@ -1,0 +1,307 @@
+"""moto's DynamoDB made to cost what DynamoDB's own calls cost (``shoal.local.aws.adapt_moto``
+applies these, process-wide and idempotent): a query reads its partition, not the table; a
+response's attribute values are written without a walk of their shape; a failed transaction
+undoes only the items it names. Each keeps moto's answers (the tests compare them)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def query_one_partition() -> None:
+    """Make a Query on a table (not an index) read only the items its key condition names.
+
+    moto starts every Query from ``all_items()``: every item of the table, sorted by key, of
+    which it keeps the queried hash key's; then it measures the size of each of those before
+    it checks the sort key condition. So each query costs time in proportion to the whole
+    table and to the whole partition, under the emulator's one lock, and under ``shoal dev``
+    both only grow (consumed deliveries stay in a session's inbox partition until TTL). An
+    empty query of a 10-item partition took 4.6 ms in a table of 500 items and 16 ms in one of
+    2,000 (2.1 and 2.7 ms with this); the get's inbox query spent 60% of its time sizing items
+    it then skipped. This hands moto the partition's items that meet the sort key condition;
+    moto sorts and checks them as before, so the answer is the same (``DynamoType`` hashes and
+    compares by type and value alike, so the dict lookup finds exactly the items moto's filter
+    kept), except that moto no longer ends a page early for the size of an item outside the
+    key condition, which DynamoDB never reads either. Queries with a legacy ``QueryFilter``
+    only get the partition.
+
+    An index query is handed the items in its index partition that meet its key conditions,
+    unsorted: moto's own ``all_items`` sorts the whole table first, and ``shoal dev``'s timers
+    query sharded "due" indexes every few seconds (the reaper, the push sweep). With 1,000
+    WebSocket sessions those queries were 30 % of the process's GIL time (py-spy ``--gil``),
+    most of it in that sort.
+    """
+    from moto.dynamodb.models.table import Table
+
+    if getattr(Table.query, "_one_partition", False):
+        return
+    original = Table.query
+    signature = inspect.signature(original)
+
+    class _OnePartition:
+        """The table as the query sees it: ``all_items`` is the one partition's items that
+        meet ``wanted``."""
+
+        def __init__(self, table: Any, hash_key: Any, wanted: Callable[[Any], bool]) -> None:
+            self._table = table
+            self._hash_key = hash_key
+            self._wanted = wanted
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._table, name)
+
+        def all_items(self) -> list[Any]:
+            partition = self._table.items.get(self._hash_key)
+            if partition is None:
+                return []
+            if not self._table.range_key_attr:
+                return [partition]
+            return [item for item in partition.values() if self._wanted(item)]
+
+    def sort_key_condition(arguments: dict[str, Any]) -> Callable[[Any], bool]:
+        """moto's own check of the sort key condition, for a table query (``Table.query``)."""
+        comparison = arguments.get("range_comparison")
+        if not comparison or arguments.get("filter_kwargs"):
+            return lambda _: True
+        values = arguments.get("range_objs") or []
+        conditions = arguments.get("range_key_conditions")
+        name = conditions[-1][0] if conditions else None
+
+        def wanted(item: Any) -> bool:
+            value = item.attrs.get(name) if name else None
+            if value:
+                return bool(value.compare(comparison, values))
+            return bool(item.range_key.compare(comparison, values))
+
+        return wanted
+
+    class _IndexPartition:
+        """The table as an index query sees it: ``all_items`` is the items in the queried
+        index partition that meet ``wanted``, unsorted (moto sorts an index query's results
+        in the index's order itself)."""
+
+        def __init__(self, table: Any, wanted: Callable[[Any], bool]) -> None:
+            self._table = table
+            self._wanted = wanted
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._table, name)
+
+        def all_items(self) -> list[Any]:
+            table = self._table
+            if table.range_key_attr:
+                return [i for p in table.items.values() for i in p.values() if self._wanted(i)]
+            return [item for item in table.items.values() if self._wanted(item)]
+
+    def index_condition(arguments: dict[str, Any]) -> Callable[[Any], bool] | None:
+        """moto's own checks of an index query's key conditions, for ``Table.query`` with an
+        index: every hash key attribute equal, and the sort key condition, on an item that has
+        the attribute (an item without it is not in the index)."""
+        hashes = arguments.get("hash_key_conditions") or []
+        if not hashes:
+            return None
+        comparison = arguments.get("range_comparison")
+        conditions = arguments.get("range_key_conditions")
+        name = conditions[-1][0] if conditions else None
+        values = arguments.get("range_objs") or []
+        compared = bool(comparison and name and not arguments.get("filter_kwargs"))
+
+        def wanted(item: Any) -> bool:
+            attrs = item.attrs
+            for attr, expected in hashes:
+                value = attrs.get(attr)
+                if not value or value != expected:
+                    return False
+            if not compared:
+                return True
+            value = attrs.get(name)
+            return bool(value and value.compare(comparison, values))
+
+        return wanted
+
+    def query(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        hash_key = arguments.get("hash_key")
+        if arguments.get("index_name"):
+            wanted = index_condition(arguments)
+            if wanted is None:
+                return original(self, *args, **kwargs)
+            return original(_IndexPartition(self, wanted), *args, **kwargs)
+        if hash_key is None:
+            return original(self, *args, **kwargs)
+        view = _OnePartition(self, hash_key, sort_key_condition(arguments))
+        return original(view, *args, **kwargs)
+
+    query._one_partition = True  # type: ignore[attr-defined]
+    query.__wrapped__ = original  # type: ignore[attr-defined]  # the tests compare answers
+    Table.query = query
+
+
+_ATTRIBUTE_VALUE_KINDS = frozenset({"S", "N", "B", "SS", "NS", "BS", "M", "L", "NULL", "BOOL"})
+
+
+class _NotAnAttributeValue(ValueError):
+    pass
+
+
+def _attribute_value_json(value: Any) -> dict[str, Any]:
+    """An attribute value (``{"S": "x"}``, nested ``M`` and ``L`` included) as its JSON, the
+    way moto's serializer writes it: binaries base64-encoded, everything else as it is."""
+    if not isinstance(value, dict) or len(value) != 1:
+        raise _NotAnAttributeValue(value)
+    ((kind, inner),) = value.items()
+    if kind == "M":
+        return {"M": {str(k): _attribute_value_json(v) for k, v in inner.items()}}
+    if kind == "L":
+        return {"L": [_attribute_value_json(v) for v in inner]}
+    if kind == "B":
+        return {"B": _base64(inner)}
+    if kind == "BS":
+        return {"BS": [_base64(v) for v in inner]}
+    if kind in ("S", "N"):
+        return {kind: str(inner)}
+    if kind in ("SS", "NS"):
+        return {kind: [str(v) for v in inner]}
+    if kind in _ATTRIBUTE_VALUE_KINDS:
+        return {kind: inner}
+    raise _NotAnAttributeValue(value)
+
+
+def _base64(value: str | bytes) -> str:
+    raw = value.encode() if isinstance(value, str) else value
+    return base64.b64encode(raw).strip().decode()
+
+
+def serialize_attribute_values_directly() -> None:
+    """Write DynamoDB attribute values into moto's JSON responses without its shape walk.
+
+    moto serializes a response by walking the operation's output shape member by member,
+    looking each member up under several spellings; an ``AttributeValue`` is a structure of
+    ten members, so every attribute of every item costs dozens of lookups. Measured under
+    ``shoal dev`` (10 sessions long-polling): the get's inbox query spent 15 of its 19 ms
+    there, for 5.5 KB of items, under the emulator's one lock, and every AWS call of the
+    process waited ~100 ms for that lock. An attribute value's JSON is the value itself with
+    binaries base64-encoded, so this writes it directly (the same JSON, checked against moto's
+    serializer in the tests); anything that is not a well-formed attribute value goes the
+    generic way.
+    """
+    from moto.core.serialize import BaseJSONSerializer
+
+    if getattr(BaseJSONSerializer._serialize, "_attribute_values", False):
+        return
+    original = BaseJSONSerializer._serialize
+
+    @functools.wraps(original)
+    def _serialize(self: Any, serialized: Any, value: Any, shape: Any, key: str) -> None:
+        if (
+            shape.name == "AttributeValue"
+            and self.operation_model.service_model.service_name == "dynamodb"
+        ):
+            try:
+                written = _attribute_value_json(value)
+            except (_NotAnAttributeValue, AttributeError, TypeError):
+                pass
+            else:
+                self._default_serialize(serialized, written, shape, key)
+                return
+        original(self, serialized, value, shape, key)
+
+    _serialize._attribute_values = True  # type: ignore[attr-defined]
+    BaseJSONSerializer._serialize = _serialize
+
+
+def roll_back_transactions_by_item() -> None:
+    """Make a failed TransactWriteItems undo only the items it names.
+
+    moto deep-copies every table a transaction names before applying it, to restore the copy if
+    the transaction fails, so each transaction costs time in proportion to the whole table:
+    under ``shoal dev`` with a few hundred sessions a connect took seconds, and most of the
+    emulator's CPU went into ``copy.deepcopy`` (measured with py-spy, 128 clients). Copying the
+    partitions (hash keys) a transaction touches instead still grew with a partition: with
+    1,000 WebSocket sessions subscribing, 42 % of the process's GIL time was that copy (py-spy
+    ``--gil``) and each hundred sessions took longer than the last. A transaction writes only
+    the items its parts name (at most 100, each by its full key), so saving those items, or
+    their absence, and putting them back keeps the same all-or-nothing outcome at a cost that
+    does not grow with the table. Requests run one at a time under ``BACKEND_LOCK``, so
+    nothing else can see the partial writes before they are undone.
+    """
+    import copy
+
+    from moto.dynamodb import models
+    from moto.dynamodb.models.dynamo_type import DynamoType
+
+    backend_class = models.DynamoDBBackend
+    if getattr(backend_class.transact_write_items, "_by_item", False):
+        return
+    original = backend_class.transact_write_items
+
+    class _NoTableCopies:
+        """``copy`` as moto's transaction sees it: tables are not copied, the rest is."""
+
+        @staticmethod
+        def deepcopy(value: Any, memo: Any = None) -> Any:
+            return value if isinstance(value, models.Table) else copy.deepcopy(value, memo)
+
+    #: (table name, hash key, range key or None) -> (the partition existed, the item or None)
+    Saved = dict[tuple[str, Any, Any], tuple[bool, Any]]
+
+    def save(saved: Saved, table: Any, name: str, key: dict[str, Any]) -> None:
+        if table.hash_key_attr not in key:
+            return  # moto refuses the part before it writes anything
+        hash_value = DynamoType(key[table.hash_key_attr])
+        range_value = None
+        if table.range_key_attr is not None:
+            if table.range_key_attr not in key:
+                return
+            range_value = DynamoType(key[table.range_key_attr])
+        if (name, hash_value, range_value) in saved:
+            return
+        # .get, not [...]: the table's items are a defaultdict, and a lookup must not add
+        partition = table.items.get(hash_value)
+        if range_value is None:
+            item = partition
+        else:
+            item = partition.get(range_value) if partition is not None else None
+        saved[(name, hash_value, range_value)] = (partition is not None, copy.deepcopy(item))
+
+    def restore(saved: Saved, tables: dict[str, Any]) -> None:
+        for (name, hash_value, range_value), (existed, item) in saved.items():
+            table = tables[name]
+            if range_value is None:
+                if item is None:
+                    table.items.pop(hash_value, None)
+                else:
+                    table.items[hash_value] = item
+                continue
+            if item is not None:
+                table.items[hash_value][range_value] = item
+                continue
+            partition = table.items.get(hash_value)
+            if partition is not None:
+                partition.pop(range_value, None)
+                if not partition and not existed:
+                    table.items.pop(hash_value, None)
+
+    def transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
+        saved: Saved = {}
+        for entry in transact_items:
+            op: dict[str, Any] = next(iter(entry.values()), {})
+            name = str(op.get("TableName"))
+            table = self.tables.get(name)
+            if table is not None:
+                save(saved, table, name, op.get("Key") or op.get("Item") or {})
+        models.copy = _NoTableCopies
+        try:
+            original(self, transact_items)
+        except Exception:
+            restore(saved, self.tables)
+            raise
+        finally:
+            models.copy = copy
+
+    transact_write_items._by_item = True  # type: ignore[attr-defined]
+    backend_class.transact_write_items = transact_write_items

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.iam.allowlist import UNUSED_GRANTS, Unused
@@ -22,9 +22,12 @@ class Denied:
     operation: str
     #: "explicit deny" or "no statement allows it"
     why: str
+    #: the test running when the call was first seen (one of them, if several)
+    seen_in: str = field(default="", compare=False)
 
     def __str__(self) -> str:
-        return f"{self.function}: {self.action} on {self.resource} ({self.operation}): {self.why}"
+        said = f"{self.function}: {self.action} on {self.resource} ({self.operation}): {self.why}"
+        return f"{said} (first seen in {self.seen_in})" if self.seen_in else said
 
 
 def load_calls(folder: Path) -> list[Call]:
@@ -53,7 +56,9 @@ def denied(calls: Iterable[Call], roles: Roles) -> list[Denied]:
 
 
 def _denied(call: Call, request: Request, why: str) -> Denied:
-    return Denied(call.function, request.action, request.resource, call.operation, why)
+    return Denied(
+        call.function, request.action, request.resource, call.operation, why, call.seen_in
+    )
 
 
 def granted(statements: Iterable[Statement]) -> set[str]:

@@ -13,7 +13,7 @@ requests on ``*``. From the AWS Service Authorization Reference of each service.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.declarations import DEPLOYMENT
@@ -74,6 +74,8 @@ class Call:
     endpoint: str = ""
     path: str = ""
     method: str = ""
+    #: the test running when a process first saw the call (``shoal.local.calls``)
+    seen_in: str = field(default="", compare=False)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Call:
@@ -86,6 +88,7 @@ class Call:
             endpoint=raw.get("endpoint", ""),
             path=raw.get("path", ""),
             method=raw.get("method", ""),
+            seen_in=raw.get("seen_in", ""),
         )
 
     def requests(self) -> list[Request]:

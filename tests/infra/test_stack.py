@@ -494,8 +494,9 @@ def test_only_the_recorders_append_to_the_log_and_only_the_archiver_reads_it(
 
     # Then the functions that record put records, nothing else (the WebSocket edge records
     # what it pushes and what is acked, as messages does for gets, and the reaper's sweep what
-    # it pushes again); the archiver reads, no more
-    recorders = ("router", "messages", "push", "edge", "reaper")
+    # it pushes again; sessions and subscriptions the held QoS 2 group deliveries an ended or
+    # leaving member drops); the archiver reads, no more
+    recorders = ("router", "messages", "push", "edge", "reaper", "sessions", "subscriptions")
     for name in recorders:
         assert on_log(name) == {"kinesis:PutRecord", "kinesis:PutRecords"}, name
     assert "kinesis:GetRecords" in on_log("archiver")

@@ -87,5 +87,8 @@ def test_a_publish_without_its_stream_grant_is_named_by_the_check(
         and d.why == "no statement allows it"
         for d in found
     ), found
+    # and says which test was running when the call was seen (to tell a test's own calls
+    # from a function's)
+    assert all("test_a_publish_without_its_stream_grant" in d.seen_in for d in found), found
     # And nothing it still grants (the reads kept by the read grant) is named
     assert {d.action for d in found} <= {"kinesis:PutRecord", "kinesis:PutRecords"}

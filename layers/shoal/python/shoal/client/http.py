@@ -72,6 +72,7 @@ from urllib.parse import quote
 import requests
 
 from shoal import __version__
+from shoal.client.batch import BatchPublisher
 from shoal.client.errors import (
     ApiError,
     ClientError,
@@ -83,6 +84,7 @@ from shoal.client.errors import (
 from shoal.client.publishing import Publishing
 from shoal.client.state import ClientState
 from shoal.client.support import (
+    BatchSettings,
     CallRetry,
     Connection,
     FlowControl,
@@ -280,6 +282,11 @@ class ShoalClient(Publishing):
         retries and errors as the rest; the parsed answer."""
         answer, _ = self._send(method, path, body=body, params=params)
         return answer
+
+    def batch_publisher(self, settings: BatchSettings | None = None) -> BatchPublisher:
+        """A publisher that batches by count, bytes and delay in a thread of its own (see
+        ``shoal.client.batch``); close it (or use it as a context manager) to flush."""
+        return BatchPublisher(self, settings or BatchSettings())
 
     # -- the session --------------------------------------------------------------------
 

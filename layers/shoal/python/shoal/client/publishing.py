@@ -11,7 +11,6 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shoal.client.batch import BatchPublisher
 from shoal.client.errors import ApiError, Unavailable, error_of, retry_after
 from shoal.client.state import ClientState
 from shoal.client.support import BatchSettings, CallRetry, PublishResult
@@ -322,11 +321,6 @@ class Publishing:
             publisher_id=self.publisher_id,
             publisher_seq=int(entry["seq"]),
         )
-
-    def batch_publisher(self, settings: BatchSettings | None = None) -> BatchPublisher:
-        """A publisher that batches by count, bytes and delay in a thread of its own (see
-        ``shoal.client.batch``); close it (or use it as a context manager) to flush."""
-        return BatchPublisher(self, settings or BatchSettings())
 
 
 def _digest(body: Mapping[str, Any]) -> str:

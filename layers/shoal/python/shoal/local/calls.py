@@ -58,6 +58,8 @@ NAMING = (
 )
 #: shard iterators remembered at most (each poll makes a new one; a reader uses the latest)
 MAX_ITERATORS = 100_000
+#: names what was running when a call was first seen (pytest sets it for each test)
+SEEN_IN_ENV = "PYTEST_CURRENT_TEST"
 #: what ``shoal.local.calls`` writes in the place of an object key's name
 KEY_ELIDED = "<key>"
 
@@ -114,8 +116,14 @@ class CallLog:
         self.listeners: list[Callable[[Mapping[str, Any]], None]] = []
 
     def record(self, line: Mapping[str, Any]) -> None:
+        # where the call was seen, to tell a function's own call from a test's that the
+        # recorder took for one: pytest's current test in a test process, and in a `shoal dev`
+        # the test that started it (its environment is inherited). Not part of what makes a
+        # call distinct: a call is written once, with where it was first seen.
+        seen_in = os.environ.get(SEEN_IN_ENV, "")
+        written = {**line, "seen_in": seen_in} if seen_in else line
         for listener in list(self.listeners):
-            listener(line)
+            listener(written)
         text = json.dumps(line, sort_keys=True, default=list)
         if text in self._seen:
             return
@@ -124,7 +132,7 @@ class CallLog:
                 return
             self._seen.add(text)
             with self.path.open("a", encoding="utf-8") as out:
-                out.write(text + "\n")
+                out.write(json.dumps(written, sort_keys=True, default=list) + "\n")
 
     # -- botocore's events --
 

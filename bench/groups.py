@@ -46,7 +46,7 @@ from shoal.core.config import DEFAULT_GROUP_PARALLELISM, DEFAULT_LEASE_TIMEOUT_S
 from shoal.core.errors import ServerBusy
 from shoal.core.retry import backoff_s
 from shoal.delivery.model import MAX_POLL_INTERVAL_S, POLL_INTERVAL_S
-from shoal.groups.store import default_lanes
+from shoal.groups.records import default_lanes
 
 from bench.account import CallMeter, emulated_account, item_size
 from bench.delivery import WriteUnits
@@ -144,7 +144,7 @@ class _Group:
 
     @property
     def key(self) -> str:
-        from shoal.groups.store import group_key
+        from shoal.groups.records import group_key
 
         return group_key(self.share, "orders/#")
 

@@ -385,7 +385,7 @@ class GroupStreamTarget:
 
     @property
     def key(self) -> str:
-        from shoal.groups.store import group_key
+        from shoal.groups.records import group_key
 
         return group_key(self.share, self.topic_filter)
 

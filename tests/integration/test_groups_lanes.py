@@ -12,7 +12,7 @@ import boto3
 import pytest
 from shoal import wiring
 from shoal.core.config import get_config
-from shoal.groups.store import group_key
+from shoal.groups.records import group_key
 from shoal.groups.streams import CachedReader, parse_delivery_id
 
 from tests.integration.test_groups_support import LEASE_S, GroupWorld, gworld

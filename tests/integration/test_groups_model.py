@@ -203,7 +203,7 @@ class GroupMachine(RuleBasedStateMachine):
             assert len(committers) <= 1, (source, committers)
 
     def _group_key(self) -> str:
-        from shoal.groups.store import group_key
+        from shoal.groups.records import group_key
 
         return group_key(self.share, "orders/#")
 

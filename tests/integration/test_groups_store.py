@@ -17,9 +17,10 @@ from shoal.core.clock import ManualClock
 from shoal.core.config import DeliverySettings, GroupSettings, get_config
 from shoal.delivery.inbox import InboxMessage, InboxStore, pack
 from shoal.delivery.model import position, record_end
+from shoal.groups.records import GroupRef, group_key
 from shoal.groups.service import GroupService
 from shoal.groups.state import advance
-from shoal.groups.store import GroupRef, GroupStore, group_key
+from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader, StreamState, group_partition, parse_delivery_id
 
 LEASE_S = 10.0
@@ -299,7 +300,7 @@ def test_membership_reads_one_group_ref_per_shared_subscription() -> None:
         "$share/g/orders/#": {"qos": 1, "share": "g", "group": "i1"},
         "orders/#": {"qos": 1},
     }
-    from shoal.groups.store import group_refs
+    from shoal.groups.records import group_refs
 
     # Then only the shared one is a group, with its incarnation
     assert group_refs(subs) == [GroupRef("$share/g/orders/#", "g", "orders/#", 1, "i1")]

@@ -16,8 +16,9 @@ import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import GroupSettings, get_config
+from shoal.groups.records import Loaded, group_key
 from shoal.groups.service import GroupService, StreamRegistrar
-from shoal.groups.store import GroupStore, Loaded, group_key
+from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader
 
 import functions.sessions.app as sessions_app

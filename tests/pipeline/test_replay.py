@@ -267,7 +267,7 @@ def test_group_target_writes_a_stream_of_its_own_the_leader_knows() -> None:
     written = target.inject([replayed(0), replayed(1), replayed(2, "billing/x")])
     # Then the two matching ones are in the group's partition, in order, under the replay's
     # source, and the leader was told of that stream before
-    from shoal.groups.store import group_key
+    from shoal.groups.records import group_key
     from shoal.groups.streams import group_partition
 
     assert (written, target.unmatched) == (2, 1)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from shoal.core.clock import ManualClock
 from shoal.core.config import DEFAULT_GROUP_PARALLELISM, Config
 from shoal.delivery.inbox import InboxMessage
+from shoal.groups.records import default_lanes
 from shoal.groups.state import (
     add_streams,
     advance,
@@ -16,7 +17,6 @@ from shoal.groups.state import (
     join,
     new_group,
 )
-from shoal.groups.store import default_lanes
 from shoal.groups.streams import (
     Lane,
     StreamState,

@@ -82,16 +82,9 @@ from shoal.delivery.events import Recording, record_answers
 from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
+from shoal.groups.records import GroupRef, Loaded, group_refs, held_record, member_record
 from shoal.groups.state import AgentView, agent_sync
-from shoal.groups.store import (
-    ATTEMPTS,
-    GroupRef,
-    GroupStore,
-    Loaded,
-    group_refs,
-    held_record,
-    member_record,
-)
+from shoal.groups.store import ATTEMPTS, GroupStore
 from shoal.groups.streams import (
     GroupDelivery,
     Handed,

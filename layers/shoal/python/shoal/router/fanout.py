@@ -53,8 +53,8 @@ from shoal.delivery.model import (
 )
 from shoal.delivery.subscriptions import SubscriptionStore
 from shoal.drain import RouterDrain
+from shoal.groups.records import group_key
 from shoal.groups.service import StreamRegistrar
-from shoal.groups.store import group_key
 from shoal.groups.streams import group_partition, key_hash
 from shoal.records import MalformedRecord, Message, decode_record
 from shoal.topics.index import FilterIndex

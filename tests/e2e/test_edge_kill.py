@@ -263,7 +263,7 @@ def where_it_stands(session: ReconnectingClient, members: list[ReconnectingClien
 @pytest.mark.xfail(
     strict=False,
     reason=(
-        "issue 31, open: in whole-suite runs (2026-11-29, three of three) the group's last "
+        "issue 31, open: in three of five whole-suite runs (2026-11-29) the group's last "
         "messages on two of three keys (k0:36-42, k2:35-44) were never acked within 420 s while "
         "one member had no delivery at all (suspected: a WebSocket member's lane leases are "
         "renewed only by functions it runs, and an idle connection runs none), and a group ack "

@@ -7,10 +7,12 @@ import binascii
 import hashlib
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from shoal.core.clock import Clock
 
 
 def check_url(url: str) -> str:
@@ -58,6 +60,22 @@ class Outages:
     def delay_s(self, retry: int, rng: random.Random) -> float:
         ceiling = min(self.max_s, self.first_s * 2**retry)
         return ceiling * (0.5 + rng.random() / 2)
+
+    def pauses(self, clock: Clock, rng: random.Random, until_ms: int | None) -> Iterator[int]:
+        """The waits before each try, each slept before it is yielded (the try's number);
+        it ends, having slept out the rest, when ``until_ms`` (the clock's) would come first.
+        Both clients' receiving loops ride out an outage with it."""
+        retry = 0
+        while True:
+            delay_s = self.delay_s(retry, rng)
+            if until_ms is not None:
+                left_s = (until_ms - clock.now_ms()) / 1000
+                if left_s <= delay_s:
+                    clock.sleep(max(left_s, 0))
+                    return
+            clock.sleep(delay_s)
+            retry += 1
+            yield retry
 
 
 @dataclass(frozen=True)

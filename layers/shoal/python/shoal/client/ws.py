@@ -740,16 +740,7 @@ class ShoalWsClient:
             f"lost {self.url} ({lost}); trying again, at most every {outages.max_s:g} s, "
             "until it answers"
         )
-        retry = 0
-        while True:
-            delay_s = outages.delay_s(retry, self.rng)
-            if until_ms is not None:
-                left_s = (until_ms - self.clock.now_ms()) / 1000
-                if left_s <= delay_s:
-                    self.clock.sleep(max(left_s, 0))
-                    return False
-            self.clock.sleep(delay_s)
-            retry += 1
+        for _ in outages.pauses(self.clock, self.rng, until_ms):
             try:
                 self._reconnect()
             except (LinkLost, _Busy):
@@ -766,6 +757,7 @@ class ShoalWsClient:
             )
             say(f"{self.url} answers again; {how}")
             return True
+        return False
 
     def consume(
         self,

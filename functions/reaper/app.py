@@ -18,7 +18,8 @@ from shoal.sessions.reaper import Reaper
 
 @cache
 def reaper() -> Reaper:
-    return wiring.reaper(get_config())
+    # the pusher pushes the members a dead channel's groups hand streams to (in its sweep)
+    return wiring.reaper(get_config(), push=pusher())
 
 
 @cache

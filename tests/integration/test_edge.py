@@ -28,6 +28,7 @@ from shoal.sessions.repository import SessionRepository
 import functions.router.app as router_app
 from tests.helpers import load_event
 from tests.integration.test_delivery_support import World
+from tests.integration.test_groups_support import GroupWorld
 from tests.integration.test_sessions_support import RecordingPublisher
 
 _MODELS = {m.model_fields["action"].default: m for m in SERVICE_FRAMES}
@@ -400,6 +401,59 @@ def test_a_newer_connect_takes_the_session_over_and_closes_the_older_connection(
     assert edge.api.sent["c2"][-1]["action"] == "subscribed"
 
 
+def test_a_connection_a_push_found_gone_still_publishes_its_will(edge: Edge) -> None:
+    """A push that meets a closed connection (410) stops pushes to it; its $disconnect, when it
+    comes, loses the channel as for any other lost connection, and the will follows after
+    its delay (before, the push removed the connection's item and $disconnect found nothing
+    to lose: the will waited for the channel's 2-hour bound)."""
+    edge.connect("c1", will=WILL)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.api.gone.add("c1")
+    edge.world.publish("a/b", "kept")
+    edge.world.route()
+    # no more pushes to it
+    assert edge.connections.target(_session_of(edge, "c1")) is None
+    edge.dropped("c1")
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    assert publisher.published == []  # the delay runs
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edge) -> None:
+    """The client renews its connection before API Gateway's 2 hours make-before-break: the
+    older connection's $disconnect comes after the takeover. It deletes the connection's
+    items and leaves the registry alone: its channel is not the live one, and a conditional
+    write that fails would still be billed (once per client every 2 hours)."""
+    edge.connect("c1", will=WILL)
+    edge.connect("c2")
+    writes: list[str] = []
+
+    def record(model: Any, params: dict[str, Any], **_: Any) -> None:
+        if model.name in ("UpdateItem", "PutItem", "DeleteItem", "TransactWriteItems"):
+            writes.append(f"{model.name} {params.get('TableName', 'transaction')}")
+
+    client = edge.world.registry.repository.dynamo.client
+    client.meta.events.register("before-parameter-build.dynamodb.*", record)
+    connections = edge.connections.dynamo.client
+    if connections is not client:
+        connections.meta.events.register("before-parameter-build.dynamodb.*", record)
+    edge.dropped("c1")
+    table = get_config().table("connections")
+    assert writes == [f"DeleteItem {table}", f"DeleteItem {table}"]
+    # the session stays with the newer connection: no will, deliveries pushed there
+    reaper, publisher = _reaper(edge)
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert publisher.published == []
+    edge.send("c2", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "after")
+    edge.world.route()
+    assert texts(edge.messages("c2")) == ["after"]
+
+
 def _reaper(edge: Edge) -> tuple[Reaper, RecordingPublisher]:
     publisher = RecordingPublisher()
     repository = SessionRepository(
@@ -478,3 +532,47 @@ def test_connect_route_answers_the_offered_subprotocol_never_the_token(edge: Edg
     event = edge.event("edge_connect.json", "c1")
     del event["headers"]["Sec-WebSocket-Protocol"]
     assert handle(lambda: edge.service, event) == {"statusCode": 200}
+
+
+# --- shared groups over the edge
+
+
+@pytest.fixture
+def group_edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
+    world = GroupWorld(aws, monkeypatch, lanes=4)
+    world.topic("default")
+    edge = Edge(world, monkeypatch)
+    # as ``wiring.edge_service``: the subscriptions' groups too (here one service for both)
+    edge.pusher.watch(world.subscriptions.groups)
+    yield edge
+
+
+def test_a_stream_handed_over_to_an_idle_member_is_pushed_to_it(group_edge: Edge) -> None:
+    """A lane revoked from a member with deliveries in flight goes to the new member when the
+    old one acks its last (its final progress). The new member is connected and idle: no
+    function of its own runs, so whoever commits the hand-off pushes it, or its lane's
+    backlog would wait for the next message routed (in the kill -9 test: for ever)."""
+    edge = group_edge
+    share = {"filter": "$share/g/a/#", "qos": 1}
+    keys = [f"k{n}" for n in range(8)]
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [share]})
+    for key in keys:
+        edge.world.publish("a/b", f"first-{key}", ordering_key=key)
+    edge.world.route()
+    # the only member holds every lane, each with a delivery in flight
+    assert len(edge.messages("c1")) == len(keys)
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [share]})
+    # the newcomer's lanes are revoking: their next messages wait for the hand-off
+    for key in keys:
+        edge.world.publish("a/b", f"second-{key}", ordering_key=key)
+    edge.world.route()
+    # the first member acks all it has: its final progress hands the revoked lanes over
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    got = texts(edge.messages("c1")) + texts(edge.messages("c2"))
+    # every message reached one member, with no other trigger (no publish, no sweep)
+    assert sorted(set(got)) == sorted(f"{p}-{k}" for p in ("first", "second") for k in keys)
+    # and the newcomer got its share: the lanes it was handed
+    assert edge.messages("c2")

@@ -222,6 +222,8 @@ def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:
     if push is None:
         raise RuntimeError("the WebSocket API's functions need SHOAL_CONNECTIONS_ENDPOINT")
     subscriptions = subscription_service(config, clock)
+    # a subscribe's or unsubscribe's rebalance hands streams to other members
+    push.watch(subscriptions.groups)
     return EdgeService(
         subscriptions.registry,
         subscriptions,
@@ -260,9 +262,12 @@ class ServiceWillPublisher:
         self.service.publish(as_owner, request)
 
 
-def reaper(config: Config, clock: Clock | None = None) -> Reaper:
-    """Keepalive expiry, wills (through the publish path) and session expiry."""
+def reaper(config: Config, clock: Clock | None = None, push: Pusher | None = None) -> Reaper:
+    """Keepalive expiry, wills (through the publish path) and session expiry; ``push``: the
+    pusher of a stack with a WebSocket API, told whom the groups' advances hand streams to."""
     groups = group_service(config, clock, payloads=False)
+    if push is not None:
+        push.watch(groups)
     return Reaper(
         SessionRepository.from_config(config),
         ServiceWillPublisher(PublishService.from_config(config)),

@@ -24,8 +24,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from botocore.exceptions import ClientError
+
 from shoal.aws import tables
-from shoal.aws.dynamo import Dynamo, Expression, to_item
+from shoal.aws.clients import error_code
+from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 
@@ -123,19 +126,37 @@ class ConnectionStore:
         raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})
         return None if raw is None or "session_id" not in raw else Connection.from_record(raw)
 
-    def unbind(self, connection: Connection) -> None:
-        """The connection is gone: its item, and the session's when it still names it (a
-        newer connection of the session keeps its own)."""
+    def unbind(self, connection: Connection) -> bool:
+        """The connection is gone: its item, and the session's when it still names it. True
+        when a newer connection of the session holds the session's item (a takeover: the
+        client's own renewal before API Gateway's 2 hours comes this way), False when this
+        one held it or nobody does (a push found the connection gone first: ``forget``)."""
         self.dynamo.call(
             "delete_item", TableName=self.table, Key=_key(CONNECTION + connection.connection_id)
         )
+        return self.forget(connection)
+
+    def forget(self, connection: Connection) -> bool:
+        """The session's deliveries stop going to this connection: the session's item, when it
+        names it, is deleted. True when it names a newer connection instead (kept)."""
         expression = Expression()
         params = expression.params(
             f"{expression.n('connection_id')} = {expression.v(connection.connection_id)}"
         )
-        self.dynamo.conditional(
-            "delete_item", TableName=self.table, Key=_key(SESSION + connection.session_id), **params
-        )
+        try:
+            self.dynamo.call(
+                "delete_item",
+                TableName=self.table,
+                Key=_key(SESSION + connection.session_id),
+                # a failed condition says what it found, for the price of the write it is
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                **params,
+            )
+        except ClientError as exc:
+            if error_code(exc) != CONDITION_FAILED:
+                raise
+            return bool(exc.response.get("Item"))
+        return False
 
     def targets(self, session_ids: Iterable[str]) -> list[Connection]:
         """The connections of those sessions that have one: strongly consistent, so a session

@@ -12,6 +12,7 @@ channel) or after the ack timeout, like an unacked get. One pusher at a time per
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,45 @@ class Pusher:
         self.api = api
         self.delivery = delivery
         self.clock = clock or SystemClock()
+        #: per thread (``shoal dev`` runs invocations on threads): the shared-group members
+        #: handed streams during this invocation, and how deep in pushes it is
+        self._local = threading.local()
+        # the delivery's groups: gets and acks hand streams over
+        self.watch(getattr(delivery, "groups", None))
+
+    def watch(self, groups: object | None) -> None:
+        """Pushes the members that the transitions of ``groups`` (a ``GroupService``) hand
+        streams to (a lane revoked from one member goes to another when the first acks its
+        last): an idle member connected over the WebSocket API runs nothing that would read
+        them."""
+        store = getattr(groups, "store", None)
+        if store is not None:
+            store.on_granted = self.handed_over
+
+    def handed_over(self, session_ids: set[str]) -> None:
+        """Noted, and pushed when the outermost push of this invocation ends (or at
+        ``push_handed_over``): never in the middle of the get that granted them."""
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = set()
+        pending.update(session_ids)
+
+    def push_handed_over(self) -> int:
+        """Pushes the members handed streams so far in this invocation; the frames pushed."""
+        pushed = 0
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        # a push of one may hand streams to another: until none is left
+        while pending:
+            session_ids = set(pending)
+            pending.clear()
+            try:
+                pushed += self.push_sessions(session_ids)
+            except (ClientError, BotoCoreError) as exc:
+                # the streams wait for the member's next trigger (a message routed to the
+                # group pushes every member): the work that granted them is done
+                count(metrics.PUSH_FAILED)
+                logger.info("handed-over push failed", extra={"error_type": type(exc).__name__})
+        return pushed
 
     def push_sessions(self, session_ids: Iterable[str]) -> int:
         """Pushes to those of ``session_ids`` that are connected over the WebSocket API (one
@@ -118,15 +158,31 @@ class Pusher:
 
         Handing out a QoS 1/2 delivery arms the session in the due index for its ack timeout
         (in the lease's release: no extra write), so that the reaper's sweep pushes it again
-        with ``dup`` if no ack came by then; nothing else would, while the client stays."""
+        with ``dup`` if no ack came by then; nothing else would, while the client stays.
+
+        Shared-group members that this push's gets handed streams to are pushed after it."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            pushed = self._push(connection)
+        finally:
+            self._local.depth = depth
+        if depth == 0:
+            pushed += self.push_handed_over()
+        return pushed
+
+    def _push(self, connection: Connection) -> int:
         owner = self.connections.take_lease(connection)
         if owner is None:
             return 0  # the holder goes round once more for us
         pushed = 0
         due: int | None = None
         try:
-            for _ in range(MAX_ROUNDS):
-                if not self.connections.next_round(connection, owner):
+            for round_ in range(MAX_ROUNDS):
+                # the lease was just taken with ``again`` cleared: the first round needs no
+                # write of its own (a pusher that came in meanwhile set ``again``, and the
+                # release then fails and sends this holder round once more)
+                if round_ and not self.connections.next_round(connection, owner):
                     return pushed
                 frames, acked_later = self._round(connection)
                 pushed += frames
@@ -140,7 +196,9 @@ class Pusher:
             return pushed
         except ConnectionGone:
             count(metrics.PUSH_FAILED)
-            self.connections.unbind(connection)
+            # no more pushes to it; its own item stays for its $disconnect, which loses the
+            # channel (the will's delay starts there)
+            self.connections.forget(connection)
             return pushed
         except (ShoalError, ClientError, BotoCoreError) as exc:
             # e.g. the channel was taken over: the newer connection pushes for itself
@@ -178,6 +236,8 @@ class Pusher:
                     connection, following, earliest=False
                 ):
                     report.armed += 1
+        # the reaper's group advances (a dead channel's leases) hand streams on too
+        report.pushed += self.push_handed_over()
         return report
 
     def _next_deadline(self, session_id: str) -> int | None:

@@ -113,17 +113,39 @@ class EdgeService:
     def disconnected(self, connection_id: str) -> None:
         """``$disconnect``: the connection is gone. Unless a ``disconnect`` frame ended the
         channel first, it is lost: its will follows after the delay."""
+        try:
+            self._disconnected(connection_id)
+        finally:
+            # a lost member's groups may hand its streams on
+            self.pusher.push_handed_over()
+
+    def _disconnected(self, connection_id: str) -> None:
         connection = self.connections.connection(connection_id)
         if connection is None:
             return
-        self.connections.unbind(connection)
+        if self.connections.unbind(connection):
+            # the session's item names a newer connection: a connect took the session over
+            # (the client's own renewal before API Gateway's 2 hours, make-before-break), so
+            # this channel is not the live one and losing it would change nothing (a
+            # conditional write that fails costs its write unit all the same)
+            return
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
-        # False: not the live channel any more (a normal disconnect, a takeover)
+        # False: not the live channel any more (a normal disconnect)
         self.registry.lose(who, connection.client_id, connection.channel)
 
     # -- client frames
 
     def frame(
+        self, connection_id: str, who: Principal, frame: BaseModel, requested_at_ms: int | None
+    ) -> Answer:
+        try:
+            return self._frame(connection_id, who, frame, requested_at_ms)
+        finally:
+            # the members this frame's work handed shared-group streams to (an ack's final
+            # progress, a leave, a subscribe's rebalance): idle, they would not read them
+            self.pusher.push_handed_over()
+
+    def _frame(
         self, connection_id: str, who: Principal, frame: BaseModel, requested_at_ms: int | None
     ) -> Answer:
         if isinstance(frame, PingFrame):

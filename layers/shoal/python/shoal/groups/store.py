@@ -78,6 +78,10 @@ class GroupStore:
     ) -> None:
         #: a filter -> the partitions of the topic it reads (a new group's lane count)
         self.partitions_of = partitions_of
+        #: told the members a committed transition granted streams to (but the member whose
+        #: call it was): a member connected over the WebSocket API runs no function while it
+        #: is idle, so whoever hands it a stream pushes it (``shoal.edge.push``)
+        self.on_granted: Callable[[set[str]], None] | None = None
         self.dynamo = dynamo
         self.table = table
         self.inbox_table = inbox_table
@@ -325,6 +329,9 @@ class GroupStore:
             if self.commit(loaded, new, operation):
                 # the assignment changed (checked above): one rebalance of the group
                 count(metrics.REBALANCES)
+                granted = granted_to(loaded.state, new) - {acting}
+                if granted and self.on_granted is not None:
+                    self.on_granted(granted)
                 return self._applied(loaded, new)
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this shared group is contended; retry")
@@ -697,3 +704,20 @@ class GroupStore:
             # best effort: what a throttled batch leaves unprocessed, TTL removes
             self.dynamo.call("batch_write_item", RequestItems={self.inbox_table: requests})
         return removed + len(keys)
+
+
+def granted_to(old: GroupState, new: GroupState) -> set[str]:
+    """The members holding a stream in ``new`` under a grant ``old`` did not have: the ones
+    with something new to read."""
+    out: set[str] = set()
+    for source, lease in new.streams.items():
+        before = old.streams.get(source)
+        if lease.holder is None or lease.state is not StreamState.GRANTED:
+            continue
+        if before is None or (before.holder, before.lease, before.state) != (
+            lease.holder,
+            lease.lease,
+            lease.state,
+        ):
+            out.add(lease.holder)
+    return out

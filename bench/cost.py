@@ -904,8 +904,10 @@ KEEPALIVE_S = int(CLIENT_SETTINGS.ping_every_s)
 #: billed messages a keep-alive: one in ``check_every`` is a ping and its pong, the others a
 #: one-way ``keepalive`` frame
 KEEPALIVE_MESSAGES = 1 + 1 / CLIENT_SETTINGS.check_every
-#: and every connection after 2 hours: the client reconnects and resumes its session
-MAX_CONNECTION_S = 7200
+#: API Gateway closes every connection after 2 hours: the client renews its connection
+#: ``renew_before_s`` to twice that (uniformly jittered) before, so once every
+MAX_CONNECTION_S = int(CLIENT_SETTINGS.max_connection_s)
+RENEW_EVERY_S = MAX_CONNECTION_S - 1.5 * CLIENT_SETTINGS.renew_before_s
 #: a long poll waits at most this long (``MAX_WAIT_MS``), then the client polls again
 LONG_POLL_S = 20
 #: the counted runs: clients, and measured rounds of one message to each
@@ -1218,9 +1220,10 @@ def _issuer() -> Iterator[tuple[str, str]]:
 
 def count_push() -> dict[str, Unit]:
     """WebSocket push: per delivery (publish, route and its push, the client's ``ack`` frame
-    and the ``acked`` answer, archive) and per reconnect (``$disconnect`` of the old
-    connection, the authorizer and ``$connect`` of the new, a ``connect`` frame resuming the
-    session), counted on the real ``wsauth`` and ``edge`` handlers; ``@connections`` is
+    without a ``ref``, so unanswered, archive) and per reconnect (the client's renewal,
+    make-before-break: the authorizer and ``$connect`` of the new connection, a ``connect``
+    frame taking the session over, the old connection's ``disconnect`` frame and
+    ``$disconnect``), counted on the real ``wsauth`` and ``edge`` handlers; ``@connections`` is
     moto's (the posts are counted as messages out)."""
     scenario = Scenario("fleet push", batch=FLEET_CLIENTS, subscribers=FLEET_CLIENTS)
     with emulated_account(default_partitions=1) as session, _issuer() as (issuer, token):
@@ -1297,9 +1300,11 @@ def count_push() -> dict[str, Unit]:
         delivery = Unit.of("push delivery", delivered, run, edge.ws_in, edge.ws_out)
 
         def reconnect(client: str) -> None:
-            # API Gateway closed the old connection at its 2 hours: $disconnect, then the
-            # client's new handshake and a connect frame that resumes the session
-            edge.disconnected(held[client])
+            # before API Gateway's 2 hours the client renews its connection make-before-break
+            # (``shoal.client.ws``): a new handshake and a connect frame that resumes the
+            # session and takes it over (the service tells the old connection why and closes
+            # it), then the old connection's $disconnect
+            old = held[client]
             connection = edge.handshake()
             back = edge.send(
                 connection,
@@ -1313,6 +1318,11 @@ def count_push() -> dict[str, Unit]:
             )
             assert back and back[0]["action"] == "connected", back
             assert back[0]["session_present"] is True, back
+            # the old connection was sent its ``disconnect`` (session_taken_over): billed too
+            told = edge.posts.take(old)
+            assert [f["action"] for f in told] == ["disconnect"], told
+            edge.ws_out += len(told)
+            edge.disconnected(old)
             held[client] = connection
 
         reconnect(names[0])  # warm: the disconnect path's first run
@@ -1356,8 +1366,8 @@ def fleet_model(counted: dict[str, dict[str, Unit]]) -> dict[str, Any]:
             concurrency=FLEET * (1 + deliveries / MONTH_S * poll["delivery"].concurrency_s()),
         )
         # WebSocket push: connection minutes, a keep-alive every KEEPALIVE_S (KEEPALIVE_MESSAGES), a
-        # reconnect every MAX_CONNECTION_S, the counted work of each delivery
-        reconnects = MONTH_S / MAX_CONNECTION_S
+        # renewal every RENEW_EVERY_S, the counted work of each delivery
+        reconnects = MONTH_S / RENEW_EVERY_S
         pings = MONTH_S / KEEPALIVE_S
         lines = {
             "ws_connection_minutes": WS_CONNECTION_MINUTE.cost(minutes),
@@ -1424,6 +1434,7 @@ def fleet_run() -> dict[str, Any]:
         "keepalive_s": KEEPALIVE_S,
         "check_every": CLIENT_SETTINGS.check_every,
         "max_connection_s": MAX_CONNECTION_S,
+        "renew_every_s": RENEW_EVERY_S,
         "long_poll_s": LONG_POLL_S,
         "call_rtt_s": CALL_RTT_S,
         "clients_counted": FLEET_CLIENTS,
@@ -1473,11 +1484,13 @@ def fleet_report(figures: dict[str, Any]) -> str:
         "- WebSocket push: the connection-minutes; a keep-alive every "
         f"{figures['keepalive_s'] // 60} minutes taken by a mock route (no function): one in "
         f"{figures.get('check_every', 1)} a `ping` and its `pong` (two messages), the others a "
-        "one-way `keepalive` (one message); a reconnect every "
-        f"{figures['max_connection_s'] // 3600} hours (`$disconnect`, "
-        "authorizer, `$connect`, a `connect` frame and its answer); each delivery's counted "
-        "work (publish, router and its push, the `message` frame out, the `ack` frame in and "
-        "the `acked` frame out, archiver).",
+        "one-way `keepalive` (one message); the connection renewed every "
+        f"{figures['renew_every_s'] / 60:.0f} minutes (before API Gateway's "
+        f"{figures['max_connection_s'] // 3600} hours, jittered), make-before-break as the "
+        "client does it: the authorizer, `$connect`, a `connect` frame and its answer, the old "
+        "connection's `disconnect` frame and its `$disconnect`; each delivery's counted "
+        "work (publish, router and its push, the `message` frame out, the `ack` frame in "
+        "(no `ref`, so no answer), archiver).",
         "- IoT Core: connection-minutes; a delivery is three metered messages (the backend's "
         "PUBLISH in, the PUBLISH out, the device's PUBACK).",
         "- Lambda time: an invocation's CPU time in-process (Shoal's work, without the waits "

@@ -46,8 +46,10 @@ class WsSettings:
     pong_timeout_s: float = 30.0
     #: API Gateway's limit on a connection's life
     max_connection_s: float = 7200.0
-    #: reconnect this long (plus up to as much again, jittered) before ``max_connection_s``
-    renew_before_s: float = 300.0
+    #: reconnect this long (plus up to as much again, jittered) before ``max_connection_s``:
+    #: a renewal is a handshake and a connect frame (4 function invocations, about 13 write
+    #: units), so every minute of a connection's life used is a cheaper month (bench/cost.py)
+    renew_before_s: float = 120.0
     #: the WebSocket handshake's timeout (it runs the authorizer and ``$connect`` functions)
     open_timeout_s: float = 30.0
     #: how long a frame's answer may take: API Gateway's integration timeout is 29 s, so an

@@ -19,6 +19,7 @@ const state = {
   nextRef: 1,
   subscriptions: new Map(),
   received: 0,
+  pushDetailLoads: 0,
 };
 
 const $ = (id) => document.getElementById(id);
@@ -617,9 +618,12 @@ async function loadPushSubscriptions() {
 async function loadPushDetail(name) {
   say("push-error", "");
   const detail = $("push-detail");
+  // a click while an earlier load is on its way: only the last one is drawn
+  const load = ++state.pushDetailLoads;
   try {
     const s = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}`);
     const dlq = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}/dlq?limit=100`);
+    if (load !== state.pushDetailLoads) return;
     const report = el("pre", { id: "redrive-answer", tabindex: "0", "aria-live": "polite" });
     const error = el("p", { id: "redrive-error", class: "error", role: "alert" });
     const form = el("form", { id: "redrive-form", class: "row", onsubmit: async (event) => {
@@ -632,7 +636,6 @@ async function loadPushDetail(name) {
       else body = { [by]: raw.split(/\s+/).filter(Boolean) };
       try {
         const answer = await api("POST", `/v1/subscriptions/${encodeURIComponent(name)}/dlq/redrive`, body);
-        report.textContent = JSON.stringify(answer, null, 2);
         await loadPushDetail(name);
         $("redrive-answer").textContent = JSON.stringify(answer, null, 2);
       } catch (exc) {

@@ -121,6 +121,9 @@ def test_shoal_dev_prints_the_consoles_url_and_serves_it_beside_the_http_api(
         200,
         {"ws_url": shared_dev.ws_url, "api_url": "", "local_mint": True},
     )
+    # any other path under it gets the API's coded 404, as deployed (the $default route)
+    status, body = shared_dev.request("GET", "/console/nothing.js")
+    assert (status, body["error"]["code"]) == (404, "route_not_found")
 
 
 def test_a_message_published_from_the_cli_appears_in_the_live_view(

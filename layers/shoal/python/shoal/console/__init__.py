@@ -5,8 +5,11 @@ elsewhere). The page asks for ``config.json`` beside it: where the WebSocket API
 whether a local token can be minted (``shoal dev`` only). It holds no secret: the token is
 pasted (or minted under ``shoal dev``) and kept in the tab's session storage.
 
-``shoal dev`` serves it (``shoal.local.console``); this module only finds the files and says
-how to send them, so that a deployed server of the same files can share it.
+``serve`` answers a request for them: ``shoal dev`` asks it before its routes
+(``shoal.local.console``), and deployed, the health function, which API Gateway's ``$default``
+route reaches with every path no other route has, asks it before its resolver. So the page is
+on the HTTP API's own origin in both (no CORS), and any other path under ``/console/`` gets the
+API's coded 404.
 """
 
 from __future__ import annotations
@@ -57,6 +60,46 @@ def asset(name: str) -> Asset | None:
         return None
     body = (files(__name__) / "static" / name).read_bytes()
     return Asset(CONTENT_TYPES["." + name.rsplit(".", 1)[-1]], body)
+
+
+@dataclass(frozen=True)
+class Served:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def serve(
+    method: str, path: str, *, ws_url: str, api_url: str = "", local_mint: bool = False
+) -> Served | None:
+    """The answer to ``method path`` when it asks for one of the console's files (or
+    ``/console``, redirected to the page), else None."""
+    if method.upper() not in ("GET", "HEAD"):
+        return None
+    if path == PREFIX.rstrip("/"):
+        # the page's links are relative: they must resolve under the prefix
+        return Served(308, [("Location", PREFIX)], b"")
+    if not path.startswith(PREFIX):
+        return None
+    name = path[len(PREFIX) :]
+    if name == CONFIG:
+        found: Asset | None = config_asset(ws_url=ws_url, api_url=api_url, local_mint=local_mint)
+    else:
+        found = asset(name)
+    if found is None:
+        return None
+    headers = [("Content-Type", found.content_type), *security_headers(ws_url, api_url)]
+    return Served(200, headers, found.body)
+
+
+def websocket_url(connections_endpoint: str) -> str:
+    """The WebSocket API's URL from its ``@connections`` endpoint, which every function's
+    environment names (``https://{api}.execute-api.{region}.amazonaws.com/{stage}``): the
+    same host and stage, over ``wss``. Empty without one."""
+    for plain, secure in (("https://", "wss://"), ("http://", "ws://")):
+        if connections_endpoint.startswith(plain):
+            return secure + connections_endpoint[len(plain) :].rstrip("/")
+    return ""
 
 
 def config_asset(*, ws_url: str, api_url: str = "", local_mint: bool = False) -> Asset:

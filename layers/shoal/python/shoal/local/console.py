@@ -1,6 +1,8 @@
 """The console under ``shoal dev``: its files at ``/console/``, and a token minted for it.
 
-Served by the HTTP gateway's port, so the page and the HTTP API share one origin (no CORS);
+Served by the HTTP gateway's port, so the page and the HTTP API share one origin (no CORS), as
+deployed, where the health function serves the same files (``shoal.console.serve``); a path
+under ``/console/`` that is not one of them goes on to the routes and gets the API's 404;
 the WebSocket API is on its own port, which a browser reaches without CORS too (the page
 offers its token as the ``bearer.<jwt>`` subprotocol, as ``docs/asyncapi.yaml`` says).
 
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from shoal.console import CONFIG, PREFIX, asset, config_asset, security_headers
+from shoal.console import serve
 from shoal.local.gateway import LOOPBACK, HttpRequest, HttpResponse
 
 TOKEN_PATH = "/_shoal/token"  # noqa: S105 - a URL path, not a secret
@@ -54,23 +56,14 @@ class DevConsole:
     def __init__(self, *, ws_url: str, mint: Mint) -> None:
         self.ws_url = ws_url
         self.mint = mint
-        self._headers = security_headers(ws_url)
 
     def handle(self, request: HttpRequest) -> HttpResponse | None:
-        path = request.raw_path
-        if path == TOKEN_PATH:
+        if request.raw_path == TOKEN_PATH:
             return self._mint(request)
-        if path == PREFIX.rstrip("/"):
-            return HttpResponse(308, [("Location", PREFIX)], b"")
-        if not path.startswith(PREFIX):
+        served = serve(request.method, request.raw_path, ws_url=self.ws_url, local_mint=True)
+        if served is None:
             return None
-        if request.method.upper() not in ("GET", "HEAD"):
-            return HttpResponse.json(405, {"message": "Method Not Allowed"}, [("Allow", "GET")])
-        name = path[len(PREFIX) :]
-        found = config_asset(ws_url=self.ws_url, local_mint=True) if name == CONFIG else asset(name)
-        if found is None:
-            return HttpResponse.json(404, {"message": "Not Found"})
-        return HttpResponse(200, [("Content-Type", found.content_type), *self._headers], found.body)
+        return HttpResponse(served.status, served.headers, served.body)
 
     def _mint(self, request: HttpRequest) -> HttpResponse:
         if request.method.upper() != "POST":

@@ -650,10 +650,23 @@ async function loadPushDetail(name) {
     el("div", {}, el("label", { for: "redrive-value", text: "Keys, ids (space-separated) or time" }),
       el("input", { id: "redrive-value", name: "value", autocomplete: "off", required: true })),
     el("button", { type: "submit" }, "Redrive"));
-    const letters = dlq.messages.map((m) => el("tr", { "data-ordering-key": m.ordering_key },
+    const letterRow = (m) => el("tr", { "data-ordering-key": m.ordering_key },
       el("td", { class: "mono", text: m.id }), el("td", { class: "mono", text: m.ordering_key }),
       el("td", { class: "mono", text: m.topic }), el("td", { text: m.reason }),
-      el("td", { text: String(m.attempts) }), el("td", { text: String(m.failed_at) })));
+      el("td", { text: String(m.attempts) }), el("td", { text: String(m.failed_at) }));
+    const letters = dlq.messages.map(letterRow);
+    // the DLQ is browsed a page at a time: the next page starts after the last one's "next"
+    let after = dlq.next;
+    const more = el("button", { type: "button", id: "dlq-more", hidden: !after, onclick: async () => {
+      try {
+        const page = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}/dlq?limit=100&after=${encodeURIComponent(after)}`);
+        $("dlq").tBodies[0].append(...page.messages.map(letterRow));
+        after = page.next;
+        more.hidden = !after;
+      } catch (exc) {
+        error.textContent = explain(exc);
+      }
+    } }, "More dead letters");
     detail.replaceChildren(
       el("h3", { text: name }),
       el("dl", {},
@@ -664,7 +677,7 @@ async function loadPushDetail(name) {
       el("table", { id: "dlq" }, el("caption", { text: `Dead letters of ${name}` }),
         el("thead", {}, el("tr", {}, ...["Id", "Ordering key", "Topic", "Reason", "Attempts", "Failed at"].map((h) => el("th", { scope: "col", text: h })))),
         el("tbody", {}, ...letters)),
-      form, error, report);
+      more, form, error, report);
   } catch (exc) {
     say("push-error", explain(exc));
   }

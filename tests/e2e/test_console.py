@@ -241,6 +241,7 @@ def test_a_session_is_shown_by_client_id(page: Page, shared_dev: DevServer) -> N
     sign_in(page, admin)
     connect(page)
     subscribe(page, "sensors/cons-look/#")
+    subscribe(page, "$share/conslook/sensors/cons-look/#")
     client_id = page.get_by_role("textbox", name="Client id", exact=True).input_value()
     # When the admin looks it up in the Sessions view
     view(page, "Sessions")
@@ -248,8 +249,17 @@ def test_a_session_is_shown_by_client_id(page: Page, shared_dev: DevServer) -> N
     page.get_by_role("button", name="Look up").click()
     # Then its subscriptions and in-flight count are shown
     shown = page.locator("#session-view")
-    expect(shown.locator("tbody tr")).to_have_count(1, timeout=WAIT_MS)
-    expect(shown.locator("tbody tr td").first).to_have_text("sensors/cons-look/#")
+    filters = shown.locator("table").first.locator("tbody tr td:first-child")
+    expect(filters).to_have_count(2, timeout=WAIT_MS)
+    assert sorted(filters.all_inner_texts()) == [
+        "$share/conslook/sensors/cons-look/#",
+        "sensors/cons-look/#",
+    ]
+    # and the shared group it is a member of
+    group = page.locator("#session-groups tbody tr")
+    expect(group).to_have_count(1)
+    expect(group.locator("td").nth(0)).to_contain_text("conslook")
+    expect(group.locator("td").nth(1)).to_have_text("1")
     expect(shown).to_contain_text("In flight (handed out, not acked)0")
     # and an unknown client id shows the API's code
     page.locator("#sessions").get_by_label("Client id").fill("cons-nobody")

@@ -587,8 +587,12 @@ async function lookUpSession(event) {
           const { filter, ...rest } = sub;
           return el("tr", {}, el("td", { class: "mono", text: filter }), el("td", { class: "mono", text: JSON.stringify(rest) }));
         }))),
-      el("h3", { text: "Shared groups" }),
-      el("pre", { tabindex: "0", text: JSON.stringify(s.groups, null, 2) }));
+      el("table", { id: "session-groups" }, el("caption", { text: `Shared groups of ${s.client_id}, with the streams this session holds` }),
+        el("thead", {}, el("tr", {}, ...["Group", "Members", "Lanes", "Leases held"].map((h) => el("th", { scope: "col", text: h })))),
+        el("tbody", {}, ...(s.groups || []).map((g) => el("tr", {},
+          el("td", { class: "mono", text: g.group }), el("td", { text: String(g.members) }),
+          el("td", { text: String(g.lanes ?? "") }),
+          el("td", { class: "mono", text: (g.leases || []).map((l) => `${l.stream} (${l.state})`).join(", ") || "none" }))))));
   } catch (exc) {
     say("session-error", explain(exc));
   }

@@ -354,6 +354,36 @@ def test_a_refused_handshake_is_said(page: Page, shared_dev: DevServer) -> None:
     expect(connect_button).to_be_enabled()
 
 
+def test_sign_in_connect_and_subscribe_by_keyboard_alone(page: Page, shared_dev: DevServer) -> None:
+    # Given the page as it opens: the token field has the focus
+    jwt = token(shared_dev, "cons-keys", clients=["cons-keys*"], subscribe=["sensors/#"])
+    page.keyboard.insert_text(jwt)
+    # When the user tabs to Sign in and presses Enter, then Enter (Connect has the focus),
+    # then types a filter (the filter field has it once connected) and Enter
+    page.keyboard.press("Tab")
+    page.keyboard.press("Enter")
+    expect(page.locator("#who")).to_contain_text("Signed in as cons-keys")
+    expect(page.get_by_role("button", name="Connect", exact=True)).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.locator("#connection")).to_contain_text("Connected as", timeout=WAIT_MS)
+    expect(page.get_by_label("Topic filter")).to_be_focused()
+    page.keyboard.type("sensors/cons-keys/#")
+    page.keyboard.press("Enter")
+    # Then the subscription is made
+    expect(page.locator("#subscriptions li", has_text="sensors/cons-keys/#")).to_be_visible(
+        timeout=WAIT_MS
+    )
+
+
+def test_an_expired_token_is_refused_with_its_reason(page: Page, shared_dev: DevServer) -> None:
+    key = SigningKey.load_or_create(shared_dev.state_dir)
+    expired = mint_token(key, issuer=shared_dev.issuer, sub="cons-old", ttl_s=60, now_s=1_000)
+    page.get_by_label("Token").fill(expired)
+    page.get_by_role("button", name="Sign in", exact=True).click()
+    expect(page.locator("#token-error")).to_contain_text("expired_token")
+    expect(page.locator("#who")).to_have_text("Not signed in")
+
+
 def test_the_mint_button_signs_in_with_a_local_admin_token(page: Page) -> None:
     page.get_by_role("button", name="Mint a local token").click()
     expect(page.locator("#who")).to_contain_text("Signed in as console, admin")

@@ -178,6 +178,10 @@ function signIn(token) {
     say("token-error", `invalid_token: ${exc.message}`);
     return false;
   }
+  if (typeof claims.exp === "number" && claims.exp * 1000 <= Date.now()) {
+    say("token-error", `expired_token: the token expired at ${new Date(claims.exp * 1000).toISOString()}; mint or paste a new one`);
+    return false;
+  }
   say("token-error", "");
   state.token = token;
   state.claims = claims;
@@ -190,6 +194,8 @@ function signIn(token) {
   $("signout").hidden = false;
   $("client-id").value = defaultClientId(claims);
   show("live");
+  // keyboard users go on where the next step is
+  $("connect").focus();
   return true;
 }
 

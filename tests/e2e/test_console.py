@@ -533,6 +533,16 @@ def test_a_redrive_by_key_from_the_page_empties_that_keys_dead_letters(
             break
         time.sleep(0.5)
     assert refusing.delivered.count("doomed") == 2
+    # When the last one is redriven by its message id
+    refusing.refusing.discard("other")
+    other_id = page.locator("#dlq tbody tr td").first.inner_text()
+    page.get_by_label("Redrive by").select_option("message_ids")
+    page.get_by_label("Keys, ids (space-separated) or time").fill(other_id)
+    page.get_by_role("button", name="Redrive", exact=True).click()
+    # Then the DLQ is empty
+    expect(page.locator("#redrive-answer")).to_contain_text('"redriven": 1', timeout=WAIT_MS)
+    expect(page.locator("#dlq tbody tr")).to_have_count(0)
+    expect(page.locator("#dlq-depth")).to_have_text("0")
 
 
 def _critical_violations(page: Page) -> list[dict[str, Any]]:

@@ -40,6 +40,9 @@ WAIT_MS = 15_000
 
 @pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
+    # every expectation waits as long as an answer of a loaded shoal dev may take; the one
+    # timed by the issue (a message within 2 s) says its own
+    expect.set_options(timeout=WAIT_MS)
     with sync_playwright() as p:
         yield p
 

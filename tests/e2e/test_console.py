@@ -387,6 +387,31 @@ def test_an_expired_token_is_refused_with_its_reason(page: Page, shared_dev: Dev
     expect(page.locator("#who")).to_have_text("Not signed in")
 
 
+def test_a_takeover_by_another_tab_is_said_with_its_reason(
+    page: Page, browser: Browser, shared_dev: DevServer
+) -> None:
+    # Given a tab connected as a client id
+    jwt = token(shared_dev, "cons-take", clients=["cons-take*"], subscribe=["sensors/#"])
+    sign_in(page, jwt)
+    connect(page)
+    client_id = page.get_by_role("textbox", name="Client id", exact=True).input_value()
+    # When a second tab connects as the same client id
+    context = browser.new_context()
+    try:
+        other = context.new_page()
+        other.goto(f"{shared_dev.url}/console/")
+        sign_in(other, jwt)
+        other.get_by_role("textbox", name="Client id", exact=True).fill(client_id)
+        connect(other)
+    finally:
+        context.close()
+    # Then the first tab says why its connection ended
+    expect(page.locator("#connection-error")).to_contain_text(
+        "disconnected by the service: session_taken_over"
+    )
+    expect(page.locator("#connection")).to_contain_text("Not connected")
+
+
 def test_the_mint_button_signs_in_with_a_local_admin_token(page: Page) -> None:
     page.get_by_role("button", name="Mint a local token").click()
     expect(page.locator("#who")).to_contain_text("Signed in as console, admin")

@@ -54,8 +54,11 @@ MAY_IMPORT: dict[str, set[str]] = {
         "teardown",
         "edge",
     },
-    #: shoal dev runs the whole deployment: its start hooks do what the bootstrap function does
-    "local": {"core", "aws", "declarations", "composite", "wiring"},
+    #: the console's static page (HTML, CSS, JavaScript) and how to send it
+    "console": set(),
+    #: shoal dev runs the whole deployment: its start hooks do what the bootstrap function does;
+    #: it serves the console beside the HTTP API
+    "local": {"core", "aws", "declarations", "composite", "wiring", "console"},
     "client": {"core"},
     "cli": {"core", "client", "local"},
 }

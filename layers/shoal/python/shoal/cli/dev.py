@@ -160,6 +160,7 @@ def run_dev(args: argparse.Namespace) -> int:
         lines = [
             f"Shoal dev is serving {runtime.url}",
             f"  WebSocket API: {runtime.ws_url}",
+            f"  Console:       {runtime.console_url}  (in a browser on this machine)",
             f"  AWS emulator:  {runtime.aws_url}  (AWS_ENDPOINT_URL for boto3 and the AWS CLI)",
             f"  state:         {state}",
         ]

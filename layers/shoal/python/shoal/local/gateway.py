@@ -337,6 +337,12 @@ class ConnectionsApi(Protocol):
     def manage(self, method: str, connection_id: str, body: bytes) -> HttpResponse: ...
 
 
+class Answers(Protocol):
+    """What the gateway asks before its routes (``shoal dev``'s console): an answer, or None."""
+
+    def handle(self, request: HttpRequest) -> HttpResponse | None: ...
+
+
 class Gateway:
     """Routes, authorizes and invokes: one HTTP request in, one HTTP response out."""
 
@@ -350,8 +356,10 @@ class Gateway:
         public_url: str = "",
         connections: ConnectionsApi | None = None,
         invocations: Callable[[], Mapping[str, int]] | None = None,
+        console: Answers | None = None,
     ) -> None:
         self.connections = connections
+        self.console = console
         self.invocations = invocations
         self.routes = routes
         self.authorizer = authorizer
@@ -374,6 +382,8 @@ class Gateway:
             if not connection_id or "/" in connection_id:
                 return HttpResponse.json(404, {"message": "Not Found"})
             return self.connections.manage(request.method, connection_id, request.body)
+        if self.console is not None and (answer := self.console.handle(request)) is not None:
+            return answer
         if len(request.body) > MAX_REQUEST_BYTES:
             return HttpResponse.json(413, {"message": "Request Entity Too Large"})
         match = self.routes.match(request.method, request.raw_path)

@@ -40,6 +40,7 @@ from shoal.local.authorizer import (
 from shoal.local.aws import EmbeddedAws
 from shoal.local.calls import install_from_environment
 from shoal.local.checkpoints import FileCheckpoints
+from shoal.local.console import DevConsole
 from shoal.local.context import REGION, LambdaContext
 from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.gateway import JWKS_PATH, Gateway, GatewayServer, RouteTable
@@ -368,6 +369,7 @@ class LocalRuntime:
             public_url=public,
             connections=websocket,
             invocations=self.functions.invocation_counts,
+            console=DevConsole(ws_url=self.ws_url, mint=self.mint_token),
         )
         IssuerSettings(self.issuer, options.audience).save(state)
 
@@ -493,6 +495,14 @@ class LocalRuntime:
         if self.options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
             return f"ws://127.0.0.1:{self.websocket.port}"
         return self.websocket.url
+
+    @property
+    def console_url(self) -> str:
+        """The console's page, on the gateway's port (one origin with the HTTP API)."""
+        assert self.gateway is not None
+        if self.options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
+            return f"http://127.0.0.1:{self.gateway.port}/console/"
+        return f"{self.gateway.url}/console/"
 
     @property
     def aws_url(self) -> str:

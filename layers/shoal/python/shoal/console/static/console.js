@@ -1,0 +1,734 @@
+// The Shoal console: the HTTP API (same origin, or config.json's api_url) and the WebSocket
+// API (config.json's ws_url), with the token the user signs in with. No framework, no build.
+// Text from the service or the user is always set as text (textContent), never as HTML.
+"use strict";
+
+const TOKEN_KEY = "shoal.console.token";
+const WS_KEY = "shoal.console.ws_url";
+const MAX_ROWS = 500;
+// API Gateway closes a WebSocket idle 10 minutes; a keepalive frame costs no function
+const KEEPALIVE_MS = 4 * 60 * 1000;
+
+const state = {
+  config: { ws_url: "", api_url: "", local_mint: false },
+  token: null,
+  claims: null,
+  ws: null,
+  keepalive: null,
+  refs: new Map(),
+  nextRef: 1,
+  subscriptions: new Map(),
+  received: 0,
+  pushDetailLoads: 0,
+};
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name === "text") node.textContent = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function say(id, text) {
+  $(id).textContent = text || "";
+}
+
+// --- errors: always the API's code and message --------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, code, message, body) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.body = body;
+  }
+  toString() {
+    return `${this.code} (${this.status}): ${this.message}`;
+  }
+}
+
+function apiError(status, body, response) {
+  if (body && body.error && body.error.code) {
+    return new ApiError(status, body.error.code, body.error.message || "", body);
+  }
+  // API Gateway's own answers ({"message": ...}): 401 from the JWT authorizer, 413, 429, 504
+  const message = body && body.message ? body.message : `HTTP ${status}`;
+  if (status === 401) {
+    const why = response && response.headers.get("www-authenticate");
+    return new ApiError(401, "unauthorized",
+      `${message}: the token was refused${why ? ` (${why})` : ""}. Sign in again with a valid token.`, body);
+  }
+  return new ApiError(status, `http_${status}`, message, body);
+}
+
+// A refusal of an admin view says why, rather than showing an empty page.
+function explain(error) {
+  if (!(error instanceof ApiError)) return `${error.name || "error"}: ${error.message || error}`;
+  let text = error.toString();
+  if (error.status === 403 && error.code === "forbidden") {
+    const sub = state.claims ? state.claims.sub : "?";
+    text += state.claims && state.claims["shoal:admin"] === true
+      ? ` — the token of ${sub} is not allowed this.`
+      : ` — this view needs an admin token (claim shoal:admin true); the token of ${sub} is not one.`;
+  }
+  return text;
+}
+
+async function api(method, path, body, headers) {
+  const init = { method, headers: { Authorization: `Bearer ${state.token}`, ...(headers || {}) } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(state.config.api_url + path, init);
+  } catch (exc) {
+    throw new ApiError(0, "network_error", `the HTTP API cannot be reached (${exc.message})`);
+  }
+  const text = await response.text();
+  let parsed = null;
+  try {
+    parsed = text ? JSON.parse(text) : null;
+  } catch (_exc) {
+    parsed = { message: text.slice(0, 200) };
+  }
+  if (!response.ok) throw apiError(response.status, parsed, response);
+  return parsed;
+}
+
+// --- payloads ---------------------------------------------------------------------------
+
+function b64ToBytes(text) {
+  const raw = atob(text || "");
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return bytes;
+}
+
+function bytesToB64(bytes) {
+  let raw = "";
+  for (const b of bytes) raw += String.fromCharCode(b);
+  return btoa(raw);
+}
+
+function hex(bytes) {
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join(" ");
+}
+
+// Text when the bytes are UTF-8 without control characters (tabs and newlines aside), else hex.
+function showPayload(b64) {
+  const bytes = b64ToBytes(b64);
+  try {
+    const text = new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+    // eslint-disable-next-line no-control-regex
+    if (!/[\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f]/.test(text)) return { kind: "text", value: text };
+  } catch (_exc) {
+    // not UTF-8: hex below
+  }
+  return { kind: "hex", value: hex(bytes) };
+}
+
+function payloadBytes(text, format) {
+  if (format === "hex") {
+    const digits = text.replace(/\s+/g, "");
+    if (digits.length % 2 || /[^0-9a-fA-F]/.test(digits)) throw new Error("not hex: pairs of 0-9 a-f");
+    const bytes = new Uint8Array(digits.length / 2);
+    for (let i = 0; i < bytes.length; i++) bytes[i] = parseInt(digits.slice(2 * i, 2 * i + 2), 16);
+    return bytes;
+  }
+  if (format === "base64") {
+    try {
+      return b64ToBytes(text.trim());
+    } catch (_exc) {
+      throw new Error("not base64");
+    }
+  }
+  return new TextEncoder().encode(text);
+}
+
+// --- sign in ------------------------------------------------------------------------------
+
+function decodeClaims(token) {
+  const parts = token.split(".");
+  if (parts.length !== 3) throw new Error("a JWT has three dot-separated parts");
+  const b64 = parts[1].replace(/-/g, "+").replace(/_/g, "/");
+  const json = new TextDecoder().decode(b64ToBytes(b64 + "=".repeat((4 - (b64.length % 4)) % 4)));
+  const claims = JSON.parse(json);
+  if (!claims || typeof claims.sub !== "string") throw new Error("the token has no sub claim");
+  return claims;
+}
+
+function signIn(token) {
+  token = token.trim().replace(/^Bearer\s+/i, "");
+  let claims;
+  try {
+    claims = decodeClaims(token);
+  } catch (exc) {
+    say("token-error", `invalid_token: ${exc.message}`);
+    return false;
+  }
+  if (typeof claims.exp === "number" && claims.exp * 1000 <= Date.now()) {
+    say("token-error", `expired_token: the token expired at ${new Date(claims.exp * 1000).toISOString()}; mint or paste a new one`);
+    return false;
+  }
+  say("token-error", "");
+  state.token = token;
+  state.claims = claims;
+  sessionStorage.setItem(TOKEN_KEY, token);
+  const expires = claims.exp ? new Date(claims.exp * 1000).toISOString() : "never";
+  const admin = claims["shoal:admin"] === true ? ", admin" : "";
+  say("who", `Signed in as ${claims.sub}${admin}; the token expires ${expires}`);
+  $("signin").hidden = true;
+  $("views").hidden = false;
+  $("signout").hidden = false;
+  $("client-id").value = defaultClientId(claims);
+  show("live");
+  // keyboard users go on where the next step is
+  $("connect").focus();
+  return true;
+}
+
+function defaultClientId(claims) {
+  const patterns = claims["shoal:clients"];
+  const suffix = Math.random().toString(36).slice(2, 8);
+  if (Array.isArray(patterns)) {
+    const wild = patterns.find((p) => p.endsWith("*"));
+    if (wild) return `${wild.slice(0, -1)}${wild.length > 1 ? "-" : ""}${suffix}`;
+    if (patterns.length) return patterns[0];
+  }
+  return claims.sub;
+}
+
+function signOut() {
+  closeSocket("signed out");
+  sessionStorage.removeItem(TOKEN_KEY);
+  state.token = null;
+  state.claims = null;
+  say("who", "Not signed in");
+  $("views").hidden = true;
+  $("signout").hidden = true;
+  for (const section of document.querySelectorAll("main > section")) section.hidden = true;
+  $("signin").hidden = false;
+  $("token").value = "";
+  $("token").focus();
+}
+
+async function mintLocal(event) {
+  event.preventDefault();
+  say("mint-error", "");
+  const words = (id) => $(id).value.split(/\s+/).filter(Boolean);
+  const body = {
+    sub: $("mint-sub").value.trim(),
+    admin: $("mint-admin").checked,
+    publish: words("mint-publish"),
+    subscribe: words("mint-subscribe"),
+  };
+  if (words("mint-clients").length) body.clients = words("mint-clients");
+  try {
+    const response = await fetch(state.config.api_url + "/_shoal/token", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    const answer = await response.json().catch(() => null);
+    if (!response.ok) throw apiError(response.status, answer, response);
+    signIn(answer.token);
+  } catch (exc) {
+    say("mint-error", explain(exc));
+  }
+}
+
+// --- views --------------------------------------------------------------------------------
+
+const loaders = {
+  topics: loadTopics,
+  push: loadPushSubscriptions,
+};
+
+function show(view) {
+  for (const button of document.querySelectorAll("#views button")) {
+    if (button.dataset.view === view) button.setAttribute("aria-current", "page");
+    else button.removeAttribute("aria-current");
+  }
+  for (const section of document.querySelectorAll("main > section")) {
+    section.hidden = section.id !== view;
+  }
+  if (loaders[view]) loaders[view]();
+}
+
+// --- live: the WebSocket session --------------------------------------------------------
+
+function send(frame) {
+  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) {
+    return Promise.reject(new ApiError(0, "not_connected", "connect a session first"));
+  }
+  const ref = `c${state.nextRef++}`;
+  return new Promise((resolve, reject) => {
+    state.refs.set(ref, { resolve, reject });
+    state.ws.send(JSON.stringify({ ...frame, ref }));
+  });
+}
+
+function setConnected(connected, text) {
+  say("connection", text);
+  $("connect").disabled = connected;
+  $("disconnect").disabled = !connected;
+  $("subscribe").disabled = !connected;
+}
+
+function connect(event) {
+  event.preventDefault();
+  say("connection-error", "");
+  closeSocket("reconnecting");
+  const url = $("ws-url").value.trim();
+  sessionStorage.setItem(WS_KEY, url);
+  let ws;
+  try {
+    // browsers cannot set Authorization on a WebSocket: the token is offered as a subprotocol
+    ws = new WebSocket(url, ["shoal.v1", `bearer.${state.token}`]);
+  } catch (exc) {
+    say("connection-error", `invalid_url: ${exc.message}`);
+    return;
+  }
+  state.ws = ws;
+  let answered = false;
+  setConnected(true, `Connecting to ${url} …`);
+  ws.addEventListener("open", async () => {
+    const frame = {
+      action: "connect",
+      client_id: $("client-id").value.trim(),
+      clean_start: $("clean-start").checked,
+      session_expiry_s: Number($("session-expiry").value || 0),
+      receive_maximum: Number($("receive-maximum").value || 100),
+    };
+    try {
+      const answer = await send(frame);
+      answered = true;
+      setConnected(true,
+        `Connected as ${frame.client_id} (session present: ${answer.session_present}, receive maximum ${answer.receive_maximum})`);
+      state.keepalive = setInterval(() => {
+        if (ws.readyState === WebSocket.OPEN) ws.send('{"action":"keepalive"}');
+      }, KEEPALIVE_MS);
+      $("filter").focus();
+    } catch (exc) {
+      say("connection-error", explain(exc));
+      ws.close(1000);
+    }
+  });
+  ws.addEventListener("message", (event) => onFrame(event.data));
+  ws.addEventListener("close", (event) => {
+    if (state.ws !== ws) return;
+    clearInterval(state.keepalive);
+    state.ws = null;
+    for (const { reject } of state.refs.values()) reject(new ApiError(0, "connection_closed", "the connection closed"));
+    state.refs.clear();
+    setConnected(false, `Not connected (closed ${event.code}${event.reason ? `: ${event.reason}` : ""})`);
+    if (!answered && event.code === 1006 && !$("connection-error").textContent) {
+      // the browser tells a page nothing of a refused handshake (401, 403): only 1006
+      say("connection-error",
+        "handshake_failed (1006): the WebSocket API refused the handshake or cannot be reached — check the token and the URL.");
+    }
+  });
+}
+
+function closeSocket(why) {
+  if (!state.ws) return;
+  const ws = state.ws;
+  state.ws = null;
+  clearInterval(state.keepalive);
+  if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ action: "disconnect" }));
+  ws.close(1000, why);
+  setConnected(false, "Not connected");
+}
+
+function onFrame(data) {
+  let frame;
+  try {
+    frame = JSON.parse(data);
+  } catch (_exc) {
+    say("connection-error", `bad_frame: the service sent a frame that is not JSON`);
+    return;
+  }
+  if (frame.action === "message") {
+    addMessage(frame);
+    return;
+  }
+  const waiting = frame.ref ? state.refs.get(frame.ref) : undefined;
+  if (waiting) {
+    state.refs.delete(frame.ref);
+    if (frame.action === "error") {
+      waiting.reject(new ApiError(frame.status, frame.error.code, frame.error.message, frame));
+    } else {
+      waiting.resolve(frame);
+    }
+    return;
+  }
+  if (frame.action === "error") {
+    say("connection-error", new ApiError(frame.status, frame.error.code, frame.error.message).toString());
+  } else if (frame.action === "disconnect") {
+    say("connection-error", `disconnected by the service: ${frame.reason}`);
+  }
+}
+
+async function subscribe(event) {
+  event.preventDefault();
+  say("filter-error", "");
+  const filter = $("filter").value.trim();
+  const qos = Number($("sub-qos").value);
+  try {
+    const answer = await send({ action: "subscribe", subscriptions: [{ filter, qos }] });
+    const granted = answer.granted[0];
+    if (typeof granted === "string") {
+      say("filter-error", `${granted}: the service did not grant ${filter}`);
+      return;
+    }
+    state.subscriptions.set(filter, granted);
+    renderSubscriptions();
+    $("filter").value = "";
+  } catch (exc) {
+    say("filter-error", explain(exc));
+  }
+}
+
+async function unsubscribe(filter) {
+  try {
+    await send({ action: "unsubscribe", filters: [filter] });
+    state.subscriptions.delete(filter);
+    renderSubscriptions();
+  } catch (exc) {
+    say("connection-error", explain(exc));
+  }
+}
+
+function renderSubscriptions() {
+  const list = $("subscriptions");
+  list.replaceChildren();
+  for (const [filter, qos] of state.subscriptions) {
+    list.append(el("li", {}, el("code", { text: filter }), ` QoS ${qos} `,
+      el("button", { type: "button", "aria-label": `Unsubscribe from ${filter}`, onclick: () => unsubscribe(filter) }, "Unsubscribe")));
+  }
+}
+
+function addMessage(frame) {
+  state.received += 1;
+  say("message-count", String(state.received));
+  const payload = showPayload(frame.payload);
+  const props = frame.properties && Object.keys(frame.properties).length ? JSON.stringify(frame.properties) : "";
+  const ackCell = el("td", { class: "ack" });
+  const row = el("tr", { "data-id": frame.id, "data-topic": frame.topic },
+    el("td", { text: new Date(frame.published_at).toISOString() }),
+    el("td", { class: "topic-name mono", text: frame.topic }),
+    el("td", { class: "payload" }, el("span", { class: "kind", text: payload.kind }), el("span", { class: "value", text: payload.value })),
+    el("td", { text: String(frame.qos) }),
+    el("td", { text: frame.retain ? "yes" : "no" }),
+    el("td", { text: frame.dup ? "yes" : "no" }),
+    el("td", { class: "mono", text: frame.subscription }),
+    el("td", { class: "mono", text: props }),
+    ackCell);
+  const body = $("messages").tBodies[0];
+  body.prepend(row);
+  while (body.rows.length > MAX_ROWS) body.deleteRow(-1);
+  if (frame.qos === 0) {
+    ackCell.textContent = "not needed";
+  } else if ($("auto-ack").checked) {
+    ack(frame.id, ackCell);
+  } else {
+    ackCell.append(el("button", { type: "button", "aria-label": `Ack the message on ${frame.topic}`, onclick: () => ack(frame.id, ackCell) }, "Ack"));
+  }
+}
+
+async function ack(id, cell) {
+  cell.textContent = "acking…";
+  try {
+    await send({ action: "ack", ids: [id] });
+    cell.textContent = "acked";
+  } catch (exc) {
+    cell.textContent = explain(exc);
+  }
+}
+
+// --- publish ------------------------------------------------------------------------------
+
+const PUBLISH_FIELDS = {
+  invalid_topic: "pub-topic-error",
+  topic_not_found: "pub-topic-error",
+  forbidden: "pub-topic-error",
+  invalid_payload: "pub-payload-error",
+  payload_too_large: "pub-payload-error",
+};
+
+async function publish(event) {
+  event.preventDefault();
+  for (const id of ["pub-topic-error", "pub-payload-error", "pub-user-properties-error", "publish-error"]) say(id, "");
+  say("publish-answer", "");
+  const body = {
+    topic: $("pub-topic").value,
+    qos: Number($("pub-qos").value),
+    retain: $("pub-retain").checked,
+  };
+  const format = $("pub-format").value;
+  try {
+    if (format === "text") body.text = $("pub-payload").value;
+    else body.payload = bytesToB64(payloadBytes($("pub-payload").value, format));
+  } catch (exc) {
+    say("pub-payload-error", `invalid_payload: ${exc.message}`);
+    return;
+  }
+  const key = $("pub-ordering-key").value;
+  if (key) body.ordering_key = key;
+  const properties = {};
+  if ($("pub-content-type").value) properties.content_type = $("pub-content-type").value;
+  if ($("pub-expiry").value !== "") properties.message_expiry_s = Number($("pub-expiry").value);
+  const lines = $("pub-user-properties").value.split("\n").filter((l) => l.trim());
+  if (lines.length) {
+    properties.user_properties = {};
+    for (const line of lines) {
+      const at = line.indexOf("=");
+      if (at < 1) {
+        say("pub-user-properties-error", `invalid_properties: "${line}" is not name=value`);
+        return;
+      }
+      properties.user_properties[line.slice(0, at).trim()] = line.slice(at + 1);
+    }
+  }
+  if (Object.keys(properties).length) body.properties = properties;
+  try {
+    const answer = await api("POST", "/v1/messages", body);
+    say("publish-answer", JSON.stringify(answer, null, 2));
+  } catch (exc) {
+    const field = exc instanceof ApiError ? PUBLISH_FIELDS[exc.code] : undefined;
+    say(field || "publish-error", explain(exc));
+    if (field) $(field.replace(/-error$/, "")).focus();
+  }
+}
+
+// --- topics (admin) -----------------------------------------------------------------------
+
+async function loadTopics() {
+  say("topics-error", "");
+  const list = $("topics-list");
+  list.setAttribute("aria-busy", "true");
+  try {
+    const answer = await api("GET", "/v1/topics");
+    list.replaceChildren(...answer.topics.map(renderTopic));
+    if (!answer.topics.length) list.append(el("p", { text: "No topics." }));
+  } catch (exc) {
+    list.replaceChildren();
+    say("topics-error", explain(exc));
+  } finally {
+    list.removeAttribute("aria-busy");
+  }
+}
+
+function renderTopic(topic) {
+  const rows = topic.storage_topics.map((s) => el("tr", {},
+    el("td", { text: String(s.index) }), el("td", { class: "mono", text: s.stream }),
+    el("td", { text: String(s.partitions) }), el("td", { text: String(s.k) }),
+    el("td", { text: s.index === topic.produce_pointer ? "yes" : "" })));
+  const growId = `grow-${topic.name}`;
+  const error = el("p", { class: "error", role: "alert" });
+  const grow = el("form", { class: "row", onsubmit: async (event) => {
+    event.preventDefault();
+    const partitions = Number(event.target.elements.partitions.value);
+    if (!confirm(`Append a storage topic of ${partitions} partitions to ${topic.name}?`)) return;
+    try {
+      await api("POST", `/v1/topics/${encodeURIComponent(topic.name)}/storage-topics`, { partitions });
+      loadTopics();
+    } catch (exc) {
+      error.textContent = explain(exc);
+    }
+  } },
+  el("div", {}, el("label", { for: growId, text: "Partitions of a new storage topic" }),
+    el("input", { id: growId, name: "partitions", type: "number", min: "1", value: "2", required: true })),
+  el("button", { type: "submit" }, `Grow ${topic.name}`),
+  el("button", { type: "button", onclick: async () => {
+    if (!confirm(`Move the produce pointer of ${topic.name} to its next storage topic?`)) return;
+    try {
+      await api("POST", `/v1/topics/${encodeURIComponent(topic.name)}/switch-produce`);
+      loadTopics();
+    } catch (exc) {
+      error.textContent = explain(exc);
+    }
+  } }, `Switch produce of ${topic.name}`));
+  return el("article", { class: "topic", "data-topic": topic.name },
+    el("h3", { text: topic.name }),
+    el("p", { text: `Produce pointer: storage topic ${topic.produce_pointer}` }),
+    el("table", {}, el("caption", { text: `Storage topics of ${topic.name}` }),
+      el("thead", {}, el("tr", {}, ...["Index", "Stream", "Partitions", "K", "Produced to"].map((h) => el("th", { scope: "col", text: h })))),
+      el("tbody", {}, ...rows)),
+    grow, error);
+}
+
+// --- sessions -----------------------------------------------------------------------------
+
+async function lookUpSession(event) {
+  event.preventDefault();
+  say("session-error", "");
+  const view = $("session-view");
+  view.replaceChildren();
+  const id = $("session-client-id").value.trim();
+  try {
+    const s = await api("GET", `/v1/sessions/${encodeURIComponent(id)}`);
+    const expires = s.expires_at_ms ? new Date(s.expires_at_ms).toISOString() : "while connected";
+    view.append(
+      el("dl", {},
+        el("dt", { text: "Connected" }), el("dd", { text: s.connected ? "yes" : "no" }),
+        el("dt", { text: "In flight (handed out, not acked)" }), el("dd", { text: String(s.in_flight) }),
+        el("dt", { text: "Session expiry" }), el("dd", { text: `${s.session_expiry_s} s (ends ${expires})` }),
+        el("dt", { text: "Keepalive" }), el("dd", { text: `${s.keepalive_s} s` })),
+      el("table", {}, el("caption", { text: `Subscriptions of ${s.client_id}` }),
+        el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Filter" }), el("th", { scope: "col", text: "Options" }))),
+        el("tbody", {}, ...s.subscriptions.map((sub) => {
+          const { filter, ...rest } = sub;
+          return el("tr", {}, el("td", { class: "mono", text: filter }), el("td", { class: "mono", text: JSON.stringify(rest) }));
+        }))),
+      el("table", { id: "session-groups" }, el("caption", { text: `Shared groups of ${s.client_id}, with the streams this session holds` }),
+        el("thead", {}, el("tr", {}, ...["Group", "Members", "Lanes", "Leases held"].map((h) => el("th", { scope: "col", text: h })))),
+        el("tbody", {}, ...(s.groups || []).map((g) => el("tr", {},
+          el("td", { class: "mono", text: g.group }), el("td", { text: String(g.members) }),
+          el("td", { text: String(g.lanes ?? "") }),
+          el("td", { class: "mono", text: (g.leases || []).map((l) => `${l.stream} (${l.state})`).join(", ") || "none" }))))));
+  } catch (exc) {
+    say("session-error", explain(exc));
+  }
+}
+
+// --- push subscriptions (admin) -----------------------------------------------------------
+
+async function loadPushSubscriptions() {
+  say("push-error", "");
+  const list = $("push-list");
+  try {
+    const page = await api("GET", "/v1/subscriptions?limit=100");
+    const rows = page.subscriptions.map((s) => el("tr", {},
+      el("td", {}, el("button", { type: "button", onclick: () => loadPushDetail(s.name) }, s.name)),
+      el("td", { class: "mono", text: s.filter }), el("td", { class: "mono", text: s.endpoint }),
+      el("td", { text: s.state })));
+    list.replaceChildren(el("table", {}, el("caption", { text: "Push subscriptions (choose one for its queues)" }),
+      el("thead", {}, el("tr", {}, ...["Name", "Filter", "Endpoint", "State"].map((h) => el("th", { scope: "col", text: h })))),
+      el("tbody", {}, ...rows)));
+    if (!rows.length) list.append(el("p", { text: "No push subscriptions." }));
+  } catch (exc) {
+    list.replaceChildren();
+    say("push-error", explain(exc));
+  }
+}
+
+async function loadPushDetail(name) {
+  say("push-error", "");
+  const detail = $("push-detail");
+  // a click while an earlier load is on its way: only the last one is drawn
+  const load = ++state.pushDetailLoads;
+  try {
+    const s = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}`);
+    const dlq = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}/dlq?limit=100`);
+    if (load !== state.pushDetailLoads) return;
+    const report = el("pre", { id: "redrive-answer", tabindex: "0", "aria-live": "polite" });
+    const error = el("p", { id: "redrive-error", class: "error", role: "alert" });
+    const form = el("form", { id: "redrive-form", class: "row", onsubmit: async (event) => {
+      event.preventDefault();
+      error.textContent = "";
+      const by = event.target.elements.by.value;
+      const raw = event.target.elements.value.value.trim();
+      let body;
+      if (by === "failed_after") body = { failed_after: /^\d+$/.test(raw) ? Number(raw) : raw };
+      else body = { [by]: raw.split(/\s+/).filter(Boolean) };
+      try {
+        const answer = await api("POST", `/v1/subscriptions/${encodeURIComponent(name)}/dlq/redrive`, body);
+        await loadPushDetail(name);
+        $("redrive-answer").textContent = JSON.stringify(answer, null, 2);
+      } catch (exc) {
+        error.textContent = explain(exc);
+      }
+    } },
+    el("div", {}, el("label", { for: "redrive-by", text: "Redrive by" }),
+      el("select", { id: "redrive-by", name: "by" },
+        el("option", { value: "ordering_keys", text: "ordering keys" }),
+        el("option", { value: "message_ids", text: "message ids" }),
+        el("option", { value: "failed_after", text: "failed after (ms or ISO time)" }))),
+    el("div", {}, el("label", { for: "redrive-value", text: "Keys, ids (space-separated) or time" }),
+      el("input", { id: "redrive-value", name: "value", autocomplete: "off", required: true })),
+    el("button", { type: "submit" }, "Redrive"));
+    const letterRow = (m) => el("tr", { "data-ordering-key": m.ordering_key },
+      el("td", { class: "mono", text: m.id }), el("td", { class: "mono", text: m.ordering_key }),
+      el("td", { class: "mono", text: m.topic }), el("td", { text: m.reason }),
+      el("td", { text: String(m.attempts) }), el("td", { text: String(m.failed_at) }));
+    const letters = dlq.messages.map(letterRow);
+    // the DLQ is browsed a page at a time: the next page starts after the last one's "next"
+    let after = dlq.next;
+    const more = el("button", { type: "button", id: "dlq-more", hidden: !after, onclick: async () => {
+      try {
+        const page = await api("GET", `/v1/subscriptions/${encodeURIComponent(name)}/dlq?limit=100&after=${encodeURIComponent(after)}`);
+        $("dlq").tBodies[0].append(...page.messages.map(letterRow));
+        after = page.next;
+        more.hidden = !after;
+      } catch (exc) {
+        error.textContent = explain(exc);
+      }
+    } }, "More dead letters");
+    detail.replaceChildren(
+      el("h3", { text: name }),
+      el("dl", {},
+        el("dt", { text: "Filter" }), el("dd", { class: "mono", text: s.filter }),
+        el("dt", { text: "Retry depth" }), el("dd", { id: "retry-depth", text: String(s.retry_depth ?? "?") }),
+        el("dt", { text: "Dead letters" }), el("dd", { id: "dlq-depth", text: String(s.dlq_depth ?? "?") }),
+        el("dt", { text: "Blocked keys" }), el("dd", { class: "mono", text: (s.blocked_keys || []).join(" ") || "none" })),
+      el("table", { id: "dlq" }, el("caption", { text: `Dead letters of ${name}` }),
+        el("thead", {}, el("tr", {}, ...["Id", "Ordering key", "Topic", "Reason", "Attempts", "Failed at"].map((h) => el("th", { scope: "col", text: h })))),
+        el("tbody", {}, ...letters)),
+      more, form, error, report);
+  } catch (exc) {
+    say("push-error", explain(exc));
+  }
+}
+
+// --- start --------------------------------------------------------------------------------
+
+async function start() {
+  try {
+    const response = await fetch("config.json");
+    if (response.ok) state.config = { ...state.config, ...(await response.json()) };
+  } catch (_exc) {
+    // no config: the page's origin serves the HTTP API, the WebSocket URL is typed in
+  }
+  $("ws-url").value = sessionStorage.getItem(WS_KEY) || state.config.ws_url || "";
+  $("mint-form").hidden = !state.config.local_mint;
+  $("signin-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    signIn($("token").value);
+  });
+  $("mint-form").addEventListener("submit", mintLocal);
+  $("signout").addEventListener("click", signOut);
+  for (const button of document.querySelectorAll("#views button")) {
+    button.addEventListener("click", () => show(button.dataset.view));
+  }
+  $("connect-form").addEventListener("submit", connect);
+  $("disconnect").addEventListener("click", () => closeSocket("disconnected"));
+  $("subscribe-form").addEventListener("submit", subscribe);
+  $("clear-messages").addEventListener("click", () => {
+    $("messages").tBodies[0].replaceChildren();
+    state.received = 0;
+    say("message-count", "0");
+  });
+  $("publish-form").addEventListener("submit", publish);
+  $("topics-refresh").addEventListener("click", loadTopics);
+  $("session-form").addEventListener("submit", lookUpSession);
+  $("push-refresh").addEventListener("click", loadPushSubscriptions);
+  window.addEventListener("unhandledrejection", (event) => say("page-error", explain(event.reason)));
+  const saved = sessionStorage.getItem(TOKEN_KEY);
+  if (!saved || !signIn(saved)) $("token").focus();
+  document.body.dataset.ready = "true";
+}
+
+start();

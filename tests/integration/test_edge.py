@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -347,6 +348,34 @@ def test_a_push_to_a_gone_connection_loses_nothing(edge: Edge) -> None:
     assert connected["session_present"] is True
     frames = edge.messages("c2")
     assert texts(frames) == ["kept"]
+
+
+def test_a_fan_out_is_pushed_side_by_side_each_session_in_order(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One router batch for many connected sessions pushes them on several threads (each
+    push waits on its round trips); every session still gets each message once, in order."""
+    threads: dict[str, set[str]] = defaultdict(set)
+    post = edge.api.post
+
+    def recording(connection_id: str, frame: str) -> None:
+        threads[connection_id].add(threading.current_thread().name)
+        post(connection_id, frame)
+
+    monkeypatch.setattr(edge.api, "post", recording)
+    connections = [f"c{n}" for n in range(12)]
+    for n, connection in enumerate(connections):
+        edge.connect(connection, client_id=f"alice-{n}")
+        edge.send(
+            connection, {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]}
+        )
+    for n in range(3):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    for connection in connections:
+        assert texts(edge.messages(connection)) == ["m0", "m1", "m2"], connection
+    pushers = {name for connection in connections for name in threads[connection]}
+    assert len({name for name in pushers if name.startswith("shoal-push")}) > 1, pushers
 
 
 def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:

@@ -153,3 +153,46 @@ def test_a_tests_own_call_inside_a_handler_is_the_tests_not_the_handlers() -> No
     # Then it is the test's, no function's (the first whole run took such calls for the
     # router's and the messages function's)
     assert handler(hook) is None
+
+
+def test_each_allowlisted_unused_grant_has_a_reason_and_is_still_granted() -> None:
+    from tests.iam.allowlist import UNUSED_GRANTS
+    from tests.iam.check import granted
+
+    roles = deployed_roles()
+    for (function, action), entry in UNUSED_GRANTS.items():
+        # Then each entry says why, and names an action some role (that one) is granted
+        assert entry.reason.strip(), (function, action)
+        holders = list(roles.statements) if function == "*" else [function]
+        assert any(action in granted(roles.statements.get(f, ())) for f in holders), action
+
+
+def test_the_unused_grant_report_names_what_the_allowlist_lacks_and_what_it_keeps_too_long() -> (
+    None
+):
+    from tests.iam.allowlist import Unused
+    from tests.iam.check import report, stale_entries, unlisted_unused, unused_grants
+
+    roles = deployed_roles()
+    put = Call.from_json(
+        {
+            "function": "publish",
+            "service": "kinesis",
+            "operation": "PutRecords",
+            "params": {"StreamName": "shoal-default-0"},
+        }
+    )
+    # Given a run in which publish put records, and one in which it did not
+    used, idle = unused_grants([put], roles), unused_grants([], roles)
+    # Then the grant it did not use is reported, and named unless the allowlist gives a reason
+    assert "kinesis:PutRecords" in idle["publish"]
+    assert "kinesis:PutRecords" not in used.get("publish", set())
+    assert ("publish", "kinesis:PutRecords") in unlisted_unused(idle, {})
+    kept = {("publish", "kinesis:PutRecords"): Unused("a test's reason")}
+    assert ("publish", "kinesis:PutRecords") not in unlisted_unused(idle, kept)
+    # And an entry for a grant that was used after all, or that no role has, is named stale
+    assert stale_entries(used, roles, kept) == [("publish", "kinesis:PutRecords")]
+    gone = {("publish", "kinesis:UpdateShardCount"): Unused("a test's reason")}
+    assert stale_entries(idle, roles, gone) == [("publish", "kinesis:UpdateShardCount")]
+    # And the report says, per function, what was used and what was not
+    assert "  publish: " in report([put], roles)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
@@ -62,7 +62,7 @@ def _as_list(value: Any) -> list[Any]:
 
 
 #: a statement as the stack makes it, or as a template holds it (resolved)
-Statement = iam.PolicyStatement | Mapping[str, Any]
+Statement: TypeAlias = iam.PolicyStatement | Mapping[str, Any]
 
 
 def wildcard_findings(scope: IConstruct, statements: Iterable[Statement]) -> list[str]:

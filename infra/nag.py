@@ -108,6 +108,28 @@ def role_statements(role: iam.Role) -> list[Mapping[str, Any]]:
     return list(_as_list(document.get("Statement", [])))
 
 
+def acknowledge_function(fn: lambda_.IFunction) -> None:
+    """What every declared function keeps (``infra.stack``): its execution role's managed
+    policy, its runtime, no dead-letter queue."""
+    acknowledge(
+        fn, BASIC_EXECUTION, "CDK's execution role policy: the function's own log streams only"
+    )
+    for rule in ("AwsSolutions-L1", "Serverless-LambdaLatestVersion"):
+        acknowledge(
+            fn,
+            rule,
+            "the runtime is the Python the suite runs and the layer is built for "
+            "(tests/infra/test_package_limits.py): it moves with them",
+        )
+    acknowledge(
+        fn,
+        "Serverless-LambdaDLQ",
+        "a dead-letter queue serves asynchronous invocations only: API Gateway and the custom "
+        "resource providers invoke synchronously, event source mappings never skip a batch "
+        "(shoal.aws.kinesis.NEVER_SKIP), and a scheduled run that fails is superseded by the next",
+    )
+
+
 def acknowledge_provider(provider: IConstruct, on_event: lambda_.IFunction) -> None:
     """CDK's custom resource provider framework (``custom_resources.Provider``): its own
     function and role, which the stack does not write, calling ``on_event``."""

@@ -54,8 +54,8 @@ from shoal.declarations import (
 from infra.bundling import PipLayerBundling
 from infra.lifecycle import runtime_resources
 from infra.nag import (
-    BASIC_EXECUTION,
     acknowledge,
+    acknowledge_function,
     acknowledge_provider,
     acknowledge_wildcards,
 )
@@ -449,26 +449,7 @@ class ShoalStack(cdk.Stack):
             log_group=log_group,
             environment={**env, **function_environment(fdef)},
         )
-        acknowledge(
-            fn,
-            BASIC_EXECUTION,
-            "CDK's execution role policy: the function's own log streams, nothing else",
-        )
-        for rule in ("AwsSolutions-L1", "Serverless-LambdaLatestVersion"):
-            acknowledge(
-                fn,
-                rule,
-                "the runtime is the Python the suite runs and the layer is built for "
-                "(tests/infra/test_package_limits.py): it moves with them",
-            )
-        acknowledge(
-            fn,
-            "Serverless-LambdaDLQ",
-            "a dead-letter queue serves asynchronous invocations only: API Gateway and the "
-            "custom resource providers invoke synchronously, event source mappings never skip "
-            "a batch (shoal.aws.kinesis.NEVER_SKIP), and a scheduled run that fails is "
-            "superseded by the next",
-        )
+        acknowledge_function(fn)
         return fn
 
     def _grant(self, fdef: FunctionDef, grant: Grant) -> None:

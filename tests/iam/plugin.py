@@ -17,6 +17,7 @@ Set ``SHOAL_DEV_CALL_LOG`` yourself to keep the records (runs then add to the sa
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -75,15 +76,26 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(line)
 
 
+#: a module with a test of its own (``test_*_support.py`` and ``test_*_harness.py`` modules hold
+#: only fixtures and helpers: no test of theirs is ever reported)
+_A_TEST = re.compile(r"^\s*(async\s+)?def test_", re.MULTILINE)
+
+
+def covering_modules(root: Path = ROOT) -> set[str]:
+    """The modules of tests/integration and tests/e2e that hold tests, as their nodeids
+    begin."""
+    return {
+        str(path.relative_to(root))
+        for suite in COVERING
+        for path in (root / suite).glob("test_*.py")
+        if _A_TEST.search(path.read_text(encoding="utf-8"))
+    }
+
+
 def _covering_run() -> bool:
     seen = _state["seen_modules"]
     assert isinstance(seen, set)
-    wanted = {
-        str(path.relative_to(ROOT))
-        for suite in COVERING
-        for path in (ROOT / suite).glob("test_*.py")
-    }
-    return wanted <= seen
+    return covering_modules() <= seen
 
 
 @pytest.hookimpl(trylast=True)

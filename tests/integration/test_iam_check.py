@@ -196,3 +196,17 @@ def test_the_unused_grant_report_names_what_the_allowlist_lacks_and_what_it_keep
     assert stale_entries(idle, roles, gone) == [("publish", "kinesis:UpdateShardCount")]
     # And the report says, per function, what was used and what was not
     assert "  publish: " in report([put], roles)
+
+
+def test_a_run_of_every_integration_and_end_to_end_module_is_known_as_covering() -> None:
+    from tests.iam.plugin import covering_modules
+
+    # Given the modules whose tests decide whether a grant is unused
+    wanted = covering_modules()
+    # Then they are the modules with tests, not the support and harness modules named test_*
+    # (none of whose tests is ever reported: with them wanted, no run was ever covering and the
+    # allowlist was never enforced)
+    assert "tests/integration/test_iam_check.py" in wanted
+    assert "tests/e2e/test_publish_e2e.py" in wanted
+    assert "tests/integration/test_delivery_support.py" not in wanted
+    assert "tests/integration/test_publish_harness.py" not in wanted

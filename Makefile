@@ -26,10 +26,14 @@ export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 # at every install. Requirements are pinned, so what is cached is what the network would give;
 # a cold cache falls back to the network.
 UV_VERSION := 0.13.9
+# The venv's Python is the Lambda runtime's (infra: python3.12): pyenv's 3.12 where it is
+# installed, else a python3.12 on PATH, else python3 (tests/infra/test_package_limits.py then
+# says the two differ). PySpark's jobs run on EMR's Python 3.9 apart (tests/pipeline).
+PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) $(shell command -v python3.12) python3)
 
 $(BIN)/.installed: requirements.txt pyproject.toml
-	test -x $(BIN)/python || python3 -m venv --without-pip $(VENV)
-	test -x $(BIN)/uv || python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --prefix $(VENV) uv==$(UV_VERSION)
+	test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
+	test -x $(BIN)/uv || $(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore --prefix $(VENV) uv==$(UV_VERSION)
 	$(BIN)/uv pip install -q --python $(BIN)/python --offline -r requirements.txt -e '.[dev]' 2>/dev/null \
 		|| $(BIN)/uv pip install -q --python $(BIN)/python -r requirements.txt -e '.[dev]'
 	touch $@
@@ -62,7 +66,7 @@ bench: install
 	$(BIN)/python -m bench
 
 lock:
-	$(BIN)/uv pip compile requirements.in -p 3.11 -q --no-header -o requirements.txt
+	$(BIN)/uv pip compile requirements.in -p 3.12 -q --no-header -o requirements.txt
 
 clean:
 	rm -rf $(VENV) cdk.out .shoal

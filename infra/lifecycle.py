@@ -28,6 +28,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import custom_resources
 from shoal.teardown import MAPPED_FUNCTIONS
 
+from infra.nag import acknowledge_provider
 from infra.parts import StackParts
 
 #: the declared function the stack runs as the runtime resources' custom resource
@@ -58,6 +59,7 @@ def runtime_resources(parts: StackParts) -> cdk.CustomResource | None:
             removal_policy=cdk.RemovalPolicy.DESTROY,
         ),
     )
+    acknowledge_provider(provider, function)
     resource = cdk.CustomResource(
         stack,
         "RuntimeResources",

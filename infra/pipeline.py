@@ -35,6 +35,7 @@ from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_scheduler as scheduler
 from constructs import Construct
 
+from infra.nag import acknowledge_wildcards, role_statements
 from pipeline.common import submit_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,14 +124,12 @@ class PipelineJobs(Construct):
         )
         read_prefixes = [f"{p}/*" for p in ARCHIVE_PREFIXES]
         parquet = f"{PARQUET_PREFIX}/*"
-        self.role.add_to_policy(
+        for statement in (
             iam.PolicyStatement(
                 sid="ReadArchive",
                 actions=["s3:GetObject"],
                 resources=[archive.arn_for_objects(p) for p in read_prefixes],
-            )
-        )
-        self.role.add_to_policy(
+            ),
             iam.PolicyStatement(
                 sid="ListArchiveAndResults",
                 actions=["s3:ListBucket"],
@@ -147,30 +146,34 @@ class PipelineJobs(Construct):
                         ]
                     }
                 },
-            )
-        )
-        self.role.add_to_policy(
+            ),
             iam.PolicyStatement(
                 sid="WriteResults",
                 # Spark's committer writes, reads back and deletes its temporary files
                 actions=["s3:PutObject", "s3:GetObject", "s3:DeleteObject"],
                 resources=[archive.arn_for_objects(f"{results_prefix}/*")],
-            )
-        )
-        self.role.add_to_policy(
+            ),
             iam.PolicyStatement(
                 sid="CompactArchive",
                 # compact writes Parquet and its manifests, and deletes the files a newer
                 # compaction of the hour superseded
                 actions=["s3:PutObject", "s3:GetObject", "s3:DeleteObject"],
                 resources=[archive.arn_for_objects(parquet)],
-            )
-        )
+            ),
+        ):
+            self.role.add_to_policy(statement)
 
         self.code = s3_assets.Asset(self, "Code", path=str(stage_code(root)), exclude=CODE_EXCLUDE)
         self.entry = s3_assets.Asset(self, "Entry", path=str(root / "pipeline" / "entry.py"))
         self.code.grant_read(self.role)
         self.entry.grant_read(self.role)
+        acknowledge_wildcards(
+            self.role,
+            role_statements(self.role),
+            "the job reads and writes objects under its prefixes of the archive (events/, "
+            "messages/, parquet/, pipeline-results/), keys made at run time, and reads its code "
+            "from CDK's asset bucket (CDK's grant and its action groups)",
+        )
 
         submit = submit_parameters(self.code.s3_object_url)
         self.archive_uri = f"s3://{archive.bucket_name}"

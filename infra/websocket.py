@@ -33,6 +33,8 @@ from constructs import Construct
 from shoal.core import metrics
 from shoal.declarations import Deployment, FunctionDef, Grant, WsRoute
 
+from infra.nag import acknowledge, acknowledge_wildcards
+
 ALARM_PERIOD = cdk.Duration.minutes(5)
 GRAPH_PERIOD = cdk.Duration.minutes(1)
 LOG_RETENTION = logs.RetentionDays.ONE_MONTH
@@ -61,6 +63,10 @@ PUSH_FAILED_MIN_PUSHES = 100
 #: WebSocket stage can log only once the account's API Gateway CloudWatch Logs role is set
 #: (an account-wide setting this stack does not take over); with it unset the stage fails
 WS_ACCESS_LOGS_CONTEXT = "wsAccessLogs"
+#: the stage's steady rate and burst of messages (per second): half the account's default
+#: quota per region, as the HTTP API's stage (infra/stack.py)
+WS_RATE_LIMIT = 5_000
+WS_BURST_LIMIT = 2_500
 
 
 def route_id(key: str) -> str:
@@ -148,7 +154,19 @@ class WebSocketEdge(Construct):
             auto_deploy=True,
             description="Shoal's WebSocket stage",
             access_log_settings=access_logs,
+            default_route_settings=apigw.CfnStage.RouteSettingsProperty(
+                throttling_rate_limit=WS_RATE_LIMIT, throttling_burst_limit=WS_BURST_LIMIT
+            ),
         )
+        if access_logs is None:
+            for rule in ("AwsSolutions-APIG1", "Serverless-APIGWAccessLogging"):
+                acknowledge(
+                    self.stage,
+                    rule,
+                    "a WebSocket stage logs only once the account's API Gateway CloudWatch "
+                    f"Logs role is set, which this stack does not take over: -c "
+                    f"{WS_ACCESS_LOGS_CONTEXT}=true turns them on where it is",
+                )
 
     @property
     def endpoint(self) -> str:
@@ -192,11 +210,16 @@ class WebSocketEdge(Construct):
             *(CONNECTIONS_METHODS["write"] if grant.access in ("write", "read_write") else ()),
         ]
         stage = self.definition.stage
-        fn.add_to_role_policy(
-            iam.PolicyStatement(
-                actions=["execute-api:ManageConnections"],
-                resources=[self._execute_arn(f"{stage}/{m}/@connections/*") for m in methods],
-            )
+        statement = iam.PolicyStatement(
+            actions=["execute-api:ManageConnections"],
+            resources=[self._execute_arn(f"{stage}/{m}/@connections/*") for m in methods],
+        )
+        fn.add_to_role_policy(statement)
+        acknowledge_wildcards(
+            fn,
+            [statement],
+            "a connection's id is made when a client connects: the grant names the API, the "
+            "stage and the methods, and every connection",
         )
 
     def _execute_arn(self, path: str) -> str:
@@ -301,6 +324,14 @@ class WebSocketEdge(Construct):
                 api_id=self.api.ref,
                 route_id=cfn.ref,
                 route_response_key=DEFAULT_RESPONSE,
+            )
+        if authorizer is None:
+            acknowledge(
+                cfn,
+                "AwsSolutions-APIG4",
+                "a WebSocket API authorizes a connection once, at $connect (its REQUEST "
+                "authorizer); API Gateway takes no authorizer on its other routes, which only "
+                "an authorized connection can reach",
             )
         self.routes[route.key] = cfn
         return cfn

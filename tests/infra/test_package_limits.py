@@ -120,15 +120,6 @@ def test_each_function_with_the_layer_stays_under_lambdas_unzipped_limit(
     assert {"pydantic", "pynamodb", "aws-lambda-powertools", "shoal"} <= set(parts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the stack declares python3.12 (Lambda deprecated python3.11 on 2026-06-30) while the "
-        "suite's environment is Python 3.11 (Makefile, requirements lock, mypy): moving the "
-        "suite to 3.12 is the lead's call (docs/operations.md, 'IAM check'); strict, so the "
-        "move makes this pass and the marker must go"
-    ),
-)
 def test_the_functions_run_on_the_python_the_suite_runs(deployed: Synth) -> None:
     from infra.bundling import PYTHON_VERSION
 

@@ -8,7 +8,8 @@ declarations without the publish function's write grant on the storage streams.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,3 +93,120 @@ def test_a_publish_without_its_stream_grant_is_named_by_the_check(
     assert all("test_a_publish_without_its_stream_grant" in d.seen_in for d in found), found
     # And nothing it still grants (the reads kept by the read grant) is named
     assert {d.action for d in found} <= {"kinesis:PutRecord", "kinesis:PutRecords"}
+
+
+INBOXES = "arn:aws:dynamodb:us-east-1:123456789012:table/shoal-inboxes"
+GROUPS = "arn:aws:dynamodb:us-east-1:123456789012:table/shoal-groups"
+ARCHIVE_LINES = "arn:aws:s3:::shoal-archive-123456789012/messages/<key>"
+
+
+@pytest.mark.parametrize(
+    ("function", "action", "resource"),
+    [
+        # a switch seals what it left behind: the drain records (shoal.drain)
+        ("admin", "dynamodb:GetItem", INBOXES),
+        ("admin", "dynamodb:UpdateItem", INBOXES),
+        # push's ordered drain gate (shoal.push.gate) reads and marks the same records
+        ("push", "dynamodb:GetItem", INBOXES),
+        ("push", "dynamodb:UpdateItem", INBOXES),
+        # the router's and the reaper's pushes to connected sessions (shoal.edge.push) read the
+        # archive lines inbox items name, and the router's the shared groups' deliveries
+        ("router", "s3:GetObject", ARCHIVE_LINES),
+        ("reaper", "s3:GetObject", ARCHIVE_LINES),
+        ("router", "dynamodb:GetItem", GROUPS),
+        ("router", "dynamodb:Query", GROUPS),
+    ],
+)
+def test_the_calls_the_first_whole_run_found_ungranted_are_allowed(
+    function: str, action: str, resource: str
+) -> None:
+    # Given a call the check's first whole run with it on named (2026-11-29), made by the
+    # function's own code deployed as it is (not a test's)
+    from tests.iam.policy import Request, evaluate
+
+    # Then the function's role in the synthesized stack allows it
+    assert evaluate(deployed_roles().statements[function], Request(action, resource)).allowed
+
+
+def _handler(hook: Callable[[], str | None]) -> str | None:
+    return hook()
+
+
+def _library_call() -> str | None:
+    return recorder.calling_function()
+
+
+def test_a_tests_own_call_inside_a_handler_is_the_tests_not_the_handlers() -> None:
+    # Given a handler's module, and a library's code it calls (the same code, given the
+    # globals of a functions.<name> module and of a library module)
+    handler = types.FunctionType(_handler.__code__, {"__name__": "functions.router.app"})
+    call = types.FunctionType(
+        _library_call.__code__, {"__name__": "shoal.somewhere", "recorder": recorder}
+    )
+    # When the handler calls the library, Then the call is the handler's function's
+    assert handler(call) == "router"
+
+    # When a test's hook that the handler runs (a fault switch, a clock's sleep) calls AWS
+    def hook() -> str | None:
+        return call()
+
+    # Then it is the test's, no function's (the first whole run took such calls for the
+    # router's and the messages function's)
+    assert handler(hook) is None
+
+
+def test_each_allowlisted_unused_grant_has_a_reason_and_is_still_granted() -> None:
+    from tests.iam.allowlist import UNUSED_GRANTS
+    from tests.iam.check import granted
+
+    roles = deployed_roles()
+    for (function, action), entry in UNUSED_GRANTS.items():
+        # Then each entry says why, and names an action some role (that one) is granted
+        assert entry.reason.strip(), (function, action)
+        holders = list(roles.statements) if function == "*" else [function]
+        assert any(action in granted(roles.statements.get(f, ())) for f in holders), action
+
+
+def test_the_unused_grant_report_names_what_the_allowlist_lacks_and_what_it_keeps_too_long() -> (
+    None
+):
+    from tests.iam.allowlist import Unused
+    from tests.iam.check import report, stale_entries, unlisted_unused, unused_grants
+
+    roles = deployed_roles()
+    put = Call.from_json(
+        {
+            "function": "publish",
+            "service": "kinesis",
+            "operation": "PutRecords",
+            "params": {"StreamName": "shoal-default-0"},
+        }
+    )
+    # Given a run in which publish put records, and one in which it did not
+    used, idle = unused_grants([put], roles), unused_grants([], roles)
+    # Then the grant it did not use is reported, and named unless the allowlist gives a reason
+    assert "kinesis:PutRecords" in idle["publish"]
+    assert "kinesis:PutRecords" not in used.get("publish", set())
+    assert ("publish", "kinesis:PutRecords") in unlisted_unused(idle, {})
+    kept = {("publish", "kinesis:PutRecords"): Unused("a test's reason")}
+    assert ("publish", "kinesis:PutRecords") not in unlisted_unused(idle, kept)
+    # And an entry for a grant that was used after all, or that no role has, is named stale
+    assert stale_entries(used, roles, kept) == [("publish", "kinesis:PutRecords")]
+    gone = {("publish", "kinesis:UpdateShardCount"): Unused("a test's reason")}
+    assert stale_entries(idle, roles, gone) == [("publish", "kinesis:UpdateShardCount")]
+    # And the report says, per function, what was used and what was not
+    assert "  publish: " in report([put], roles)
+
+
+def test_a_run_of_every_integration_and_end_to_end_module_is_known_as_covering() -> None:
+    from tests.iam.plugin import covering_modules
+
+    # Given the modules whose tests decide whether a grant is unused
+    wanted = covering_modules()
+    # Then they are the modules with tests, not the support and harness modules named test_*
+    # (none of whose tests is ever reported: with them wanted, no run was ever covering and the
+    # allowlist was never enforced)
+    assert "tests/integration/test_iam_check.py" in wanted
+    assert "tests/e2e/test_publish_e2e.py" in wanted
+    assert "tests/integration/test_delivery_support.py" not in wanted
+    assert "tests/integration/test_publish_harness.py" not in wanted

@@ -251,6 +251,9 @@ DEPLOYMENT = Deployment(
                 # a new storage topic joins the push taps of the topic's push subscriptions
                 Grant("table", "push_subscriptions", "read_write"),
                 Grant("event_source_mappings", "push", "read_write"),
+                # a switch seals what it left behind and marks it in the drain records, which
+                # live in the inboxes table (shoal.drain; seen by the IAM check, 2026-11-29)
+                Grant("table", "inboxes", "read_write"),
             ),
         ),
         FunctionDef(
@@ -273,14 +276,17 @@ DEPLOYMENT = Deployment(
             description="Consumes the storage streams: fan-out to session inboxes, archive",
             grants=(
                 Grant("streams", "storage", "read"),
-                Grant("bucket", "archive", "write"),
+                # it writes the archive; pushing to connected sessions (below) reads the
+                # message lines and payloads their inbox items name
+                Grant("bucket", "archive", "read_write"),
                 # the subscription store's versions, changes and subscriptions
                 Grant("table", "subscriptions", "read"),
                 # deliveries, and the per-shard ledger that makes a retried batch write nothing
                 # twice (a retry reads what it wrote before)
                 Grant("table", "inboxes", "read_write"),
-                # a shared group's new stream is made known to its leader (a conditional put)
-                Grant("table", "groups", "write"),
+                # a shared group's new stream is made known to its leader (a conditional put);
+                # pushing to a connected member reads and leases its group's deliveries
+                Grant("table", "groups", "read_write"),
                 # its ``routed`` delivery events (shoal.delivery.events)
                 Grant("stream", "events", "write"),
                 # sessions connected over the WebSocket API get their new deliveries pushed
@@ -374,8 +380,9 @@ DEPLOYMENT = Deployment(
                 Grant("table", "connections", "read_write"),
                 Grant("connections", "websocket", "write"),
                 # and pushes again what passed its ack timeout, recording it as the edge does
-                # (shoal.delivery.events)
+                # (shoal.delivery.events), reading the archive lines the items name
                 Grant("stream", "events", "write"),
+                Grant("bucket", "archive", "read"),
             ),
             schedule_s=60,
             timeout_s=120,
@@ -473,6 +480,9 @@ DEPLOYMENT = Deployment(
                 Grant("streams", "storage", "write"),
                 # delivery events of its POST attempts (shoal.delivery.events)
                 Grant("stream", "events", "write"),
+                # the ordered drain's gate: whether a tap may take a storage topic behind the
+                # pointer, and that it passed the seals (drain records in inboxes, shoal.drain)
+                Grant("table", "inboxes", "read_write"),
             ),
             # an invocation waits for a retry's attempt time up to shoal.push.consumer.MAX_HOLD_S
             timeout_s=120,

@@ -8,9 +8,14 @@ per distinct call (function, service, operation and the parameters that name the
 statements of that function's role in the synthesized template (docs/design.md, "IAM").
 
 The function is the one whose handler is on the calling thread's stack (``functions.<name>``
-modules): that holds for the local runtime's invocations and for handlers that tests call
-directly alike. Work a handler hands to a thread pool keeps its function: the pool's tasks run
-with the function of whoever submitted them. Calls no handler made (provisioning, the event
+modules), the nearest to the call: that holds for the local runtime's invocations and for
+handlers that tests call directly alike. A test's code met first (``tests.`` modules) makes the
+call the test's: a test's hook that runs inside a handler (a fault switch that lists the
+archive, a clock whose sleep routes a batch as the mappings would) acts for the test, not for
+the function whose frames are further up. (So a test's wrapper that hands a handler's call on
+to the real client is not recorded either: fewer calls seen, never a call taken for another's.)
+Work a handler hands to a thread pool keeps its function: the pool's tasks run with the
+function of whoever submitted them. Calls no handler made (provisioning, the event
 source mappings' pollers, the tests' own reads) are not a function's, and are not recorded.
 
 A line is written when its call is first seen, and flushed: a process killed with -9 (the
@@ -38,6 +43,8 @@ from botocore import handlers
 #: a folder: every process that records appends its lines to a file of its own there
 CALL_LOG_ENV = "SHOAL_DEV_CALL_LOG"
 FUNCTION_MODULE_PREFIX = "functions."
+#: a test's code: nearer to a call than any handler, the call is the test's own
+TEST_MODULE_PREFIX = "tests."
 #: how far up a calling stack to look for a handler's frame (a call through botocore, moto's
 #: in-process transport and Shoal's layers is some 60 frames deep)
 MAX_DEPTH = 400
@@ -70,13 +77,16 @@ _submitted_by: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 def calling_function() -> str | None:
-    """The declared function whose handler is on this thread's stack, or whose task this is."""
+    """The declared function whose handler is on this thread's stack, or whose task this is;
+    None for a call a test's code made, even inside a handler."""
     frame: FrameType | None = sys._getframe(1)
     depth = 0
     while frame is not None and depth < MAX_DEPTH:
         name = frame.f_globals.get("__name__", "")
         if name.startswith(FUNCTION_MODULE_PREFIX) and name.count(".") >= 2:
             return str(name.split(".", 2)[1])
+        if name.startswith(TEST_MODULE_PREFIX):
+            return None
         frame = frame.f_back
         depth += 1
     return _submitted_by.get()

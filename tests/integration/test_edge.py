@@ -18,6 +18,7 @@ import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
+from shoal.core.errors import ServerBusy
 from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
 from shoal.edge.push import ConnectionGone, Connections, Pusher
@@ -376,6 +377,33 @@ def test_a_fan_out_is_pushed_side_by_side_each_session_in_order(
         assert texts(edge.messages(connection)) == ["m0", "m1", "m2"], connection
     pushers = {name for connection in connections for name in threads[connection]}
     assert len({name for name in pushers if name.startswith("shoal-push")}) > 1, pushers
+
+
+def test_a_push_stopped_by_an_error_gives_its_lease_back(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that stops early (a contended group lane, a throttled call) gives the session's
+    push lease back at once: kept until it ran out, every push meanwhile found it held and
+    left the work to a holder that had gone, and the last message's push was lost for good."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    real = edge.pusher._round
+    calls = {"n": 0}
+
+    def failing_once(connection: Any) -> tuple[int, bool]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy("this group stream is contended; retry")
+        return real(connection)
+
+    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    edge.world.publish("a/b", "first")
+    edge.world.route()
+    assert edge.messages("c1") == []
+    # the next trigger, at once (no clock moved past the lease), pushes what waits
+    edge.world.publish("a/b", "second")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["first", "second"]
 
 
 def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:

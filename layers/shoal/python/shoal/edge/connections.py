@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from shoal.aws import tables
 from shoal.aws.clients import error_code
@@ -226,6 +226,23 @@ class ConnectionStore:
             Key=_key(SESSION + connection.session_id),
             **e.params(f"{e.n('lease_owner')} = {e.v(owner)} AND {e.n('again')} = {e.v(False)}"),
         )
+
+    def let_go(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> None:
+        """Gives the lease back whatever ``again`` says (a holder that stops early); best
+        effort: a lease not given back runs out by itself."""
+        e = Expression()
+        e.remove("lease_owner", "lease_until", "again")
+        if due_at_ms is not None:
+            _arm(e, connection.session_id, due_at_ms)
+        try:
+            self.dynamo.conditional(
+                "update_item",
+                TableName=self.table,
+                Key=_key(SESSION + connection.session_id),
+                **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
+            )
+        except (ClientError, BotoCoreError):
+            return
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 

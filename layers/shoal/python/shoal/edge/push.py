@@ -192,34 +192,53 @@ class Pusher:
             return 0  # the holder goes round once more for us
         pushed = 0
         due: int | None = None
+        held = True
         try:
             for round_ in range(MAX_ROUNDS):
                 # the lease was just taken with ``again`` cleared: the first round needs no
                 # write of its own (a pusher that came in meanwhile set ``again``, and the
                 # release then fails and sends this holder round once more)
                 if round_ and not self.connections.next_round(connection, owner):
+                    held = False
                     return pushed
                 frames, acked_later = self._round(connection)
                 pushed += frames
                 if acked_later and due is None:
                     due = self.clock.now_ms() + self._ack_timeout_ms
                 if self.connections.release(connection, owner, due):
+                    held = False
                     return pushed
-            # rounds used up: the lease runs out and the next trigger goes on
-            if due is not None:
-                self.connections.arm(connection, due)
+            # rounds used up: given back below, the next trigger goes on
             return pushed
         except ConnectionGone:
             count(metrics.PUSH_FAILED)
             # no more pushes to it; its own item stays for its $disconnect, which loses the
             # channel (the will's delay starts there)
             self.connections.forget(connection)
+            held = False
             return pushed
         except (ShoalError, ClientError, BotoCoreError) as exc:
-            # e.g. the channel was taken over: the newer connection pushes for itself
+            # e.g. the channel was taken over (the newer connection pushes for itself), a
+            # shared group's lane contended past its retries, a throttled call
             count(metrics.PUSH_FAILED)
-            logger.info("push stopped", extra={"error_type": type(exc).__name__})
+            logger.warning(
+                "push stopped",
+                extra={
+                    "error_type": type(exc).__name__,
+                    "code": exc.code
+                    if isinstance(exc, ShoalError)
+                    else error_code(exc)
+                    if isinstance(exc, ClientError)
+                    else None,
+                },
+            )
             return pushed
+        finally:
+            if held:
+                # a lease kept until it runs out (10 s) turns every push meanwhile into a
+                # no-op that counts on this holder: when the last trigger came in that time,
+                # the session's backlog waited for a trigger that never came
+                self.connections.let_go(connection, owner, due)
 
     @property
     def _ack_timeout_ms(self) -> int:

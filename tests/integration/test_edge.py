@@ -471,12 +471,7 @@ def test_a_connection_a_push_found_gone_still_publishes_its_will(edge: Edge) -> 
     # no more pushes to it
     assert edge.connections.target(_session_of(edge, "c1")) is None
     edge.dropped("c1")
-    reaper, publisher = _reaper(edge)
-    reaper.run()
-    assert publisher.published == []  # the delay runs
-    edge.world.clock.advance(6)
-    reaper.run()
-    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+    assert_will_follows_its_delay(edge)
 
 
 def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edge) -> None:
@@ -522,15 +517,20 @@ def _reaper(edge: Edge) -> tuple[Reaper, RecordingPublisher]:
 WILL = {"topic": "alice/status", "text": "offline", "delay_s": 5}
 
 
-def test_a_lost_connection_publishes_its_will_after_the_delay(edge: Edge) -> None:
-    edge.connect("c1", will=WILL)
-    edge.dropped("c1")
+def assert_will_follows_its_delay(edge: Edge) -> None:
+    """The lost channel's will: not while its 5 s delay runs, then published once."""
     reaper, publisher = _reaper(edge)
     reaper.run()
     assert publisher.published == []  # the delay runs
     edge.world.clock.advance(6)
     reaper.run()
     assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+def test_a_lost_connection_publishes_its_will_after_the_delay(edge: Edge) -> None:
+    edge.connect("c1", will=WILL)
+    edge.dropped("c1")
+    assert_will_follows_its_delay(edge)
 
 
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:

@@ -369,9 +369,9 @@ def test_restart_replays_tables_objects_and_stream_records(start: Start) -> None
     reason=(
         "flaky in whole runs since 2026-11-29's merges (2 of 3 runs; 6 of 6 alone, and beside "
         "tests/unit/local): the emulator's replay answers 404 for the mapping's function "
-        "('record 18 replayed with 404 NOT FOUND') and the listing is empty; both failures "
-        "drew the same 'random' UUID (72e63ac7-...), so an earlier test of the worker seems to "
-        "leave the random source (moto's) seeded. Not understood yet (session 16's note)"
+        "('record 18 replayed with 404 NOT FOUND') and the listing is empty (the UUID is the "
+        "same in every run by design: the journal pins moto's random source per request). "
+        "Order-dependent in its worker; not understood yet (session 16's note)"
     ),
 )
 def test_replay_keeps_generated_ids(start: Start) -> None:

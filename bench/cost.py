@@ -1221,9 +1221,9 @@ def _issuer() -> Iterator[tuple[str, str]]:
 def count_push() -> dict[str, Unit]:
     """WebSocket push: per delivery (publish, route and its push, the client's ``ack`` frame
     without a ``ref``, so unanswered, archive) and per reconnect (the client's renewal,
-    make-before-break: the authorizer and ``$connect`` of the new connection, a ``connect``
-    frame taking the session over, the old connection's ``disconnect`` frame and
-    ``$disconnect``), counted on the real ``wsauth`` and ``edge`` handlers; ``@connections`` is
+    make-before-break: the authorizer and ``$connect`` of the new connection, a ``renew``
+    frame moving the session's live channel to it, the old connection's ``$disconnect``),
+    counted on the real ``wsauth`` and ``edge`` handlers; ``@connections`` is
     moto's (the posts are counted as messages out)."""
     scenario = Scenario("fleet push", batch=FLEET_CLIENTS, subscribers=FLEET_CLIENTS)
     with emulated_account(default_partitions=1) as session, _issuer() as (issuer, token):
@@ -1253,6 +1253,7 @@ def count_push() -> dict[str, Unit]:
         edge = _Edge(run, token, posts)
         names = [f"bench-{n}" for n in range(FLEET_CLIENTS)]
         held: dict[str, str] = {}
+        channels: dict[str, str] = {}
         for client in names:
             connection = edge.handshake()
             back = edge.send(
@@ -1266,6 +1267,7 @@ def count_push() -> dict[str, Unit]:
                 },
             )
             assert back and back[0]["action"] == "connected", back
+            channels[client] = back[0]["channel"]
             back = edge.send(
                 connection,
                 {
@@ -1301,27 +1303,20 @@ def count_push() -> dict[str, Unit]:
 
         def reconnect(client: str) -> None:
             # before API Gateway's 2 hours the client renews its connection make-before-break
-            # (``shoal.client.ws``): a new handshake and a connect frame that resumes the
-            # session and takes it over (the service tells the old connection why and closes
-            # it), then the old connection's $disconnect
+            # (``shoal.client.ws``): a new handshake and a ``renew`` frame that moves the
+            # session's live channel to it (the old connection is told nothing: the client
+            # closes it), then the old connection's $disconnect
             old = held[client]
             connection = edge.handshake()
             back = edge.send(
                 connection,
-                {
-                    "action": "connect",
-                    "client_id": client,
-                    "ref": "c",
-                    "clean_start": False,
-                    "session_expiry_s": 86400,
-                },
+                {"action": "renew", "client_id": client, "ref": "r", "channel": channels[client]},
             )
             assert back and back[0]["action"] == "connected", back
             assert back[0]["session_present"] is True, back
-            # the old connection was sent its ``disconnect`` (session_taken_over): billed too
+            assert back[0]["channel"] == channels[client], back
             told = edge.posts.take(old)
-            assert [f["action"] for f in told] == ["disconnect"], told
-            edge.ws_out += len(told)
+            assert told == [], told
             edge.disconnected(old)
             held[client] = connection
 
@@ -1482,13 +1477,14 @@ def fleet_report(figures: dict[str, Any]) -> str:
         "next), so one `messages` Lambda (512 MB) held per client all month; the polls that "
         "end empty; each delivery's counted work (publish, router, a get, an ack, archiver).",
         "- WebSocket push: the connection-minutes; a keep-alive every "
-        f"{figures['keepalive_s'] // 60} minutes taken by a mock route (no function): one in "
+        f"{figures['keepalive_s'] / 60:g} minutes taken by a mock route (no function): one in "
         f"{figures.get('check_every', 1)} a `ping` and its `pong` (two messages), the others a "
         "one-way `keepalive` (one message); the connection renewed every "
         f"{figures['renew_every_s'] / 60:.0f} minutes (before API Gateway's "
         f"{figures['max_connection_s'] // 3600} hours, jittered), make-before-break as the "
-        "client does it: the authorizer, `$connect`, a `connect` frame and its answer, the old "
-        "connection's `disconnect` frame and its `$disconnect`; each delivery's counted "
+        "client does it: the authorizer, `$connect`, a `renew` frame and its answer (the "
+        "live channel moved, no takeover), the old connection's `$disconnect`; each "
+        "delivery's counted "
         "work (publish, router and its push, the `message` frame out, the `ack` frame in "
         "(no `ref`, so no answer), archiver).",
         "- IoT Core: connection-minutes; a delivery is three metered messages (the backend's "

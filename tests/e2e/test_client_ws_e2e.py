@@ -22,6 +22,7 @@ from shoal.client.errors import SessionTakenOver
 from shoal.client.http import ShoalClient
 from shoal.client.support import FlowControl, ReceivedMessage
 from shoal.client.ws import ShoalWsClient
+from shoal.client.wslink import WsSettings
 from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
 
 from tests.e2e.conftest import DevServer
@@ -185,6 +186,36 @@ def test_a_newer_connect_for_the_client_id_takes_the_session_over(
     finally:
         first.close()
         second.close()
+
+
+def test_a_renewal_before_the_connections_end_keeps_the_channel(
+    shared_dev: DevServer, state: Path
+) -> None:
+    """The client renews its connection before its end (API Gateway's 2 hours, here 8 s on
+    the client's side): the new connection's ``renew`` keeps the live channel, the old
+    connection is closed, and what is published after comes on the new one."""
+    jwt = token(shared_dev, "wse", "wse")
+    settings = WsSettings(max_connection_s=8.0, renew_before_s=1.0, ping_every_s=60.0)
+    with ws_client(shared_dev, jwt, "wse-1", state, settings=settings) as client:
+        connected = client.connect(clean_start=True)
+        client.subscribe("wse/#")
+        (before,) = connection_ids(shared_dev, "wse-1")
+        publish(shared_dev, jwt, "wse/x", ["before"])
+        got = list(client.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
+        # past the renewal (6 to 7 s after the connect): the loop renews while it waits
+        deadline = now_ms() + int(PATIENCE_S * 1000)
+        while client.connections_opened < 2 and now_ms() < deadline:
+            got += list(client.messages(until_ms=now_ms() + 500))
+        assert client.connections_opened == 2
+        assert client.connection is not None
+        assert client.connection.channel == connected.channel
+        assert client.connection.session_present is True
+        publish(shared_dev, jwt, "wse/x", ["after"])
+        got += list(client.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
+        # the old connection's items are gone: one connection holds the session
+        (after,) = connection_ids(shared_dev, "wse-1")
+    assert after != before
+    assert texts(got) == ["before", "after"]
 
 
 # -- shoal subscribe ----------------------------------------------------------------------------

@@ -506,6 +506,147 @@ def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edg
     assert texts(edge.messages("c2")) == ["after"]
 
 
+def test_unsubscribe_answers_each_filter_as_the_http_api(edge: Edge) -> None:
+    """MQTT 5's UNSUBACK (§3.11.2.2): a reason per filter, in order (it answered 500 before:
+    the frame's schema had another field than the service's answer)."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    answer = edge.send("c1", {"action": "unsubscribe", "filters": ["a/#", "b/#"], "ref": "u"})
+    assert answer == {
+        "action": "unsubscribed",
+        "ref": "u",
+        "unsubscribed": ["success", "no_subscription_existed"],
+    }
+    edge.world.publish("a/b", "not for us")
+    edge.world.route()
+    assert edge.messages("c1") == []
+
+
+# --- renewal: the client's own new connection before API Gateway's 2 hours
+
+
+def _renew(edge: Edge, connection: str, channel: str, client_id: str = "alice-1") -> Any:
+    frame = {"action": "renew", "client_id": client_id, "channel": channel, "ref": "r"}
+    return edge.send(connection, frame)
+
+
+def test_a_renewal_keeps_the_channel_and_what_is_in_flight_and_publishes_no_will(
+    edge: Edge,
+) -> None:
+    """Unlike a ``connect`` that takes the session over (which publishes a will without a
+    delay at once, MQTT 5 §3.1.2.5), a renewal moves the live channel: no will, nothing said
+    to the older connection, the delivery in flight on it acked over the new one."""
+    connected = edge.connect("c1", will=WILL | {"delay_s": 0})
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "first")
+    edge.world.route()
+    [first] = edge.messages("c1")
+    assert _renew(edge, "c2", connected["channel"]) is None
+    assert edge.api.sent["c2"] == [
+        {
+            "action": "connected",
+            "ref": "r",
+            "session_present": True,
+            "channel": connected["channel"],
+            "keepalive_s": 0,
+            "receive_maximum": connected["receive_maximum"],
+        }
+    ]
+    # nothing in flight came again on the new connection, and the old one was told nothing
+    assert edge.api.sent["c1"][-1] == first and edge.api.closed == []
+    # the old connection holds nothing now: its frames are refused, its $disconnect is a no-op
+    refused = edge.send("c1", {"action": "ack", "ids": [first["id"]], "ref": "x"})
+    assert refused["error"]["code"] == "not_connected"
+    edge.dropped("c1")
+    acked = edge.send("c2", {"action": "ack", "ids": [first["id"]], "ref": "a"})
+    assert acked is None and edge.api.sent["c2"][-1] == {"action": "acked", "ref": "a", "acked": 1}
+    edge.world.publish("a/b", "second")
+    edge.world.route()
+    [second] = edge.messages("c2")
+    assert texts([second]) == ["second"]
+    edge.send("c2", {"action": "ack", "ids": [second["id"]]})
+    # the next renewal, 7,000 s on; then 8,000 s after the connect, past the bound a channel
+    # registers with (7,500 s): the renewal restarted it, so the reaper expires nothing
+    edge.world.clock.advance(7000)
+    assert _renew(edge, "c3", connected["channel"]) is None
+    edge.world.clock.advance(1000)
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    reaper.run()
+    assert publisher.published == []
+    assert edge.send("c3", {"action": "subscribe", "subscriptions": [{"filter": "x/#"}]}) is None
+
+
+def test_a_renewal_after_the_connection_was_lost_is_refused_and_a_connect_resumes(
+    edge: Edge,
+) -> None:
+    connected = edge.connect("c1", will=WILL)
+    edge.dropped("c1")  # $disconnect came first: the channel is lost, the will waits its delay
+    refused = _renew(edge, "c2", connected["channel"])
+    assert (refused["status"], refused["error"]["code"]) == (409, "renew_refused")
+    # the client connects instead: the session resumes within the will delay, no will
+    again = edge.connect("c2")
+    assert again["session_present"] is True and again["channel"] != connected["channel"]
+    reaper, publisher = _reaper(edge)
+    edge.world.clock.advance(6)
+    reaper.run()
+    assert publisher.published == []
+
+
+def test_a_renewal_of_a_channel_taken_over_or_of_another_principal_is_refused(
+    edge: Edge,
+) -> None:
+    first = edge.connect("c1")
+    edge.connect("c2")  # takes the session over: c1's channel is not the live one
+    refused = _renew(edge, "c3", first["channel"])
+    assert refused["error"]["code"] == "renew_refused"
+    live = edge.api.sent["c2"][0]["channel"]
+    other = {"sub": "mallory", "clients": "alice-1"}
+    forbidden = edge.send(
+        "c4",
+        {"action": "renew", "client_id": "alice-1", "channel": live, "ref": "m"},
+        authorizer=other,
+    )
+    assert forbidden["status"] == 403
+    # neither refusal moved the session: deliveries still go to c2
+    edge.send("c2", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "kept")
+    edge.world.route()
+    assert texts(edge.messages("c2")) == ["kept"]
+    assert edge.api.sent.get("c3", []) == [] or edge.messages("c3") == []
+
+
+def test_a_renewal_writes_a_third_of_a_takeovers_units(edge: Edge) -> None:
+    """What the renewal is for (bench/cost.py, "fleet"): one registry write, the session's
+    item moved, the new connection's item put and the older one's deleted, the push's lease
+    taken and given back; the older connection's $disconnect then writes nothing. A takeover
+    by ``connect`` writes a transaction of three items, a transaction of two, and two
+    deletes at the older connection's $disconnect."""
+    connected = edge.connect("c1")
+    writes: list[str] = []
+
+    def record(model: Any, params: dict[str, Any], **_: Any) -> None:
+        if model.name in ("UpdateItem", "PutItem", "DeleteItem", "TransactWriteItems"):
+            table = params.get("TableName", "transaction").rsplit("-", 1)[-1]
+            writes.append(f"{model.name} {table}")
+
+    client = edge.world.registry.repository.dynamo.client
+    client.meta.events.register("before-parameter-build.dynamodb.*", record)
+    connections = edge.connections.dynamo.client
+    if connections is not client:
+        connections.meta.events.register("before-parameter-build.dynamodb.*", record)
+    assert _renew(edge, "c2", connected["channel"]) is None
+    edge.dropped("c1")
+    assert writes == [
+        "UpdateItem sessions",
+        "UpdateItem connections",
+        "PutItem connections",
+        "DeleteItem connections",
+        "UpdateItem connections",
+        "UpdateItem connections",
+    ]
+
+
 def _reaper(edge: Edge) -> tuple[Reaper, RecordingPublisher]:
     publisher = RecordingPublisher()
     repository = SessionRepository(

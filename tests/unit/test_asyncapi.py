@@ -64,6 +64,7 @@ def test_every_client_action_is_a_receive_message() -> None:
         f"client.{a}"
         for a in (
             "connect",
+            "renew",
             "subscribe",
             "unsubscribe",
             "publish",

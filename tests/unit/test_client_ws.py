@@ -74,6 +74,7 @@ class FakeSocket:
         self.client_closed = False
         self.client_id: str | None = None
         self.window = 0
+        self.channel = ""
 
     # the client's side
     def send(self, message: str) -> None:
@@ -126,6 +127,9 @@ class FakeServer:
         self.answer_pings = True
         #: drop acks instead of applying them (the ack's answer or the ack itself lost)
         self.lose_acks = False
+        #: ``renew`` frames, and whether to refuse them (as for a connection lost meanwhile)
+        self.renews: list[dict[str, Any]] = []
+        self.refuse_renewals = False
 
     # -- the connector
     def connector(self, url: str, headers: Mapping[str, str], timeout: float) -> FakeSocket:
@@ -162,18 +166,41 @@ class FakeServer:
             if old is not None and old is not socket and old.open:
                 old.push({"action": "disconnect", "reason": "session_taken_over"})
                 old.drop(1000)
+            socket.channel = f"ch{len(self.connects)}"
             socket.push(
                 {
                     "ref": ref,
                     "action": "connected",
                     "session_present": present,
-                    "channel": f"ch{len(self.connects)}",
+                    "channel": socket.channel,
                     "keepalive_s": 0,
                     "receive_maximum": socket.window,
                 }
             )
             # what was in flight on the older connection comes again, with dup
             self.push(client_id, redeliver=True)
+            return
+        if action == "renew":
+            # the live channel moves to this connection: nothing said to the older one, nothing
+            # in flight sent again
+            self.renews.append(frame)
+            old = self.live.get(frame["client_id"])
+            if self.refuse_renewals or old is None or old.channel != frame["channel"]:
+                error = {"code": "renew_refused", "message": "send connect"}
+                socket.push({"ref": ref, "action": "error", "status": 409, "error": error})
+                return
+            socket.client_id, socket.window, socket.channel = old.client_id, old.window, old.channel
+            self.live[frame["client_id"]] = socket
+            socket.push(
+                {
+                    "ref": ref,
+                    "action": "connected",
+                    "session_present": True,
+                    "channel": socket.channel,
+                    "keepalive_s": 0,
+                    "receive_maximum": socket.window,
+                }
+            )
             return
         session = self.sessions[str(socket.client_id)]
         if action == "subscribe":
@@ -539,15 +566,45 @@ def test_the_connection_is_renewed_before_the_two_hour_limit(
     first = server.sockets[-1]
     got = list(client.messages(until_ms=soon(clock, 95)))
     assert got == []
-    # between 80 and 90 s, a new connection took the session over, then the old one closed
+    # between 80 and 90 s, a new connection renewed the live channel, then the old one closed
     assert len(server.sockets) == 2
     assert server.live["c1"] is server.sockets[-1]
-    # make-before-break: the old connection was still open when the new one connected (the
-    # server took the session from it), and the client closed it after
-    assert first.closed_code == 1000 and first.client_closed
-    assert server.connects[-1]["clean_start"] is False
+    [renew] = server.renews
+    assert {k: v for k, v in renew.items() if k != "ref"} == {
+        "action": "renew",
+        "client_id": "c1",
+        "channel": "ch1",
+    }
+    assert len(server.connects) == 1
+    # make-before-break: the old connection was still open when the new one renewed (the
+    # server said nothing to it), and the client closed it after
+    assert first.closed_code is None and first.client_closed
+    assert client.connection is not None and client.connection.channel == "ch1"
     server.publish("a/1", "on the new one")
     assert texts(client.messages(count=1)) == ["on the new one"]
+    client.close()
+
+
+def test_a_refused_renewal_connects_instead_and_resumes_the_session(
+    clients: Clients, clock: SleepLog
+) -> None:
+    """The old connection was lost just before its renewal (the server refuses ``renew``): the
+    new connection sends ``connect`` (resuming, not clean), which decides the will as MQTT
+    says."""
+    settings = WsSettings(
+        keepalive_thread=False, max_connection_s=100, renew_before_s=10, ping_every_s=1000
+    )
+    client = clients.new(settings=settings)
+    client.subscribe("a/#")
+    server = clients.server
+    server.refuse_renewals = True
+    assert list(client.messages(until_ms=soon(clock, 95))) == []
+    assert len(server.renews) == 1
+    assert len(server.connects) == 2 and server.connects[-1]["clean_start"] is False
+    assert server.live["c1"] is server.sockets[-1]
+    assert client.connection is not None and client.connection.channel == "ch2"
+    server.publish("a/1", "still here")
+    assert texts(client.messages(count=1)) == ["still here"]
     client.close()
 
 

@@ -440,6 +440,7 @@ DEPLOYMENT = Deployment(
                 WsRoute("$connect", two_way=False),
                 WsRoute("$disconnect", two_way=False),
                 WsRoute("connect"),
+                WsRoute("renew"),
                 WsRoute("subscribe"),
                 WsRoute("unsubscribe"),
                 WsRoute("publish"),

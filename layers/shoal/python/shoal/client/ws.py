@@ -19,8 +19,9 @@ Reconnects. Any loss (a server restart, a close 1001 or 1006, a ``ping`` left un
 outage: said once as it starts and once as it ends (``on_outage``), tried again for ever with
 capped exponential backoff and jitter (``Outages``), the token renewed before each handshake.
 API Gateway closes every connection after 2 hours: the client opens a new one before that, at a
-jittered moment, make-before-break (the new connection's connect takes the session over; the old
-one is then closed), so nothing waits for a reconnect. Calls (``connect``, ``subscribe``, ...)
+jittered moment, make-before-break (the new connection's ``renew`` moves the live channel to
+it, or a ``connect`` takes the session over when the old one was lost meanwhile; the old one is
+then closed), so nothing waits for a reconnect. Calls (``connect``, ``subscribe``, ...)
 outside ``messages()`` try ``CallRetry.attempts`` times, then raise ``Unavailable``.
 
 Flow control. ``flow.max_messages`` is the connection's ``receive_maximum`` (MQTT 5
@@ -265,15 +266,7 @@ class ShoalWsClient:
         )
         old = self._link
         try:
-            answer = self._ask_on(
-                link,
-                {
-                    "action": "connect",
-                    "client_id": self.client_id,
-                    **self._connect_options,
-                    "receive_maximum": min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM),
-                },
-            )
+            answer = self._open_session(link, old)
         except BaseException:
             socket.close()
             raise
@@ -296,6 +289,33 @@ class ShoalWsClient:
             self._subscribe_on(link, list(self._subscriptions.values()))
         # acks of messages processed while no connection was open
         self._flush_acks()
+
+    def _open_session(self, link: Link, old: Link | None) -> dict[str, Any]:
+        """The new connection's first frame, answered: ``renew`` while the old connection
+        still holds the session's live channel (before API Gateway's 2 hours: the channel
+        and what is in flight carry over, no will, about half a connect's writes), else, or
+        when the renewal is refused (the old connection was lost meanwhile), ``connect``."""
+        if old is not None and old.connection is not None and old.connection.channel:
+            renew = {
+                "action": "renew",
+                "client_id": self.client_id,
+                "channel": old.connection.channel,
+            }
+            try:
+                return self._ask_on(link, renew)
+            except ApiError as exc:
+                if exc.code != "renew_refused":
+                    raise
+                logger.info("the renewal was refused: connecting")
+        return self._ask_on(
+            link,
+            {
+                "action": "connect",
+                "client_id": self.client_id,
+                **self._connect_options,
+                "receive_maximum": min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM),
+            },
+        )
 
     def _open_socket(self) -> Socket:
         renewed = False
@@ -480,14 +500,23 @@ class ShoalWsClient:
             return
 
         def run() -> None:
-            every_s = max(min(self.settings.ping_every_s / 4, 30.0), 0.05)
-            while not self._stop.wait(every_s):
+            # wakes when the next keep-alive is due (at most 30 s apart, to see a new link):
+            # a keep-alive sent late by a fixed wake-up period would need a wider margin
+            # under the 10-minute idle limit, so more of them a month
+            while not self._stop.wait(self._keepalive_wait_s()):
                 # a loss is the receiving loop's to find and handle
                 with contextlib.suppress(LinkLost, OSError, ClientError):
                     self._ping_if_due()
 
         self._keepalive = threading.Thread(target=run, name="shoal-ws-keepalive", daemon=True)
         self._keepalive.start()
+
+    def _keepalive_wait_s(self) -> float:
+        link = self._link
+        if link is None:
+            return 30.0
+        due_ms = link.last_sent_ms + self.settings.ping_every_s * 1000
+        return min(max((due_ms - self.clock.now_ms()) / 1000, 0.05), 30.0)
 
     def _wait_s(self, link: Link) -> float:
         """How long the loop may wait for a frame before it has something to do."""
@@ -558,7 +587,7 @@ class ShoalWsClient:
         answer = self._session_call({"action": "unsubscribe", "filters": items})
         for item in items:
             self._subscriptions.pop(item, None)
-        return list(answer.get("removed") or [])
+        return list(answer.get("unsubscribed") or [])
 
     def disconnect(self, *, with_will: bool = False) -> None:
         """End the session's connection normally: no will (``with_will``: MQTT 5's

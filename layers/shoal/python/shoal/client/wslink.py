@@ -31,15 +31,15 @@ class WsSettings:
     """The connection's timings. API Gateway closes a connection idle (no client frame) for 10
     minutes and any connection after 2 hours; ``shoal dev`` does the same."""
 
-    #: a ``ping`` after this long without a client frame: under the 10-minute idle limit by
-    #: the keep-alive thread's wake-up (at most 30 s) and a margin. Each ping and its pong are
-    #: two billed WebSocket messages, the largest line of an idle client's bill after the
+    #: a keep-alive after this long without a client frame: 30 s under the 10-minute idle
+    #: limit (the keep-alive thread wakes when one is due). Each is a billed WebSocket message
+    #: (a ping two, with its pong), the largest line of an idle client's bill after the
     #: connection minutes (bench/cost.py, "fleet"): at 240 s they were $0.0216 a client-month
-    ping_every_s: float = 540.0
+    ping_every_s: float = 570.0
     #: one keep-alive in this many is a ``ping`` (answered ``pong``: a check that the connection
     #: is alive), the others one-way ``keepalive`` frames (one billed message, not two). A
     #: half-open connection is found within ``ping_every_s * check_every + pong_timeout_s``
-    #: (36.5 minutes by default, AWS IoT Core's 1.5 keep-alives at its longest keep-alive
+    #: (38.5 minutes by default, AWS IoT Core's 1.5 keep-alives at its longest keep-alive
     #: being 30); 1 checks at every keep-alive
     check_every: int = 4
     #: after a ``ping``, nothing received for this long: the connection is dead (half-open TCP)
@@ -47,7 +47,7 @@ class WsSettings:
     #: API Gateway's limit on a connection's life
     max_connection_s: float = 7200.0
     #: reconnect this long (plus up to as much again, jittered) before ``max_connection_s``:
-    #: a renewal is a handshake and a connect frame (4 function invocations, about 13 write
+    #: a renewal is a handshake and a ``renew`` frame (4 function invocations, about 6 write
     #: units), so every minute of a connection's life used is a cheaper month (bench/cost.py)
     renew_before_s: float = 120.0
     #: the WebSocket handshake's timeout (it runs the authorizer and ``$connect`` functions)

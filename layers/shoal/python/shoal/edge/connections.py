@@ -28,7 +28,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from shoal.aws import tables
 from shoal.aws.clients import error_code
-from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, to_item
+from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, from_item, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 
@@ -121,6 +121,52 @@ class ConnectionStore:
                 {"Put": {"TableName": self.table, "Item": _item(connection.target(expires))}},
             ]
         )
+
+    def move(
+        self, connection_id: str, session_id: str, channel: str, sub: str
+    ) -> Connection | None:
+        """A renewal (``renew``): the session's deliveries go to ``connection_id`` from now,
+        on condition that its item names ``channel`` and ``sub`` (None when not: the older
+        connection is gone, or the session is held by another channel). The session's item
+        keeps its window, push lease and due time (deliveries in flight on the older
+        connection stay in flight for the same channel); the older connection's item is
+        deleted, so its ``$disconnect`` finds nothing to do. Three writes, no transaction:
+        the session's item first, so a renewal cut short before its connection's item is
+        written is repeated as a whole (its ``renew`` is sent again; the older connection's
+        item is left to its ``$disconnect``)."""
+        now = self.clock.now_ms()
+        expires = self._expires()
+        e = Expression()
+        e.set("connection_id", connection_id).set("connected_at_ms", now)
+        e.set("expires_at", expires)
+        condition = f"{e.n('channel')} = {e.v(channel)} AND {e.n('sub')} = {e.v(sub)}"
+        try:
+            raw = self.dynamo.call(
+                "update_item",
+                TableName=self.table,
+                Key=_key(SESSION + session_id),
+                ReturnValues="ALL_OLD",
+                **e.params(condition),
+            )
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                return None
+            raise
+        old = from_item(raw["Attributes"])
+        connection = Connection(
+            connection_id=connection_id,
+            client_id=str(old["client_id"]),
+            sub=sub,
+            channel=channel,
+            session_id=session_id,
+            window=int(old["window"]),
+            connected_at_ms=now,
+        )
+        self.dynamo.call("put_item", TableName=self.table, Item=_item(connection.record(expires)))
+        older = str(old.get("connection_id") or "")
+        if older and older != connection_id:
+            self.dynamo.call("delete_item", TableName=self.table, Key=_key(CONNECTION + older))
+        return connection
 
     def connection(self, connection_id: str) -> Connection | None:
         raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})

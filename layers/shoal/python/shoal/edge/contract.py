@@ -47,7 +47,7 @@ def document() -> dict[str, Any]:
             messages[f"{prefix}.{action}"] = {
                 "name": action,
                 "title": model.__name__,
-                "summary": (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
+                "summary": " ".join((model.__doc__ or "").strip().split("\n\n")[0].split()),
                 "contentType": "application/json",
                 "payload": {"$ref": REF_TEMPLATE.format(model=model.__name__)},
             }

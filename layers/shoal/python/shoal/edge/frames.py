@@ -47,6 +47,25 @@ class ConnectFrame(ConnectRequest):
     receive_maximum: int | None = Field(default=None, ge=1, le=MAX_RECEIVE_MAXIMUM)
 
 
+class RenewFrame(BaseModel):
+    """``renew``: the first frame of a new connection that takes over the client's own live
+    channel from its older connection, before API Gateway closes that one at two hours.
+
+    MQTT has no such packet: an MQTT connection has no fixed end. A renewal is not a new
+    CONNECT: the channel, the session and what is in flight stay as they are, and no will is
+    published (the connection was not lost; MQTT 5 §3.1.2.5 publishes the will of a
+    taken-over connection). The older connection gets no ``disconnect``: the client closes it
+    once ``connected`` came. Refused (``renew_refused``) when ``channel`` is not the live
+    channel of a connection this principal holds: the client sends ``connect`` then."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["renew"]
+    ref: Ref | None = None
+    client_id: str = Field(min_length=1, max_length=MAX_CLIENT_ID_BYTES)
+    channel: str = Field(min_length=1, max_length=MAX_REF)
+
+
 class SubscribeFrame(SubscribeRequest):
     action: Literal["subscribe"]
     ref: Ref | None = None
@@ -103,6 +122,7 @@ class DisconnectFrame(BaseModel):
 
 ClientFrame = Annotated[
     ConnectFrame
+    | RenewFrame
     | SubscribeFrame
     | UnsubscribeFrame
     | PublishFrame
@@ -115,6 +135,7 @@ ClientFrame = Annotated[
 
 CLIENT_FRAMES: tuple[type[BaseModel], ...] = (
     ConnectFrame,
+    RenewFrame,
     SubscribeFrame,
     UnsubscribeFrame,
     PublishFrame,
@@ -181,7 +202,8 @@ class _ServiceFrame(BaseModel):
 
 
 class ConnectedFrame(_ServiceFrame):
-    """The answer to ``connect`` (MQTT's CONNACK): the channel this connection holds."""
+    """The answer to ``connect`` (MQTT's CONNACK) and to ``renew``: the channel this
+    connection holds."""
 
     action: Literal["connected"] = "connected"
     session_present: bool
@@ -218,9 +240,11 @@ class SubscribedFrame(_ServiceFrame):
 
 
 class UnsubscribedFrame(_ServiceFrame):
+    """The answer to ``unsubscribe``: the HTTP API's body (MQTT 5's UNSUBACK, §3.11.2.2)."""
+
     action: Literal["unsubscribed"] = "unsubscribed"
-    #: per requested filter, in order: whether a subscription was removed
-    removed: list[bool] | None = None
+    #: per requested filter, in order: ``success`` or ``no_subscription_existed``
+    unsubscribed: list[Literal["success", "no_subscription_existed"]]
 
 
 class PublishedFrame(_ServiceFrame):

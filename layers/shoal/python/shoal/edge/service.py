@@ -21,7 +21,13 @@ from pydantic import BaseModel
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import DeliverySettings
-from shoal.core.errors import BadRequest, Conflict, ShoalError
+from shoal.core.errors import (
+    BadRequest,
+    Conflict,
+    SessionNotFound,
+    SessionTakenOver,
+    ShoalError,
+)
 from shoal.core.observability import logger
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionService
@@ -37,6 +43,7 @@ from shoal.edge.frames import (
     PongFrame,
     PublishedFrame,
     PublishFrame,
+    RenewFrame,
     SubscribedFrame,
     SubscribeFrame,
     UnsubscribedFrame,
@@ -65,6 +72,13 @@ class NotConnected(ShoalError):
 
     status = 409
     code = "not_connected"
+
+
+class RenewRefused(Conflict):
+    """A ``renew`` whose channel is not the live channel of a connection the principal holds
+    (lost meanwhile, taken over, expired): the client sends ``connect`` instead."""
+
+    code = "renew_refused"
 
 
 class AlreadyConnected(Conflict):
@@ -155,6 +169,8 @@ class EdgeService:
             return Answer()  # one way, as API Gateway's mock route
         if isinstance(frame, ConnectFrame):
             return self._connect(connection_id, who, frame, requested_at_ms)
+        if isinstance(frame, RenewFrame):
+            return self._renew(connection_id, who, frame)
         connection = self.connections.connection(connection_id)
         if connection is None:
             raise NotConnected("send connect first: this connection holds no session")
@@ -232,6 +248,29 @@ class EdgeService:
             receive_maximum=window,
         )
         return self._post_then_push(connection, encode(answer))
+
+    def _renew(self, connection_id: str, who: Principal, frame: RenewFrame) -> Answer:
+        """The client's own live channel moves to this connection (``RenewFrame``): the
+        registry's keepalive restarts (one write) and the session's item names this
+        connection (``ConnectionStore.move``); no registry transaction, no takeover frame,
+        no will. About half the write units of a ``connect`` that takes the session over."""
+        if self.connections.connection(connection_id) is not None:
+            raise AlreadyConnected("this connection holds a session already")
+        try:
+            head = self.registry.renew(who, frame.client_id, frame.channel, CHANNEL_KEEPALIVE_S)
+        except (SessionNotFound, SessionTakenOver) as exc:
+            raise RenewRefused(f"{exc.message}: send connect") from exc
+        moved = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
+        if moved is None:
+            raise RenewRefused("this channel's connection is gone: send connect")
+        answer = ConnectedFrame(
+            ref=frame.ref,
+            session_present=True,
+            channel=frame.channel,
+            keepalive_s=0,
+            receive_maximum=moved.window,
+        )
+        return self._post_then_push(moved, encode(answer))
 
     def _previous(self, client_id: str) -> Connection | None:
         """The connection that holds the client id's session now, if any (to be taken over)."""

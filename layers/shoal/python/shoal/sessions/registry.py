@@ -253,6 +253,18 @@ class SessionRegistry:
         # the leases of the session's shared groups are renewed; what changed comes back
         return {"leases": self.groups.heartbeat(head.session_id or "", head.subscriptions)}
 
+    def renew(self, who: Principal, client_id: str, channel: Channel, keepalive_s: int) -> Head:
+        """The live channel moves to a new connection of the same client (``shoal.edge``'s
+        renewal before API Gateway's two hours): no new channel, no takeover, so no will
+        (the connection was not lost) and the session's deliveries in flight stay in flight.
+        The channel's keepalive and its deadline restart. Refused as a session-scoped call is
+        when ``channel`` is not ``who``'s live channel, or its connection was lost."""
+        version = self._scope(who, client_id, channel)
+        head = self.repository.renew(client_id, version, who.sub, self.clock.now_ms(), keepalive_s)
+        if head is None:
+            raise self._refuse(who, self.repository.head(client_id))
+        return head
+
     def disconnect(self, who: Principal, client_id: str, channel: Channel | None) -> None:
         version = self._scope(who, client_id, channel)
         if self.repository.disconnect(client_id, version, who.sub, self.clock.now_ms()):

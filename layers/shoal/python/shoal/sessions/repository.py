@@ -220,6 +220,30 @@ class SessionRepository:
             "update_item", **self._on(client_id, HEAD, expr, live_condition(expr, version, sub))
         )
 
+    def renew(
+        self, client_id: str, version: Version, sub: str, now_ms: int, keepalive_s: int
+    ) -> Head | None:
+        """A connection renewed (``shoal.edge``): the live channel's keepalive restarts now,
+        its deadline with it, on condition that the channel is live and still has the
+        keepalive it registered with: ``lose`` sets a lost connection's to 1, so a channel
+        whose connection is gone cannot be renewed (its client connects again, which decides
+        the will as MQTT 5 says). The head as written (None: refused); one write."""
+        expr = Expression().set("last_seen_ms", now_ms)
+        expr.set("due_shard", due_shard(client_id))
+        expr.set("due_at_ms", now_ms + grace_ms(keepalive_s))
+        condition = (
+            f"{live_condition(expr, version, sub)}"
+            f" AND {expr.n('conn.keepalive_s')} = {expr.v(keepalive_s)}"
+        )
+        request = {**self._on(client_id, HEAD, expr, condition), "ReturnValues": "ALL_NEW"}
+        try:
+            raw = self.dynamo.call("update_item", **request)
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                return None
+            raise
+        return _head(from_item(raw["Attributes"]))
+
     def heartbeat_head(
         self, client_id: str, version: Version, sub: str, now_ms: int
     ) -> Head | None:

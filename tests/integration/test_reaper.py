@@ -51,6 +51,31 @@ def wills(publisher: RecordingPublisher) -> list[tuple[str, str, str]]:
     return [(sub, client_id, will.topic) for sub, client_id, will, _ in publisher.published]
 
 
+def test_any_request_of_the_channel_counts_for_its_keepalive(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    """MQTT 5 §3.1.2.10: the keepalive runs from the client's last control packet, whatever
+    it was, not only a heartbeat. A channel that only reads (here its session document; gets
+    and acks alike) is not expired at 1.5 keepalives; a request writes only once half the
+    keepalive passed since the channel was last seen."""
+    channel = sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    calls = DynamoCalls(sessions.repository.dynamo.client)
+    sessions.clock.advance(4)
+    assert sessions.get(CLIENT, channel)[0] == 200
+    assert "UpdateItem" not in calls.take()  # within half the keepalive: a read only
+    sessions.clock.advance(4)
+    assert sessions.get(CLIENT, channel)[0] == 200
+    assert calls.take().count("UpdateItem") == 1
+    # 16 s after the connect, past its 15 s grace, seen 8 s ago: not expired
+    sessions.clock.advance(8)
+    assert reaper.run().channels_expired == 0
+    assert sessions.get(CLIENT, channel)[0] == 200
+    # silent from then on: expired at 1.5 keepalives after that last request
+    sessions.clock.advance(16)
+    assert reaper.run().channels_expired == 1
+    assert publisher.published == []  # the will waits its 30 s delay
+
+
 def expired_channel(sessions: Sessions, reaper: Reaper, **connect: Any) -> str:
     """A channel whose keepalive (10 s) ran out and that the reaper has disconnected."""
     body = {"keepalive_s": 10, "session_expiry_s": 300, "will": WILL, **connect}

@@ -238,7 +238,21 @@ class SessionRegistry:
         head = self.repository.head(client_id)
         if head is None or head.sub != who.sub or not head.is_live(version):
             raise self._refuse(who, head)
+        self._seen(client_id, version, who.sub, head)
         return head
+
+    def _seen(self, client_id: str, version: Version, sub: str, head: Head) -> None:
+        """Any request of the channel counts for its keepalive, as any control packet does
+        (MQTT 5 §3.1.2.10), not only a heartbeat: a client that long-polls or acks stays
+        connected. Written once half the keepalive has passed since it was last seen, so a
+        busy channel writes at most twice a keepalive (a get that found the channel live
+        otherwise writes nothing); best effort: a lost race leaves it to the next request."""
+        if head.keepalive_s <= 0:
+            return
+        now = self.clock.now_ms()
+        if now - head.last_seen_ms < head.keepalive_s * 500:
+            return
+        self.repository.heartbeat(client_id, version, sub, now)
 
     def heartbeat(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         version = self._scope(who, client_id, channel)

@@ -292,6 +292,22 @@ def test_get_and_ack_need_the_live_channel(world: World) -> None:
     assert world.ack(CLIENT, old, [])[1]["error"]["code"] == "session_taken_over"
 
 
+def test_gets_and_acks_keep_the_channel_alive_without_heartbeats(world: World) -> None:
+    """MQTT 5 §3.1.2.10: any packet of the client counts for its keepalive. A client that
+    only long-polls and acks (the messages function) is not expired at 1.5 keepalives."""
+    channel = connected(world, keepalive_s=10)
+    world.subscribe(CLIENT, channel, "k/#")
+    reaper = Reaper(world.registry.repository, RecordingPublisher(), world.clock)
+    for _ in range(4):
+        world.clock.advance(6)
+        world.get(CLIENT, channel)
+        assert world.ack(CLIENT, channel, [])[0] == 200
+        assert reaper.run().channels_expired == 0
+    # 24 s after the connect (its grace was 15 s): live; silent 16 s more, expired
+    world.clock.advance(16)
+    assert reaper.run().channels_expired == 1
+
+
 def test_bad_query_parameters_are_refused(world: World) -> None:
     channel = connected(world)
     status, body = world.call(

@@ -415,7 +415,8 @@ DEPLOYMENT = Deployment(
                 Route("POST", "/v1/sessions/{client_id}/acks"),
             ),
             grants=(
-                Grant("table", "sessions", "read"),
+                # a get or ack counts for the channel's keepalive (MQTT 5 §3.1.2.10)
+                Grant("table", "sessions", "read_write"),
                 Grant("table", "inboxes", "read_write"),
                 # the group streams the session leases: leaders, fences, progress
                 Grant("table", "groups", "read_write"),

@@ -156,10 +156,15 @@ def partitions_of(topics: TopicDirectory, topic_filter: str) -> int | None:
 
 
 def session_registry(
-    config: Config, clock: Clock | None = None, groups: GroupService | None = None
+    config: Config,
+    clock: Clock | None = None,
+    groups: GroupService | None = None,
+    *,
+    requests_seen: bool = True,
 ) -> SessionRegistry:
     """``groups``: the container's groups service, when its function builds one anyway (one
-    service, one drain gate cache, per container)."""
+    service, one drain gate cache, per container). ``requests_seen``: the calls are the
+    client's (they count for its keepalive), not a pusher's."""
     groups = groups or group_service(config, clock, payloads=False)
     return SessionRegistry(
         SessionRepository.from_config(config),
@@ -169,6 +174,7 @@ def session_registry(
         # a heartbeat renews the session's group leases
         groups=groups,
         deliveries=InboxStore.from_config(config),
+        requests_seen=requests_seen,
     )
 
 
@@ -190,11 +196,14 @@ def subscription_service(config: Config, clock: Clock | None = None) -> Subscrip
     )
 
 
-def delivery_service(config: Config, clock: Clock | None = None) -> DeliveryService:
+def delivery_service(
+    config: Config, clock: Clock | None = None, *, requests_seen: bool = True
+) -> DeliveryService:
+    """Get and ack; ``requests_seen`` False for a pusher's (its gets are not the client's)."""
     events = Recording.from_config(config, clock)
     groups = group_service(config, clock, events=events)
     return DeliveryService(
-        session_registry(config, clock, groups),
+        session_registry(config, clock, groups, requests_seen=requests_seen),
         InboxStore.from_config(config),
         config.delivery,
         clock,
@@ -211,9 +220,9 @@ def pusher(config: Config, clock: Clock | None = None) -> Pusher | None:
     api = Connections.from_config(config)
     if api is None:
         return None
-    return Pusher(
-        ConnectionStore.from_config(config, clock), api, delivery_service(config, clock), clock
-    )
+    # a push's gets are the service's own: they do not keep the channel alive
+    delivery = delivery_service(config, clock, requests_seen=False)
+    return Pusher(ConnectionStore.from_config(config, clock), api, delivery, clock)
 
 
 def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:

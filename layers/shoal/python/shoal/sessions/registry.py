@@ -113,8 +113,12 @@ class SessionRegistry:
         on_session_end: SessionEndHook | None = None,
         groups: GroupLeases | None = None,
         deliveries: InFlight | None = None,
+        requests_seen: bool = True,
     ) -> None:
         self.repository = repository
+        #: the channel's own requests count for its keepalive (``_seen``); False where the
+        #: calls are the service's, not the client's (a push's gets)
+        self.requests_seen = requests_seen
         self.clock = clock or SystemClock()
         self.budget_ms = int(budget_s * 1000)
         self.stats = stats or RegistryStats()
@@ -247,7 +251,7 @@ class SessionRegistry:
         connected. Written once half the keepalive has passed since it was last seen, so a
         busy channel writes at most twice a keepalive (a get that found the channel live
         otherwise writes nothing); best effort: a lost race leaves it to the next request."""
-        if head.keepalive_s <= 0:
+        if head.keepalive_s <= 0 or not self.requests_seen:
             return
         now = self.clock.now_ms()
         if now - head.last_seen_ms < head.keepalive_s * 500:

@@ -13,6 +13,9 @@ from shoal.wiring import PerConfig
 
 app = make_resolver()
 service = PerConfig(wiring.subscription_service)
+# a subscribe's or unsubscribe's rebalance hands shared-group lanes to other members, maybe
+# ones connected over the WebSocket API: pushed when the request ends
+hand_overs = PerConfig(wiring.hand_overs)
 
 
 @app.post("/v1/sessions/<client_id>/subscriptions")
@@ -20,7 +23,8 @@ def subscribe(client_id: str) -> dict[str, Any]:
     call = session_call(app, client_id)
     with owner_first(lambda: service().registry.require_owner(call.who, call.client_id)):
         request = parse_body(app, SubscribeRequest)
-    return service().subscribe(call.who, call.client_id, call.channel, request)
+    with hand_overs().watching(service().groups):
+        return service().subscribe(call.who, call.client_id, call.channel, request)
 
 
 @app.post("/v1/sessions/<client_id>/unsubscribe")
@@ -28,7 +32,8 @@ def unsubscribe(client_id: str) -> dict[str, Any]:
     call = session_call(app, client_id)
     with owner_first(lambda: service().registry.require_owner(call.who, call.client_id)):
         request = parse_body(app, UnsubscribeRequest)
-    return service().unsubscribe(call.who, call.client_id, call.channel, request)
+    with hand_overs().watching(service().groups):
+        return service().unsubscribe(call.who, call.client_id, call.channel, request)
 
 
 handler = lambda_handler(app)

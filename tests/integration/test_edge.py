@@ -26,8 +26,11 @@ from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.repository import SessionRepository
+from shoal.wiring import HandOvers
 
+import functions.messages.app as messages_app
 import functions.router.app as router_app
+import functions.subscriptions.app as subscriptions_app
 from tests.helpers import load_event
 from tests.integration.test_delivery_support import World
 from tests.integration.test_groups_support import GroupWorld
@@ -742,6 +745,9 @@ def group_edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     edge = Edge(world, monkeypatch)
     # as ``wiring.edge_service``: the subscriptions' groups too (here one service for both)
     edge.pusher.watch(world.subscriptions.groups)
+    # the HTTP functions push the members their requests hand lanes to (``wiring.HandOvers``)
+    monkeypatch.setattr(messages_app, "hand_overs", lambda: HandOvers(edge.pusher))
+    monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: HandOvers(edge.pusher))
     yield edge
 
 
@@ -774,3 +780,34 @@ def test_a_stream_handed_over_to_an_idle_member_is_pushed_to_it(group_edge: Edge
     assert sorted(set(got)) == sorted(f"{p}-{k}" for p in ("first", "second") for k in keys)
     # and the newcomer got its share: the lanes it was handed
     assert edge.messages("c2")
+
+
+def test_a_lane_an_http_member_hands_over_is_pushed_to_a_websocket_member(
+    group_edge: Edge,
+) -> None:
+    """A group of an HTTP member (long-poll, get and ack) and a WebSocket member: the HTTP
+    member's final ack hands the revoked lanes to the WebSocket member, which is idle and
+    runs nothing; the messages function pushes it when the ack's request ends."""
+    edge = group_edge
+    world = edge.world
+    share = {"filter": "$share/g/a/#", "qos": 1}
+    keys = [f"k{n}" for n in range(8)]
+    channel = world.connect("alice-1", clean_start=False, session_expiry_s=3600)
+    world.subscribe("alice-1", channel, share)
+    for key in keys:
+        world.publish("a/b", f"first-{key}", ordering_key=key)
+    world.route()
+    first = world.get("alice-1", channel, max_messages=100)
+    assert len(first) == len(keys)
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [share]})
+    for key in keys:
+        world.publish("a/b", f"second-{key}", ordering_key=key)
+    world.route()
+    assert edge.messages("c2") == []  # its lanes wait for the HTTP member's acks
+    assert world.ack("alice-1", channel, [m["id"] for m in first])[0] == 200
+    # pushed by the ack's request: no publish, no sweep, no get of the WebSocket member
+    handed = texts(edge.messages("c2"))
+    assert handed and set(handed) <= {f"second-{k}" for k in keys}
+    rest = world.get("alice-1", channel, max_messages=100)
+    assert sorted(handed + texts(rest)) == sorted(f"second-{k}" for k in keys)

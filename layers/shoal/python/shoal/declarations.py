@@ -405,6 +405,10 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "read_write"),
                 # a member that leaves drops its held QoS 2 deliveries, recording each
                 Grant("stream", "events", "write"),
+                # the members a rebalance handed group lanes to, pushed when connected over
+                # the WebSocket API (``wiring.HandOvers``)
+                Grant("table", "connections", "read_write"),
+                Grant("connections", "websocket", "write"),
             ),
         ),
         FunctionDef(
@@ -424,6 +428,10 @@ DEPLOYMENT = Deployment(
                 Grant("bucket", "archive", "read"),
                 # delivery events of gets and acks (shoal.delivery.events)
                 Grant("stream", "events", "write"),
+                # the members an ack handed group lanes to, pushed when connected over the
+                # WebSocket API (``wiring.HandOvers``)
+                Grant("table", "connections", "read_write"),
+                Grant("connections", "websocket", "write"),
             ),
         ),
         FunctionDef(

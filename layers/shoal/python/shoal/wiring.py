@@ -7,7 +7,8 @@ service is put together (its stores, clients, clock and hooks) is written once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -223,6 +224,35 @@ def pusher(config: Config, clock: Clock | None = None) -> Pusher | None:
     # a push's gets are the service's own: they do not keep the channel alive
     delivery = delivery_service(config, clock, requests_seen=False)
     return Pusher(ConnectionStore.from_config(config, clock), api, delivery, clock)
+
+
+class HandOvers:
+    """The shared-group members that an HTTP request's work handed streams to (an ack's final
+    progress, a leave, a subscribe's rebalance), pushed when the request ends: a member
+    connected over the WebSocket API and idle runs nothing that would read them, so a group
+    of HTTP and WebSocket members would leave a lane's backlog waiting for the next message
+    routed to the group (at a stream's end, for ever). Nothing without a WebSocket API."""
+
+    def __init__(self, pusher: Pusher | None) -> None:
+        self.pusher = pusher
+
+    @contextmanager
+    def watching(self, groups: object | None) -> Iterator[None]:
+        """Notes the hand-overs of ``groups`` (a ``GroupService``) during the block, then
+        pushes them (best effort: a failed push leaves them to the member's next trigger)."""
+        if self.pusher is None:
+            yield
+            return
+        # idempotent: the store's hook is this pusher's, set again on each request
+        self.pusher.watch(groups)
+        try:
+            yield
+        finally:
+            self.pusher.push_handed_over()
+
+
+def hand_overs(config: Config, clock: Clock | None = None) -> HandOvers:
+    return HandOvers(pusher(config, clock))
 
 
 def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:

@@ -170,7 +170,9 @@ def test_only_the_pushing_functions_may_manage_connections(deployed: Synth) -> N
         for f in deployed.deployment.functions
         if any(g.kind == "connections" for g in f.grants)
     }
-    assert granted == {"edge", "router", "reaper"}
+    # the edge, the router, the reaper's sweep, and the HTTP functions whose requests hand
+    # shared-group lanes to WebSocket members (``wiring.HandOvers``)
+    assert granted == {"edge", "router", "reaper", "messages", "subscriptions"}
     for fdef in deployed.deployment.functions:
         resources = _manage_connections(deployed, fdef.name)
         if fdef.name not in granted:

@@ -770,7 +770,7 @@ def test_an_admin_sees_a_shared_groups_members_and_each_lanes_holder(
         page.screenshot(path=str(SCREENSHOTS / "groups.png"), full_page=True)
     # and a group of no member is the API's 404, shown with its code
     page.get_by_label("Share name (or the whole $share/name/filter)").fill("consgrp-none")
-    page.get_by_label("Topic filter of the group").fill(topic_filter)
+    page.get_by_label("The group's filter").fill(topic_filter)
     page.get_by_role("button", name="Show the group").click()
     expect(page.locator("#group-error")).to_contain_text("group_not_found (404)", timeout=WAIT_MS)
     expect(page.locator("#group-members")).to_have_count(0)

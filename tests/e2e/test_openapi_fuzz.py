@@ -384,10 +384,9 @@ def test_the_documented_flow_answers_as_documented(fuzz: Fuzz) -> None:
     )
     assert [m["client_id"] for m in group["members"]] == [client["client_id"]]
     absent = {"share": "flow-none"}
-    query = {"filter": "fuzzflow/shared/#"}
-    assert call("GET", "/v1/groups/{share}", 404, params=absent, query=query)["error"]["code"] == (
-        "group_not_found"
-    )
+    of_filter = {"filter": "fuzzflow/shared/#"}
+    missing = call("GET", "/v1/groups/{share}", 404, params=absent, query=of_filter)
+    assert missing["error"]["code"] == "group_not_found"
     call("GET", "/v1/sessions/{client_id}", 200, **session)
     # the read-only view (no Shoal-Channel): the same session, no channel handed out
     assert call("GET", "/v1/sessions/{client_id}", 200, params=client)["channel"] is None

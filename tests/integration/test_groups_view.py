@@ -108,6 +108,39 @@ def test_messages_handed_out_show_in_flight_on_their_lane(world: GroupWorld) -> 
     assert {lane["holder_client_id"] for lane in body["lanes"]} == {"alice-a"}
 
 
+def test_a_lane_being_handed_over_shows_revoking_under_its_old_holder(world: GroupWorld) -> None:
+    # Given one member holding all three lanes, each with messages in flight
+    a = member(world, "alice-a")
+    for n in range(12):
+        world.publish(f"orders/{n}", f"m{n}", ordering_key=f"k{n}")
+    world.route()
+    world.heartbeat("alice-a", a)
+    held = world.get("alice-a", a, 100)
+    assert len(held) == 12
+    _, before = view_call("ops", "orders/#")
+    assert all(lane["in_flight"] > 0 for lane in before["lanes"]), before["lanes"]
+    # When a second member joins and the group is advanced
+    b = member(world, "alice-b")
+    world.heartbeat("alice-b", b)
+    world.heartbeat("alice-a", a)
+    # Then one lane is being handed over: still the first member's, revoking
+    _, body = view_call("ops", "orders/#")
+    states = sorted((lane["state"], lane["holder_client_id"]) for lane in body["lanes"])
+    assert states == [("granted", "alice-a"), ("granted", "alice-a"), ("revoking", "alice-a")]
+    assert {m["client_id"]: m["lanes_held"] for m in body["members"]} == {
+        "alice-a": 3,
+        "alice-b": 0,
+    }
+    # When the first member acks what it holds (its final progress)
+    assert world.ack("alice-a", a, [m["id"] for m in held])[0] == 200
+    world.heartbeat("alice-b", b)
+    # Then the lane is the second member's, nothing in flight anywhere
+    _, body = view_call("ops", "orders/#")
+    states = sorted((lane["state"], lane["holder_client_id"]) for lane in body["lanes"])
+    assert states == [("granted", "alice-a"), ("granted", "alice-a"), ("granted", "alice-b")]
+    assert sum(lane["in_flight"] for lane in body["lanes"]) == 0
+
+
 def test_a_group_known_to_no_router_yet_has_members_and_no_lanes(world: GroupWorld) -> None:
     member(world, "alice-a")
     status, body = view_call("ops", "orders/#")

@@ -815,6 +815,7 @@ def test_the_main_views_have_no_critical_accessibility_violations(
         sign_in(page, admin)
         connect(page)
         subscribe(page, "sensors/cons-a11y/#")
+        subscribe(page, "$share/consa11y/sensors/cons-a11y/#")
         publish(shared_dev, "sensors/cons-a11y/t", text="1")
         expect(page.locator("#messages tbody tr")).not_to_have_count(0, timeout=WAIT_MS)
         found["live"] = _critical_violations(page)
@@ -822,6 +823,13 @@ def test_the_main_views_have_no_critical_accessibility_violations(
             view(page, name)
             page.wait_for_load_state("networkidle")
             found[name] = _critical_violations(page)
+        # the Groups view showing a group (the page's own session is its member)
+        view(page, "Groups")
+        share = page.get_by_label("Share name (or the whole $share/name/filter)")
+        share.fill("$share/consa11y/sensors/cons-a11y/#")
+        page.get_by_role("button", name="Show the group").click()
+        expect(page.locator("#group-members tbody tr")).to_have_count(1, timeout=WAIT_MS)
+        found["a group"] = _critical_violations(page)
     finally:
         context.close()
     assert {name: v for name, v in found.items() if v} == {}

@@ -1,18 +1,22 @@
-"""Composite topics (admin): create, list, get, add a storage topic, switch produce."""
+"""Composite topics (admin): create, list, get, add a storage topic, switch produce; and a view
+of one shared group (its members, lanes and their holders)."""
 
 from typing import Any
+from urllib.parse import unquote
 
 from aws_lambda_powertools.event_handler import Response
 from shoal.composite.model import AddStorageTopic, CreateTopic
+from shoal.groups.admin import GroupView
 from shoal.http.body import NoBody, parse_body
 from shoal.http.caller import admin_only
-from shoal.http.resolver import json_response, lambda_handler, make_resolver
+from shoal.http.resolver import json_response, lambda_handler, make_resolver, query_values
 from shoal.wiring import PerConfig, topic_service
 
 app = make_resolver()
 # every route needs the shoal:admin claim, checked before the request is looked at
 app.use(middlewares=[admin_only])
 service = PerConfig(topic_service)
+groups = PerConfig(GroupView.from_config)
 
 
 @app.post("/v1/topics")
@@ -41,6 +45,12 @@ def add_storage_topic(name: str) -> Response[str]:
 def switch_produce(name: str) -> dict[str, Any]:
     parse_body(app, NoBody)
     return service().switch_produce(name).document()
+
+
+@app.get("/v1/groups/<share>")
+def get_group(share: str) -> dict[str, Any]:
+    # API Gateway matches routes on the raw path: the share name arrives percent-encoded
+    return groups().describe(unquote(share), *query_values(app, "filter"))
 
 
 handler = lambda_handler(app)

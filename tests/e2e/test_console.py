@@ -2,9 +2,10 @@
 by Playwright against ``shared_dev``: sign in, the live view over the WebSocket API, publish,
 the admin views, and axe-core's accessibility check.
 
-Screenshots of the live and topics views go to ``build/console/`` (git-ignored), for a person
-to look at. Names of this module's own: topics under ``sensors/cons-`` and ``console/``, client
-ids ``cons-*``, the composite topic ``consorders``, the push subscription ``consdlq``.
+Screenshots of the live, topics and groups views go to ``build/console/`` (git-ignored), for a
+person to look at. Names of this module's own: topics under ``sensors/cons-`` and ``console/``,
+client ids ``cons-*``, the composite topics ``consorders`` and ``consswitch*``, the push
+subscriptions ``consdlq*``, the shared groups ``$share/consgrp/console/...``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import pytest
 from playwright.sync_api import Browser, Dialog, Page, Playwright, expect, sync_playwright
@@ -109,6 +111,18 @@ def cli(dev: DevServer, cwd: Path, *argv: str, timeout: float = 60) -> str:
     return done.stdout
 
 
+def publish(dev: DevServer, topic: str, **message: Any) -> dict[str, Any]:
+    """``POST /v1/messages`` of one message to ``topic``, by a publisher allowed that topic
+    alone; its answer (a 201)."""
+    publisher = token(dev, "cons-pub", publish=[topic])
+    status, body = dev.request(
+        "POST", "/v1/messages", token=publisher, json={"topic": topic, **message}
+    )
+    assert status == 201, body
+    answer: dict[str, Any] = body
+    return answer
+
+
 def view(page: Page, name: str) -> None:
     page.get_by_role("navigation", name="Views").get_by_role(
         "button", name=name, exact=True
@@ -162,19 +176,13 @@ def test_binary_payloads_show_as_hex_and_properties_show(page: Page, shared_dev:
     sign_in(page, token(shared_dev, "cons-hex", clients=["cons-hex*"], subscribe=["sensors/#"]))
     connect(page)
     subscribe(page, "sensors/cons-hex/#")
-    publisher = token(shared_dev, "cons-pub", publish=["sensors/#"])
-    status, _ = shared_dev.request(
-        "POST",
-        "/v1/messages",
-        token=publisher,
-        json={
-            "topic": "sensors/cons-hex/raw",
-            "payload": "AQL/",  # 01 02 ff: not UTF-8
-            "qos": 0,
-            "properties": {"content_type": "application/octet-stream"},
-        },
+    publish(
+        shared_dev,
+        "sensors/cons-hex/raw",
+        payload="AQL/",  # 01 02 ff: not UTF-8
+        qos=0,
+        properties={"content_type": "application/octet-stream"},
     )
-    assert status == 201
     row = page.locator("#messages tbody tr", has_text="sensors/cons-hex/raw")
     expect(row.locator("td.payload")).to_have_text("hex01 02 ff", timeout=WAIT_MS)
     expect(row.locator("td").nth(7)).to_contain_text('"content_type":"application/octet-stream"')
@@ -189,11 +197,7 @@ def test_a_message_acked_by_hand_is_acked_once_the_button_is_pressed(
     page.get_by_label("Ack each message as it arrives").uncheck()
     connect(page)
     subscribe(page, "sensors/cons-ack/#")
-    publisher = token(shared_dev, "cons-pub", publish=["sensors/#"])
-    status, _ = shared_dev.request(
-        "POST", "/v1/messages", token=publisher, json={"topic": "sensors/cons-ack/a", "text": "x"}
-    )
-    assert status == 201
+    publish(shared_dev, "sensors/cons-ack/a", text="x")
     ack = page.get_by_role("button", name="Ack the message on sensors/cons-ack/a")
     expect(ack).to_be_visible(timeout=WAIT_MS)
     client_id = page.get_by_role("textbox", name="Client id", exact=True).input_value()
@@ -216,11 +220,7 @@ def test_an_unacked_message_comes_again_with_dup_when_the_session_resumes(
     page.get_by_label("Ack each message as it arrives").uncheck()
     connect(page)
     subscribe(page, "sensors/cons-redo/#")
-    publisher = token(shared_dev, "cons-pub", publish=["sensors/#"])
-    status, _ = shared_dev.request(
-        "POST", "/v1/messages", token=publisher, json={"topic": "sensors/cons-redo/a", "text": "r"}
-    )
-    assert status == 201
+    publish(shared_dev, "sensors/cons-redo/a", text="r")
     rows = page.locator("#messages tbody tr", has_text="sensors/cons-redo/a")
     expect(rows).to_have_count(1, timeout=WAIT_MS)
     expect(rows.first.locator("td").nth(5)).to_have_text("no")
@@ -336,11 +336,7 @@ def test_a_shared_subscription_is_made_and_delivers(page: Page, shared_dev: DevS
     sign_in(page, token(shared_dev, "cons-share", clients=["cons-share*"], subscribe=["sensors/#"]))
     connect(page)
     subscribe(page, "$share/cons/sensors/cons-share/#")
-    publisher = token(shared_dev, "cons-pub", publish=["sensors/#"])
-    status, _ = shared_dev.request(
-        "POST", "/v1/messages", token=publisher, json={"topic": "sensors/cons-share/a", "text": "s"}
-    )
-    assert status == 201
+    publish(shared_dev, "sensors/cons-share/a", text="s")
     row = page.locator("#messages tbody tr", has_text="sensors/cons-share/a")
     expect(row.locator("td").nth(6)).to_have_text(
         "$share/cons/sensors/cons-share/#", timeout=WAIT_MS
@@ -510,19 +506,47 @@ def refusing() -> Iterator[RefusingEndpoint]:
     endpoint.httpd.server_close()
 
 
+def push_subscription(dev: DevServer, admin: str, endpoint: RefusingEndpoint) -> str:
+    """A push subscription of a name of its own (``consdlq...``) to ``endpoint``, on the
+    topics under that name; its name."""
+    name = f"consdlq{uuid.uuid4().hex[:6]}"
+    status, body = dev.request(
+        "POST",
+        "/v1/subscriptions",
+        token=admin,
+        json={"name": name, "filter": f"{name}/#", "endpoint": endpoint.url},
+    )
+    assert status == 201, body
+    return name
+
+
+def wait_for_dead_letters(dev: DevServer, admin: str, name: str, count: int) -> list[Any]:
+    """The subscription's dead letters once there are ``count`` (the endpoint's refusals take
+    a poll or two to land in the DLQ)."""
+    dead: list[Any] = []
+    for _ in range(60):
+        _, answer = dev.request("GET", f"/v1/subscriptions/{name}/dlq", token=admin)
+        dead = answer["messages"]
+        if len(dead) >= count:
+            break
+        time.sleep(0.5)
+    assert len(dead) == count, dead
+    return dead
+
+
+def open_push_subscription(page: Page, admin: str, name: str) -> None:
+    sign_in(page, admin)
+    view(page, "Push subscriptions")
+    page.get_by_role("button", name=name, exact=True).click()
+    expect(page.locator("#push-detail h3")).to_have_text(name, timeout=WAIT_MS)
+
+
 def test_a_redrive_by_key_from_the_page_empties_that_keys_dead_letters(
     page: Page, shared_dev: DevServer, refusing: RefusingEndpoint
 ) -> None:
     # Given a push subscription whose endpoint refused the messages of two keys
     admin = token(shared_dev, "cons-ops", admin=True)
-    name = f"consdlq{uuid.uuid4().hex[:6]}"
-    status, body = shared_dev.request(
-        "POST",
-        "/v1/subscriptions",
-        token=admin,
-        json={"name": name, "filter": f"{name}/#", "endpoint": refusing.url},
-    )
-    assert status == 201, body
+    name = push_subscription(shared_dev, admin, refusing)
     refusing.refusing |= {"doomed", "other"}
     messages = [
         {"topic": f"{name}/x", "text": f"m{i}", "ordering_key": key}
@@ -534,15 +558,8 @@ def test_a_redrive_by_key_from_the_page_empties_that_keys_dead_letters(
     )
     assert status == 200, body
     assert all("message_id" in result for result in body["results"]), body
-    for _ in range(60):  # the endpoint's refusals take a poll or two to land in the DLQ
-        _, dead = shared_dev.request("GET", f"/v1/subscriptions/{name}/dlq", token=admin)
-        if len(dead["messages"]) == 3:
-            break
-        time.sleep(0.5)
-    sign_in(page, admin)
-    view(page, "Push subscriptions")
-    page.get_by_role("button", name=name, exact=True).click()
-    expect(page.locator("#push-detail h3")).to_have_text(name, timeout=WAIT_MS)
+    wait_for_dead_letters(shared_dev, admin, name, 3)
+    open_push_subscription(page, admin, name)
     expect(page.locator("#dlq-depth")).to_have_text("3")
     letters = page.locator("#dlq tbody tr")
     expect(letters).to_have_count(3)
@@ -573,6 +590,205 @@ def test_a_redrive_by_key_from_the_page_empties_that_keys_dead_letters(
     expect(page.locator("#dlq-depth")).to_have_text("0")
 
 
+def test_a_redrive_by_time_from_the_page_takes_only_what_failed_after_it(
+    page: Page, shared_dev: DevServer, refusing: RefusingEndpoint
+) -> None:
+    # Given a push subscription whose endpoint refused one message, then, after a moment
+    # noted, another one of another key
+    admin = token(shared_dev, "cons-ops", admin=True)
+    name = push_subscription(shared_dev, admin, refusing)
+    refusing.refusing |= {"early", "late"}
+    publish(shared_dev, f"{name}/x", text="e", ordering_key="early")
+    wait_for_dead_letters(shared_dev, admin, name, 1)
+    time.sleep(1)
+    moment = datetime.now(UTC) - timedelta(milliseconds=1)
+    time.sleep(1)
+    publish(shared_dev, f"{name}/x", text="l", ordering_key="late")
+    wait_for_dead_letters(shared_dev, admin, name, 2)
+    open_push_subscription(page, admin, name)
+    expect(page.locator("#dlq tbody tr")).to_have_count(2)
+    # When the endpoint recovers and the page redrives what failed after that moment (an
+    # ISO 8601 time, as a person types it)
+    refusing.refusing.clear()
+    page.get_by_label("Redrive by").select_option("failed_after")
+    typed = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    page.get_by_label("Keys, ids (space-separated) or time").fill(typed)
+    page.get_by_role("button", name="Redrive", exact=True).click()
+    # Then only the later one went, and the earlier one is still dead-lettered
+    expect(page.locator("#redrive-answer")).to_contain_text('"redriven": 1', timeout=WAIT_MS)
+    expect(page.locator("#dlq tbody tr")).to_have_count(1)
+    expect(page.locator("#dlq tbody tr")).to_have_attribute("data-ordering-key", "early")
+    expect(page.locator("#dlq-depth")).to_have_text("1")
+    for _ in range(60):
+        if "late" in refusing.delivered:
+            break
+        time.sleep(0.5)
+    assert refusing.delivered == ["late"]
+
+
+def test_a_switch_produce_confirmed_on_the_page_moves_the_pointer(
+    page: Page, shared_dev: DevServer
+) -> None:
+    # Given a topic of two storage topics, producing to the first
+    admin = token(shared_dev, "cons-ops", admin=True)
+    name = f"consswitch{uuid.uuid4().hex[:6]}"
+    status, body = shared_dev.request(
+        "POST", "/v1/topics", token=admin, json={"name": name, "partitions": 1}
+    )
+    assert status == 201, body
+    status, body = shared_dev.request(
+        "POST", f"/v1/topics/{name}/storage-topics", token=admin, json={"partitions": 1}
+    )
+    assert status == 201, body
+    sign_in(page, admin)
+    view(page, "Topics")
+    topic = page.locator(f"article[data-topic={name}]")
+    expect(topic.locator("tbody tr")).to_have_count(2, timeout=WAIT_MS)
+    expect(topic).to_contain_text("Produce pointer: storage topic 0")
+    # When the admin switches produce and confirms
+    asked: list[str] = []
+
+    def accept(dialog: Dialog) -> None:
+        asked.append(dialog.message)
+        dialog.accept()
+
+    page.once("dialog", accept)
+    topic.get_by_role("button", name=f"Switch produce of {name}").click()
+    # Then the page shows the pointer on the second storage topic (a switch answers once it
+    # is in effect: seconds)
+    switched = page.locator(f"article[data-topic={name}]")
+    expect(switched).to_contain_text("Produce pointer: storage topic 1", timeout=60_000)
+    expect(switched.locator("tbody tr").nth(1).locator("td").nth(4)).to_have_text("yes")
+    expect(switched.locator("tbody tr").nth(0).locator("td").nth(4)).to_have_text("")
+    assert asked == [f"Move the produce pointer of {name} to its next storage topic?"]
+    _, doc = shared_dev.request("GET", f"/v1/topics/{name}", token=admin)
+    assert doc["produce_pointer"] == 1
+
+
+class GroupMembers:
+    """Sessions over the HTTP API, members of one shared group, heartbeating every second
+    while the test looks (a member not renewed within the lease timeout, 6 s, is no longer
+    live, and the reaper or any member's call would hand its lanes on)."""
+
+    def __init__(self, dev: DevServer, text: str, client_ids: list[str], lanes: int) -> None:
+        self.dev = dev
+        prefix = client_ids[0].rsplit("-", 1)[0]
+        self.jwt = token(
+            dev, "cons-grp", clients=[f"{prefix}-*"], subscribe=[text.split("/", 2)[2]]
+        )
+        self.channels: dict[str, str] = {}
+        for client_id in client_ids:
+            status, body = dev.request(
+                "PUT",
+                f"/v1/sessions/{client_id}",
+                token=self.jwt,
+                json={"clean_start": True, "session_expiry_s": 0, "keepalive_s": 60},
+            )
+            assert status == 200, body
+            self.channels[client_id] = body["channel"]
+            status, body = self.call(
+                "POST",
+                client_id,
+                "/subscriptions",
+                {"subscriptions": [{"filter": text, "qos": 1, "lanes": lanes}]},
+            )
+            assert (status, body["granted"]) == (200, [1]), body
+        self._stop = threading.Event()
+        self._beating = threading.Thread(target=self._beat, daemon=True)
+
+    def call(self, method: str, client_id: str, suffix: str, body: Any = None) -> tuple[int, Any]:
+        return self.dev.request(
+            method,
+            f"/v1/sessions/{client_id}{suffix}",
+            token=self.jwt,
+            json=body,
+            headers={"Shoal-Channel": self.channels[client_id]},
+        )
+
+    def heartbeat(self) -> None:
+        for client_id in self.channels:
+            status, body = self.call("POST", client_id, "/heartbeat")
+            assert status == 200, body
+
+    def _beat(self) -> None:
+        while not self._stop.wait(1.0):
+            self.heartbeat()
+
+    def __enter__(self) -> GroupMembers:
+        self._beating.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._beating.join(10)
+        for client_id in self.channels:
+            self.call("DELETE", client_id, "")
+
+
+def test_an_admin_sees_a_shared_groups_members_and_each_lanes_holder(
+    page: Page, shared_dev: DevServer
+) -> None:
+    # Given a shared group of three members over the HTTP API, created with three lanes of
+    # its one source shard (shoal dev's default topic has one), heartbeating
+    tag = uuid.uuid4().hex[:6]
+    topic_filter = f"console/grp-{tag}/#"
+    text = f"$share/consgrp/{topic_filter}"
+    client_ids = [f"cons-grp{tag}-{n}" for n in range(3)]
+    admin = token(shared_dev, "cons-ops", admin=True)
+    path = f"/v1/groups/consgrp?filter={quote(topic_filter, safe='')}"
+    with GroupMembers(shared_dev, text, client_ids, lanes=3) as members:
+        # and a message routed to it (the router makes the source's lanes known)
+        publish(shared_dev, f"console/grp-{tag}/a", text="g")
+        group: dict[str, Any] = {}
+        for _ in range(60):
+            members.heartbeat()
+            _, group = shared_dev.request("GET", path, token=admin)
+            if len(group.get("lanes", [])) == 3 and all(x["holder"] for x in group["lanes"]):
+                break
+            time.sleep(0.5)
+        assert [x["state"] for x in group["lanes"]] == ["granted"] * 3, group
+        # When an admin opens the Groups view and asks for the group by its whole name
+        sign_in(page, admin)
+        view(page, "Groups")
+        page.get_by_label("Share name (or the whole $share/name/filter)").fill(text)
+        page.get_by_role("button", name="Show the group").click()
+        # Then the page shows the three members, connected
+        expect(page.locator("#group-view h3")).to_have_text(text, timeout=WAIT_MS)
+        rows = page.locator("#group-members tbody tr")
+        expect(rows).to_have_count(3)
+        assert sorted(rows.locator("td:first-child").all_inner_texts()) == client_ids
+        for n in range(3):
+            expect(rows.nth(n).locator("td").nth(2)).to_have_text("yes")
+        # and three lanes, each held by one of them
+        lanes = page.locator("#group-lanes tbody tr")
+        expect(lanes).to_have_count(3)
+        assert sorted(lanes.locator("td:nth-child(2)").all_inner_texts()) == ["0", "1", "2"]
+        holders = lanes.locator("td.holder").all_inner_texts()
+        assert sorted(holders) == client_ids, holders
+        expect(page.locator("#group-held")).to_have_text("3 of 3")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "groups.png"), full_page=True)
+    # and a group of no member is the API's 404, shown with its code
+    page.get_by_label("Share name (or the whole $share/name/filter)").fill("consgrp-none")
+    page.get_by_label("The group's filter").fill(topic_filter)
+    page.get_by_role("button", name="Show the group").click()
+    expect(page.locator("#group-error")).to_contain_text("group_not_found (404)", timeout=WAIT_MS)
+    expect(page.locator("#group-members")).to_have_count(0)
+
+
+def test_a_non_admin_is_told_why_the_groups_view_is_refused(
+    page: Page, shared_dev: DevServer
+) -> None:
+    sign_in(page, token(shared_dev, "cons-plain", subscribe=["#"]))
+    view(page, "Groups")
+    page.get_by_label("Share name (or the whole $share/name/filter)").fill("$share/any/console/#")
+    page.keyboard.press("Enter")
+    error = page.locator("#group-error")
+    expect(error).to_contain_text("forbidden (403)", timeout=WAIT_MS)
+    expect(error).to_contain_text("needs an admin token")
+    expect(page.locator("#group-view")).to_be_empty()
+
+
 def _critical_violations(page: Page) -> list[dict[str, Any]]:
     page.add_script_tag(path=str(AXE))
     violations: list[dict[str, Any]] = page.evaluate(
@@ -599,18 +815,21 @@ def test_the_main_views_have_no_critical_accessibility_violations(
         sign_in(page, admin)
         connect(page)
         subscribe(page, "sensors/cons-a11y/#")
-        shared_dev.request(
-            "POST",
-            "/v1/messages",
-            token=token(shared_dev, "cons-pub", publish=["sensors/#"]),
-            json={"topic": "sensors/cons-a11y/t", "text": "1"},
-        )
+        subscribe(page, "$share/consa11y/sensors/cons-a11y/#")
+        publish(shared_dev, "sensors/cons-a11y/t", text="1")
         expect(page.locator("#messages tbody tr")).not_to_have_count(0, timeout=WAIT_MS)
         found["live"] = _critical_violations(page)
-        for name in ("Publish", "Topics", "Sessions", "Push subscriptions"):
+        for name in ("Publish", "Topics", "Sessions", "Groups", "Push subscriptions"):
             view(page, name)
             page.wait_for_load_state("networkidle")
             found[name] = _critical_violations(page)
+        # the Groups view showing a group (the page's own session is its member)
+        view(page, "Groups")
+        share = page.get_by_label("Share name (or the whole $share/name/filter)")
+        share.fill("$share/consa11y/sensors/cons-a11y/#")
+        page.get_by_role("button", name="Show the group").click()
+        expect(page.locator("#group-members tbody tr")).to_have_count(1, timeout=WAIT_MS)
+        found["a group"] = _critical_violations(page)
     finally:
         context.close()
     assert {name: v for name, v in found.items() if v} == {}

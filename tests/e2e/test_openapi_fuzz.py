@@ -374,6 +374,19 @@ def test_the_documented_flow_answers_as_documented(fuzz: Fuzz) -> None:
         topics |= {m["topic"] for m in got["messages"]}
     assert wanted <= topics, f"delivered in 30 s: {sorted(topics)}"
     call("POST", "/v1/sessions/{client_id}/heartbeat", 200, **session)
+    # the shared group it joined, as an admin sees it; another share name of it is no group
+    group = call(
+        "GET",
+        "/v1/groups/{share}",
+        200,
+        params={"share": "flow"},
+        query={"filter": "fuzzflow/shared/#"},
+    )
+    assert [m["client_id"] for m in group["members"]] == [client["client_id"]]
+    absent = {"share": "flow-none"}
+    of_filter = {"filter": "fuzzflow/shared/#"}
+    missing = call("GET", "/v1/groups/{share}", 404, params=absent, query=of_filter)
+    assert missing["error"]["code"] == "group_not_found"
     call("GET", "/v1/sessions/{client_id}", 200, **session)
     # the read-only view (no Shoal-Channel): the same session, no channel handed out
     assert call("GET", "/v1/sessions/{client_id}", 200, params=client)["channel"] is None

@@ -233,13 +233,17 @@ DEPLOYMENT = Deployment(
         ),
         FunctionDef(
             name="admin",
-            description="Composite topics: create, list, get, add a storage topic, switch produce",
+            description=(
+                "Composite topics: create, list, get, add a storage topic, switch produce; "
+                "a shared group's members and lanes"
+            ),
             routes=(
                 Route("POST", "/v1/topics"),
                 Route("GET", "/v1/topics"),
                 Route("GET", "/v1/topics/{name}"),
                 Route("POST", "/v1/topics/{name}/storage-topics"),
                 Route("POST", "/v1/topics/{name}/switch-produce"),
+                Route("GET", "/v1/groups/{share}"),
             ),
             grants=(
                 Grant("table", "topics", "read_write"),
@@ -254,6 +258,10 @@ DEPLOYMENT = Deployment(
                 # a switch seals what it left behind and marks it in the drain records, which
                 # live in the inboxes table (shoal.drain; seen by the IAM check, 2026-11-29)
                 Grant("table", "inboxes", "read_write"),
+                # a shared group's view (shoal.groups.admin): one query of its partition, and
+                # its members' session heads (connected or not); it writes neither
+                Grant("table", "groups", "read"),
+                Grant("table", "sessions", "read"),
             ),
         ),
         FunctionDef(

@@ -148,6 +148,12 @@ class SessionNotFound(NotFound):
     code = "session_not_found"
 
 
+class GroupNotFound(NotFound):
+    """No shared group of that ShareName and filter (it has no member now)."""
+
+    code = "group_not_found"
+
+
 class ChannelOutdated(Conflict):
     """A newer connect for this client id exists: this one can never become the newest."""
 

@@ -594,13 +594,102 @@ async function lookUpSession(event) {
           return el("tr", {}, el("td", { class: "mono", text: filter }), el("td", { class: "mono", text: JSON.stringify(rest) }));
         }))),
       el("table", { id: "session-groups" }, el("caption", { text: `Shared groups of ${s.client_id}, with the streams this session holds` }),
-        el("thead", {}, el("tr", {}, ...["Group", "Members", "Lanes", "Leases held"].map((h) => el("th", { scope: "col", text: h })))),
+        el("thead", {}, el("tr", {}, ...["Group", "Members", "Lanes", "Leases held", "Whole group"].map((h) => el("th", { scope: "col", text: h })))),
         el("tbody", {}, ...(s.groups || []).map((g) => el("tr", {},
           el("td", { class: "mono", text: g.group }), el("td", { text: String(g.members) }),
           el("td", { text: String(g.lanes ?? "") }),
-          el("td", { class: "mono", text: (g.leases || []).map((l) => `${l.stream} (${l.state})`).join(", ") || "none" }))))));
+          el("td", { class: "mono", text: (g.leases || []).map((l) => `${l.stream} (${l.state})`).join(", ") || "none" }),
+          el("td", {}, el("button", { type: "button", "aria-label": `Show the group ${g.group}`, onclick: () => showGroup(g.group) }, "Show")))))));
   } catch (exc) {
     say("session-error", explain(exc));
+  }
+}
+
+// --- shared groups (admin) ---------------------------------------------------------------
+
+const LANE_STATES = { granted: "granted", revoking: "revoking (handing over)", revoked: "free" };
+
+// "$share/name/filter" typed into the share name field is split into its two parts
+function groupOf(shareText, filterText) {
+  const share = shareText.trim();
+  if (share.startsWith("$share/")) {
+    const rest = share.slice("$share/".length);
+    const at = rest.indexOf("/");
+    if (at > 0) return { share: rest.slice(0, at), filter: rest.slice(at + 1) };
+  }
+  return { share, filter: filterText };
+}
+
+// from another view (a session's groups): the Groups view, showing that group
+function showGroup(text) {
+  const { share, filter } = groupOf(text, "");
+  $("group-share").value = share;
+  $("group-filter").value = filter;
+  show("groups");
+  $("group-share").focus();
+  return loadGroup(share, filter);
+}
+
+async function lookUpGroup(event) {
+  event.preventDefault();
+  const { share, filter } = groupOf($("group-share").value, $("group-filter").value);
+  $("group-share").value = share;
+  $("group-filter").value = filter;
+  await loadGroup(share, filter);
+}
+
+function yesNo(value) {
+  if (value === null || value === undefined) return "unknown";
+  return value ? "yes" : "no";
+}
+
+function when(ms) {
+  return ms ? new Date(ms).toISOString() : "";
+}
+
+async function loadGroup(share, filter) {
+  say("group-error", "");
+  const view = $("group-view");
+  view.setAttribute("aria-busy", "true");
+  try {
+    const g = await api("GET", `/v1/groups/${encodeURIComponent(share)}?filter=${encodeURIComponent(filter)}`);
+    const names = new Map(g.members.map((m) => [m.session_id, m.client_id]));
+    const memberRows = g.members.map((m) => el("tr", { "data-client-id": m.client_id },
+      el("td", { class: "mono", text: m.client_id }), el("td", { class: "mono", text: m.session_id }),
+      el("td", { text: yesNo(m.connected) }), el("td", { text: yesNo(m.live) }),
+      el("td", { text: String(m.lanes_held) }), el("td", { text: String(m.held_qos2) }),
+      el("td", { text: when(m.joined_at_ms) }), el("td", { text: when(m.renewed_at_ms) })));
+    const laneRows = g.lanes.map((l) => el("tr", { "data-stream": l.stream, "data-state": l.state },
+      el("td", { class: "mono", text: l.source }), el("td", { text: String(l.lane) }),
+      el("td", { text: LANE_STATES[l.state] || l.state }),
+      el("td", { class: "mono holder", text: l.holder ? (l.holder_client_id || names.get(l.holder) || l.holder) : "none" }),
+      el("td", { text: String(l.lease) }), el("td", { text: String(l.in_flight) }),
+      el("td", { text: when(l.since_ms) })));
+    const held = g.lanes.filter((l) => l.holder).length;
+    view.replaceChildren(
+      el("h3", { class: "mono", text: g.group }),
+      el("dl", {},
+        el("dt", { text: "Members" }), el("dd", { id: "group-member-count", text: String(g.members.length) }),
+        el("dt", { text: "Lanes held" }), el("dd", { id: "group-held", text: `${held} of ${g.lanes.length}` }),
+        el("dt", { text: "Lanes per source shard" }), el("dd", { text: String(g.lanes_per_source) }),
+        el("dt", { text: "Lease timeout" }), el("dd", { text: `${g.lease_timeout_ms / 1000} s` }),
+        el("dt", { text: "Leader version" }), el("dd", { text: String(g.version) }),
+        el("dt", { text: "Created" }), el("dd", { text: when(g.created_at_ms) })),
+      el("button", { type: "button", onclick: () => loadGroup(share, filter) }, "Refresh the group"),
+      el("table", { id: "group-members" }, el("caption", { text: `Members of ${g.group}` }),
+        el("thead", {}, el("tr", {}, ...["Client id", "Session", "Connected", "Live (renewed in time)", "Lanes held", "QoS 2 held", "Joined", "Last renewal"].map((h) => el("th", { scope: "col", text: h })))),
+        el("tbody", {}, ...memberRows)),
+      el("table", { id: "group-lanes" }, el("caption", { text: `Lanes of ${g.group} and who holds them` }),
+        el("thead", {}, el("tr", {}, ...["Source shard", "Lane", "State", "Holder", "Lease", "In flight", "Since"].map((h) => el("th", { scope: "col", text: h })))),
+        el("tbody", {}, ...laneRows)));
+    if (!g.lanes.length) {
+      view.append(el("p", { text: "No lanes yet: the router makes a source's lanes known with the first message of the group it routes from that shard." }));
+    }
+  } catch (exc) {
+    view.replaceChildren();
+    say("group-error", explain(exc));
+  } finally {
+    view.removeAttribute("aria-busy");
   }
 }
 
@@ -724,6 +813,7 @@ async function start() {
   $("publish-form").addEventListener("submit", publish);
   $("topics-refresh").addEventListener("click", loadTopics);
   $("session-form").addEventListener("submit", lookUpSession);
+  $("group-form").addEventListener("submit", lookUpGroup);
   $("push-refresh").addEventListener("click", loadPushSubscriptions);
   window.addEventListener("unhandledrejection", (event) => say("page-error", explain(event.reason)));
   const saved = sessionStorage.getItem(TOKEN_KEY);

@@ -473,27 +473,9 @@ class ShoalWsClient:
             link = self._link
             if link is None:
                 return
-            now = self.clock.now_ms()
-            if now - link.last_sent_ms < self.settings.ping_every_s * 1000:
-                return
-            link.keepalives += 1
-            if link.keepalives % self.settings.check_every:
-                # one way: API Gateway takes it and answers nothing
-                link.socket.send('{"action":"keepalive"}')
-                link.last_sent_ms = now
-                return
-            # a ping API Gateway answers itself: no ref (its mock answer cannot echo one)
-            link.socket.send('{"action":"ping"}')
-            link.last_sent_ms = now
-            if link.ping_sent_ms is None:
-                link.ping_sent_ms = now
-
-    def _check_link(self, link: Link) -> None:
-        """Raise ``LinkLost`` for a connection whose ping went unanswered too long."""
-        if link.ping_sent_ms is None:
-            return
-        if self.clock.now_ms() - link.ping_sent_ms >= self.settings.pong_timeout_s * 1000:
-            raise LinkLost(f"no answer to a ping in {self.settings.pong_timeout_s:g} s")
+            frame = link.keepalive_frame(self.settings, self.clock.now_ms())
+            if frame is not None:
+                link.socket.send(frame)
 
     def _start_keepalive(self) -> None:
         if not self.settings.keepalive_thread or self._keepalive is not None:
@@ -515,16 +497,13 @@ class ShoalWsClient:
         link = self._link
         if link is None:
             return 30.0
-        due_ms = link.last_sent_ms + self.settings.ping_every_s * 1000
-        return min(max((due_ms - self.clock.now_ms()) / 1000, 0.05), 30.0)
+        due_s = (link.keepalive_due_ms(self.settings) - self.clock.now_ms()) / 1000
+        return min(max(due_s, 0.05), 30.0)
 
     def _wait_s(self, link: Link) -> float:
         """How long the loop may wait for a frame before it has something to do."""
         now = self.clock.now_ms()
-        due = [
-            link.last_sent_ms + self.settings.ping_every_s * 1000,
-            link.renew_at_ms,
-        ]
+        due = [link.keepalive_due_ms(self.settings), link.renew_at_ms]
         if link.ping_sent_ms is not None:
             due.append(link.ping_sent_ms + self.settings.pong_timeout_s * 1000)
         wait_s = max((min(due) - now) / 1000, 0.0)
@@ -745,7 +724,7 @@ class ShoalWsClient:
                 return message
             # nothing to hand out: what was processed is acked before waiting (opens the window)
             self._flush_acks()
-            self._check_link(link)
+            link.check(self.settings, self.clock.now_ms())
             if self.clock.now_ms() >= link.renew_at_ms:
                 # before API Gateway's 2-hour close: a new connection takes the session over
                 self._call_with_retries(self._reconnect, "connect")

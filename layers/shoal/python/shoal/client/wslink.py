@@ -173,6 +173,30 @@ class Link:
     connection: Connection | None = None
     receive_maximum: int = 0
 
+    def keepalive_frame(self, settings: WsSettings, now_ms: int) -> str | None:
+        """The keep-alive due now, if one is, counted as sent: a one-way ``keepalive`` (API
+        Gateway takes it and answers nothing), or every ``check_every``-th a ``ping`` it
+        answers itself (no ref: its mock answer cannot echo one)."""
+        if now_ms - self.last_sent_ms < settings.ping_every_s * 1000:
+            return None
+        self.keepalives += 1
+        self.last_sent_ms = now_ms
+        if self.keepalives % settings.check_every:
+            return '{"action":"keepalive"}'
+        if self.ping_sent_ms is None:
+            self.ping_sent_ms = now_ms
+        return '{"action":"ping"}'
+
+    def keepalive_due_ms(self, settings: WsSettings) -> float:
+        return self.last_sent_ms + settings.ping_every_s * 1000
+
+    def check(self, settings: WsSettings, now_ms: int) -> None:
+        """Raise ``LinkLost`` for a connection whose ping went unanswered too long."""
+        if self.ping_sent_ms is None:
+            return
+        if now_ms - self.ping_sent_ms >= settings.pong_timeout_s * 1000:
+            raise LinkLost(f"no answer to a ping in {settings.pong_timeout_s:g} s")
+
 
 def _code(closed: Any) -> int | None:
     rcvd = getattr(closed, "rcvd", None)

@@ -41,3 +41,11 @@ def provision_account(session: boto3.Session, names: LocalNames) -> None:
         backends = get_backend(service)
         for account, backend in accounts.items():
             backends[account] = copy.deepcopy(backend)
+            # moto empties only the services it has seen read by account (a read registers
+            # the service in BackendDict._instances; an assignment does not), at mock_aws's
+            # start and end and in shoal dev's reset_backends. Unregistered, a copy this test
+            # never reads (Lambda's functions, IAM's role) outlived the test: the next
+            # embedded emulator of the process found the functions there, its provision's
+            # creates were refused as existing and not journaled, and its replay lacked them
+            # (tests/integration/test_account.py)
+            backends._create_account_specific_backend(account)

@@ -364,16 +364,6 @@ def test_restart_replays_tables_objects_and_stream_records(start: Start) -> None
     assert aws.replay_stats.failures == 0
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "flaky in whole runs since 2026-11-29's merges (2 of 3 runs; 6 of 6 alone, and beside "
-        "tests/unit/local): the emulator's replay answers 404 for the mapping's function "
-        "('record 18 replayed with 404 NOT FOUND') and the listing is empty (the UUID is the "
-        "same in every run by design: the journal pins moto's random source per request). "
-        "Order-dependent in its worker; not understood yet (session 16's note)"
-    ),
-)
 def test_replay_keeps_generated_ids(start: Start) -> None:
     # Given an event source mapping, whose UUID moto draws at random
     aws = start()
@@ -392,6 +382,7 @@ def test_replay_keeps_generated_ids(start: Start) -> None:
     # Then the mapping has the same UUID (checkpoints are keyed by it)
     listed = client(aws, "lambda").list_event_source_mappings()["EventSourceMappings"]
     assert [m["UUID"] for m in listed] == [created["UUID"]]
+    assert aws.replay_stats.failures == 0
 
 
 def test_reads_and_failed_writes_are_not_journaled(start: Start, state_dir: Path) -> None:

@@ -218,6 +218,55 @@ def test_a_renewal_before_the_connections_end_keeps_the_channel(
     assert texts(got) == ["before", "after"]
 
 
+def test_a_lane_an_http_member_hands_over_reaches_a_websocket_member(
+    shared_dev: DevServer, state: Path
+) -> None:
+    """A shared group of a long-polling HTTP member and a WebSocket member: the lanes the
+    newcomer takes wait for the HTTP member's acks of what it holds, and the ack's request
+    (the messages function) pushes the newcomer what its lanes hold then (``HandOvers``)."""
+    jwt = token(shared_dev, "wsg", "wsg")
+    share = "$share/gm/wsg/#"
+    keys = [f"k{n}" for n in range(8)]
+
+    def http(method: str, suffix: str = "", channel: str = "", **kw: Any) -> Any:
+        headers = {"Shoal-Channel": channel} if channel else None
+        status, body = shared_dev.request(
+            method, f"/v1/sessions/wsg-1{suffix}", token=jwt, headers=headers, **kw
+        )
+        assert status in (200, 204), body
+        return body
+
+    def publish_keyed(prefix: str) -> None:
+        with ShoalClient(shared_dev.url, jwt) as client:
+            bodies = [
+                ShoalClient.message_body("wsg/x", text=f"{prefix}-{k}", ordering_key=k)
+                for k in keys
+            ]
+            assert not any(isinstance(r, Exception) for r in client.publish_many(bodies))
+
+    channel = http("PUT", json={"clean_start": True, "session_expiry_s": 600})["channel"]
+    http("POST", "/subscriptions", channel, json={"subscriptions": [{"filter": share, "qos": 1}]})
+    publish_keyed("first")
+    held: list[dict[str, Any]] = []
+    deadline = now_ms() + int(PATIENCE_S * 1000)
+    while len(held) < len(keys) and now_ms() < deadline:
+        got = http("GET", "/messages?max=100&wait_ms=2000", channel)
+        held += got["messages"]
+    assert len(held) == len(keys)  # the only member holds every lane, each with one in flight
+    # the next message of each key waits behind the one in flight: routed while the HTTP
+    # member holds every lane (the router's push has nobody to push them to)
+    publish_keyed("second")
+    time.sleep(2.0)  # the mapping polls every 0.5 s: routed by then, as a rule
+    with ws_client(shared_dev, jwt, "wsg-2", state) as member:
+        member.connect(clean_start=True)
+        member.subscribe(share)  # takes lanes: revoking from the HTTP member until its acks
+        http("POST", "/acks", channel, json={"ids": [m["id"] for m in held]})
+        # the WebSocket member does nothing but wait: what reaches it was pushed to it by the
+        # ack's request (or, if the router was late, by the router: then this proves less)
+        pushed = list(member.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
+    assert texts(pushed) and str(texts(pushed)[0]).startswith("second-")
+
+
 # -- shoal subscribe ----------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
-from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
+from shoal.edge.connections import LEASE_MS, MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
 from shoal.edge.push import ConnectionGone, Connections, Pusher
 from shoal.edge.routes import handle
@@ -485,10 +485,10 @@ def test_a_round_again_after_a_source_push_looks_in_every_source(
     real_release = edge.connections.release
     releases = {"n": 0}
 
-    def again_once(*args: Any) -> bool:
+    def again_once(*args: Any, **kwargs: Any) -> bool:
         releases["n"] += 1
         # as if another trigger had set ``again`` during the first round
-        return False if releases["n"] == 1 else real_release(*args)
+        return False if releases["n"] == 1 else real_release(*args, **kwargs)
 
     monkeypatch.setattr(edge.pusher, "_round", recording)
     monkeypatch.setattr(edge.connections, "release", again_once)
@@ -584,6 +584,63 @@ def test_an_ack_after_a_push_that_stopped_early_pushes_what_it_left(
     taken = _leases_taken(edge, monkeypatch)
     edge.send("c1", {"action": "ack", "ref": "a2", "ids": [edge.messages("c1")[1]["id"]]})
     assert taken == []
+
+
+def test_a_push_that_looked_in_one_source_keeps_an_earlier_pushs_mark(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a stopped push left may be in any source: a router push that looked only where
+    its batch wrote and released cleanly leaves the mark, so the next ack still looks
+    everywhere."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    session = _session_of(edge, "c1")
+    real = edge.pusher._round
+    calls = {"n": 0}
+
+    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy("throttled")
+        return real(connection, lines, source)
+
+    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert edge.messages("c1") == []
+    assert edge.connections.unfinished(session)
+    # a push for another source (nothing there) releases cleanly: the mark stays
+    assert edge.pusher.push_sessions([session], source="0" * 12) == 0
+    assert edge.connections.unfinished(session)
+    assert edge.messages("c1") == []
+    # a push that looks everywhere hands m0 out and takes the mark away
+    assert edge.pusher.push_sessions([session]) == 1
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert not edge.connections.unfinished(session)
+
+
+def test_an_ack_after_a_holder_died_pushes_once_its_lease_ran_out(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that died (no release, no let-go) leaves its lease to run out: an ack that
+    opened no room pushes once it has, and not while it still runs (the holder might be at
+    work)."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    [first] = edge.messages("c1")
+    connection = edge.connections.connection("c1")
+    assert connection is not None
+    assert edge.connections.take_lease(connection) is not None  # and then it dies
+    edge.world.publish("a/b", "m1")
+    edge.world.route()  # finds the lease held: leaves m1 to the holder
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert not edge.connections.unfinished(connection.session_id)
+    edge.world.clock.advance(LEASE_MS / 1000 + 1)
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert not edge.connections.unfinished(connection.session_id)
 
 
 def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:

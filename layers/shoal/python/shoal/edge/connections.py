@@ -13,10 +13,10 @@ posting could interleave their posts). A pusher that finds the lease held marks 
 ``again`` instead; the holder clears ``again`` before each round and releases only when no
 ``again`` came in meanwhile, so a delivery written during a round is pushed by the next one.
 A holder that dies leaves a lease that expires after ``LEASE_MS``: the next write, ack or sweep
-pushes what it held. Taking the lease also marks the item ``pushing``, and only a clean release
-(every delivery the holder could hand out handed out) removes the mark: an ack that opened no
-room pushes only while the mark is there and no live holder is at work
-(``shoal.edge.push.Pusher.after_ack``).
+pushes what it held. A holder that stops early marks the item ``pushing`` (it may have left
+deliveries behind), and only a clean release after a round that looked in every source removes
+the mark: an ack that opened no room pushes only while the mark is there, or a holder died,
+and no live holder is at work (``shoal.edge.push.Pusher.after_ack``).
 """
 
 from __future__ import annotations
@@ -183,7 +183,6 @@ class ConnectionStore:
         now = self.clock.now_ms()
         e = Expression()
         e.set("lease_owner", owner).set("lease_until", now + LEASE_MS).set("again", False)
-        e.set("pushing", True)
         condition = (
             f"{e.n('connection_id')} = {e.v(connection.connection_id)} AND "
             f"(attribute_not_exists({e.n('lease_until')}) OR {e.n('lease_until')} < {e.v(now)})"
@@ -216,12 +215,23 @@ class ConnectionStore:
             **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
         )
 
-    def release(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> bool:
+    def release(
+        self,
+        connection: Connection,
+        owner: str,
+        due_at_ms: int | None = None,
+        *,
+        everywhere: bool = True,
+    ) -> bool:
         """Gives the lease back; False when ``again`` came in during the round (then the
         holder goes round once more, still holding it). ``due_at_ms``: when the deliveries
-        the push handed out come due again, if they do (written in the same update)."""
+        the push handed out come due again, if they do (written in the same update).
+        ``everywhere``: the last round looked in every source (not only where its trigger
+        wrote), so nothing an earlier push left behind is left: the ``pushing`` mark goes."""
         e = Expression()
-        e.remove("lease_owner", "lease_until", "again", "pushing")
+        e.remove("lease_owner", "lease_until", "again")
+        if everywhere:
+            e.remove("pushing")
         if due_at_ms is not None:
             _arm(e, connection.session_id, due_at_ms)
         return self.dynamo.conditional(
@@ -233,10 +243,10 @@ class ConnectionStore:
 
     def let_go(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> None:
         """Gives the lease back whatever ``again`` says (a holder that stops early); best
-        effort: a lease not given back runs out by itself. The ``pushing`` mark stays: the
-        holder may have left deliveries behind, and the next ack pushes them."""
+        effort: a lease not given back runs out by itself. The item is marked ``pushing``:
+        the holder may have left deliveries behind, and the next ack pushes them."""
         e = Expression()
-        e.remove("lease_owner", "lease_until", "again")
+        e.remove("lease_owner", "lease_until", "again").set("pushing", True)
         if due_at_ms is not None:
             _arm(e, connection.session_id, due_at_ms)
         try:
@@ -250,19 +260,21 @@ class ConnectionStore:
             return
 
     def unfinished(self, session_id: str) -> bool:
-        """Whether a push took the session's lease and did not release it cleanly, and no
-        live holder is at work on it now (one stopped early, or died and its lease ran out):
-        what it left behind waits for a push. Strongly consistent, one small read."""
+        """Whether a push may have left the session's deliveries behind and no live holder is
+        at work on it now: one stopped early (``pushing``), or died holding the lease (its
+        owner still there, its time run out). Strongly consistent, one small read."""
         raw = self.dynamo.get(
             self.table,
             {"key": SESSION + session_id},
-            ProjectionExpression="#p, #u",
-            ExpressionAttributeNames={"#p": "pushing", "#u": "lease_until"},
+            ProjectionExpression="#p, #o, #u",
+            ExpressionAttributeNames={"#p": "pushing", "#o": "lease_owner", "#u": "lease_until"},
         )
-        if not raw or not raw.get("pushing"):
+        if not raw:
             return False
         until = raw.get("lease_until")
-        return until is None or int(until) < self.clock.now_ms()
+        if until is not None and int(until) >= self.clock.now_ms():
+            return False  # a live holder: it goes on, and a release that fails sends it again
+        return bool(raw.get("pushing") or raw.get("lease_owner"))
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 

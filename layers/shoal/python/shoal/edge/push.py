@@ -184,8 +184,8 @@ class Pusher:
 
     def after_ack(self, connection: Connection, opened: bool) -> int:
         """The push an ack makes: when it opened room for deliveries that wait (``opened``,
-        ``DeliveryService.ack_opening``), or a push took the session's lease and did not
-        release it cleanly (it stopped early, or died, and may have left deliveries behind).
+        ``DeliveryService.ack_opening``), or a push may have left deliveries behind (it
+        stopped early, or died holding the lease: ``ConnectionStore.unfinished``).
         Otherwise every delivery there is went out already, or a live holder is handing it
         out, and a push would take and give back the lease to find nothing (two writes and
         three or four reads), or send the holder round once more for nothing; what comes due
@@ -239,7 +239,8 @@ class Pusher:
                 pushed += frames
                 if acked_later and due is None:
                     due = self.clock.now_ms() + self._ack_timeout_ms
-                if self.connections.release(connection, owner, due):
+                everywhere = source is None or round_ > 0
+                if self.connections.release(connection, owner, due, everywhere=everywhere):
                     held = False
                     return pushed
             # rounds used up: given back below, the next trigger goes on

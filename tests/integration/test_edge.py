@@ -19,7 +19,7 @@ import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
-from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
+from shoal.edge.connections import LEASE_MS, MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
 from shoal.edge.push import ConnectionGone, Connections, Pusher
 from shoal.edge.routes import handle
@@ -393,11 +393,11 @@ def test_a_push_stopped_by_an_error_gives_its_lease_back(
     real = edge.pusher._round
     calls = {"n": 0}
 
-    def failing_once(connection: Any) -> tuple[int, bool]:
+    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise ServerBusy("this group stream is contended; retry")
-        return real(connection)
+        return real(connection, lines, source)
 
     monkeypatch.setattr(edge.pusher, "_round", failing_once)
     edge.world.publish("a/b", "first")
@@ -407,6 +407,243 @@ def test_a_push_stopped_by_an_error_gives_its_lease_back(
     edge.world.publish("a/b", "second")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["first", "second"]
+
+
+def test_the_routers_push_fills_deliveries_from_the_lines_its_batch_wrote(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router holds the archive lines its batch has just written: its pushes hand the
+    deliveries that name them out without reading the archive back (a ranged GET per pushed
+    session and batch, each one more call behind the emulator's lock)."""
+    payloads = edge.world.delivery.payloads
+    assert payloads is not None
+    reads: list[str] = []
+    real = payloads.s3.get_object
+
+    def counting(**request: Any) -> Any:
+        reads.append(request["Key"])
+        return real(**request)
+
+    monkeypatch.setattr(payloads.s3, "get_object", counting)
+    connections = [f"c{n}" for n in range(3)]
+    for n, connection in enumerate(connections):
+        edge.connect(connection, client_id=f"alice-{n}")
+        edge.send(
+            connection, {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]}
+        )
+    for n in range(2):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    for connection in connections:
+        assert texts(edge.messages(connection)) == ["m0", "m1"], connection
+    assert reads == []
+    # a redelivery (no router batch behind it) still reads its lines from the archive
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    assert edge.pusher.sweep().pushed == 6
+    assert texts(edge.messages("c0")) == ["m0", "m1", "m0", "m1"]
+    assert reads
+
+
+def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's inbox keeps consumed items until TTL, so a get walks from the partition's
+    first item and jumps to each source's cursor (a query each). The router's push knows the
+    source it just wrote to: its first round reads from that source's cursor, one query."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    inbox = edge.world.delivery.inbox
+    queries: list[str] = []
+    real = inbox.after
+
+    def counting(session_id: str, key: str, **kw: Any) -> Any:
+        queries.append(key)
+        return real(session_id, key, **kw)
+
+    monkeypatch.setattr(inbox, "after", counting)
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert len(queries) == 1, queries
+
+
+def test_a_round_again_after_a_source_push_looks_in_every_source(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the router's first round looks in its own source: ``again`` means that another
+    trigger came meanwhile (another shard's batch, an ack that opened the window), whose
+    deliveries may be anywhere."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    looked: list[str | None] = []
+    real_round = edge.pusher._round
+
+    def recording(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+        looked.append(source)
+        return real_round(connection, lines, source)
+
+    real_release = edge.connections.release
+    releases = {"n": 0}
+
+    def again_once(*args: Any, **kwargs: Any) -> bool:
+        releases["n"] += 1
+        # as if another trigger had set ``again`` during the first round
+        return False if releases["n"] == 1 else real_release(*args, **kwargs)
+
+    monkeypatch.setattr(edge.pusher, "_round", recording)
+    monkeypatch.setattr(edge.connections, "release", again_once)
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert len(looked) == 2 and looked[0] is not None and looked[1] is None, looked
+
+
+def _leases_taken(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    taken: list[str] = []
+    real = edge.connections.take_lease
+
+    def counting(connection: Any) -> str | None:
+        taken.append(connection.session_id)
+        return real(connection)
+
+    monkeypatch.setattr(edge.connections, "take_lease", counting)
+    return taken
+
+
+def test_an_ack_that_opens_no_room_for_waiting_deliveries_pushes_nothing(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push hands out everything it finds within the window, so deliveries wait only
+    behind a full one: an ack of a session whose window was not full, with no push
+    unfinished, would take and give back the push lease to find nothing (two writes and three
+    or four reads for every ack). The next message is pushed by its own router write."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    taken = _leases_taken(edge, monkeypatch)
+    [first] = edge.messages("c1")
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
+    assert {"action": "acked", "ref": "a1", "acked": 1} in edge.api.sent["c1"]
+    assert edge.send("c1", {"action": "ack", "ids": [first["id"]]}) is None
+    assert taken == []
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert len(taken) == 1
+
+
+def test_an_ack_that_opens_a_full_window_pushes_what_waits(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    edge.connect("c1", receive_maximum=2)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    for n in range(3):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    taken = _leases_taken(edge, monkeypatch)
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [edge.messages("c1")[1]["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
+    # m0 and m2 fill the window again: the next ack pushes (nothing is left)
+    edge.send("c1", {"action": "ack", "ref": "a2", "ids": [edge.messages("c1")[0]["id"]]})
+    assert len(taken) == 2
+    # the window was not full: this ack has nothing to let out
+    edge.send("c1", {"action": "ack", "ref": "a3", "ids": [edge.messages("c1")[2]["id"]]})
+    assert len(taken) == 2
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
+
+
+def test_an_ack_after_a_push_that_stopped_early_pushes_what_it_left(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that stops on an error keeps the session marked (``pushing``) though its
+    window is not full: the next ack pushes what the stopped push left behind, which would
+    otherwise wait for the next message routed to the session."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    [first] = edge.messages("c1")
+    real = edge.pusher._round
+    calls = {"n": 0}
+
+    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy("throttled")
+        return real(connection, lines, source)
+
+    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    # pushed cleanly now: the mark is gone, and the next ack pushes nothing
+    taken = _leases_taken(edge, monkeypatch)
+    edge.send("c1", {"action": "ack", "ref": "a2", "ids": [edge.messages("c1")[1]["id"]]})
+    assert taken == []
+
+
+def test_a_push_that_looked_in_one_source_keeps_an_earlier_pushs_mark(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a stopped push left may be in any source: a router push that looked only where
+    its batch wrote and released cleanly leaves the mark, so the next ack still looks
+    everywhere."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    session = _session_of(edge, "c1")
+    real = edge.pusher._round
+    calls = {"n": 0}
+
+    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy("throttled")
+        return real(connection, lines, source)
+
+    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert edge.messages("c1") == []
+    assert edge.connections.unfinished(session)
+    # a push for another source (nothing there) releases cleanly: the mark stays
+    assert edge.pusher.push_sessions([session], source="0" * 12) == 0
+    assert edge.connections.unfinished(session)
+    assert edge.messages("c1") == []
+    # a push that looks everywhere hands m0 out and takes the mark away
+    assert edge.pusher.push_sessions([session]) == 1
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert not edge.connections.unfinished(session)
+
+
+def test_an_ack_after_a_holder_died_pushes_once_its_lease_ran_out(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that died (no release, no let-go) leaves its lease to run out: an ack that
+    opened no room pushes once it has, and not while it still runs (the holder might be at
+    work)."""
+    edge.connect("c1", receive_maximum=5)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    [first] = edge.messages("c1")
+    connection = edge.connections.connection("c1")
+    assert connection is not None
+    assert edge.connections.take_lease(connection) is not None  # and then it dies
+    edge.world.publish("a/b", "m1")
+    edge.world.route()  # finds the lease held: leaves m1 to the holder
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert not edge.connections.unfinished(connection.session_id)
+    edge.world.clock.advance(LEASE_MS / 1000 + 1)
+    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert not edge.connections.unfinished(connection.session_id)
 
 
 def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:

@@ -33,7 +33,8 @@ holds across storage topics too.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -148,9 +149,16 @@ class DeliveryService:
         wait_ms: int = 0,
         *,
         window: int | None = None,
+        lines: LineCache | None = None,
+        source: str | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
-        WebSocket client's Receive Maximum, ``shoal.edge``)."""
+        WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
+        caller holds already (the router's push: the lines its batch just wrote), so that
+        deliveries naming them are filled without reading the archive back. ``source``: new
+        deliveries are looked for in that source only, from its cursor on (the router's push
+        of the batch it wrote: one query, not a walk over every source's consumed items); what
+        waits in other sources is left to the next get without it."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -164,7 +172,8 @@ class DeliveryService:
         interval = POLL_INTERVAL_S
         # kept across idle polls: a stale copy only costs a failed conditional write
         state: DeliveryState | None = None
-        lines: LineCache = {}
+        # a copy: the get adds the lines it reads, and callers share theirs between threads
+        read: LineCache = dict(lines or {})
         while True:
             out: list[dict[str, Any]] = []
             for attempt in range(ATTEMPTS):
@@ -179,8 +188,9 @@ class DeliveryService:
                     channel=channel,
                     wanted=wanted,
                     now=now,
-                    lines=lines,
+                    lines=read,
                     window=window or self.settings.window,
+                    source=source,
                 )
                 if not plan.changed:
                     break
@@ -224,6 +234,7 @@ class DeliveryService:
         now: int,
         lines: LineCache,
         window: int,
+        source: str | None = None,
     ) -> _Plan:
         plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
@@ -239,6 +250,7 @@ class DeliveryService:
                 wanted=wanted,
                 window_left=window_left,
                 now=now,
+                source=source,
             )
         return plan
 
@@ -320,10 +332,11 @@ class DeliveryService:
         wanted: int,
         window_left: int,
         now: int,
+        source: str | None = None,
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
-        scan = self._scan(session_id, state)
+        scan = self._scan(session_id, state, source)
         scanned = 0
         recording = self.events is not None and self.events.enabled
         while True:
@@ -438,7 +451,9 @@ class DeliveryService:
         option = head.subscriptions.get(message.subscription)
         return option is not None and option.get("sid") == message.sid
 
-    def _scan(self, session_id: str, state: DeliveryState) -> Iterator[_Found]:
+    def _scan(
+        self, session_id: str, state: DeliveryState, only: str | None = None
+    ) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order.
 
         Consumed items stay until TTL, so when the scan runs into a source's consumed items it
@@ -449,8 +464,21 @@ class DeliveryService:
         """
         lower, inclusive = STATE, False
         limit = 1
+        if only is not None:
+            # one source (``only``): straight to its cursor, or the item it is partway through
+            partial = state.partial.get(only)
+            if partial:
+                lower, inclusive = partial, True
+            else:
+                lower, inclusive = item_key(only, state.cursors.get(only, "")), False
+            limit = MIN_SCAN_PAGE
         for _ in range(MAX_QUERIES_PER_GET):
             items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=limit)
+            if only is not None:
+                # past the source's items: what other sources hold is not this scan's
+                items = list(itertools.takewhile(lambda i: i.source == only, items))
+                if not items:
+                    return
             # as many items as one read unit holds, by the largest just read: small items by
             # reference (``MAX_REF_ITEM_BYTES``) four a query, 64 KB ones two
             biggest = max((i.stored_bytes for i in items), default=0)
@@ -556,21 +584,40 @@ class DeliveryService:
     def ack(
         self, who: Principal, client_id: str, channel: Channel | None, request: AckRequest
     ) -> dict[str, Any]:
+        return self.ack_opening(who, client_id, channel, request)[0]
+
+    def ack_opening(
+        self,
+        who: Principal,
+        client_id: str,
+        channel: Channel | None,
+        request: AckRequest,
+        window: int | None = None,
+    ) -> tuple[dict[str, Any], bool]:
+        """The ack, and whether it may have let deliveries that wait go out (a pushed
+        session's ack pushes only then, ``shoal.edge``). A get hands out everything it finds
+        within the window, so deliveries wait only behind a full window: the ack opened room
+        for them only if the state it replaced had ``window`` (the session's in-flight window,
+        the service's by default) in flight, or acked group deliveries (their lanes have
+        windows of their own). Racing gets and acks write the state by version, so of the acks
+        that follow a get that filled the window, the first to write sees it full."""
         head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""
         # group deliveries (``g-...`` ids) are acked on their streams, fenced by their lease
         grouped = self.groups.ack(session_id, head.subscriptions, request.ids) if self.groups else 0
         ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
         count(metrics.ACKED, grouped)
+        opened = grouped > 0 or _shares(head)
         if not ordinals:
-            return {"acked": grouped}
+            return {"acked": grouped}, opened
         for attempt in range(ATTEMPTS):
             state = self.inbox.state(session_id)
             expected = state.version
             fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
             if not fresh:
                 self._record_ack(session_id, state, ordinals)
-                return {"acked": grouped}
+                return {"acked": grouped}, opened
+            full = state.in_flight() >= (window or self.settings.window)
             state.acked |= fresh
             state.version = expected + 1
             state.normalize()
@@ -578,9 +625,16 @@ class DeliveryService:
             if self.inbox.write_state(session_id, state, expected, expires):
                 self._record_ack(session_id, state, ordinals)
                 count(metrics.ACKED, len(fresh))
-                return {"acked": len(fresh) + grouped}
+                return {"acked": len(fresh) + grouped}, opened or full
             self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")
+
+
+def _shares(head: Head) -> bool:
+    """Whether the session subscribes to shared groups (``$share/...``)."""
+    return any(
+        isinstance(o, Mapping) and o.get("share") is not None for o in head.subscriptions.values()
+    )
 
 
 def _sids(head: Head) -> list[str]:

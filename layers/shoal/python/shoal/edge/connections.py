@@ -13,7 +13,10 @@ posting could interleave their posts). A pusher that finds the lease held marks 
 ``again`` instead; the holder clears ``again`` before each round and releases only when no
 ``again`` came in meanwhile, so a delivery written during a round is pushed by the next one.
 A holder that dies leaves a lease that expires after ``LEASE_MS``: the next write, ack or sweep
-pushes what it held.
+pushes what it held. A holder that stops early marks the item ``pushing`` (it may have left
+deliveries behind), and only a clean release after a round that looked in every source removes
+the mark: an ack that opened no room pushes only while the mark is there, or a holder died,
+and no live holder is at work (``shoal.edge.push.Pusher.after_ack``).
 """
 
 from __future__ import annotations
@@ -258,12 +261,23 @@ class ConnectionStore:
             **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
         )
 
-    def release(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> bool:
+    def release(
+        self,
+        connection: Connection,
+        owner: str,
+        due_at_ms: int | None = None,
+        *,
+        everywhere: bool = True,
+    ) -> bool:
         """Gives the lease back; False when ``again`` came in during the round (then the
         holder goes round once more, still holding it). ``due_at_ms``: when the deliveries
-        the push handed out come due again, if they do (written in the same update)."""
+        the push handed out come due again, if they do (written in the same update).
+        ``everywhere``: the last round looked in every source (not only where its trigger
+        wrote), so nothing an earlier push left behind is left: the ``pushing`` mark goes."""
         e = Expression()
         e.remove("lease_owner", "lease_until", "again")
+        if everywhere:
+            e.remove("pushing")
         if due_at_ms is not None:
             _arm(e, connection.session_id, due_at_ms)
         return self.dynamo.conditional(
@@ -275,9 +289,10 @@ class ConnectionStore:
 
     def let_go(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> None:
         """Gives the lease back whatever ``again`` says (a holder that stops early); best
-        effort: a lease not given back runs out by itself."""
+        effort: a lease not given back runs out by itself. The item is marked ``pushing``:
+        the holder may have left deliveries behind, and the next ack pushes them."""
         e = Expression()
-        e.remove("lease_owner", "lease_until", "again")
+        e.remove("lease_owner", "lease_until", "again").set("pushing", True)
         if due_at_ms is not None:
             _arm(e, connection.session_id, due_at_ms)
         try:
@@ -289,6 +304,23 @@ class ConnectionStore:
             )
         except (ClientError, BotoCoreError):
             return
+
+    def unfinished(self, session_id: str) -> bool:
+        """Whether a push may have left the session's deliveries behind and no live holder is
+        at work on it now: one stopped early (``pushing``), or died holding the lease (its
+        owner still there, its time run out). Strongly consistent, one small read."""
+        raw = self.dynamo.get(
+            self.table,
+            {"key": SESSION + session_id},
+            ProjectionExpression="#p, #o, #u",
+            ExpressionAttributeNames={"#p": "pushing", "#o": "lease_owner", "#u": "lease_until"},
+        )
+        if not raw:
+            return False
+        until = raw.get("lease_until")
+        if until is not None and int(until) >= self.clock.now_ms():
+            return False  # a live holder: it goes on, and a release that fails sends it again
+        return bool(raw.get("pushing") or raw.get("lease_owner"))
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 

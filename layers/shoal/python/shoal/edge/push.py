@@ -1,13 +1,14 @@
 """Pushed delivery: a connected session's deliveries handed to its WebSocket connection.
 
-Whoever writes a connected session's inbox (the router) or frees its window (an ack, a
-connect) calls ``Pusher.push``. A push is a get (``shoal.delivery.DeliveryService.get``) for the
-connection's channel within its window, then one ``PostToConnection`` per delivery: the get's
-conditional write of the session's delivery state hands each delivery out exactly once, as for
-HTTP, and the inbox stays the one source of truth. A post that fails loses nothing: the
-delivery is in flight for that channel and comes again with ``dup`` on reconnect (another
-channel) or after the ack timeout, like an unacked get. One pusher at a time per session
-(``ConnectionStore``'s push lease) keeps frames in the order they were handed out.
+Whoever writes a connected session's inbox (the router) or frees its window (a connect; an ack
+that opened room, ``Pusher.after_ack``) calls ``Pusher.push``. A push is a get
+(``shoal.delivery.DeliveryService.get``) for the connection's channel within its window, then
+one ``PostToConnection`` per delivery: the get's conditional write of the session's delivery
+state hands each delivery out exactly once, as for HTTP, and the inbox stays the one source of
+truth. A post that fails loses nothing: the delivery is in flight for that channel and comes
+again with ``dup`` on reconnect (another channel) or after the ack timeout, like an unacked
+get. One pusher at a time per session (``ConnectionStore``'s push lease) keeps frames in the
+order they were handed out.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ShoalError
 from shoal.core.observability import count, logger
+from shoal.delivery.inbox import LineCache
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService
 from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
@@ -149,7 +151,12 @@ class Pusher:
                 logger.info("handed-over push failed", extra={"error_type": type(exc).__name__})
         return pushed
 
-    def push_sessions(self, session_ids: Iterable[str]) -> int:
+    def push_sessions(
+        self,
+        session_ids: Iterable[str],
+        lines: LineCache | None = None,
+        source: str | None = None,
+    ) -> int:
         """Pushes to those of ``session_ids`` that are connected over the WebSocket API (one
         strongly consistent batch read finds them); the frames pushed.
 
@@ -157,17 +164,39 @@ class Pusher:
         round trips (lease, get, post, release), so one after the other a router batch that
         fans out to 1,000 connected sessions would take over a minute deployed (the router's
         timeout) and the last subscriber would wait for all the others. Each session's own
-        frames stay in order: one pusher per session holds its lease."""
+        frames stay in order: one pusher per session holds its lease.
+
+        ``lines``: the archive lines the caller holds (the router's batch), so that the pushes
+        fill the deliveries naming them without reading the archive back. ``source``: the
+        source the caller just wrote the sessions' deliveries to (the router's shard), where
+        each push's first round looks for new ones (``DeliveryService.get``)."""
         targets = self.connections.targets(session_ids)
         if len(targets) <= 1:
-            return sum(self.push(connection) for connection in targets)
+            return sum(self.push(connection, lines, source) for connection in targets)
         workers = min(PUSH_PARALLELISM, len(targets))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-push") as pool:
             # the invocation's context (its metrics, its logger's keys) goes with each push
-            done = [pool.submit(contextvars.copy_context().run, self.push, c) for c in targets]
+            done = [
+                pool.submit(contextvars.copy_context().run, self.push, c, lines, source)
+                for c in targets
+            ]
             return sum(future.result() for future in done)
 
-    def push(self, connection: Connection) -> int:
+    def after_ack(self, connection: Connection, opened: bool) -> int:
+        """The push an ack makes: when it opened room for deliveries that wait (``opened``,
+        ``DeliveryService.ack_opening``), or a push may have left deliveries behind (it
+        stopped early, or died holding the lease: ``ConnectionStore.unfinished``).
+        Otherwise every delivery there is went out already, or a live holder is handing it
+        out, and a push would take and give back the lease to find nothing (two writes and
+        three or four reads), or send the holder round once more for nothing; what comes due
+        for redelivery meanwhile is the sweep's. The frames pushed."""
+        if opened or self.connections.unfinished(connection.session_id):
+            return self.push(connection)
+        return 0
+
+    def push(
+        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+    ) -> int:
         """The connection's deliveries, within its window, in order; the frames pushed. Never
         raises for a failed push: the inbox keeps what it would have carried.
 
@@ -179,14 +208,16 @@ class Pusher:
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
-            pushed = self._push(connection)
+            pushed = self._push(connection, lines, source)
         finally:
             self._local.depth = depth
         if depth == 0:
             pushed += self.push_handed_over()
         return pushed
 
-    def _push(self, connection: Connection) -> int:
+    def _push(
+        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+    ) -> int:
         owner = self.connections.take_lease(connection)
         if owner is None:
             return 0  # the holder goes round once more for us
@@ -201,11 +232,15 @@ class Pusher:
                 if round_ and not self.connections.next_round(connection, owner):
                     held = False
                     return pushed
-                frames, acked_later = self._round(connection)
+                # the first round looks where the trigger wrote (``source``); a round again
+                # (``again``: another trigger came meanwhile, maybe for another source, or an
+                # ack opened the window) looks everywhere
+                frames, acked_later = self._round(connection, lines, source if not round_ else None)
                 pushed += frames
                 if acked_later and due is None:
                     due = self.clock.now_ms() + self._ack_timeout_ms
-                if self.connections.release(connection, owner, due):
+                everywhere = source is None or round_ > 0
+                if self.connections.release(connection, owner, due, everywhere=everywhere):
                     held = False
                     return pushed
             # rounds used up: given back below, the next trigger goes on
@@ -281,7 +316,9 @@ class Pusher:
             return None
         return min(r.sent_at_ms for r in runs) + self._ack_timeout_ms
 
-    def _round(self, connection: Connection) -> tuple[int, bool]:
+    def _round(
+        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+    ) -> tuple[int, bool]:
         """The frames pushed, and whether any of them waits for an ack."""
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
         pushed = 0
@@ -293,7 +330,11 @@ class Pusher:
                 connection.channel,
                 max_messages=MAX_GET,
                 window=connection.window,
+                lines=lines,
+                source=source,
             )["messages"]
+            # more than one get: the rest of what waits, wherever it is
+            source = None
             for message in messages:
                 self.api.post(connection.connection_id, encode(MessageFrame(**message)))
                 acked_later = acked_later or message["qos"] > 0

@@ -191,12 +191,16 @@ class EdgeService:
             _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
             return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
         if isinstance(frame, AckFrame):
-            answer = self.delivery.ack(who, connection.client_id, connection.channel, frame)
+            answer, opened = self.delivery.ack_opening(
+                who, connection.client_id, connection.channel, frame, connection.window
+            )
             if frame.ref is None:
                 # nothing asked back: the freed window is filled at once
-                self.pusher.push(connection)
+                self.pusher.after_ack(connection, opened)
                 return Answer()
-            return self._post_then_push(connection, encode(AckedFrame(ref=frame.ref, **answer)))
+            return self._post_then_push(
+                connection, encode(AckedFrame(ref=frame.ref, **answer)), opened=opened
+            )
         if isinstance(frame, DisconnectFrame):
             return self._disconnect(connection, who, frame)
         raise BadRequest("this frame has no handler")
@@ -289,7 +293,9 @@ class EdgeService:
         self.pusher.disconnect(connection.connection_id, "normal", ref=frame.ref)
         return Answer()
 
-    def _post_then_push(self, connection: Connection, answer: str) -> Answer:
+    def _post_then_push(
+        self, connection: Connection, answer: str, *, opened: bool | None = None
+    ) -> Answer:
         """Posts the answer, then pushes what the session has waiting; the route response is
         empty then. A post that fails for another reason than a gone connection (throttled,
         answered late) must not turn a frame that did its work into an error: the answer goes
@@ -304,7 +310,11 @@ class EdgeService:
                 "answer posted as the route response", extra={"error_type": type(exc).__name__}
             )
             return Answer(answer)
-        self.pusher.push(connection)
+        if opened is None:
+            self.pusher.push(connection)
+        else:
+            # an ack's: only when it opened room or a push is unfinished
+            self.pusher.after_ack(connection, opened)
         return Answer()
 
 

@@ -18,6 +18,8 @@ random step on purpose (``shoal.core.faults``; tests only).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.utilities.batch import (
@@ -32,6 +34,8 @@ from shoal.core import metrics
 from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
+from shoal.delivery.inbox import LineCache
+from shoal.delivery.model import ArchiveLine, source_id
 from shoal.edge.push import Pusher
 from shoal.router.archive import ArchiveWriter
 from shoal.router.fanout import Fanout
@@ -104,7 +108,12 @@ class Router:
             if self.pusher is not None and report.sessions:
                 # after every write of the batch: a push that fails, or a crash here, loses
                 # nothing (the deliveries wait in the inboxes for the next push or a reconnect)
-                self.pusher.push_sessions(report.sessions)
+                self.pusher.push_sessions(
+                    report.sessions,
+                    # what the batch wrote, which the pushes need not read back
+                    _read(objects, lines),
+                    source_id(batch.stream, batch.shard),
+                )
         return dict(response)
 
     def _lag(self, event: dict[str, Any]) -> None:
@@ -115,3 +124,9 @@ class Router:
             arrived = records[0].get("kinesis", {}).get("approximateArrivalTimestamp")
             if arrived is not None:
                 lag(metrics.ROUTER_LAG, self.fanout.clock.now_ms() - int(float(arrived) * 1000))
+
+
+def _read(objects: Mapping[str, bytes], lines: Mapping[tuple[int, int], ArchiveLine]) -> LineCache:
+    """The batch's archive lines as a get would read them back (``PayloadStore.fill``): the
+    router holds what it just wrote, so its pushes need not read the archive."""
+    return {line: json.loads(objects[line.key][line.offset : line.end]) for line in lines.values()}

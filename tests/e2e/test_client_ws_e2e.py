@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,6 +266,58 @@ def test_a_lane_an_http_member_hands_over_reaches_a_websocket_member(
         # ack's request (or, if the router was late, by the router: then this proves less)
         pushed = list(member.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
     assert texts(pushed) and str(texts(pushed)[0]).startswith("second-")
+
+
+def test_lanes_an_http_member_leaves_reach_a_websocket_member(
+    shared_dev: DevServer, state: Path
+) -> None:
+    """The HTTP member of a two-member group unsubscribes with its lanes' messages unread:
+    its lanes go to the WebSocket member, idle with everything acked, and the unsubscribe's
+    request (the subscriptions function) pushes it what they hold (``HandOvers``)."""
+    jwt = token(shared_dev, "wsh", "wsh")
+    share = "$share/gu/wsh/#"
+    keys = [f"k{n}" for n in range(8)]
+    stop = threading.Event()
+
+    def http(method: str, suffix: str = "", channel: str = "", **kw: Any) -> Any:
+        headers = {"Shoal-Channel": channel} if channel else None
+        status, body = shared_dev.request(
+            method, f"/v1/sessions/wsh-1{suffix}", token=jwt, headers=headers, **kw
+        )
+        assert status in (200, 204), body
+        return body
+
+    channel = http("PUT", json={"clean_start": True, "session_expiry_s": 600})["channel"]
+    http("POST", "/subscriptions", channel, json={"subscriptions": [{"filter": share, "qos": 1}]})
+
+    def keep_leases() -> None:
+        # the HTTP member keeps its lanes (6 s lease timeout) while the other consumes
+        while not stop.wait(1.0):
+            http("POST", "/heartbeat", channel)
+
+    beating = threading.Thread(target=keep_leases, daemon=True)
+    beating.start()
+    try:
+        with ws_client(shared_dev, jwt, "wsh-2", state) as member:
+            member.connect(clean_start=True)
+            member.subscribe(share)
+            with ShoalClient(shared_dev.url, jwt) as client:
+                bodies = [
+                    ShoalClient.message_body("wsh/x", text=f"m-{k}", ordering_key=k) for k in keys
+                ]
+                assert not any(isinstance(r, Exception) for r in client.publish_many(bodies))
+            # its own lanes' messages, processed and acked; then quiet for 3 s
+            got = list(member.messages(until_ms=now_ms() + 6000))
+            assert 0 < len(got) < len(keys), texts(got)  # the HTTP member holds the rest
+            stop.set()
+            beating.join()
+            http("POST", "/unsubscribe", channel, json={"filters": [share]})
+            # nothing else happens: what comes was pushed by the unsubscribe's request
+            rest = len(keys) - len(got)
+            got += list(member.messages(count=rest, until_ms=now_ms() + int(PATIENCE_S * 1000)))
+    finally:
+        stop.set()
+    assert sorted(str(t) for t in texts(got)) == sorted(f"m-{k}" for k in keys)
 
 
 # -- shoal subscribe ----------------------------------------------------------------------------

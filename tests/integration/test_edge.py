@@ -33,7 +33,7 @@ import functions.router.app as router_app
 import functions.subscriptions.app as subscriptions_app
 from tests.helpers import load_event
 from tests.integration.test_delivery_support import World
-from tests.integration.test_groups_support import GroupWorld
+from tests.integration.test_groups_support import LEASE_S, GroupWorld
 from tests.integration.test_sessions_support import RecordingPublisher
 
 _MODELS = {m.model_fields["action"].default: m for m in SERVICE_FRAMES}
@@ -1048,3 +1048,31 @@ def test_a_lane_an_http_member_hands_over_is_pushed_to_a_websocket_member(
     assert handed and set(handed) <= {f"second-{k}" for k in keys}
     rest = world.get("alice-1", channel, max_messages=100)
     assert sorted(handed + texts(rest)) == sorted(f"second-{k}" for k in keys)
+
+
+def test_lanes_an_http_member_leaves_are_pushed_to_a_websocket_member(group_edge: Edge) -> None:
+    """The HTTP member of a two-member group unsubscribes with its lanes' messages unread: the
+    unsubscribe's request (the subscriptions function) pushes the WebSocket member, idle
+    with everything acked, what those lanes hold."""
+    edge = group_edge
+    world = edge.world
+    share = {"filter": "$share/g/a/#", "qos": 1}
+    keys = [f"k{n}" for n in range(8)]
+    channel = world.connect("alice-1", clean_start=False, session_expiry_s=3600)
+    world.subscribe("alice-1", channel, share)
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [share]})
+    for key in keys:
+        world.publish("a/b", f"m-{key}", ordering_key=key)
+    world.route()
+    first = edge.messages("c2")
+    assert 0 < len(first) < len(keys)
+    edge.send("c2", {"action": "ack", "ids": [f["id"] for f in first]})
+    assert len(edge.messages("c2")) == len(first)  # nothing more without the HTTP member
+    # idle past the lease timeout: no function of the WebSocket member ran to renew its
+    # lease, so the leave's advance has no live member to grant the lanes to; they go free,
+    # and the members who could take them are pushed (``freed_for``)
+    world.clock.advance(LEASE_S + 1)
+    status, _ = world.unsubscribe("alice-1", channel, "$share/g/a/#")
+    assert status == 200
+    assert sorted(texts(edge.messages("c2"))) == sorted(f"m-{k}" for k in keys)

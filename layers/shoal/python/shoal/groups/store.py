@@ -329,7 +329,7 @@ class GroupStore:
             if self.commit(loaded, new, operation):
                 # the assignment changed (checked above): one rebalance of the group
                 count(metrics.REBALANCES)
-                granted = granted_to(loaded.state, new) - {acting}
+                granted = (granted_to(loaded.state, new) | freed_for(loaded.state, new)) - {acting}
                 if granted and self.on_granted is not None:
                     self.on_granted(granted)
                 return self._applied(loaded, new)
@@ -704,6 +704,19 @@ class GroupStore:
             # best effort: what a throttled batch leaves unprocessed, TTL removes
             self.dynamo.call("batch_write_item", RequestItems={self.inbox_table: requests})
         return removed + len(keys)
+
+
+def freed_for(old: GroupState, new: GroupState) -> set[str]:
+    """When ``new`` leaves a stream free that ``old`` had held, the members that could take
+    it: none was live to be granted it (a member connected over the WebSocket API renews its
+    lease only by the functions it runs, so an idle one lapses), and a member's next get
+    renews it and takes the stream. Without this, a lane handed on with no live member to take
+    it would wait for the next message routed to the group (at a stream's end, for ever)."""
+    freed = any(
+        not lease.held and (before := old.streams.get(source)) is not None and before.held
+        for source, lease in new.streams.items()
+    )
+    return set(new.members) if freed else set()
 
 
 def granted_to(old: GroupState, new: GroupState) -> set[str]:

@@ -79,6 +79,35 @@ def connection_ids(dev: DevServer, client_id: str) -> list[str]:
     ]
 
 
+class HttpMember:
+    """A session over the HTTP API, its channel held (a shared group's long-polling member)."""
+
+    def __init__(self, dev: DevServer, jwt: str, client_id: str, topic_filter: str) -> None:
+        self.dev, self.jwt, self.client_id = dev, jwt, client_id
+        self.channel = ""
+        body = {"clean_start": True, "session_expiry_s": 600}
+        self.channel = self.call("PUT", json=body)["channel"]
+        subscriptions = [{"filter": topic_filter, "qos": 1}]
+        self.call("POST", "/subscriptions", json={"subscriptions": subscriptions})
+
+    def call(self, method: str, suffix: str = "", **kw: Any) -> Any:
+        headers = {"Shoal-Channel": self.channel} if self.channel else None
+        status, body = self.dev.request(
+            method, f"/v1/sessions/{self.client_id}{suffix}", token=self.jwt, headers=headers, **kw
+        )
+        assert status in (200, 204), body
+        return body
+
+
+def publish_keyed(dev: DevServer, jwt: str, topic: str, texts_by_key: dict[str, str]) -> None:
+    with ShoalClient(dev.url, jwt) as client:
+        bodies = [
+            ShoalClient.message_body(topic, text=text, ordering_key=key)
+            for key, text in texts_by_key.items()
+        ]
+        assert not any(isinstance(r, Exception) for r in client.publish_many(bodies))
+
+
 def texts(messages: list[ReceivedMessage]) -> list[str | None]:
     return [m.text for m in messages]
 
@@ -229,39 +258,22 @@ def test_a_lane_an_http_member_hands_over_reaches_a_websocket_member(
     share = "$share/gm/wsg/#"
     keys = [f"k{n}" for n in range(8)]
 
-    def http(method: str, suffix: str = "", channel: str = "", **kw: Any) -> Any:
-        headers = {"Shoal-Channel": channel} if channel else None
-        status, body = shared_dev.request(
-            method, f"/v1/sessions/wsg-1{suffix}", token=jwt, headers=headers, **kw
-        )
-        assert status in (200, 204), body
-        return body
-
-    def publish_keyed(prefix: str) -> None:
-        with ShoalClient(shared_dev.url, jwt) as client:
-            bodies = [
-                ShoalClient.message_body("wsg/x", text=f"{prefix}-{k}", ordering_key=k)
-                for k in keys
-            ]
-            assert not any(isinstance(r, Exception) for r in client.publish_many(bodies))
-
-    channel = http("PUT", json={"clean_start": True, "session_expiry_s": 600})["channel"]
-    http("POST", "/subscriptions", channel, json={"subscriptions": [{"filter": share, "qos": 1}]})
-    publish_keyed("first")
+    http = HttpMember(shared_dev, jwt, "wsg-1", share)
+    publish_keyed(shared_dev, jwt, "wsg/x", {k: f"first-{k}" for k in keys})
     held: list[dict[str, Any]] = []
     deadline = now_ms() + int(PATIENCE_S * 1000)
     while len(held) < len(keys) and now_ms() < deadline:
-        got = http("GET", "/messages?max=100&wait_ms=2000", channel)
+        got = http.call("GET", "/messages?max=100&wait_ms=2000")
         held += got["messages"]
     assert len(held) == len(keys)  # the only member holds every lane, each with one in flight
     # the next message of each key waits behind the one in flight: routed while the HTTP
     # member holds every lane (the router's push has nobody to push them to)
-    publish_keyed("second")
+    publish_keyed(shared_dev, jwt, "wsg/x", {k: f"second-{k}" for k in keys})
     time.sleep(2.0)  # the mapping polls every 0.5 s: routed by then, as a rule
     with ws_client(shared_dev, jwt, "wsg-2", state) as member:
         member.connect(clean_start=True)
         member.subscribe(share)  # takes lanes: revoking from the HTTP member until its acks
-        http("POST", "/acks", channel, json={"ids": [m["id"] for m in held]})
+        http.call("POST", "/acks", json={"ids": [m["id"] for m in held]})
         # the WebSocket member does nothing but wait: what reaches it was pushed to it by the
         # ack's request (or, if the router was late, by the router: then this proves less)
         pushed = list(member.messages(count=1, until_ms=now_ms() + int(PATIENCE_S * 1000)))
@@ -279,21 +291,12 @@ def test_lanes_an_http_member_leaves_reach_a_websocket_member(
     keys = [f"k{n}" for n in range(8)]
     stop = threading.Event()
 
-    def http(method: str, suffix: str = "", channel: str = "", **kw: Any) -> Any:
-        headers = {"Shoal-Channel": channel} if channel else None
-        status, body = shared_dev.request(
-            method, f"/v1/sessions/wsh-1{suffix}", token=jwt, headers=headers, **kw
-        )
-        assert status in (200, 204), body
-        return body
-
-    channel = http("PUT", json={"clean_start": True, "session_expiry_s": 600})["channel"]
-    http("POST", "/subscriptions", channel, json={"subscriptions": [{"filter": share, "qos": 1}]})
+    http = HttpMember(shared_dev, jwt, "wsh-1", share)
 
     def keep_leases() -> None:
         # the HTTP member keeps its lanes (6 s lease timeout) while the other consumes
         while not stop.wait(1.0):
-            http("POST", "/heartbeat", channel)
+            http.call("POST", "/heartbeat")
 
     beating = threading.Thread(target=keep_leases, daemon=True)
     beating.start()
@@ -301,17 +304,15 @@ def test_lanes_an_http_member_leaves_reach_a_websocket_member(
         with ws_client(shared_dev, jwt, "wsh-2", state) as member:
             member.connect(clean_start=True)
             member.subscribe(share)
-            with ShoalClient(shared_dev.url, jwt) as client:
-                bodies = [
-                    ShoalClient.message_body("wsh/x", text=f"m-{k}", ordering_key=k) for k in keys
-                ]
-                assert not any(isinstance(r, Exception) for r in client.publish_many(bodies))
-            # its own lanes' messages, processed and acked; then quiet for 3 s
+            publish_keyed(shared_dev, jwt, "wsh/x", {k: f"m-{k}" for k in keys})
+            # its own lanes' messages, processed and acked; then quiet for 6 s, past the lease
+            # timeout: the idle WebSocket member has lapsed, so the leave frees the lanes and
+            # pushes the members who could take them (``freed_for``)
             got = list(member.messages(until_ms=now_ms() + 6000))
             assert 0 < len(got) < len(keys), texts(got)  # the HTTP member holds the rest
             stop.set()
             beating.join()
-            http("POST", "/unsubscribe", channel, json={"filters": [share]})
+            http.call("POST", "/unsubscribe", json={"filters": [share]})
             # nothing else happens: what comes was pushed by the unsubscribe's request
             rest = len(keys) - len(got)
             got += list(member.messages(count=rest, until_ms=now_ms() + int(PATIENCE_S * 1000)))

@@ -242,14 +242,7 @@ class SessionRepository:
             f"{live_condition(expr, version, sub)}"
             f" AND {expr.n('conn.keepalive_s')} = {expr.v(keepalive_s)}"
         )
-        request = {**self._on(client_id, HEAD, expr, condition), "ReturnValues": "ALL_NEW"}
-        try:
-            raw = self.dynamo.call("update_item", **request)
-        except ClientError as exc:
-            if error_code(exc) == CONDITION_FAILED:
-                return None
-            raise
-        return _head(from_item(raw["Attributes"]))
+        return self._update_head(client_id, expr, condition)
 
     def heartbeat_head(
         self, client_id: str, version: Version, sub: str, now_ms: int
@@ -257,10 +250,12 @@ class SessionRepository:
         """``heartbeat``, answering the head as written (None: not the live channel). The
         answer costs nothing more than the write, and names the session's groups."""
         expr = Expression().set("last_seen_ms", now_ms)
-        request = {
-            **self._on(client_id, HEAD, expr, live_condition(expr, version, sub)),
-            "ReturnValues": "ALL_NEW",
-        }
+        return self._update_head(client_id, expr, live_condition(expr, version, sub))
+
+    def _update_head(self, client_id: str, expr: Expression, condition: str) -> Head | None:
+        """One conditional update of the head, answering it as written (None: the condition
+        failed); the answer costs nothing more than the write."""
+        request = {**self._on(client_id, HEAD, expr, condition), "ReturnValues": "ALL_NEW"}
         try:
             raw = self.dynamo.call("update_item", **request)
         except ClientError as exc:

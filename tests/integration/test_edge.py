@@ -123,6 +123,21 @@ class Edge:
         return [f for f in self.api.sent[connection] if f["action"] == "message"]
 
 
+def fail_first_round(edge: Edge, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """The next push round of the edge's pusher raises ``ServerBusy`` (a contended group
+    lane, a throttled call); the rounds after it run as they do."""
+    real = edge.pusher._round
+    calls = {"n": 0}
+
+    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy(why)
+        return real(connection, lines, source)
+
+    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+
+
 def texts(frames: list[dict[str, Any]]) -> list[str]:
     return [base64.b64decode(f["payload"]).decode() for f in frames]
 
@@ -390,16 +405,7 @@ def test_a_push_stopped_by_an_error_gives_its_lease_back(
     left the work to a holder that had gone, and the last message's push was lost for good."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    real = edge.pusher._round
-    calls = {"n": 0}
-
-    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ServerBusy("this group stream is contended; retry")
-        return real(connection, lines, source)
-
-    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    fail_first_round(edge, monkeypatch, "this group stream is contended; retry")
     edge.world.publish("a/b", "first")
     edge.world.route()
     assert edge.messages("c1") == []
@@ -568,16 +574,7 @@ def test_an_ack_after_a_push_that_stopped_early_pushes_what_it_left(
     edge.world.publish("a/b", "m0")
     edge.world.route()
     [first] = edge.messages("c1")
-    real = edge.pusher._round
-    calls = {"n": 0}
-
-    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ServerBusy("throttled")
-        return real(connection, lines, source)
-
-    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    fail_first_round(edge, monkeypatch, "throttled")
     edge.world.publish("a/b", "m1")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["m0"]
@@ -598,16 +595,7 @@ def test_a_push_that_looked_in_one_source_keeps_an_earlier_pushs_mark(
     edge.connect("c1", receive_maximum=5)
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     session = _session_of(edge, "c1")
-    real = edge.pusher._round
-    calls = {"n": 0}
-
-    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ServerBusy("throttled")
-        return real(connection, lines, source)
-
-    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    fail_first_round(edge, monkeypatch, "throttled")
     edge.world.publish("a/b", "m0")
     edge.world.route()
     assert edge.messages("c1") == []

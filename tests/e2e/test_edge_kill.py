@@ -326,18 +326,6 @@ def where_it_stands(session: ReconnectingClient, members: list[ReconnectingClien
     return "\n".join(lines)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "issue 31, open: in a whole-suite run (2026-11-29 20:14, after the hand-off fix and "
-        "the test's own two fixes; 8 of 8 runs alone under load passed) one shared-group lane "
-        "stalled: held by a connected member (granted, nothing in flight), the 11 messages "
-        "routed to it after the restart never served, the member's renewal stopped 3 s after "
-        "its reconnect (no get ran for it again). Suspected: a push that stopped on an error "
-        "kept the session's push lease for its 10 s while the last messages' pushes found it "
-        "held (fixed since: a push gives its lease back on every exit); unproven, so xfail"
-    ),
-)
 @pytest.mark.timeout(DEADLINE_S + 120)
 def test_kill_9_during_a_stream_to_websocket_subscribers(kill_dev: DevServer) -> None:
     dev = kill_dev

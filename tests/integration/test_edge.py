@@ -971,8 +971,8 @@ def group_edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     # as ``wiring.edge_service``: the subscriptions' groups too (here one service for both)
     edge.pusher.watch(world.subscriptions.groups)
     # the HTTP functions push the members their requests hand lanes to (``wiring.HandOvers``)
-    monkeypatch.setattr(messages_app, "hand_overs", lambda: HandOvers(edge.pusher))
-    monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: HandOvers(edge.pusher))
+    monkeypatch.setattr(messages_app, "hand_overs", lambda: HandOvers(lambda: edge.pusher))
+    monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: HandOvers(lambda: edge.pusher))
     yield edge
 
 
@@ -1064,3 +1064,41 @@ def test_lanes_an_http_member_leaves_are_pushed_to_a_websocket_member(group_edge
     status, _ = world.unsubscribe("alice-1", channel, "$share/g/a/#")
     assert status == 200
     assert sorted(texts(edge.messages("c2"))) == sorted(f"m-{k}" for k in keys)
+
+
+def test_the_hand_over_pusher_is_made_when_a_request_first_hands_lanes_over(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The messages and subscriptions functions make their ``Pusher`` (an ``@connections``
+    client and a delivery service of its own) when a request first hands streams over, not
+    at their cold start: a get or an ack that hands nothing over makes none."""
+    edge = group_edge
+    world = edge.world
+    made: list[int] = []
+
+    def make() -> Pusher:
+        made.append(1)
+        return edge.pusher
+
+    watcher = HandOvers(make)
+    monkeypatch.setattr(messages_app, "hand_overs", lambda: watcher)
+    share = {"filter": "$share/g/a/#", "qos": 1}
+    keys = [f"k{n}" for n in range(8)]
+    channel = world.connect("alice-1", clean_start=False, session_expiry_s=3600)
+    world.subscribe("alice-1", channel, share)
+    for key in keys:
+        world.publish("a/b", f"first-{key}", ordering_key=key)
+    world.route()
+    first = world.get("alice-1", channel, max_messages=100)
+    assert len(first) == len(keys) and made == []
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [share]})
+    for key in keys:
+        world.publish("a/b", f"second-{key}", ordering_key=key)
+    world.route()
+    assert world.ack("alice-1", channel, [m["id"] for m in first])[0] == 200
+    # the ack's final progress handed the revoked lanes over: made once, and it pushed
+    assert made == [1] and edge.messages("c2")
+    rest = world.get("alice-1", channel, max_messages=100)
+    assert world.ack("alice-1", channel, [m["id"] for m in rest])[0] == 200
+    assert made == [1]

@@ -231,28 +231,58 @@ class HandOvers:
     progress, a leave, a subscribe's rebalance), pushed when the request ends: a member
     connected over the WebSocket API and idle runs nothing that would read them, so a group
     of HTTP and WebSocket members would leave a lane's backlog waiting for the next message
-    routed to the group (at a stream's end, for ever). Nothing without a WebSocket API."""
+    routed to the group (at a stream's end, for ever). Nothing without a WebSocket API.
 
-    def __init__(self, pusher: Pusher | None) -> None:
-        self.pusher = pusher
+    The ``Pusher`` (an ``@connections`` client and a delivery service of its own) is made the
+    first time a request hands streams over, not at the function's cold start: most requests
+    hand none."""
+
+    def __init__(self, make_pusher: Callable[[], Pusher | None], pushes: bool = True) -> None:
+        self._make_pusher = make_pusher
+        self._pusher: Pusher | None = None
+        #: False without a WebSocket API: nothing to note
+        self.pushes = pushes
+        #: per thread (``shoal dev`` runs invocations on threads): hand-overs noted, not pushed
+        self._local = threading.local()
+
+    @property
+    def pusher(self) -> Pusher | None:
+        if self._pusher is None and self.pushes:
+            self._pusher = self._make_pusher()
+            self.pushes = self._pusher is not None
+        return self._pusher
+
+    def _note(self, session_ids: set[str]) -> None:
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = set()
+        pending.update(session_ids)
 
     @contextmanager
     def watching(self, groups: object | None) -> Iterator[None]:
         """Notes the hand-overs of ``groups`` (a ``GroupService``) during the block, then
         pushes them (best effort: a failed push leaves them to the member's next trigger)."""
-        if self.pusher is None:
+        store = getattr(groups, "store", None)
+        if not self.pushes or store is None:
             yield
             return
-        # idempotent: the store's hook is this pusher's, set again on each request
-        self.pusher.watch(groups)
+        # idempotent: the store's hook is set again on each request (a push's own
+        # hand-overs go to the pusher, which hooks the store of its own delivery service)
+        store.on_granted = self._note
+        self._local.pending = set()
         try:
             yield
         finally:
-            self.pusher.push_handed_over()
+            pending: set[str] = self._local.pending
+            self._local.pending = set()
+            pusher = self.pusher if pending else None
+            if pusher is not None:
+                pusher.handed_over(pending)
+                pusher.push_handed_over()
 
 
 def hand_overs(config: Config, clock: Clock | None = None) -> HandOvers:
-    return HandOvers(pusher(config, clock))
+    return HandOvers(lambda: pusher(config, clock), pushes=bool(config.connections_endpoint))
 
 
 def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:

@@ -17,6 +17,7 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
+from shoal.delivery.model import STATE
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
 from shoal.edge.connections import LEASE_MS, MAX_CONNECTION_S, ConnectionStore
@@ -129,11 +130,11 @@ def fail_first_round(edge: Edge, monkeypatch: pytest.MonkeyPatch, why: str) -> N
     real = edge.pusher._round
     calls = {"n": 0}
 
-    def failing_once(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+    def failing_once(connection: Any, *args: Any) -> tuple[int, bool]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise ServerBusy(why)
-        return real(connection, lines, source)
+        return real(connection, *args)
 
     monkeypatch.setattr(edge.pusher, "_round", failing_once)
 
@@ -487,9 +488,11 @@ def test_a_round_again_after_a_source_push_looks_in_every_source(
     looked: list[str | None] = []
     real_round = edge.pusher._round
 
-    def recording(connection: Any, lines: Any = None, source: Any = None) -> tuple[int, bool]:
+    def recording(
+        connection: Any, lines: Any = None, source: Any = None, read: Any = None
+    ) -> tuple[int, bool]:
         looked.append(source)
-        return real_round(connection, lines, source)
+        return real_round(connection, lines, source, read)
 
     real_release = edge.connections.release
     releases = {"n": 0}
@@ -1102,3 +1105,66 @@ def test_the_hand_over_pusher_is_made_when_a_request_first_hands_lanes_over(
     rest = world.get("alice-1", channel, max_messages=100)
     assert world.ack("alice-1", channel, [m["id"] for m in rest])[0] == 200
     assert made == [1]
+
+
+# --- a router push's reads
+
+
+def test_a_router_push_reads_its_sessions_heads_and_states_in_one_call(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's push to the sessions its batch wrote to reads their heads and delivery
+    states together (one batch read), not two reads a session before each frame goes out."""
+    clients = [f"alice-{n}" for n in range(4)]
+    for n, client_id in enumerate(clients):
+        edge.connect(f"c{n}", client_id=client_id)
+        edge.send(f"c{n}", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    calls: list[tuple[str, dict[str, Any]]] = []
+    real = Dynamo.call
+
+    def recording(self: Dynamo, operation: str, **request: Any) -> Any:
+        calls.append((operation, request))
+        return real(self, operation, **request)
+
+    monkeypatch.setattr(Dynamo, "call", recording)
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    for n in range(len(clients)):
+        assert texts(edge.messages(f"c{n}")) == ["m0"]
+    # no head or state read a session: what the router's push read came in batch reads
+    keys = [r.get("Key", {}) for op, r in calls if op == "get_item"]
+    assert not [k for k in keys if k.get("item") == {"S": "head"}]
+    assert not [k for k in keys if k.get("position") == {"S": STATE}]
+    batched = [
+        key
+        for op, r in calls
+        if op == "batch_get_item"
+        for part in r["RequestItems"].values()
+        for key in part["Keys"]
+    ]
+    assert sum(k.get("item") == {"S": "head"} for k in batched) == len(clients)
+    assert sum(k.get("position") == {"S": STATE} for k in batched) == len(clients)
+
+
+def test_a_push_from_a_stale_read_hands_out_nothing_twice(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that starts from a head and state read before another push wrote the state (a
+    stale read) fails its conditional write, reads again, and hands out only what is new."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    found = edge.connections.connection("c1")
+    assert found is not None
+    session_id = found.session_id
+    connection = edge.connections.targets([session_id])[0]
+    stale = edge.pusher.delivery.read_sessions([(connection.client_id, session_id)])
+    edge.world.publish("a/b", "m0")
+    edge.world.route()  # its push hands m0 out: the state moves past what ``stale`` holds
+    assert texts(edge.messages("c1")) == ["m0"]
+    # m1 is routed with no push of its own
+    monkeypatch.setattr(edge.pusher, "push_sessions", lambda *args, **kwargs: 0)
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert edge.pusher.push(connection, read=stale[session_id]) == 1
+    assert texts(edge.messages("c1")) == ["m0", "m1"]

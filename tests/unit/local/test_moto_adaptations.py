@@ -8,6 +8,7 @@ from typing import Any
 
 import boto3
 import pytest
+from boto3.dynamodb.conditions import Key
 from moto import mock_aws
 from moto.core.serialize import BaseJSONSerializer
 from moto.dynamodb.models.dynamo_type import Item
@@ -208,3 +209,29 @@ def test_attribute_values_are_written_as_moto_writes_them(
 def test_what_is_not_an_attribute_value_goes_the_generic_way(value: Any) -> None:
     with pytest.raises(_NotAnAttributeValue):
         _attribute_value_json(value)
+
+
+def test_a_response_class_is_listed_once(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto lists a response class's methods on every request; the emulator lists each class
+    once (``cache_action_names``), and every action is still answered."""
+    import inspect
+
+    from moto.core import responses
+
+    listed: list[object] = []
+    original = inspect.getmembers
+
+    def counting(obj: object, predicate: Any = None) -> Any:
+        listed.append(obj)
+        return original(obj, predicate)
+
+    monkeypatch.setattr(inspect, "getmembers", counting)
+    responses.method_names_from_class.cache_clear()  # type: ignore[attr-defined]
+    for n in range(5):
+        table.put_item(Item={"p": "listed", "k": n})
+    assert len(table.query(KeyConditionExpression=Key("p").eq("listed"))["Items"]) == 5
+    from moto.dynamodb.responses import DynamoHandler
+
+    assert listed.count(DynamoHandler) == 1

@@ -257,6 +257,29 @@ class Dynamo:
                 raise ServerBusy("the store did not answer every read; retry")
         return out
 
+    def batch_get_tables(
+        self, keys: Sequence[tuple[str, Mapping[str, Any]]], *, consistent: bool = True
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Every item of ``keys`` (table, key) that exists, with its table: items of several
+        tables in one call (100 keys a call, unprocessed keys asked again)."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for start in range(0, len(keys), MAX_BATCH_GET):
+            request: dict[str, Any] = {}
+            for table, key in keys[start : start + MAX_BATCH_GET]:
+                part = request.setdefault(table, {"Keys": [], "ConsistentRead": consistent})
+                part["Keys"].append(to_item(key))
+            for attempt in range(BATCH_ATTEMPTS):
+                response = self.call("batch_get_item", RequestItems=request)
+                for table, items in response.get("Responses", {}).items():
+                    out += [(table, from_item(i)) for i in items]
+                request = response.get("UnprocessedKeys") or {}
+                if not request:
+                    break
+                self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
+            else:
+                raise ServerBusy("the store did not answer every read; retry")
+        return out
+
     def batch_put(self, table: str, records: Sequence[Mapping[str, Any]]) -> None:
         """Put every record (25 a call); unprocessed ones again, then ``ServerBusy``."""
         self.batch_write(table, [{"PutRequest": {"Item": to_item(r)}} for r in records])

@@ -560,8 +560,12 @@ class InboxStore:
 
     # -- the delivery state
 
+    @staticmethod
+    def state_key(session_id: str) -> dict[str, str]:
+        return {"inbox": session_id, "position": STATE}
+
     def state(self, session_id: str) -> DeliveryState:
-        raw = self.dynamo.get(self.table, {"inbox": session_id, "position": STATE})
+        raw = self.dynamo.get(self.table, self.state_key(session_id))
         return DeliveryState.from_record(raw) if raw else DeliveryState()
 
     def in_flight(self, session_id: str) -> int:

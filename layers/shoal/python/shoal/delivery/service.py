@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import base64
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -110,6 +110,16 @@ MIN_SCAN_PAGE = 2
 READ_UNIT = 4096
 
 
+@dataclass(frozen=True)
+class SessionRead:
+    """A session's head and delivery state as one batch read found them (``read_sessions``):
+    a get that starts from them reads neither again. A stale copy costs what it costs a get
+    that keeps its state across idle polls: a failed conditional write, and a read again."""
+
+    head: Head | None
+    state: DeliveryState
+
+
 class DeliveryService:
     """Get and ack for a live channel."""
 
@@ -140,6 +150,25 @@ class DeliveryService:
 
     # -- get
 
+    def read_sessions(self, sessions: Iterable[tuple[str, str]]) -> dict[str, SessionRead]:
+        """The heads and delivery states of ``sessions`` (client id, session id), strongly
+        consistent, in one batch read for up to 50 sessions (not two reads each), by session
+        id: what a router's push to the sessions a batch wrote to starts from."""
+        pairs = sorted(set(sessions))
+        if not pairs:
+            return {}
+        repository = self.registry.repository
+        keys = [(repository.table, repository.head_key(c)) for c, _ in pairs]
+        keys += [(self.inbox.table, self.inbox.state_key(s)) for _, s in pairs]
+        heads: dict[str, Head] = {}
+        states: dict[str, DeliveryState] = {}
+        for table, row in self.inbox.dynamo.batch_get_tables(keys, consistent=True):
+            if table == self.inbox.table:
+                states[str(row["inbox"])] = DeliveryState.from_record(row)
+            else:
+                heads[str(row["client_id"])] = repository.head_of(row)
+        return {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
+
     def get(
         self,
         who: Principal,
@@ -151,6 +180,7 @@ class DeliveryService:
         window: int | None = None,
         lines: LineCache | None = None,
         source: str | None = None,
+        known: SessionRead | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -158,12 +188,16 @@ class DeliveryService:
         deliveries naming them are filled without reading the archive back. ``source``: new
         deliveries are looked for in that source only, from its cursor on (the router's push
         of the batch it wrote: one query, not a walk over every source's consumed items); what
-        waits in other sources is left to the next get without it."""
+        waits in other sources is left to the next get without it. ``known``: the session's
+        head and state as the caller read them (``read_sessions``), not read again."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
             raise BadRequest("wait_ms is not negative", field="wait_ms")
-        head = self.registry.require_live(who, client_id, channel)
+        if known is not None and known.head is not None:
+            head = self.registry.live_as_read(who, client_id, channel, known.head)
+        else:
+            head = self.registry.require_live(who, client_id, channel)
         channel = channel_of(head)
         session_id = head.session_id or ""
         wanted = min(max_messages, MAX_GET)
@@ -171,7 +205,7 @@ class DeliveryService:
         waited = False
         interval = POLL_INTERVAL_S
         # kept across idle polls: a stale copy only costs a failed conditional write
-        state: DeliveryState | None = None
+        state: DeliveryState | None = known.state if known is not None else None
         # a copy: the get adds the lines it reads, and callers share theirs between threads
         read: LineCache = dict(lines or {})
         while True:

@@ -32,7 +32,7 @@ from shoal.core.errors import ShoalError
 from shoal.core.observability import count, logger
 from shoal.delivery.inbox import LineCache
 from shoal.delivery.model import MAX_GET
-from shoal.delivery.service import DeliveryService
+from shoal.delivery.service import DeliveryService, SessionRead
 from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
 from shoal.edge.frames import MessageFrame, ServerDisconnectFrame, encode
 
@@ -169,18 +169,42 @@ class Pusher:
         ``lines``: the archive lines the caller holds (the router's batch), so that the pushes
         fill the deliveries naming them without reading the archive back. ``source``: the
         source the caller just wrote the sessions' deliveries to (the router's shard), where
-        each push's first round looks for new ones (``DeliveryService.get``)."""
+        each push's first round looks for new ones (``DeliveryService.get``).
+
+        The targets' heads and delivery states are read together first (one batch read for
+        up to 50 sessions, ``DeliveryService.read_sessions``), so that each push's first get
+        reads neither: under one lock (``shoal dev``) the pushes of a batch wait for each
+        other's calls, and deployed each read is a round trip before the frame goes out."""
         targets = self.connections.targets(session_ids)
-        if len(targets) <= 1:
-            return sum(self.push(connection, lines, source) for connection in targets)
+        if not targets:
+            return 0
+        read = self._read(targets)
+        if len(targets) == 1:
+            return self.push(targets[0], lines, source, read.get(targets[0].session_id))
         workers = min(PUSH_PARALLELISM, len(targets))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-push") as pool:
             # the invocation's context (its metrics, its logger's keys) goes with each push
             done = [
-                pool.submit(contextvars.copy_context().run, self.push, c, lines, source)
+                pool.submit(
+                    contextvars.copy_context().run,
+                    self.push,
+                    c,
+                    lines,
+                    source,
+                    read.get(c.session_id),
+                )
                 for c in targets
             ]
             return sum(future.result() for future in done)
+
+    def _read(self, targets: list[Connection]) -> dict[str, SessionRead]:
+        """The targets' heads and states, or nothing when the read failed: each push then
+        reads its own, as it would without this."""
+        try:
+            return self.delivery.read_sessions((c.client_id, c.session_id) for c in targets)
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            logger.info("push read failed", extra={"error_type": type(exc).__name__})
+            return {}
 
     def after_ack(self, connection: Connection, opened: bool) -> int:
         """The push an ack makes: when it opened room for deliveries that wait (``opened``,
@@ -195,7 +219,11 @@ class Pusher:
         return 0
 
     def push(
-        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+        self,
+        connection: Connection,
+        lines: LineCache | None = None,
+        source: str | None = None,
+        read: SessionRead | None = None,
     ) -> int:
         """The connection's deliveries, within its window, in order; the frames pushed. Never
         raises for a failed push: the inbox keeps what it would have carried.
@@ -204,11 +232,13 @@ class Pusher:
         (in the lease's release: no extra write), so that the reaper's sweep pushes it again
         with ``dup`` if no ack came by then; nothing else would, while the client stays.
 
-        Shared-group members that this push's gets handed streams to are pushed after it."""
+        Shared-group members that this push's gets handed streams to are pushed after it.
+        ``read``: the session's head and state as read before the lease was taken, where the
+        first get starts (a stale state costs that get a failed write and a read again)."""
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
-            pushed = self._push(connection, lines, source)
+            pushed = self._push(connection, lines, source, read)
         finally:
             self._local.depth = depth
         if depth == 0:
@@ -216,7 +246,11 @@ class Pusher:
         return pushed
 
     def _push(
-        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+        self,
+        connection: Connection,
+        lines: LineCache | None = None,
+        source: str | None = None,
+        read: SessionRead | None = None,
     ) -> int:
         owner = self.connections.take_lease(connection)
         if owner is None:
@@ -235,7 +269,9 @@ class Pusher:
                 # the first round looks where the trigger wrote (``source``); a round again
                 # (``again``: another trigger came meanwhile, maybe for another source, or an
                 # ack opened the window) looks everywhere
-                frames, acked_later = self._round(connection, lines, source if not round_ else None)
+                frames, acked_later = self._round(
+                    connection, lines, *((source, read) if not round_ else (None, None))
+                )
                 pushed += frames
                 if acked_later and due is None:
                     due = self.clock.now_ms() + self._ack_timeout_ms
@@ -317,7 +353,11 @@ class Pusher:
         return min(r.sent_at_ms for r in runs) + self._ack_timeout_ms
 
     def _round(
-        self, connection: Connection, lines: LineCache | None = None, source: str | None = None
+        self,
+        connection: Connection,
+        lines: LineCache | None = None,
+        source: str | None = None,
+        read: SessionRead | None = None,
     ) -> tuple[int, bool]:
         """The frames pushed, and whether any of them waits for an ack."""
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
@@ -332,9 +372,11 @@ class Pusher:
                 window=connection.window,
                 lines=lines,
                 source=source,
+                known=read,
             )["messages"]
-            # more than one get: the rest of what waits, wherever it is
+            # more than one get: the rest of what waits, wherever it is, read again
             source = None
+            read = None
             for message in messages:
                 self.api.post(connection.connection_id, encode(MessageFrame(**message)))
                 acked_later = acked_later or message["qos"] > 0

@@ -35,6 +35,7 @@ import boto3
 
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_dynamodb import (
+    cache_action_names,
     query_one_partition,
     roll_back_transactions_by_item,
     serialize_attribute_values_directly,
@@ -218,6 +219,7 @@ def adapt_moto() -> None:
     roll_back_transactions_by_item()
     query_one_partition()
     serialize_attribute_values_directly()
+    cache_action_names()
 
 
 def detach_moto_lambda_triggers() -> None:

@@ -238,8 +238,14 @@ class SessionRegistry:
         For session-scoped routes that read; writes put the liveness condition on themselves
         instead (``shoal.sessions.repository.live_condition``).
         """
+        return self.live_as_read(who, client_id, channel, self.repository.head(client_id))
+
+    def live_as_read(
+        self, who: Principal, client_id: str, channel: Channel | None, head: Head | None
+    ) -> Head:
+        """``require_live`` on a head the caller read itself (a router's push reads the heads
+        of a batch's sessions together, in one batch read, not one read a session)."""
         version = self._scope(who, client_id, channel)
-        head = self.repository.head(client_id)
         if head is None or head.sub != who.sub or not head.is_live(version):
             raise self._refuse(who, head)
         self._seen(client_id, version, who.sub, head)

@@ -126,6 +126,15 @@ class SessionRepository:
         raw = self.dynamo.call("get_item", **{**self._on(client_id, HEAD), "ConsistentRead": True})
         return _head(from_item(raw["Item"])) if "Item" in raw else None
 
+    def head_key(self, client_id: str) -> dict[str, str]:
+        """The head item's key (untyped), for a batch read that spans tables."""
+        return {"client_id": client_id, "item": HEAD}
+
+    @staticmethod
+    def head_of(row: Mapping[str, Any]) -> Head:
+        """The head of a head item as a batch read returns it."""
+        return _head(row)
+
     def heads(self, client_ids: Iterable[str]) -> dict[str, Head]:
         """The head items of ``client_ids`` that exist, eventually consistent (a view for an
         operator: 100 keys a call, no condition on them)."""

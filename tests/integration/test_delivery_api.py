@@ -9,7 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 from shoal.core.config import get_config
-from shoal.delivery.model import MAX_INLINE_PAYLOAD
+from shoal.delivery.inbox import InboxStore
+from shoal.delivery.model import MAX_INLINE_PAYLOAD, STATE
 from shoal.delivery.subscriptions import SubscriptionRetirer
 from shoal.sessions.reaper import Reaper
 
@@ -281,6 +282,49 @@ def test_a_long_poll_returns_what_arrives_while_it_waits(world: World) -> None:
     assert world.clock.now_ms() - started < 5000
     # And with nothing to come it gives up at the deadline
     assert world.get(CLIENT, channel, wait_ms=3000) == []
+
+
+def test_an_idle_long_poll_looks_for_the_partitions_first_item_once(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long poll's first read finds the session's first inbox item (consumed: items stay
+    until TTL) and jumps to its source's cursor; its polls again start at that cursor, not
+    with the query that would find the same item again (up to 16 read units each), and still
+    find what arrives while it waits."""
+    channel = connected(world)
+    world.subscribe(CLIENT, channel, "q/#")
+    world.publish_batch(
+        [{"topic": "q/x", "text": str(n), "ordering_key": f"k{n}"} for n in range(6)]
+    )
+    world.route()
+    got = world.get(CLIENT, channel, 10)
+    assert world.ack(CLIENT, channel, [m["id"] for m in got])[0] == 200
+    lower_bounds: list[str] = []
+    real = InboxStore.after
+
+    def after(self: InboxStore, session_id: str, key: str, **kw: Any) -> Any:
+        lower_bounds.append(key)
+        return real(self, session_id, key, **kw)
+
+    monkeypatch.setattr(InboxStore, "after", after)
+    assert world.get(CLIENT, channel, wait_ms=5000) == []
+    polls = lower_bounds.count(STATE) + sum(1 for k in lower_bounds if k != STATE)
+    assert lower_bounds.count(STATE) == 1 and polls > 5
+    # what arrives meanwhile is found by a poll that started at the cursor
+    lower_bounds.clear()
+    advance = world.clock.sleep
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        advance(seconds)
+        slept.append(seconds)
+        if len(slept) == 3:
+            world.publish("q/x", "late", ordering_key="k0")
+            world.route()
+
+    world.clock.sleep = sleep  # type: ignore[method-assign]
+    assert texts(world.get(CLIENT, channel, wait_ms=5000)) == ["late"]
+    assert lower_bounds.count(STATE) == 1
 
 
 def test_get_and_ack_need_the_live_channel(world: World) -> None:

@@ -101,6 +101,19 @@ class _Plan:
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
 
 
+@dataclass
+class _ScanStart:
+    """Where a get's scans start, kept across the idle polls of one get: the source of the
+    partition's first item (consumed), as its first scan found it. A poll again then starts
+    at that source's cursor and skips the query that would find the same item again (one of
+    the three queries of an idle poll with two sources; that first item is a consumed one, up
+    to 64 KB: up to 16 read units). What it misses: a source that sorts before that one and
+    got its first item during this get's wait (a new storage topic or shard); the next get
+    starts from the partition's first item again and finds it."""
+
+    source: str | None = None
+
+
 #: items a scan's query asks for after its first, at most and at least: as many as fit one read
 #: unit (``READ_UNIT``) by the size of the items the previous query read
 #: (``DeliveryService._scan``)
@@ -208,6 +221,7 @@ class DeliveryService:
         state: DeliveryState | None = known.state if known is not None else None
         # a copy: the get adds the lines it reads, and callers share theirs between threads
         read: LineCache = dict(lines or {})
+        start = _ScanStart()
         while True:
             out: list[dict[str, Any]] = []
             for attempt in range(ATTEMPTS):
@@ -225,6 +239,7 @@ class DeliveryService:
                     lines=read,
                     window=window or self.settings.window,
                     source=source,
+                    start=start,
                 )
                 if not plan.changed:
                     break
@@ -269,6 +284,7 @@ class DeliveryService:
         lines: LineCache,
         window: int,
         source: str | None = None,
+        start: _ScanStart | None = None,
     ) -> _Plan:
         plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
@@ -285,6 +301,7 @@ class DeliveryService:
                 window_left=window_left,
                 now=now,
                 source=source,
+                start=start,
             )
         return plan
 
@@ -367,10 +384,11 @@ class DeliveryService:
         window_left: int,
         now: int,
         source: str | None = None,
+        start: _ScanStart | None = None,
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
-        scan = self._scan(session_id, state, source)
+        scan = self._scan(session_id, state, source, start)
         scanned = 0
         recording = self.events is not None and self.events.enabled
         while True:
@@ -486,7 +504,11 @@ class DeliveryService:
         return option is not None and option.get("sid") == message.sid
 
     def _scan(
-        self, session_id: str, state: DeliveryState, only: str | None = None
+        self,
+        session_id: str,
+        state: DeliveryState,
+        only: str | None = None,
+        start: _ScanStart | None = None,
     ) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order.
 
@@ -494,20 +516,29 @@ class DeliveryService:
         jumps to that source's cursor (one query per source with old items, no more). The first
         query asks for one item: the partition's first items are mostly consumed ones, up to
         64 KB each, and a query is billed for every item it reads, so reading ten of them to
-        learn where to jump cost up to 160 read units a get.
+        learn where to jump cost up to 160 read units a get. ``start``: where an earlier scan
+        of the same get found the partition's first item (``_ScanStart``).
         """
         lower, inclusive = STATE, False
         limit = 1
+        # the partition's first item, looked for only when no earlier scan of the get found it
+        first = start if start is not None and start.source is None and only is None else None
         if only is not None:
             # one source (``only``): straight to its cursor, or the item it is partway through
-            partial = state.partial.get(only)
-            if partial:
-                lower, inclusive = partial, True
-            else:
-                lower, inclusive = item_key(only, state.cursors.get(only, "")), False
+            lower, inclusive = _resume(state, only)
+            limit = MIN_SCAN_PAGE
+        elif start is not None and start.source is not None:
+            lower, inclusive = _resume(state, start.source)
             limit = MIN_SCAN_PAGE
         for _ in range(MAX_QUERIES_PER_GET):
             items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=limit)
+            if first is not None:
+                if items and not any(
+                    m.position > state.cursors.get(items[0].source, "") for m in items[0].messages
+                ):
+                    # consumed: later polls of this get start at its source's cursor
+                    first.source = items[0].source
+                first = None
             if only is not None:
                 # past the source's items: what other sources hold is not this scan's
                 items = list(itertools.takewhile(lambda i: i.source == only, items))
@@ -681,3 +712,12 @@ def _drop_reason(found: _Found, now: int) -> str:
     if expired or (found.item.expires_at and found.item.expires_at * 1000 <= now):
         return "expired"
     return "unsubscribed"
+
+
+def _resume(state: DeliveryState, source: str) -> tuple[str, bool]:
+    """Where a scan of ``source`` goes on: the item it is partway through, or after its
+    cursor (a query's lower bound, and whether it is inclusive)."""
+    partial = state.partial.get(source)
+    if partial:
+        return partial, True
+    return item_key(source, state.cursors.get(source, "")), False

@@ -1167,6 +1167,25 @@ def test_a_takeover_keeps_the_member_live_by_the_newer_connection(group_edge: Ed
     assert _member(edge, "alice-2") == (True, _all_lanes(edge))
 
 
+def test_a_renewal_keeps_the_member_live_by_the_new_connection(group_edge: Edge) -> None:
+    """The client renews its connection before API Gateway's two hours (make-before-break):
+    the new connection keeps the member from then, the older one's $disconnect releases
+    nothing, and the new one's releases it."""
+    edge = group_edge
+    _two_members(edge)
+    lanes = _member(edge, "alice-1")
+    head = edge.world.registry.repository.head("alice-1")
+    assert head is not None
+    _renew(edge, "c3", head.newest.channel)
+    assert edge.api.sent["c3"][0]["action"] == "connected"
+    edge.dropped("c1")
+    _idle(edge)
+    assert _member(edge, "alice-1") == lanes
+    edge.dropped("c3")
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+
+
 def test_the_reaper_releases_a_member_whose_connections_end_released_nothing(
     group_edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:

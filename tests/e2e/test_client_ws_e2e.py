@@ -306,8 +306,8 @@ def test_lanes_an_http_member_leaves_reach_a_websocket_member(
             member.subscribe(share)
             publish_keyed(shared_dev, jwt, "wsh/x", {k: f"m-{k}" for k in keys})
             # its own lanes' messages, processed and acked; then quiet for 6 s, past the lease
-            # timeout: the idle WebSocket member has lapsed, so the leave frees the lanes and
-            # pushes the members who could take them (``freed_for``)
+            # timeout: the idle WebSocket member is live still (its connection keeps it), so
+            # the leave grants it the lanes and pushes it
             got = list(member.messages(until_ms=now_ms() + 6000))
             assert 0 < len(got) < len(keys), texts(got)  # the HTTP member holds the rest
             stop.set()

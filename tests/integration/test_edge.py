@@ -17,14 +17,15 @@ from typing import Any
 import boto3
 import pytest
 from shoal.aws.dynamo import Dynamo
-from shoal.delivery.model import STATE
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
+from shoal.delivery.model import STATE
 from shoal.edge.connections import LEASE_MS, MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
 from shoal.edge.push import ConnectionGone, Connections, Pusher
 from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
+from shoal.groups.records import group_key
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.repository import SessionRepository
 from shoal.wiring import HandOvers
@@ -1041,12 +1042,18 @@ def test_a_lane_an_http_member_hands_over_is_pushed_to_a_websocket_member(
     assert sorted(handed + texts(rest)) == sorted(f"second-{k}" for k in keys)
 
 
-def test_lanes_an_http_member_leaves_are_pushed_to_a_websocket_member(group_edge: Edge) -> None:
+def test_lanes_an_http_member_leaves_are_pushed_to_a_websocket_member(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The HTTP member of a two-member group unsubscribes with its lanes' messages unread: the
     unsubscribe's request (the subscriptions function) pushes the WebSocket member, idle
-    with everything acked, what those lanes hold."""
+    with everything acked, what those lanes hold. Here the WebSocket member's connection does
+    not keep it live (its keep was never written: a crash between its subscribe's commit and
+    the keep), so it lapses as any idle member does."""
     edge = group_edge
     world = edge.world
+    assert isinstance(world, GroupWorld)
+    monkeypatch.setattr(world.groups, "_keep", lambda *_: False)
     share = {"filter": "$share/g/a/#", "qos": 1}
     keys = [f"k{n}" for n in range(8)]
     channel = world.connect("alice-1", clean_start=False, session_expiry_s=3600)
@@ -1168,3 +1175,148 @@ def test_a_push_from_a_stale_read_hands_out_nothing_twice(
     assert texts(edge.messages("c1")) == ["m0"]
     assert edge.pusher.push(connection, read=stale[session_id]) == 1
     assert texts(edge.messages("c1")) == ["m0", "m1"]
+
+
+# --- a WebSocket member's liveness comes from its connection
+
+SHARE = {"filter": "$share/g/a/#", "qos": 1}
+KEYS = [f"k{n}" for n in range(8)]
+
+
+def _group_world(edge: Edge) -> GroupWorld:
+    assert isinstance(edge.world, GroupWorld)
+    return edge.world
+
+
+def _member(edge: Edge, client_id: str) -> tuple[bool, list[str]]:
+    """Whether the client's session is a live member of the group now, and its lanes."""
+    world = _group_world(edge)
+    loaded = world.group("g", "a/#")
+    assert loaded is not None
+    session_id = world.session_id(client_id)
+    member = loaded.state.members[session_id]
+    live = member.alive(edge.world.clock.now_ms(), int(LEASE_S * 1000))
+    return live, sorted(loaded.state.holdings(session_id))
+
+
+def _two_members(edge: Edge) -> None:
+    """alice-1 (on c1) and alice-2 (on c2) share the group's four lanes, two each, with
+    nothing in flight (the router makes a group's lanes known with its first write)."""
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [SHARE]})
+    for key in KEYS:
+        edge.world.publish("a/b", f"first-{key}", ordering_key=key)
+    edge.world.route()
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [SHARE]})
+    edge.api.sent.clear()
+
+
+def _idle(edge: Edge, timeouts: int = 3) -> None:
+    """Time passes with no function of the members running; the group advances each lease
+    timeout as any other invocation touching it (a member's get, the reaper) advances it."""
+    world = _group_world(edge)
+    for _ in range(timeouts):
+        world.clock.advance(LEASE_S + 1)
+        world.group_store.advance(group_key("g", "a/#"), world.clock.now_ms())
+
+
+def test_an_idle_websocket_member_is_live_while_its_connection_lives(group_edge: Edge) -> None:
+    """Two members connected over the WebSocket API stay idle for several lease timeouts: no
+    function of theirs runs, yet each is live and keeps its lanes (its connection keeps it),
+    and is pushed the group's messages. One's $disconnect releases it at once: its lanes,
+    with what it had in flight, go to the other, pushed to it by the $disconnect."""
+    edge = group_edge
+    _two_members(edge)
+    first, second = _member(edge, "alice-1"), _member(edge, "alice-2")
+    assert first[0] and second[0] and len(first[1]) == len(second[1]) == 2
+    _idle(edge)
+    # live past three lease timeouts without a renewal, the lanes where they were
+    assert _member(edge, "alice-1") == first
+    assert _member(edge, "alice-2") == second
+    for key in KEYS:
+        edge.world.publish("a/b", f"m-{key}", ordering_key=key)
+    edge.world.route()
+    pushed = texts(edge.messages("c1")), texts(edge.messages("c2"))
+    assert pushed[0] and pushed[1]
+    assert sorted(pushed[0] + pushed[1]) == sorted(f"m-{k}" for k in KEYS)
+    edge.dropped("c1")
+    # at once: no time passed, no lease ran out
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, sorted(first[1] + second[1]))
+    # what the first had in flight went to the second, pushed by the $disconnect
+    assert sorted(set(texts(edge.messages("c2")))) == sorted(f"m-{k}" for k in KEYS)
+
+
+def test_a_takeover_keeps_the_member_live_by_the_newer_connection(group_edge: Edge) -> None:
+    """A connect over the WebSocket API that resumes the session takes it over: the newer
+    connection keeps the member live from then, and the older one's $disconnect releases
+    nothing. When an HTTP connect takes it over instead, the older connection's $disconnect
+    releases the member at once: from then it is live as an HTTP member is, by renewing."""
+    edge = group_edge
+    world = edge.world
+    _two_members(edge)
+    lanes = _member(edge, "alice-1")
+    edge.connect("c3", client_id="alice-1")
+    assert edge.api.closed == ["c1"]
+    edge.dropped("c1")
+    _idle(edge)
+    assert _member(edge, "alice-1") == lanes
+    # an HTTP connect takes the session over; API Gateway closes the connection later
+    world.connect("alice-1", clean_start=False, session_expiry_s=3600)
+    assert _member(edge, "alice-1") == lanes
+    edge.dropped("c3")
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+
+
+def test_a_renewal_keeps_the_member_live_by_the_new_connection(group_edge: Edge) -> None:
+    """The client renews its connection before API Gateway's two hours (make-before-break):
+    the new connection keeps the member from then, the older one's $disconnect releases
+    nothing, and the new one's releases it."""
+    edge = group_edge
+    _two_members(edge)
+    lanes = _member(edge, "alice-1")
+    head = edge.world.registry.repository.head("alice-1")
+    assert head is not None
+    _renew(edge, "c3", head.newest.channel)
+    assert edge.api.sent["c3"][0]["action"] == "connected"
+    edge.dropped("c1")
+    _idle(edge)
+    assert _member(edge, "alice-1") == lanes
+    edge.dropped("c3")
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+
+
+def test_the_reaper_releases_a_member_whose_connections_end_released_nothing(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A $disconnect that died after losing the channel and before releasing the member
+    (here: its release does nothing): the reaper's expiry of the lost channel, due at once,
+    releases it, and its lanes go to the live member."""
+    edge = group_edge
+    world = _group_world(edge)
+    _two_members(edge)
+    monkeypatch.setattr(world.groups, "connection_ended", lambda *_: 0)
+    edge.dropped("c1")
+    assert _member(edge, "alice-1")[0]  # kept still: nothing released it
+    repository = SessionRepository(
+        Dynamo(world.session.client("dynamodb")), get_config().table("sessions")
+    )
+    reaper = Reaper(
+        repository,
+        RecordingPublisher(),
+        world.clock,
+        on_channel_expired=world.groups.channel_expired,
+    )
+    assert reaper.run().channels_expired == 1
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+
+
+def _all_lanes(edge: Edge) -> list[str]:
+    loaded = _group_world(edge).group("g", "a/#")
+    assert loaded is not None
+    return sorted(loaded.state.streams)

@@ -22,6 +22,7 @@ from shoal.groups.service import GroupService
 from shoal.groups.state import advance
 from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader, StreamState, group_partition, parse_delivery_id
+from shoal.sessions.ports import KeptBy
 
 LEASE_S = 10.0
 FILTER = "$share/g/orders/#"
@@ -304,3 +305,45 @@ def test_membership_reads_one_group_ref_per_shared_subscription() -> None:
 
     # Then only the shared one is a group, with its incarnation
     assert group_refs(subs) == [GroupRef("$share/g/orders/#", "g", "orders/#", 1, "i1")]
+
+
+def _live(groups: Groups, member: str) -> bool:
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None
+    return loaded.state.members[member].alive(groups.clock.now_ms(), int(LEASE_S * 1000))
+
+
+def test_a_keep_outlasts_the_lease_and_a_heartbeat_writes_it_back(groups: Groups) -> None:
+    # Given a member kept live by its connection for an hour
+    incarnation = groups.join("a")
+    groups.join("b")
+    by = KeptBy("conn-1", "chan-1", groups.clock.now_ms() + 3_600_000)
+    assert groups.service.keep("a", groups.subs(incarnation), by) == 1
+    # When many lease timeouts pass, and its session heartbeats once over HTTP meanwhile
+    groups.clock.advance(3 * LEASE_S)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    groups.clock.advance(3 * LEASE_S)
+    # Then it is live still (the heartbeat's record replaced its item with the keep in it)
+    assert _live(groups, "a") and not _live(groups, "b")
+    # When another connection's end comes: not the one keeping it, so nothing changes
+    groups.service.connection_ended("a", groups.subs(incarnation), "conn-0")
+    assert _live(groups, "a")
+    # When its own connection ends: not live from now, though its lease has not run out
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    groups.service.connection_ended("a", groups.subs(incarnation), "conn-1")
+    assert not _live(groups, "a")
+
+
+def test_a_keep_of_a_past_membership_counts_not_for_a_new_one(groups: Groups) -> None:
+    # Given a member kept by its connection, which leaves the group (it stays connected)
+    incarnation = groups.join("a")
+    groups.join("b")
+    by = KeptBy("conn-1", "chan-1", groups.clock.now_ms() + 3_600_000)
+    groups.service.keep("a", groups.subs(incarnation), by)
+    groups.leave("a")
+    # When it joins again later over HTTP, and its lease runs out
+    groups.clock.advance(1)
+    groups.join("a")
+    groups.clock.advance(LEASE_S + 1)
+    # Then the keep written for its earlier membership does not keep it live
+    assert not _live(groups, "a")

@@ -22,6 +22,7 @@ from shoal.groups.state import (
     leave,
     new_group,
     quotas,
+    release,
     renew,
 )
 from shoal.groups.streams import StaleLease, StreamState
@@ -125,6 +126,55 @@ def test_a_holder_whose_renewal_misses_the_lease_timeout_loses_its_streams() -> 
     # and at the timeout its streams go to m00; m01 stays a member (offline, durable)
     assert counts(state) == {"m00": 4, "m01": 0}
     assert "m01" in state.members
+
+
+def kept(state: GroupState, member_id: str, until_ms: int) -> GroupState:
+    """``member_id`` kept live by its connection until ``until_ms`` (as the store loads it)."""
+    member = replace(state.members[member_id], kept_until_ms=until_ms)
+    return replace(state, members={**state.members, member_id: member})
+
+
+def test_a_member_its_connection_keeps_holds_its_streams_without_renewals() -> None:
+    # Given two members sharing four streams, m01 kept live by its connection
+    clock = ManualClock()
+    state = settle(group(clock, members=2, streams=4), clock.now_ms())
+    state = kept(state, "m01", clock.now_ms() + 100 * TIMEOUT_MS)
+    # When only m00 renews, for many lease timeouts
+    for _ in range(5):
+        clock.advance(TIMEOUT_MS / 1000)
+        state = advance(renew(state, "m00", clock.now_ms()), clock.now_ms(), TIMEOUT_MS)
+    # Then m01 keeps its streams
+    assert counts(state) == {"m00": 2, "m01": 2}
+    # When its connection ends
+    state = advance(release(state, "m01", clock.now_ms()), clock.now_ms(), TIMEOUT_MS)
+    # Then its streams go to m00 at once
+    assert counts(state) == {"m00": 4, "m01": 0}
+
+
+def test_a_released_member_is_not_live_until_it_renews_after_the_release() -> None:
+    # Given a member renewed just now, kept by its connection
+    clock = ManualClock()
+    state = settle(group(clock, members=1, streams=2), clock.now_ms())
+    state = kept(state, "m00", clock.now_ms() + TIMEOUT_MS)
+    # When its connection ends within its lease: the renewal before it counts no more
+    clock.advance(1)
+    state = release(state, "m00", clock.now_ms())
+    assert not state.members["m00"].alive(clock.now_ms(), TIMEOUT_MS)
+    # When it renews later (an HTTP call of its session): live again
+    clock.advance(1)
+    state = renew(state, "m00", clock.now_ms())
+    assert state.members["m00"].alive(clock.now_ms(), TIMEOUT_MS)
+
+
+def test_a_keep_lapses_at_its_bound() -> None:
+    # Given a member kept until a bound (API Gateway's limit on its connection)
+    clock = ManualClock()
+    state = settle(group(clock, members=1, streams=1), clock.now_ms())
+    until = clock.now_ms() + 3 * TIMEOUT_MS
+    state = kept(state, "m00", until)
+    # Then it is live up to the bound, past its lease, and not at the bound
+    assert state.members["m00"].alive(until - 1, TIMEOUT_MS)
+    assert not state.members["m00"].alive(until, TIMEOUT_MS)
 
 
 def test_expiry_without_live_members_frees_streams_and_a_returning_member_takes_them() -> None:

@@ -211,9 +211,7 @@ def test_what_is_not_an_attribute_value_goes_the_generic_way(value: Any) -> None
         _attribute_value_json(value)
 
 
-def test_a_response_class_is_listed_once(
-    table: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_response_class_is_listed_once(table: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """moto lists a response class's methods on every request; the emulator lists each class
     once (``cache_action_names``), and every action is still answered."""
     import inspect

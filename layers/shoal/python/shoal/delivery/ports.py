@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shoal.sessions.model import Channel
+from shoal.sessions.ports import KeptBy
 
 
 @dataclass
@@ -28,6 +29,10 @@ class MembershipPlan:
     removed: list[tuple[str, str]] = field(default_factory=list)
     #: (group key, session id) of every leave: its held QoS 2 deliveries are dropped
     leavers: list[tuple[str, str]] = field(default_factory=list)
+    #: the session whose membership this is, and the connection over the WebSocket API that
+    #: keeps its joins live once they committed (None: a call over HTTP)
+    member: str = ""
+    kept_by: KeptBy | None = None
 
 
 class SharedGroups(Protocol):
@@ -43,6 +48,7 @@ class SharedGroups(Protocol):
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
         lanes: Mapping[str, int] | None = None,
         cut_ms: int | None = None,
+        kept_by: KeptBy | None = None,
     ) -> MembershipPlan: ...
 
     def after(self, plan: MembershipPlan) -> None: ...

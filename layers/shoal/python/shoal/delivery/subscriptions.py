@@ -94,6 +94,7 @@ from shoal.delivery.ports import MembershipPlan, SharedGroups
 from shoal.delivery.retained import RetainedReader
 from shoal.records import Retained
 from shoal.sessions.model import Channel, Head
+from shoal.sessions.ports import KeptBy
 from shoal.sessions.registry import SessionRegistry
 from shoal.topics.filters import (
     MULTI_LEVEL,
@@ -259,8 +260,16 @@ class SubscriptionService:
     # -- subscribe
 
     def subscribe(
-        self, who: Principal, client_id: str, channel: Channel | None, request: SubscribeRequest
+        self,
+        who: Principal,
+        client_id: str,
+        channel: Channel | None,
+        request: SubscribeRequest,
+        *,
+        kept_by: KeptBy | None = None,
     ) -> dict[str, Any]:
+        """``kept_by``: the connection over the WebSocket API the subscribe came on, which
+        keeps the session's members of the groups it joins live (``shoal.groups``)."""
         # read before anything else: any publish that returned before this call was made
         # arrived at Kinesis before this instant (give or take the clocks' skew)
         began = self.clock.now_ms()
@@ -305,7 +314,7 @@ class SubscriptionService:
                 why = filter_problem(request.subscriptions[0].filter)
                 raise InvalidFilter(why or "no filter of the request is a valid topic filter")
             return {"granted": granted}
-        made = self._commit_subscribe(who, client_id, head, accepted, cut)
+        made = self._commit_subscribe(who, client_id, head, accepted, cut, kept_by=kept_by)
         if cut in made:
             self._wait_out(cut)
         return {"granted": granted}
@@ -344,6 +353,8 @@ class SubscriptionService:
         head: Head,
         accepted: Mapping[str, _Accepted],
         cut: int,
+        *,
+        kept_by: KeptBy | None = None,
     ) -> set[int | None]:
         """Commits the subscriptions; answers the cuts they were written with."""
         session_id = head.session_id or ""
@@ -361,7 +372,7 @@ class SubscriptionService:
             plan = None
             if joining is not None:
                 plan = joining.membership(
-                    client_id, session_id, joins=shared, lanes=lanes, cut_ms=cut
+                    client_id, session_id, joins=shared, lanes=lanes, cut_ms=cut, kept_by=kept_by
                 )
                 incarnations = plan.incarnations
                 # a shared subscription starts where its group did

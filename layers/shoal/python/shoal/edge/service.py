@@ -53,7 +53,8 @@ from shoal.edge.frames import (
 from shoal.edge.push import ConnectionGone, Pusher
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService
-from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest
+from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest, Head
+from shoal.sessions.ports import KeptBy
 from shoal.sessions.registry import SessionRegistry
 
 #: the keepalive a WebSocket channel registers with: its grace (``KEEPALIVE_GRACE`` times it)
@@ -141,11 +142,16 @@ class EdgeService:
             # the session's item names a newer connection: a connect took the session over
             # (the client's own renewal before API Gateway's 2 hours, make-before-break), so
             # this channel is not the live one and losing it would change nothing (a
-            # conditional write that fails costs its write unit all the same)
+            # conditional write that fails costs its write unit all the same); the newer
+            # connection keeps the session's group members live in this one's place
             return
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
-        # False: not the live channel any more (a normal disconnect)
-        self.registry.lose(who, connection.client_id, connection.channel)
+        head = self.registry.lose(who, connection.client_id, connection.channel)
+        if head is None:
+            # not the live channel any more (an HTTP connect took the session over): the
+            # members this connection kept may still be kept by it
+            head = self.registry.repository.head(connection.client_id)
+        self._release(connection, head)
 
     # -- client frames
 
@@ -175,8 +181,9 @@ class EdgeService:
         if connection is None:
             raise NotConnected("send connect first: this connection holds no session")
         if isinstance(frame, SubscribeFrame):
+            # the groups it joins count the member live while this connection lives
             answer = self.subscriptions.subscribe(
-                who, connection.client_id, connection.channel, frame
+                who, connection.client_id, connection.channel, frame, kept_by=_kept_by(connection)
             )
             return self._post_then_push(
                 connection, encode(SubscribedFrame(ref=frame.ref, **answer))
@@ -241,6 +248,9 @@ class EdgeService:
             connected_at_ms=self.clock.now_ms(),
         )
         self.connections.bind(connection)
+        # after the bind: a keep is ended by its connection's end, which needs the bind's
+        # items; a crash between the two leaves the member to its lease, as before keeps
+        self._keep(connection, head)
         if previous is not None and previous.connection_id != connection_id:
             # MQTT 5 §4.13 / [MQTT-3.1.4-3]: the older connection is told why, then closed
             self.pusher.disconnect(previous.connection_id, "session_taken_over")
@@ -267,6 +277,9 @@ class EdgeService:
         moved = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
         if moved is None:
             raise RenewRefused("this channel's connection is gone: send connect")
+        # the session's group members are kept by this connection now (the older one's item
+        # is gone, so its $disconnect releases nothing)
+        self._keep(moved, head)
         answer = ConnectedFrame(
             ref=frame.ref,
             session_present=True,
@@ -284,14 +297,33 @@ class EdgeService:
         return self.connections.target(head.session_id)
 
     def _disconnect(self, connection: Connection, who: Principal, frame: DisconnectFrame) -> Answer:
+        head: Head | None = None
         if frame.with_will:
             # MQTT 5 reason 0x04, "Disconnect with Will Message": as if the connection was lost
-            self.registry.lose(who, connection.client_id, connection.channel)
+            head = self.registry.lose(who, connection.client_id, connection.channel)
         else:
             self.registry.disconnect(who, connection.client_id, connection.channel)
+        # before the connection's items go: a crash in between leaves them to $disconnect,
+        # which releases the members again
+        self._release(connection, head or self.registry.repository.head(connection.client_id))
         self.connections.unbind(connection)
         self.pusher.disconnect(connection.connection_id, "normal", ref=frame.ref)
         return Answer()
+
+    def _keep(self, connection: Connection, head: Head) -> None:
+        """The session's members of its shared groups are live while ``connection`` is."""
+        groups = self.registry.groups
+        if groups is not None and head.session_id == connection.session_id:
+            groups.keep(connection.session_id, head.subscriptions, _kept_by(connection))
+
+    def _release(self, connection: Connection, head: Head | None) -> None:
+        """``connection`` ended: the session's group members it kept are not live from now,
+        and their streams go to live members at once (``disconnected`` pushes those)."""
+        groups = self.registry.groups
+        if groups is None or head is None or head.session_id != connection.session_id:
+            # no session, or a new one: the ended session's memberships went with it
+            return
+        groups.connection_ended(connection.session_id, head.subscriptions, connection.connection_id)
 
     def _post_then_push(
         self, connection: Connection, answer: str, *, opened: bool | None = None
@@ -316,6 +348,12 @@ class EdgeService:
             # an ack's: only when it opened room or a push is unfinished
             self.pusher.after_ack(connection, opened)
         return Answer()
+
+
+def _kept_by(connection: Connection) -> KeptBy:
+    # API Gateway closes a connection within two hours: a keep whose end was lost lapses then
+    until = connection.connected_at_ms + MAX_CONNECTION_S * 1000
+    return KeptBy(connection.connection_id, connection.channel, until)
 
 
 def requested_at(context: Mapping[str, Any]) -> int | None:

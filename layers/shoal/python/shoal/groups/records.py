@@ -147,10 +147,49 @@ def leader_record(key: str, state: GroupState) -> dict[str, Any]:
     return record
 
 
+#: a member item's keep (``Keep``): the connection, its channel, until when, since when; and
+#: when the last keep ended
+KEEP_ATTRIBUTES = ("kc", "kch", "ku", "ka", "ke")
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A connection over the WebSocket API keeps the member live (``shoal.sessions.KeptBy``),
+    kept on the member's item beside its renewal."""
+
+    connection_id: str
+    channel: str
+    until_ms: int
+    #: when it was written: a keep older than the member's join is a past membership's
+    at_ms: int
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "kc": self.connection_id,
+            "kch": self.channel,
+            "ku": self.until_ms,
+            "ka": self.at_ms,
+        }
+
+    @classmethod
+    def from_record(cls, row: Mapping[str, Any]) -> Keep | None:
+        if row.get("kc") is None:
+            return None
+        return cls(str(row["kc"]), str(row.get("kch", "")), int(row["ku"]), int(row.get("ka", 0)))
+
+
 def member_record(
-    key: str, incarnation: str, member_id: str, renewed_at_ms: int, view: AgentView
+    key: str,
+    incarnation: str,
+    member_id: str,
+    renewed_at_ms: int,
+    view: AgentView,
+    *,
+    keep: Keep | None = None,
+    released_at_ms: int = 0,
 ) -> dict[str, Any]:
-    return {
+    """``keep``, ``released_at_ms``: as read, written back (the record replaces the item)."""
+    record: dict[str, Any] = {
         "group": key,
         "item": member_item(member_id),
         "inc": incarnation,
@@ -164,6 +203,11 @@ def member_record(
             separators=(",", ":"),
         ),
     }
+    if keep is not None:
+        record.update(keep.record())
+    if released_at_ms:
+        record["ke"] = released_at_ms
+    return record
 
 
 def agent_view(row: Mapping[str, Any]) -> AgentView:
@@ -189,6 +233,8 @@ class Loaded:
     renewed: dict[str, int] = field(default_factory=dict)
     #: QoS 2 deliveries held for a member off its streams (``q#`` items), by member
     held: dict[str, int] = field(default_factory=dict)
+    #: the connections keeping members live (``Keep``), by member, as stored
+    kept: dict[str, Keep] = field(default_factory=dict)
 
 
 @dataclass

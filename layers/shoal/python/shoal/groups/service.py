@@ -19,7 +19,7 @@ The leader's state
 - ``members``: session id -> the member (its client id, when it joined, its last renewal and the
   version of its stream set, bumped by every grant, revoke or loss that touches it). A member
   stays while its session's subscription does, connected or not; only *live* members (renewed
-  within the lease timeout) hold streams.
+  within the lease timeout, or kept by their connection over the WebSocket API) hold streams.
 - ``streams``: source -> the stream's lease: ``holder``, the lease number ``lease`` (the fence:
   bumped by every grant, like the KCL's lease counter on a take), and the state: ``granted``
   (the holder reads it), ``revoking`` (the holder finishes what it has in flight and takes no new
@@ -55,7 +55,10 @@ In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupI
   progress version (a holder's last get never races a hand-off).
 - ``m#<session id>``: the member's last renewal and agent view. A heartbeat renews every group
   of the session in one batch write (no condition can fail); a member is live from its join
-  until its first heartbeat.
+  until its first heartbeat. A member whose session is connected over the WebSocket API runs
+  no function while idle: its connection *keeps* it live instead (``keep``; the connection,
+  its channel and a bound on this item), until the connection ends (``connection_ended``,
+  or the reaper's ``channel_expired`` for a ``$disconnect`` that never came).
 - ``s#<source>``: one stream's fence and progress (``shoal.groups.streams``), created by the
   router the first time it writes to the stream (that is how the leader learns of streams).
 
@@ -82,9 +85,17 @@ from shoal.delivery.events import Recording, record_answers
 from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
-from shoal.groups.records import GroupRef, Loaded, group_refs, held_record, member_record
+from shoal.groups.records import (
+    GroupRef,
+    Keep,
+    Loaded,
+    group_key,
+    group_refs,
+    held_record,
+    member_record,
+)
 from shoal.groups.state import AgentView, agent_sync
-from shoal.groups.store import ATTEMPTS, GroupStore
+from shoal.groups.store import ATTEMPTS, Ending, GroupStore
 from shoal.groups.streams import (
     GroupDelivery,
     Handed,
@@ -101,6 +112,7 @@ from shoal.groups.streams import (
 )
 from shoal.groups.streams import delivery_id as stream_delivery_id
 from shoal.sessions.model import Channel
+from shoal.sessions.ports import KeptBy
 from shoal.topics.filters import parse_shared
 
 #: the reason a QoS 2 delivery of an ended session is dropped (delivery events, the audit)
@@ -154,14 +166,16 @@ class GroupService:
         leaves: Mapping[str, Mapping[str, Any]] | None = None,
         lanes: Mapping[str, int] | None = None,
         cut_ms: int | None = None,
+        kept_by: KeptBy | None = None,
     ) -> MembershipPlan:
         """The group parts of a subscribe (``joins``: filter texts; ``lanes``: the lane count
         a filter asks its group to be created with; ``cut_ms``: the cut of a group it
-        creates), an unsubscribe or a session's end
+        creates; ``kept_by``: the connection the subscribe came on, which keeps the joining
+        member live once it committed), an unsubscribe or a session's end
         (``leaves``: filter text -> the session's option for it). Read fresh on every attempt
         of the caller's transaction."""
         now = self.clock.now_ms()
-        plan = MembershipPlan()
+        plan = MembershipPlan(member=session_id, kept_by=kept_by)
         for text in joins:
             shared = parse_shared(text)
             if shared is None:
@@ -187,8 +201,20 @@ class GroupService:
     def after(self, plan: MembershipPlan) -> None:
         """Once the caller's transaction committed: the groups left hand the leaver's streams
         on, and a removed group's items and backlog go. Best effort: the next advance does
-        the former, TTL the latter."""
+        the former, TTL the latter. The joins a connection came on are kept live by it
+        (``keep``): after the commit, so that a crash between the two costs a lapse of the
+        lease, as without keeps, never a keep of a member that did not join."""
         now = self.clock.now_ms()
+        if plan.kept_by is not None:
+            for text, incarnation in sorted(plan.incarnations.items()):
+                shared = parse_shared(text)
+                if shared is None:
+                    continue
+                try:
+                    self._keep(group_key(*shared), incarnation, plan.member, plan.kept_by, now)
+                except Exception:
+                    # the member renews as any member does, by the functions it runs
+                    logger.exception("keeping a joined member live failed")
         for key in plan.joined:
             try:
                 self.store.advance(key, now, operation="join")
@@ -215,13 +241,60 @@ class GroupService:
 
     def channel_expired(self, client_id: str, head: Any) -> int:
         """The reaper found a member's channel dead (keepalive): advance its groups, so that
-        leases it let expire move to live members even while none of them calls. How many
-        groups it advanced."""
+        leases it let expire move to live members even while none of them calls. A keep of
+        that channel ends first: its connection's ``$disconnect`` never came (or died before
+        it released the member). How many groups it advanced."""
         now = self.clock.now_ms()
         refs = group_refs(getattr(head, "subscriptions", {}) or {})
+        newest = getattr(head, "newest", None)
+        session_id = getattr(head, "session_id", None)
+        ending = None
+        if session_id and newest is not None:
+            ending = Ending(str(session_id), channel=str(newest.channel))
         for ref in refs:
-            self.store.advance(ref.key, now, operation="reaper")
+            self.store.advance(ref.key, now, ending=ending, operation="reaper")
         return len(refs)
+
+    # -- the connection's keep (a member connected over the WebSocket API)
+
+    def keep(self, session_id: str, subscriptions: Mapping[str, Any], by: KeptBy) -> int:
+        """The session's members of its groups are live while ``by`` lives, without
+        renewals: one write per group (the member's item; the leader is not written). A
+        subscription older than incarnations is left to its lease. Best effort: a member not
+        kept renews as any member does, by the functions it runs. How many it kept."""
+        now = self.clock.now_ms()
+        kept = 0
+        for ref in group_refs(subscriptions):
+            if ref.incarnation is None:
+                continue
+            try:
+                kept += self._keep(ref.key, ref.incarnation, session_id, by, now)
+            except Exception:
+                logger.exception("keeping a member live failed")
+        return kept
+
+    def _keep(self, key: str, incarnation: str, member_id: str, by: KeptBy, now: int) -> bool:
+        keep = Keep(by.connection_id, by.channel, by.until_ms, now)
+        return self.store.keep(key, incarnation, member_id, keep)
+
+    def connection_ended(
+        self, session_id: str, subscriptions: Mapping[str, Any], connection_id: str
+    ) -> int:
+        """The connection ended: the members it kept are released at once and their groups
+        advance, handing their streams to live members (whom the store's ``on_granted``
+        pushes). A member another connection keeps now (a takeover's, a renewal's) stays.
+        Best effort per group: one that fails is left to the reaper's expiry of the channel,
+        or at the latest to the keep's bound. How many groups it advanced."""
+        now = self.clock.now_ms()
+        ending = Ending(session_id, connection_id=connection_id)
+        advanced = 0
+        for ref in group_refs(subscriptions):
+            try:
+                self.store.advance(ref.key, now, ending=ending, operation="released")
+                advanced += 1
+            except Exception:
+                logger.exception("releasing a member its connection kept failed")
+        return advanced
 
     # -- heartbeat
 
@@ -239,7 +312,19 @@ class GroupService:
                 continue
             view = loaded.views.get(session_id, AgentView())
             view, delta = agent_sync(view, loaded.state, session_id)
-            records.append(member_record(ref.key, loaded.state.incarnation, session_id, now, view))
+            member = loaded.state.members[session_id]
+            records.append(
+                member_record(
+                    ref.key,
+                    loaded.state.incarnation,
+                    session_id,
+                    now,
+                    view,
+                    # the record replaces the item: a keep read with it stays
+                    keep=loaded.kept.get(session_id),
+                    released_at_ms=member.released_at_ms,
+                )
+            )
             changes += [
                 {"group": ref.text, "stream": c.stream, "lease": c.lease, "state": c.state.value}
                 for c in delta
@@ -371,7 +456,9 @@ class GroupService:
         """A member that gets is alive: its renewal is written once a third of the lease
         timeout passed since the last (a client that long-polls keeps its streams between
         heartbeats, and a get costs no write for it most of the time)."""
-        if member_id not in loaded.state.members:
+        member = loaded.state.members.get(member_id)
+        if member is None or member.kept_until_ms > now + self.store.settings.lease_timeout_ms:
+            # a member its connection keeps live needs no renewal
             return
         stored = loaded.renewed.get(member_id, 0)
         if now - stored >= self.store.settings.lease_timeout_ms // 3:

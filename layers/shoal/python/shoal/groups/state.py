@@ -27,8 +27,17 @@ class Member:
     renewed_at_ms: int
     #: bumped whenever a stream is granted to, revoked from or taken from this member
     set_version: int = 0
+    #: live until then without renewals: its session's connection over the WebSocket API
+    #: keeps it (an idle connection runs nothing that would renew it); 0: no connection does
+    kept_until_ms: int = 0
+    #: when the last connection that kept it ended: renewals before it count no more
+    released_at_ms: int = 0
 
     def alive(self, now_ms: int, timeout_ms: int) -> bool:
+        if now_ms < self.kept_until_ms:
+            return True
+        if self.renewed_at_ms <= self.released_at_ms:
+            return False
         return now_ms < self.renewed_at_ms + timeout_ms
 
 
@@ -135,6 +144,21 @@ def renew(state: GroupState, member_id: str, now_ms: int) -> GroupState:
     if member is None or member.renewed_at_ms >= now_ms:
         return state
     members = {**state.members, member_id: replace(member, renewed_at_ms=now_ms)}
+    return replace(state, members=members)
+
+
+def release(state: GroupState, member_id: str, now_ms: int) -> GroupState:
+    """The connection that kept a member live ended: the member is not live from now (as if
+    its lease had run out), until it renews or a connection keeps it again."""
+    member = state.members.get(member_id)
+    if member is None:
+        return state
+    members = {
+        **state.members,
+        member_id: replace(
+            member, kept_until_ms=0, released_at_ms=max(now_ms, member.renewed_at_ms)
+        ),
+    }
     return replace(state, members=members)
 
 

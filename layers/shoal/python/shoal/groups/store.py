@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shoal.aws import tables
@@ -18,10 +18,12 @@ from shoal.core.observability import count
 from shoal.core.retry import backoff_s
 from shoal.groups.records import (
     HELD_PREFIX,
+    KEEP_ATTRIBUTES,
     LEADER,
     MEMBER_PREFIX,
     GroupRef,
     GroupStats,
+    Keep,
     Loaded,
     agent_view,
     default_lanes,
@@ -41,6 +43,7 @@ from shoal.groups.state import (
     concerns,
     join,
     new_group,
+    release,
     renew,
 )
 from shoal.groups.streams import (
@@ -60,6 +63,24 @@ ATTEMPTS = 12
 
 #: items of a removed group's backlog deleted at once; TTL removes the rest
 MAX_BACKLOG_DELETE = 1000
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A connection that may keep a member live ended: the member's keep ends if it is that
+    connection's (``connection_id``) or that channel's (``channel``: the reaper's expiry of a
+    channel whose ``$disconnect`` never came)."""
+
+    member_id: str
+    connection_id: str | None = None
+    channel: str | None = None
+
+    def ends(self, keep: Keep | None) -> bool:
+        if keep is None:
+            return False
+        if self.connection_id is not None and keep.connection_id != self.connection_id:
+            return False
+        return self.channel is None or keep.channel == self.channel
 
 
 class GroupStore:
@@ -118,6 +139,7 @@ class GroupStore:
             "ln",
             "cut",
             "mid",
+            *KEEP_ATTRIBUTES,
         )
         names = {f"#a{n}": a for n, a in enumerate(attributes)}
         rows = self.dynamo.query(
@@ -134,6 +156,8 @@ class GroupStore:
             return None
         inc = str(leader["inc"])
         renewals: dict[str, int] = {}
+        keeps: dict[str, Keep] = {}
+        released: dict[str, int] = {}
         views: dict[str, AgentView] = {}
         fences: dict[str, Fence] = {}
         held_counts: dict[str, int] = {}
@@ -149,18 +173,30 @@ class GroupStore:
                 member_id = name[len(MEMBER_PREFIX) :]
                 renewals[member_id] = int(row.get("r", 0))
                 views[member_id] = agent_view(row)
+                keep = Keep.from_record(row)
+                if keep is not None:
+                    keeps[member_id] = keep
+                if row.get("ke") is not None:
+                    released[member_id] = int(row["ke"])
             elif name.startswith(STREAM_PREFIX):
                 fence = Fence.from_record(row)
                 fences[fence.source] = fence
-        members = {
-            m: Member(
+        members: dict[str, Member] = {}
+        for m, x in (leader.get("mb") or {}).items():
+            joined = int(x["j"])
+            keep = keeps.get(m)
+            if keep is not None and keep.at_ms < joined:
+                # written for a membership the session left since: not this one's
+                del keeps[m]
+                keep = None
+            members[m] = Member(
                 str(x["c"]),
-                int(x["j"]),
-                max(int(x["j"]), renewals.get(m, 0)),
+                joined,
+                max(joined, renewals.get(m, 0)),
                 int(x.get("sv", 0)),
+                kept_until_ms=keep.until_ms if keep is not None else 0,
+                released_at_ms=released.get(m, 0),
             )
-            for m, x in (leader.get("mb") or {}).items()
-        }
         streams: dict[str, StreamLease] = {}
         for source, x in json.loads(leader.get("st") or "{}").items():
             held = fences.get(source)
@@ -191,6 +227,7 @@ class GroupStore:
             views,
             {m: x.renewed_at_ms for m, x in members.items()},
             held_counts,
+            keeps,
         )
 
     def progress(self, key: str, source: str) -> StreamProgress | None:
@@ -307,17 +344,25 @@ class GroupStore:
         *,
         renewing: str | None = None,
         acting: str | None = None,
+        ending: Ending | None = None,
         operation: str = "advance",
     ) -> Loaded | None:
         """Load the group and advance its leader (``renewing``: a member known live now); the
         state as written, or None when the group does not exist. ``acting``: the member on
-        whose call this runs, which writes only a transition that concerns it (``concerns``)."""
+        whose call this runs, which writes only a transition that concerns it (``concerns``).
+        ``ending``: a connection that ended; the member it kept is released first, so that
+        this advance hands its streams on."""
         timeout = self.settings.lease_timeout_ms
         for attempt in range(ATTEMPTS):
             loaded = self.load(key)
             if loaded is None:
                 return None
             state = loaded.state
+            if ending is not None and ending.ends(loaded.kept.get(ending.member_id)):
+                if not self.release(loaded, ending.member_id, now_ms):
+                    continue  # kept anew meanwhile (a renewal's move): read it again
+                state = release(state, ending.member_id, now_ms)
+                loaded = replace(loaded, state=state, kept=_without(loaded.kept, ending.member_id))
             if renewing is not None:
                 state = renew(state, renewing, now_ms)
             new = advance(state, now_ms, timeout)
@@ -361,6 +406,7 @@ class GroupStore:
             fences,
             loaded.views,
             loaded.renewed,
+            kept=loaded.kept,
         )
 
     # -- progress
@@ -489,6 +535,56 @@ class GroupStore:
             ConditionExpression="attribute_not_exists(#inc) OR #inc = :inc",
             ExpressionAttributeNames={"#r": "r", "#inc": "inc"},
             ExpressionAttributeValues=to_item({":r": now_ms, ":inc": incarnation}),
+        )
+
+    def keep(self, key: str, incarnation: str, member_id: str, keep: Keep) -> bool:
+        """A connection keeps the member live: one update of its item, on condition that the
+        item is this incarnation's (or new). False when it is an earlier incarnation's."""
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"group": key, "item": member_item(member_id)}),
+            UpdateExpression="SET #kc = :kc, #kch = :kch, #ku = :ku, #ka = :ka, #inc = :inc",
+            ConditionExpression="attribute_not_exists(#inc) OR #inc = :inc",
+            ExpressionAttributeNames={
+                "#kc": "kc",
+                "#kch": "kch",
+                "#ku": "ku",
+                "#ka": "ka",
+                "#inc": "inc",
+            },
+            ExpressionAttributeValues=to_item(
+                {
+                    ":kc": keep.connection_id,
+                    ":kch": keep.channel,
+                    ":ku": keep.until_ms,
+                    ":ka": keep.at_ms,
+                    ":inc": incarnation,
+                }
+            ),
+        )
+
+    def release(self, loaded: Loaded, member_id: str, now_ms: int) -> bool:
+        """The keep ``loaded`` read for the member ends now (renewals before count no more):
+        one update, on condition that the same connection still keeps it. False when another
+        keeps it now (or none does)."""
+        keep = loaded.kept[member_id]
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=to_item({"group": loaded.key, "item": member_item(member_id)}),
+            UpdateExpression="REMOVE #kc, #kch, #ku, #ka SET #ke = :ke",
+            ConditionExpression="#kc = :kc AND #ka = :ka",
+            ExpressionAttributeNames={
+                "#kc": "kc",
+                "#kch": "kch",
+                "#ku": "ku",
+                "#ka": "ka",
+                "#ke": "ke",
+            },
+            ExpressionAttributeValues=to_item(
+                {":kc": keep.connection_id, ":ka": keep.at_ms, ":ke": now_ms}
+            ),
         )
 
     def lost(self, key: str, member_id: str) -> None:
@@ -706,12 +802,18 @@ class GroupStore:
         return removed + len(keys)
 
 
+def _without(kept: Mapping[str, Keep], member_id: str) -> dict[str, Keep]:
+    return {m: k for m, k in kept.items() if m != member_id}
+
+
 def freed_for(old: GroupState, new: GroupState) -> set[str]:
     """When ``new`` leaves a stream free that ``old`` had held, the members that could take
-    it: none was live to be granted it (a member connected over the WebSocket API renews its
-    lease only by the functions it runs, so an idle one lapses), and a member's next get
-    renews it and takes the stream. Without this, a lane handed on with no live member to take
-    it would wait for the next message routed to the group (at a stream's end, for ever)."""
+    it: none was live to be granted it, and a member's next get renews it and takes the
+    stream. Without this, a lane handed on with no live member to take it would wait for the
+    next message routed to the group (at a stream's end, for ever). A member connected over
+    the WebSocket API is kept live by its connection, but not every such member is: one whose
+    keep was not written (a crash between its connection's bind and the keep, a subscription
+    older than incarnations) renews its lease only by the functions it runs, and lapses."""
     freed = any(
         not lease.held and (before := old.streams.get(source)) is not None and before.held
         for source, lease in new.streams.items()

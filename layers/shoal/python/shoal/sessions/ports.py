@@ -5,6 +5,7 @@ wiring root (``shoal.wiring``) passes the implementations in."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.core.observability import logger
@@ -17,6 +18,18 @@ class WillPublisher(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class KeptBy:
+    """The connection over the WebSocket API that keeps its session's shared-group members
+    live: an idle connection runs nothing that would renew a lease, so the member is live
+    while the connection lives, and no longer once it ends (``shoal.groups``)."""
+
+    connection_id: str
+    channel: str
+    #: API Gateway closes every connection by then: a keep whose end was lost lapses there
+    until_ms: int
+
+
 class GroupLeases(Protocol):
     """The session's shared groups (``shoal.groups.GroupService``)."""
 
@@ -27,6 +40,17 @@ class GroupLeases(Protocol):
     def describe(
         self, session_id: str, subscriptions: Mapping[str, Any]
     ) -> list[dict[str, Any]]: ...
+
+    def keep(self, session_id: str, subscriptions: Mapping[str, Any], by: KeptBy) -> int:
+        """The session's members of its groups are kept live by ``by``; how many."""
+        ...
+
+    def connection_ended(
+        self, session_id: str, subscriptions: Mapping[str, Any], connection_id: str
+    ) -> int:
+        """The connection that kept the session's members live ended: they are not live from
+        now (their lanes go on at once); how many it kept."""
+        ...
 
 
 class InFlight(Protocol):

@@ -300,11 +300,11 @@ class SessionRegistry:
             self.repository.deregister(client_id, version)
         raise self._refuse(who, head)
 
-    def lose(self, who: Principal, client_id: str, channel: Channel) -> bool:
+    def lose(self, who: Principal, client_id: str, channel: Channel) -> Head | None:
         """A channel's connection is gone without a disconnect: the reaper expires it next,
         publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session is resumed
-        first. False when the channel is not the live one any more (a takeover, a normal
-        disconnect): nothing to do."""
+        first. The head as written; None when the channel is not the live one any more (a
+        takeover, a normal disconnect): nothing to do."""
         version = self._scope(who, client_id, channel)
         return self.repository.lose(client_id, version, who.sub, self.clock.now_ms())
 

@@ -314,17 +314,16 @@ class SessionRepository:
             ]
         )
 
-    def lose(self, client_id: str, version: Version, sub: str, now_ms: int) -> bool:
+    def lose(self, client_id: str, version: Version, sub: str, now_ms: int) -> Head | None:
         """The live channel's connection was lost without a disconnect (a WebSocket's
         ``$disconnect``): its keepalive is made to have run out now, and the head due, so the
         reaper expires it as it expires any silent channel (the will armed after its delay,
-        the session's groups advanced, a session without expiry ended). One write."""
+        the session's groups advanced, a session without expiry ended). One write; the head
+        as written (None: not the live channel), which costs nothing more."""
         expr = Expression().set("last_seen_ms", now_ms)
         expr.set("conn.keepalive_s", 1).set("conn.grace_ms", 0)
         expr.set("due_shard", due_shard(client_id)).set("due_at_ms", now_ms)
-        return self.dynamo.conditional(
-            "update_item", **self._on(client_id, HEAD, expr, live_condition(expr, version, sub))
-        )
+        return self._update_head(client_id, expr, live_condition(expr, version, sub))
 
     def deregister(self, client_id: str, version: Version) -> bool:
         """Delete exactly this channel's registration; a newer one has another key."""

@@ -1320,3 +1320,45 @@ def _all_lanes(edge: Edge) -> list[str]:
     loaded = _group_world(edge).group("g", "a/#")
     assert loaded is not None
     return sorted(loaded.state.streams)
+
+
+def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection knows its session: an ``ack`` frame reads the session's head and delivery
+    state together (one batch read), and a stale state read that way costs only a read again."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    for n in range(2):
+        edge.world.publish("a/b", f"m{n}")
+    edge.world.route()
+    first, second = edge.messages("c1")
+    calls: list[tuple[str, dict[str, Any]]] = []
+    real = Dynamo.call
+
+    def recording(self: Dynamo, operation: str, **request: Any) -> Any:
+        calls.append((operation, request))
+        return real(self, operation, **request)
+
+    monkeypatch.setattr(Dynamo, "call", recording)
+    edge.send("c1", {"action": "ack", "ids": [first["id"]], "ref": "a1"})
+    keys = [r.get("Key", {}) for op, r in calls if op == "get_item"]
+    assert not [k for k in keys if k.get("item") == {"S": "head"}]
+    assert not [k for k in keys if k.get("position") == {"S": STATE}]
+    assert [op for op, _ in calls].count("batch_get_item") == 1
+    # a state that moved after the read: the write fails, the ack reads again and lands
+    service = edge.service.delivery
+    real_read = service.read_sessions
+
+    def stale_read(sessions: Any) -> Any:
+        read = real_read(list(sessions))
+        monkeypatch.setattr(service, "read_sessions", real_read)
+        edge.world.publish("a/b", "m2")
+        edge.world.route()  # its push hands m2 out: a new state version
+        return read
+
+    monkeypatch.setattr(service, "read_sessions", stale_read)
+    assert edge.send("c1", {"action": "ack", "ids": [second["id"]], "ref": "a2"}) is None
+    answers = [f for f in edge.api.sent["c1"] if f.get("action") == "acked"]
+    assert [a["acked"] for a in answers] == [1, 1]
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]

@@ -658,6 +658,8 @@ class DeliveryService:
         channel: Channel | None,
         request: AckRequest,
         window: int | None = None,
+        *,
+        known: SessionRead | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """The ack, and whether it may have let deliveries that wait go out (a pushed
         session's ack pushes only then, ``shoal.edge``). A get hands out everything it finds
@@ -665,9 +667,19 @@ class DeliveryService:
         for them only if the state it replaced had ``window`` (the session's in-flight window,
         the service's by default) in flight, or acked group deliveries (their lanes have
         windows of their own). Racing gets and acks write the state by version, so of the acks
-        that follow a get that filled the window, the first to write sees it full."""
-        head = self.registry.require_live(who, client_id, channel)
+        that follow a get that filled the window, the first to write sees it full.
+
+        ``known``: the session's head and state as the caller read them together
+        (``read_sessions``: a WebSocket connection knows its session), not read again."""
+        if known is not None and known.head is not None:
+            head = self.registry.live_as_read(who, client_id, channel, known.head)
+        else:
+            head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""
+        # the state read with the head, when it is this session's (a stale one fails its write)
+        state: DeliveryState | None = known.state if known is not None else None
+        if known is not None and known.head is not None and known.head.session_id != session_id:
+            state = None
         # group deliveries (``g-...`` ids) are acked on their streams, fenced by their lease
         grouped = self.groups.ack(session_id, head.subscriptions, request.ids) if self.groups else 0
         ordinals = {o for o in (ordinal_of(session_id, i) for i in request.ids) if o is not None}
@@ -676,7 +688,8 @@ class DeliveryService:
         if not ordinals:
             return {"acked": grouped}, opened
         for attempt in range(ATTEMPTS):
-            state = self.inbox.state(session_id)
+            if state is None:
+                state = self.inbox.state(session_id)
             expected = state.version
             fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
             if not fresh:
@@ -691,6 +704,7 @@ class DeliveryService:
                 self._record_ack(session_id, state, ordinals)
                 count(metrics.ACKED, len(fresh))
                 return {"acked": len(fresh) + grouped}, opened or full
+            state = None
             self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")
 

@@ -198,8 +198,15 @@ class EdgeService:
             _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
             return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
         if isinstance(frame, AckFrame):
+            # the connection knows its session: its head and state in one read, not two
+            known = self.delivery.read_sessions([(connection.client_id, connection.session_id)])
             answer, opened = self.delivery.ack_opening(
-                who, connection.client_id, connection.channel, frame, connection.window
+                who,
+                connection.client_id,
+                connection.channel,
+                frame,
+                connection.window,
+                known=known.get(connection.session_id),
             )
             if frame.ref is None:
                 # nothing asked back: the freed window is filled at once

@@ -115,8 +115,12 @@ _IMPORT_LOCK = threading.RLock()
 #: the emulator's lock ran slowly and calls behind it timed out (8: 128 clients served in
 #: about half the time, without a 5xx, on 2 cores).
 MAX_CONCURRENCY = 8
-#: a long poll sleeps in its sandbox for up to 20 s, costing no CPU: room for many pollers
-CONCURRENCY = {"messages": 64}
+#: a long poll sleeps in its sandbox for up to 20 s, costing no CPU: room for many pollers.
+#: The WebSocket API's frames: as many as its server runs at once (``HANDLER_THREADS``), so
+#: no frame waits for a sandbox behind the others where Lambda would run them side by side
+#: (with 8, at 100 pushed sessions an ``ack`` frame waited p50 39 s, most of them past the
+#: ack timeout, and the deliveries went out again: ``python -m bench wspush``, 2026-11-29)
+CONCURRENCY = {"messages": 64, "edge": 16}
 
 
 class _Sandboxes:

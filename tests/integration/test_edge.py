@@ -1362,3 +1362,35 @@ def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
     answers = [f for f in edge.api.sent["c1"] if f.get("action") == "acked"]
     assert [a["acked"] for a in answers] == [1, 1]
     assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
+
+
+def test_nothing_is_pushed_to_a_connection_before_its_connect_is_answered(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MQTT 5 [MQTT-3.2.0-1]: CONNACK is the server's first packet. A router's push that
+    comes between the connect's bind and its answer finds the push lease taken with the bind,
+    and the connect pushes the deliveries after its ``connected`` frame."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.dropped("c1")
+    edge.world.publish("a/b", "waiting")
+    edge.world.route()
+    real_keep = edge.service._keep
+    raced: list[int] = []
+
+    def keep_then_race(connection: Any, head: Any) -> None:
+        real_keep(connection, head)
+        # the router's push of a message routed right after the bind
+        raced.append(edge.pusher.push_sessions([connection.session_id]))
+
+    monkeypatch.setattr(edge.service, "_keep", keep_then_race)
+    edge.world.clock.advance(0.001)
+    edge.send("c2", {"action": "connect", "client_id": "alice-1", "clean_start": False})
+    assert raced == [0]
+    frames = edge.api.sent["c2"]
+    assert [f["action"] for f in frames] == ["connected", "message"]
+    assert texts(frames[1:]) == ["waiting"]
+    # the lease was given back: the next message is pushed at once
+    edge.world.publish("a/b", "next")
+    edge.world.route()
+    assert texts(edge.messages("c2")) == ["waiting", "next"]

@@ -114,16 +114,29 @@ class ConnectionStore:
 
     # -- the connection's session
 
-    def bind(self, connection: Connection) -> None:
+    def bind(self, connection: Connection) -> str:
         """The connection holds its session now, and the session's deliveries go to it (one
-        transaction: a frame never finds a session whose pushes go elsewhere)."""
+        transaction: a frame never finds a session whose pushes go elsewhere). The session's
+        push lease is taken in the same write, and its owner returned: nothing is pushed to
+        the connection before the connect's answer (MQTT 5 [MQTT-3.2.0-1]: CONNACK is the
+        server's first packet), a router's push meanwhile finds the lease held and leaves its
+        deliveries to the holder, which pushes once the answer is out. A holder that dies
+        leaves the lease to run out (``LEASE_MS``), as any push's."""
         expires = self._expires()
+        owner = secrets.token_hex(8)
+        target = {
+            **connection.target(expires),
+            "lease_owner": owner,
+            "lease_until": self.clock.now_ms() + LEASE_MS,
+            "again": False,
+        }
         self.dynamo.transact(
             [
                 {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
-                {"Put": {"TableName": self.table, "Item": _item(connection.target(expires))}},
+                {"Put": {"TableName": self.table, "Item": _item(target)}},
             ]
         )
+        return owner
 
     def move(
         self, connection_id: str, session_id: str, channel: str, sub: str

@@ -224,6 +224,8 @@ class Pusher:
         lines: LineCache | None = None,
         source: str | None = None,
         read: SessionRead | None = None,
+        *,
+        held_by: str | None = None,
     ) -> int:
         """The connection's deliveries, within its window, in order; the frames pushed. Never
         raises for a failed push: the inbox keeps what it would have carried.
@@ -234,11 +236,12 @@ class Pusher:
 
         Shared-group members that this push's gets handed streams to are pushed after it.
         ``read``: the session's head and state as read before the lease was taken, where the
-        first get starts (a stale state costs that get a failed write and a read again)."""
+        first get starts (a stale state costs that get a failed write and a read again).
+        ``held_by``: the lease's owner when the caller holds it already (a connect's bind)."""
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
-            pushed = self._push(connection, lines, source, read)
+            pushed = self._push(connection, lines, source, read, held_by)
         finally:
             self._local.depth = depth
         if depth == 0:
@@ -251,8 +254,9 @@ class Pusher:
         lines: LineCache | None = None,
         source: str | None = None,
         read: SessionRead | None = None,
+        held_by: str | None = None,
     ) -> int:
-        owner = self.connections.take_lease(connection)
+        owner = held_by or self.connections.take_lease(connection)
         if owner is None:
             return 0  # the holder goes round once more for us
         pushed = 0

@@ -254,7 +254,8 @@ class EdgeService:
             window=window,
             connected_at_ms=self.clock.now_ms(),
         )
-        self.connections.bind(connection)
+        # the push lease comes with the bind: no delivery before the answer below
+        holder = self.connections.bind(connection)
         # after the bind: a keep is ended by its connection's end, which needs the bind's
         # items; a crash between the two leaves the member to its lease, as before keeps
         self._keep(connection, head)
@@ -268,7 +269,7 @@ class EdgeService:
             keepalive_s=0,
             receive_maximum=window,
         )
-        return self._post_then_push(connection, encode(answer))
+        return self._post_then_push(connection, encode(answer), held_by=holder)
 
     def _renew(self, connection_id: str, who: Principal, frame: RenewFrame) -> Answer:
         """The client's own live channel moves to this connection (``RenewFrame``): the
@@ -333,23 +334,34 @@ class EdgeService:
         groups.connection_ended(connection.session_id, head.subscriptions, connection.connection_id)
 
     def _post_then_push(
-        self, connection: Connection, answer: str, *, opened: bool | None = None
+        self,
+        connection: Connection,
+        answer: str,
+        *,
+        opened: bool | None = None,
+        held_by: str | None = None,
     ) -> Answer:
         """Posts the answer, then pushes what the session has waiting; the route response is
         empty then. A post that fails for another reason than a gone connection (throttled,
         answered late) must not turn a frame that did its work into an error: the answer goes
         back as the route response instead, and nothing is pushed after it (a delivery must
-        not overtake it); the next write, ack or sweep pushes."""
+        not overtake it); the next write, ack or sweep pushes. ``held_by``: the push lease's
+        owner when this frame holds it (a connect's), given back if nothing is pushed."""
         try:
             self.pusher.api.post(connection.connection_id, answer)
-        except ConnectionGone:
-            return Answer()
-        except (ClientError, BotoCoreError) as exc:
+        except (ConnectionGone, ClientError, BotoCoreError) as exc:
+            if held_by is not None:
+                # marked unfinished: the next ack (or the sweep, or a message) pushes
+                self.connections.let_go(connection, held_by)
+            if isinstance(exc, ConnectionGone):
+                return Answer()
             logger.info(
                 "answer posted as the route response", extra={"error_type": type(exc).__name__}
             )
             return Answer(answer)
-        if opened is None:
+        if held_by is not None:
+            self.pusher.push(connection, held_by=held_by)
+        elif opened is None:
             self.pusher.push(connection)
         else:
             # an ack's: only when it opened room or a push is unfinished

@@ -125,7 +125,9 @@ def websockets_connector(url: str, headers: Mapping[str, str], open_timeout_s: f
         raise ClientError(f"{url!r} is not a ws:// or wss:// URL") from exc
     except (OSError, TimeoutError, InvalidHandshake) as exc:
         raise LinkLost(f"cannot open {url} ({type(exc).__name__})") from exc
-    return _WebsocketsSocket(ws)
+    # the connection's context is entered here and left by ``close``: it lives as long as the
+    # link, not a ``with`` block (websockets 17.1 warns on a connection used without it)
+    return _WebsocketsSocket(ws.__enter__())
 
 
 class _WebsocketsSocket:

@@ -323,4 +323,4 @@ def cache_action_names() -> None:
         return
     cached = functools.lru_cache(maxsize=None)(responses.method_names_from_class)
     cached._cached = True  # type: ignore[attr-defined]
-    responses.method_names_from_class = cached  # type: ignore[assignment]
+    responses.method_names_from_class = cached

@@ -116,11 +116,9 @@ _IMPORT_LOCK = threading.RLock()
 #: about half the time, without a 5xx, on 2 cores).
 MAX_CONCURRENCY = 8
 #: a long poll sleeps in its sandbox for up to 20 s, costing no CPU: room for many pollers.
-#: The WebSocket API's frames: as many as its server runs at once (``HANDLER_THREADS``), so
-#: no frame waits for a sandbox behind the others where Lambda would run them side by side
-#: (with 8, at 100 pushed sessions an ``ack`` frame waited p50 39 s, most of them past the
-#: ack timeout, and the deliveries went out again: ``python -m bench wspush``, 2026-11-29)
-CONCURRENCY = {"messages": 64, "edge": 16}
+#: The edge function keeps 8 (tried 16 on 2026-11-30: ``python -m bench wspush`` at 100
+#: sessions was no better, and the 1,000-session end-to-end test took 276 s instead of 220 s)
+CONCURRENCY = {"messages": 64}
 
 
 class _Sandboxes:

@@ -238,24 +238,8 @@ class Dynamo:
         self, table: str, keys: Sequence[Mapping[str, Any]], *, consistent: bool = True
     ) -> list[dict[str, Any]]:
         """Every item of ``keys`` that exists, 100 keys a call, unprocessed keys asked again."""
-        out: list[dict[str, Any]] = []
-        for start in range(0, len(keys), MAX_BATCH_GET):
-            request: dict[str, Any] = {
-                table: {
-                    "Keys": [to_item(k) for k in keys[start : start + MAX_BATCH_GET]],
-                    "ConsistentRead": consistent,
-                }
-            }
-            for attempt in range(BATCH_ATTEMPTS):
-                response = self.call("batch_get_item", RequestItems=request)
-                out += [from_item(i) for i in response.get("Responses", {}).get(table, [])]
-                request = response.get("UnprocessedKeys") or {}
-                if not request:
-                    break
-                self.clock.sleep(backoff_s(attempt, 0.02, 1.0))
-            else:
-                raise ServerBusy("the store did not answer every read; retry")
-        return out
+        rows = self.batch_get_tables([(table, k) for k in keys], consistent=consistent)
+        return [row for _, row in rows]
 
     def batch_get_tables(
         self, keys: Sequence[tuple[str, Mapping[str, Any]]], *, consistent: bool = True

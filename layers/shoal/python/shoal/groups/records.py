@@ -254,3 +254,21 @@ class GroupStats:
     def as_dict(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {"writes": dict(self.writes), "conflicts": dict(self.conflicts)}
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A connection that may keep a member live ended: the member's keep ends if it is that
+    connection's (``connection_id``) or that channel's (``channel``: the reaper's expiry of a
+    channel whose ``$disconnect`` never came)."""
+
+    member_id: str
+    connection_id: str | None = None
+    channel: str | None = None
+
+    def ends(self, keep: Keep | None) -> bool:
+        if keep is None:
+            return False
+        if self.connection_id is not None and keep.connection_id != self.connection_id:
+            return False
+        return self.channel is None or keep.channel == self.channel

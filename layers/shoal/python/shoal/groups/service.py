@@ -86,6 +86,7 @@ from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
 from shoal.groups.records import (
+    Ending,
     GroupRef,
     Keep,
     Loaded,
@@ -95,7 +96,7 @@ from shoal.groups.records import (
     member_record,
 )
 from shoal.groups.state import AgentView, agent_sync
-from shoal.groups.store import ATTEMPTS, Ending, GroupStore
+from shoal.groups.store import ATTEMPTS, GroupStore
 from shoal.groups.streams import (
     GroupDelivery,
     Handed,

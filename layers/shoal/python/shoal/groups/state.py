@@ -380,3 +380,35 @@ def agent_sync(
 def agent_lost(view: AgentView) -> AgentView:
     """A write under a lease the member no longer holds: back to connecting."""
     return replace(view, state=AgentState.CONNECTING, set_version=-1)
+
+
+def freed_for(old: GroupState, new: GroupState) -> set[str]:
+    """When ``new`` leaves a stream free that ``old`` had held, the members that could take
+    it: none was live to be granted it, and a member's next get renews it and takes the
+    stream. Without this, a lane handed on with no live member to take it would wait for the
+    next message routed to the group (at a stream's end, for ever). A member connected over
+    the WebSocket API is kept live by its connection, but not every such member is: one whose
+    keep was not written (a crash between its connection's bind and the keep, a subscription
+    older than incarnations) renews its lease only by the functions it runs, and lapses."""
+    freed = any(
+        not lease.held and (before := old.streams.get(source)) is not None and before.held
+        for source, lease in new.streams.items()
+    )
+    return set(new.members) if freed else set()
+
+
+def granted_to(old: GroupState, new: GroupState) -> set[str]:
+    """The members holding a stream in ``new`` under a grant ``old`` did not have: the ones
+    with something new to read."""
+    out: set[str] = set()
+    for source, lease in new.streams.items():
+        before = old.streams.get(source)
+        if lease.holder is None or lease.state is not StreamState.GRANTED:
+            continue
+        if before is None or (before.holder, before.lease, before.state) != (
+            lease.holder,
+            lease.lease,
+            lease.state,
+        ):
+            out.add(lease.holder)
+    return out

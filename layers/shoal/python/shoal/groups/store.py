@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from shoal.aws import tables
@@ -21,6 +21,7 @@ from shoal.groups.records import (
     KEEP_ATTRIBUTES,
     LEADER,
     MEMBER_PREFIX,
+    Ending,
     GroupRef,
     GroupStats,
     Keep,
@@ -41,6 +42,8 @@ from shoal.groups.state import (
     add_streams,
     advance,
     concerns,
+    freed_for,
+    granted_to,
     join,
     new_group,
     release,
@@ -63,24 +66,6 @@ ATTEMPTS = 12
 
 #: items of a removed group's backlog deleted at once; TTL removes the rest
 MAX_BACKLOG_DELETE = 1000
-
-
-@dataclass(frozen=True)
-class Ending:
-    """A connection that may keep a member live ended: the member's keep ends if it is that
-    connection's (``connection_id``) or that channel's (``channel``: the reaper's expiry of a
-    channel whose ``$disconnect`` never came)."""
-
-    member_id: str
-    connection_id: str | None = None
-    channel: str | None = None
-
-    def ends(self, keep: Keep | None) -> bool:
-        if keep is None:
-            return False
-        if self.connection_id is not None and keep.connection_id != self.connection_id:
-            return False
-        return self.channel is None or keep.channel == self.channel
 
 
 class GroupStore:
@@ -804,35 +789,3 @@ class GroupStore:
 
 def _without(kept: Mapping[str, Keep], member_id: str) -> dict[str, Keep]:
     return {m: k for m, k in kept.items() if m != member_id}
-
-
-def freed_for(old: GroupState, new: GroupState) -> set[str]:
-    """When ``new`` leaves a stream free that ``old`` had held, the members that could take
-    it: none was live to be granted it, and a member's next get renews it and takes the
-    stream. Without this, a lane handed on with no live member to take it would wait for the
-    next message routed to the group (at a stream's end, for ever). A member connected over
-    the WebSocket API is kept live by its connection, but not every such member is: one whose
-    keep was not written (a crash between its connection's bind and the keep, a subscription
-    older than incarnations) renews its lease only by the functions it runs, and lapses."""
-    freed = any(
-        not lease.held and (before := old.streams.get(source)) is not None and before.held
-        for source, lease in new.streams.items()
-    )
-    return set(new.members) if freed else set()
-
-
-def granted_to(old: GroupState, new: GroupState) -> set[str]:
-    """The members holding a stream in ``new`` under a grant ``old`` did not have: the ones
-    with something new to read."""
-    out: set[str] = set()
-    for source, lease in new.streams.items():
-        before = old.streams.get(source)
-        if lease.holder is None or lease.state is not StreamState.GRANTED:
-            continue
-        if before is None or (before.holder, before.lease, before.state) != (
-            lease.holder,
-            lease.lease,
-            lease.state,
-        ):
-            out.add(lease.holder)
-    return out

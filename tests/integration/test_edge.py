@@ -131,11 +131,11 @@ def fail_first_round(edge: Edge, monkeypatch: pytest.MonkeyPatch, why: str) -> N
     real = edge.pusher._round
     calls = {"n": 0}
 
-    def failing_once(connection: Any, *args: Any) -> tuple[int, bool]:
+    def failing_once(connection: Any, *args: Any, **kwargs: Any) -> tuple[int, bool]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise ServerBusy(why)
-        return real(connection, *args)
+        return real(connection, *args, **kwargs)
 
     monkeypatch.setattr(edge.pusher, "_round", failing_once)
 
@@ -490,10 +490,10 @@ def test_a_round_again_after_a_source_push_looks_in_every_source(
     real_round = edge.pusher._round
 
     def recording(
-        connection: Any, lines: Any = None, source: Any = None, read: Any = None
+        connection: Any, lines: Any = None, source: Any = None, read: Any = None, **kwargs: Any
     ) -> tuple[int, bool]:
         looked.append(source)
-        return real_round(connection, lines, source, read)
+        return real_round(connection, lines, source, read, **kwargs)
 
     real_release = edge.connections.release
     releases = {"n": 0}

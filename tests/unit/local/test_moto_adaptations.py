@@ -233,3 +233,96 @@ def test_a_response_class_is_listed_once(table: Any, monkeypatch: pytest.MonkeyP
     from moto.dynamodb.responses import DynamoHandler
 
     assert listed.count(DynamoHandler) == 1
+
+
+def test_an_update_expression_is_parsed_once_and_each_update_gets_its_own_values(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto parsed an UpdateExpression twice a call (``parse_update_expressions_once``): the
+    emulator keeps each text's tree, and every update still applies its own values."""
+    from moto.dynamodb.parsing.tokens import ExpressionTokenizer
+
+    tokenized: list[str] = []
+    original = ExpressionTokenizer.make_list
+
+    def counting(expression: str) -> Any:
+        tokenized.append(expression)
+        return original(expression)
+
+    monkeypatch.setattr(ExpressionTokenizer, "make_list", staticmethod(counting))
+    expression = "SET #v = :v, n = if_not_exists(n, :zero) + :one REMOVE gone"
+    for k in (1, 3, 5):
+        table.update_item(
+            Key={"p": "a", "k": k},
+            UpdateExpression=expression,
+            ExpressionAttributeNames={"#v": "v"},
+            ExpressionAttributeValues={":v": f"new{k}", ":zero": 0, ":one": k},
+        )
+    table.update_item(
+        Key={"p": "a", "k": 1},
+        UpdateExpression=expression,
+        ExpressionAttributeNames={"#v": "v"},
+        ExpressionAttributeValues={":v": "again", ":zero": 0, ":one": 10},
+    )
+    assert tokenized.count(expression) <= 1
+    items = {i["k"]: i for i in table.query(KeyConditionExpression=Key("p").eq("a"))["Items"]}
+    assert (items[1]["v"], items[1]["n"]) == ("again", 11)
+    assert (items[3]["v"], items[3]["n"]) == ("new3", 3)
+    assert (items[5]["v"], items[5]["n"]) == ("new5", 5)
+    assert items[7]["v"] == "a7" and "n" not in items[7]
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "SET v = :v SET w = :v",
+        "ADD n :one ADD m :one",
+        "REMOVE v REMOVE w",
+        "SET v = :v, v = :v",
+        "SET p = :v",
+        "SET v = nothing(:v)",
+        "SET v = :missing",
+    ],
+)
+def test_an_update_moto_refuses_is_still_refused(table: Any, expression: str) -> None:
+    """The validators' maps kept per processor and the action count checked at the root
+    (``traverse_with_fixed_maps``) refuse what moto refused, and change nothing."""
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError) as refused:
+        table.update_item(
+            Key={"p": "a", "k": 1},
+            UpdateExpression=expression,
+            ExpressionAttributeValues={":v": "x", ":one": 1},
+        )
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert table.get_item(Key={"p": "a", "k": 1})["Item"] == {
+        "p": "a",
+        "k": 1,
+        "g": "g1",
+        "v": "a1",
+    }
+
+
+def test_a_validator_builds_its_map_once_an_update(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto built a processor's map of node types at every node it walked; now once."""
+    from moto.dynamodb.parsing.validators import ExpressionAttributeValueProcessor
+
+    built: list[object] = []
+    original = ExpressionAttributeValueProcessor._processing_map
+
+    def counting(self: Any) -> Any:
+        built.append(self)
+        return original(self)
+
+    monkeypatch.setattr(ExpressionAttributeValueProcessor, "_processing_map", counting)
+    table.update_item(
+        Key={"p": "b", "k": 3},
+        UpdateExpression="SET a = :a, b = :b, c = list_append(:l, :l)",
+        ExpressionAttributeValues={":a": "1", ":b": 2, ":l": [1]},
+    )
+    assert len(built) == 1
+    item = table.get_item(Key={"p": "b", "k": 3})["Item"]
+    assert (item["a"], item["b"], item["c"]) == ("1", 2, [1, 1])

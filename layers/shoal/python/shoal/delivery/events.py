@@ -405,6 +405,34 @@ def record_answers(
         )
 
 
+class EventBatch:
+    """The events of several gets, appended together by ``flush``: a router's fan-out of
+    pushes writes one ``PutRecords`` for a wave of sessions before their frames go out, not
+    one a session (``shoal.edge.push``). Each get keeps its own log record (its consumer's
+    partition key, its own key hint), as if it had flushed alone. Thread-safe."""
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self._records: list[tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+
+    def add(self, recorder: DeliveryEvents, key_hint: str) -> None:
+        """Takes ``recorder``'s events over, as its ``flush(key_hint)`` would have written them."""
+        records = recorder.records(key_hint)
+        recorder.discard()
+        with self._lock:
+            self._records += records
+
+    def flush(self) -> int:
+        """Appends every added record in one call (a Kinesis error propagates, as from
+        ``DeliveryEvents.flush``); the records written."""
+        with self._lock:
+            records, self._records = self._records, []
+        if records:
+            self.recording.log().append(records)
+        return len(records)
+
+
 class PerConsumer:
     """One recorder per consumer for one invocation that serves several (the push function:
     every subscription of a tap takes the batch, some in threads), each its own log record

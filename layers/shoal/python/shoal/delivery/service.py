@@ -45,7 +45,7 @@ from shoal.core.config import DeliverySettings
 from shoal.core.errors import BadRequest, ServerBusy
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.events import Recording, record_answers
+from shoal.delivery.events import EventBatch, Recording, record_answers
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import (
     DeliveryState,
@@ -194,6 +194,7 @@ class DeliveryService:
         lines: LineCache | None = None,
         source: str | None = None,
         known: SessionRead | None = None,
+        events: EventBatch | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -202,7 +203,9 @@ class DeliveryService:
         deliveries are looked for in that source only, from its cursor on (the router's push
         of the batch it wrote: one query, not a walk over every source's consumed items); what
         waits in other sources is left to the next get without it. ``known``: the session's
-        head and state as the caller read them (``read_sessions``), not read again."""
+        head and state as the caller read them (``read_sessions``), not read again. ``events``:
+        where the get's delivery events go instead of their own append (the caller appends
+        them, before the deliveries go out)."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -251,7 +254,7 @@ class DeliveryService:
                 expires = now // 1000 + self.settings.retention_s
                 if self.inbox.write_state(session_id, plan.state, expected, expires):
                     out = plan.out
-                    self._record_get(session_id, client_id, plan)
+                    self._record_get(session_id, client_id, plan, events)
                     break
                 state = None
                 self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
@@ -609,7 +612,9 @@ class DeliveryService:
             "published_at": message.published_at_ms,
         }
 
-    def _record_get(self, session_id: str, client_id: str, plan: _Plan) -> None:
+    def _record_get(
+        self, session_id: str, client_id: str, plan: _Plan, batch: EventBatch | None = None
+    ) -> None:
         """The delivery events of a get whose state write succeeded: one object, keyed by the
         state version it wrote (a retried get writes another version, so its own object)."""
         if self.events is None or not self.events.enabled:
@@ -629,7 +634,11 @@ class DeliveryService:
                 reason=reason,
                 label=client_id,
             )
-        events.flush(f"get/{session_id}/{plan.state.version}")
+        hint = f"get/{session_id}/{plan.state.version}"
+        if batch is not None:
+            batch.add(events, hint)
+        else:
+            events.flush(hint)
 
     def _record_ack(self, session_id: str, state: DeliveryState, ordinals: set[int]) -> None:
         """``acked`` for every requested ordinal that is done now, fresh or acked before (so a

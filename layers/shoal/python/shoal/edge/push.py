@@ -17,7 +17,7 @@ import contextvars
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -30,6 +30,7 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ShoalError
 from shoal.core.observability import count, logger
+from shoal.delivery.events import EventBatch
 from shoal.delivery.inbox import LineCache
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
@@ -56,6 +57,22 @@ class SweepReport:
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
+@dataclass
+class _Opened:
+    """One session's push after a wave's first step (``Pusher._open``)."""
+
+    #: the push lease's owner
+    owner: str
+    #: what the first get handed out, to be posted
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    #: how many of them were posted (``Pusher._post_opened``)
+    posted: int = 0
+    #: why the first step failed (raised again where the push goes on)
+    failed: Exception | None = None
+    #: shared-group members the first get handed streams to
+    handed: set[str] = field(default_factory=set)
 
 
 class ConnectionGone(Exception):
@@ -182,20 +199,105 @@ class Pusher:
         if len(targets) == 1:
             return self.push(targets[0], lines, source, read.get(targets[0].session_id))
         workers = min(PUSH_PARALLELISM, len(targets))
+        pushed = 0
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-push") as pool:
-            # the invocation's context (its metrics, its logger's keys) goes with each push
-            done = [
-                pool.submit(
-                    contextvars.copy_context().run,
-                    self.push,
-                    c,
-                    lines,
-                    source,
-                    read.get(c.session_id),
+
+            def each(work: Any, *columns: Iterable[Any]) -> list[Any]:
+                # the invocation's context (its metrics, its logger's keys) goes with each
+                futures = [
+                    pool.submit(contextvars.copy_context().run, work, *args)
+                    for args in zip(*columns, strict=True)
+                ]
+                return [future.result() for future in futures]
+
+            for start in range(0, len(targets), workers):
+                wave = targets[start : start + workers]
+                batch = self._event_batch()
+                opened = each(
+                    self._open,
+                    wave,
+                    [lines] * len(wave),
+                    [source] * len(wave),
+                    [read.get(c.session_id) for c in wave],
+                    [batch] * len(wave),
                 )
-                for c in targets
-            ]
-            return sum(future.result() for future in done)
+                self._append(batch, opened)
+                # every frame of the wave before any lease goes back: the releases (a write
+                # each) wait behind the frames, not the frames behind the releases
+                each(self._post_opened, wave, opened)
+                pushed += sum(
+                    each(self._finish, wave, opened, [lines] * len(wave), [source] * len(wave))
+                )
+        return pushed
+
+    def _event_batch(self) -> EventBatch | None:
+        recording = self.delivery.events
+        return EventBatch(recording) if recording is not None and recording.enabled else None
+
+    def _open(
+        self,
+        connection: Connection,
+        lines: LineCache | None,
+        source: str | None,
+        read: SessionRead | None,
+        batch: EventBatch | None,
+    ) -> _Opened | None:
+        """A wave's first step for one session: its lease and its first get, whose delivery
+        events go to ``batch`` (appended for the whole wave before any frame goes out). None:
+        another pusher holds the lease (and goes round once more for us)."""
+        owner = self.connections.take_lease(connection)
+        if owner is None:
+            return None
+        opened = _Opened(owner)
+        try:
+            opened.messages = self._get(connection, lines, source, read, batch)
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            opened.failed = exc
+        # streams this get handed to shared-group members: pushed by whichever thread finishes
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        if pending:
+            opened.handed = set(pending)
+            pending.clear()
+        return opened
+
+    @staticmethod
+    def _append(batch: EventBatch | None, opened: list[_Opened | None]) -> None:
+        """The wave's delivery events, in one append, before its frames: a delivery the log
+        does not name is never posted (the audit counts what the events say went out)."""
+        if batch is None:
+            return
+        try:
+            batch.flush()
+        except (ClientError, BotoCoreError) as exc:
+            for o in opened:
+                if o is not None and o.failed is None:
+                    o.failed = exc
+
+    def _post_opened(self, connection: Connection, opened: _Opened | None) -> None:
+        """Posts what a wave's first get handed out (``opened.posted`` counts those gone)."""
+        if opened is None or opened.failed is not None:
+            return
+        try:
+            for message in opened.messages:
+                self.api.post(connection.connection_id, encode(MessageFrame(**message)))
+                opened.posted += 1
+        except (ConnectionGone, ClientError, BotoCoreError) as exc:
+            opened.failed = exc
+
+    def _finish(
+        self,
+        connection: Connection,
+        opened: _Opened | None,
+        lines: LineCache | None,
+        source: str | None,
+    ) -> int:
+        """The rest of a wave's push for one session: the frames its first get handed out, then
+        as ``push`` goes on (more gets, the release, more rounds)."""
+        if opened is None:
+            return 0
+        if opened.handed:
+            self.handed_over(opened.handed)
+        return self.push(connection, lines, source, opened=opened)
 
     def _read(self, targets: list[Connection]) -> dict[str, SessionRead]:
         """The targets' heads and states, or nothing when the read failed: each push then
@@ -226,6 +328,7 @@ class Pusher:
         read: SessionRead | None = None,
         *,
         held_by: str | None = None,
+        opened: _Opened | None = None,
     ) -> int:
         """The connection's deliveries, within its window, in order; the frames pushed. Never
         raises for a failed push: the inbox keeps what it would have carried.
@@ -237,11 +340,12 @@ class Pusher:
         Shared-group members that this push's gets handed streams to are pushed after it.
         ``read``: the session's head and state as read before the lease was taken, where the
         first get starts (a stale state costs that get a failed write and a read again).
-        ``held_by``: the lease's owner when the caller holds it already (a connect's bind)."""
+        ``held_by``: the lease's owner when the caller holds it already (a connect's bind).
+        ``opened``: the lease and first get done already (``push_sessions``' waves)."""
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
-            pushed = self._push(connection, lines, source, read, held_by)
+            pushed = self._push(connection, lines, source, read, held_by=held_by, opened=opened)
         finally:
             self._local.depth = depth
         if depth == 0:
@@ -254,15 +358,24 @@ class Pusher:
         lines: LineCache | None = None,
         source: str | None = None,
         read: SessionRead | None = None,
+        *,
         held_by: str | None = None,
+        opened: _Opened | None = None,
     ) -> int:
-        owner = held_by or self.connections.take_lease(connection)
+        owner = opened.owner if opened else held_by or self.connections.take_lease(connection)
         if owner is None:
             return 0  # the holder goes round once more for us
         pushed = 0
         due: int | None = None
         held = True
         try:
+            if opened is not None and opened.failed is not None:
+                # what its get handed out never went out: armed, so that the sweep sends it
+                # again after its ack timeout (as a frame lost on the way would be)
+                if any(m["qos"] > 0 for m in opened.messages):
+                    due = self.clock.now_ms() + self._ack_timeout_ms
+                pushed = opened.posted
+                raise opened.failed
             for round_ in range(MAX_ROUNDS):
                 # the lease was just taken with ``again`` cleared: the first round needs no
                 # write of its own (a pusher that came in meanwhile set ``again``, and the
@@ -274,7 +387,11 @@ class Pusher:
                 # (``again``: another trigger came meanwhile, maybe for another source, or an
                 # ack opened the window) looks everywhere
                 frames, acked_later = self._round(
-                    connection, lines, *((source, read) if not round_ else (None, None))
+                    connection,
+                    lines,
+                    *((source, read) if not round_ else (None, None)),
+                    handed=opened.messages if opened is not None and not round_ else None,
+                    posted=opened.posted if opened is not None and not round_ else 0,
                 )
                 pushed += frames
                 if acked_later and due is None:
@@ -362,33 +479,55 @@ class Pusher:
         lines: LineCache | None = None,
         source: str | None = None,
         read: SessionRead | None = None,
+        *,
+        handed: list[dict[str, Any]] | None = None,
+        posted: int = 0,
     ) -> tuple[int, bool]:
-        """The frames pushed, and whether any of them waits for an ack."""
-        who = Principal(sub=connection.sub, clients=(connection.client_id,))
+        """The frames pushed, and whether any of them waits for an ack. ``handed``: what this
+        round's first get handed out already (``_open``), of which the first ``posted`` went
+        out already (``_post_opened``)."""
         pushed = 0
         acked_later = False
         while True:
-            messages = self.delivery.get(
-                who,
-                connection.client_id,
-                connection.channel,
-                max_messages=MAX_GET,
-                window=connection.window,
-                lines=lines,
-                source=source,
-                known=read,
-            )["messages"]
+            gone = 0
+            if handed is not None:
+                messages, handed, gone = handed, None, posted
+            else:
+                messages = self._get(connection, lines, source, read)
             # more than one get: the rest of what waits, wherever it is, read again
             source = None
             read = None
-            for message in messages:
-                self.api.post(connection.connection_id, encode(MessageFrame(**message)))
+            for n, message in enumerate(messages):
+                if n >= gone:
+                    self.api.post(connection.connection_id, encode(MessageFrame(**message)))
                 acked_later = acked_later or message["qos"] > 0
             pushed += len(messages)
             count(metrics.PUSHED, len(messages))
             if len(messages) < MAX_GET:
                 # all there was, or the window is full: acks open it again
                 return pushed, acked_later
+
+    def _get(
+        self,
+        connection: Connection,
+        lines: LineCache | None,
+        source: str | None,
+        read: SessionRead | None,
+        events: EventBatch | None = None,
+    ) -> list[dict[str, Any]]:
+        who = Principal(sub=connection.sub, clients=(connection.client_id,))
+        messages: list[dict[str, Any]] = self.delivery.get(
+            who,
+            connection.client_id,
+            connection.channel,
+            max_messages=MAX_GET,
+            window=connection.window,
+            lines=lines,
+            source=source,
+            known=read,
+            events=events,
+        )["messages"]
+        return messages
 
     def disconnect(self, connection_id: str, reason: str, ref: str | None = None) -> None:
         """Sends the service's ``disconnect`` frame, then closes the connection (MQTT 5

@@ -36,9 +36,11 @@ import boto3
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_dynamodb import (
     cache_action_names,
+    parse_update_expressions_once,
     query_one_partition,
     roll_back_transactions_by_item,
     serialize_attribute_values_directly,
+    traverse_with_fixed_maps,
 )
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
@@ -220,6 +222,8 @@ def adapt_moto() -> None:
     query_one_partition()
     serialize_attribute_values_directly()
     cache_action_names()
+    parse_update_expressions_once()
+    traverse_with_fixed_maps()
 
 
 def detach_moto_lambda_triggers() -> None:

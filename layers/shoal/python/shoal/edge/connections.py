@@ -140,21 +140,28 @@ class ConnectionStore:
 
     def move(
         self, connection_id: str, session_id: str, channel: str, sub: str
-    ) -> Connection | None:
+    ) -> tuple[Connection, str] | None:
         """A renewal (``renew``): the session's deliveries go to ``connection_id`` from now,
         on condition that its item names ``channel`` and ``sub`` (None when not: the older
         connection is gone, or the session is held by another channel). The session's item
-        keeps its window, push lease and due time (deliveries in flight on the older
-        connection stay in flight for the same channel); the older connection's item is
-        deleted, so its ``$disconnect`` finds nothing to do. Three writes, no transaction:
-        the session's item first, so a renewal cut short before its connection's item is
-        written is repeated as a whole (its ``renew`` is sent again; the older connection's
-        item is left to its ``$disconnect``)."""
+        keeps its window and due time (deliveries in flight on the older connection stay in
+        flight for the same channel); the older connection's item is deleted, so its
+        ``$disconnect`` finds nothing to do. Three writes, no transaction: the session's item
+        first, so a renewal cut short before its connection's item is written is repeated as
+        a whole (its ``renew`` is sent again; the older connection's item is left to its
+        ``$disconnect``).
+
+        The session's push lease is taken in the same write, and its owner returned with the
+        connection, as ``bind`` does: the renewal's answer goes out before any delivery on the
+        new connection. A holder pushing to the older connection loses the lease then: it
+        stops at its release, and arms its deliveries' redelivery itself (``arm_session``)."""
         now = self.clock.now_ms()
         expires = self._expires()
+        owner = secrets.token_hex(8)
         e = Expression()
         e.set("connection_id", connection_id).set("connected_at_ms", now)
         e.set("expires_at", expires)
+        e.set("lease_owner", owner).set("lease_until", now + LEASE_MS).set("again", False)
         condition = f"{e.n('channel')} = {e.v(channel)} AND {e.n('sub')} = {e.v(sub)}"
         try:
             raw = self.dynamo.call(
@@ -182,7 +189,7 @@ class ConnectionStore:
         older = str(old.get("connection_id") or "")
         if older and older != connection_id:
             self.dynamo.call("delete_item", TableName=self.table, Key=_key(CONNECTION + older))
-        return connection
+        return connection, owner
 
     def connection(self, connection_id: str) -> Connection | None:
         raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})
@@ -347,6 +354,20 @@ class ConnectionStore:
             TableName=self.table,
             Key=_key(SESSION + connection.session_id),
             **e.params(f"{e.n('connection_id')} = {e.v(connection.connection_id)}"),
+        )
+
+    def arm_session(self, session_id: str, due_at_ms: int) -> bool:
+        """As ``arm`` (the earliest wins), whichever connection the session's item names now:
+        a pusher that lost its lease (a renewal moved the session, or the lease ran out and
+        another took it) still had its deliveries handed out. False when the item is gone
+        (then a reconnect sends everything in flight again)."""
+        e = Expression()
+        _arm(e, session_id, due_at_ms)
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + session_id),
+            **e.params(f"attribute_exists({e.n('connection_id')})"),
         )
 
     def due(self, shard: int, now_ms: int, limit: int) -> list[tuple[str, int]]:

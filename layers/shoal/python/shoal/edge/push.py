@@ -381,7 +381,11 @@ class Pusher:
                 # write of its own (a pusher that came in meanwhile set ``again``, and the
                 # release then fails and sends this holder round once more)
                 if round_ and not self.connections.next_round(connection, owner):
+                    # the lease is another's now (a renewal took it, or it ran out): what this
+                    # push handed out is still timed, or only a reconnect would send it again
                     held = False
+                    if due is not None:
+                        self.connections.arm_session(connection.session_id, due)
                     return pushed
                 # the first round looks where the trigger wrote (``source``); a round again
                 # (``again``: another trigger came meanwhile, maybe for another source, or an
@@ -406,7 +410,12 @@ class Pusher:
             count(metrics.PUSH_FAILED)
             # no more pushes to it; its own item stays for its $disconnect, which loses the
             # channel (the will's delay starts there)
-            self.connections.forget(connection)
+            if self.connections.forget(connection):
+                # a renewal moved the session on meanwhile: what this push handed out stays in
+                # flight for the same channel, and comes again after its ack timeout
+                self.connections.arm_session(
+                    connection.session_id, self.clock.now_ms() + self._ack_timeout_ms
+                )
             held = False
             return pushed
         except (ShoalError, ClientError, BotoCoreError) as exc:

@@ -282,9 +282,12 @@ class EdgeService:
             head = self.registry.renew(who, frame.client_id, frame.channel, CHANNEL_KEEPALIVE_S)
         except (SessionNotFound, SessionTakenOver) as exc:
             raise RenewRefused(f"{exc.message}: send connect") from exc
-        moved = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
-        if moved is None:
+        taken = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
+        if taken is None:
             raise RenewRefused("this channel's connection is gone: send connect")
+        # the push lease comes with the move: nothing reaches the new connection before the
+        # answer (as a connect's CONNACK, MQTT 5 [MQTT-3.2.0-1])
+        moved, owner = taken
         # the session's group members are kept by this connection now (the older one's item
         # is gone, so its $disconnect releases nothing)
         self._keep(moved, head)
@@ -295,7 +298,7 @@ class EdgeService:
             keepalive_s=0,
             receive_maximum=moved.window,
         )
-        return self._post_then_push(moved, encode(answer))
+        return self._post_then_push(moved, encode(answer), held_by=owner)
 
     def _previous(self, client_id: str) -> Connection | None:
         """The connection that holds the client id's session now, if any (to be taken over)."""

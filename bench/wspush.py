@@ -14,7 +14,9 @@ machine's two cores):
   frames that came together acked together), all connections on one asyncio loop in a thread.
 
 One publisher thread publishes ``MESSAGES[N]`` messages one by one over the HTTP API at
-``RATE[N]`` a second, each carrying the client's clock just before its publish; a delivery's
+``RATE[N]`` a second on average, each gap between publishes drawn (seeded) between half and
+one and a half times the mean (``JITTER``), each carrying the client's clock just before its
+publish; a delivery's
 latency is from there to the moment its client read it. Also counted per transport: missing,
 duplicate and foreign deliveries (a delivery id names its session). The size runs come one
 after the other on the same server; within a size the two transports run together.
@@ -30,6 +32,7 @@ import base64
 import json
 import math
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -53,6 +56,14 @@ SIZES = (10, 100)
 #: deliveries were still queued after the drain)
 MESSAGES = {10: 30, 100: 10}
 RATE = {10: 0.2, 100: 0.05}
+#: the spread of the gaps between publishes around ``1 / RATE``, and the draw's seed. Exactly
+#: periodic publishes met both transports' own periodic waits at one phase a run: the event
+#: source mappings' poll (0.5 s, which divides 5 s) and the long poll's re-reads (a second
+#: apart once it has waited a while). Run to run, that phase alone moved the long poll's p50
+#: between 0.94 and 1.35 s and the ratio between 0.45 and 0.62 on the same code (2026-11-30);
+#: gaps spread over a second and more average over the phases, as independent publishers do
+JITTER = 0.5
+SEED = 31
 #: the long poll's wait: ``shoal.client``'s own (``HttpSession.messages``), the most a get
 #: waits. At 5 s each poller began its schedule of re-reads again every 5 s (a tenth of a
 #: second apart at first): at 100 sessions those re-reads were most of the emulator's work
@@ -331,8 +342,12 @@ def _one_size(url: str, ws_url: str, token: str, size: int) -> dict[str, Any]:
     errors = 0
     load_before = os.getloadavg()
     started = time.time()
+    draw = random.Random(SEED + size)
+    due = 0.0
     for n in range(messages):
-        pause = started + n / rate - time.time()
+        if n:
+            due += draw.uniform(1 - JITTER, 1 + JITTER) / rate
+        pause = started + due - time.time()
         if pause > 0:
             time.sleep(pause)
         sent = time.time()
@@ -417,7 +432,8 @@ def report(figures: dict[str, Any]) -> str:
             f"(`wait_ms` {figures['wait_ms']}, max 100, ack per page, a thread each) and N "
             "WebSocket sessions (pushed `message` frames, acked by `ack` frames) on one filter "
             "at once, so each message goes to both in the same router invocation. One publisher, "
-            "one by one over the HTTP API; latency from the client's clock just before the "
+            f"one by one over the HTTP API, gaps between {1 - JITTER:g} and {1 + JITTER:g} times "
+            "the mean (seeded); latency from the client's clock just before the "
             "publish to the client reading the delivery. The event source mappings poll an "
             f"idle shard every {figures['esm_poll_interval_s']} s; {figures['cpus']} cores "
             "shared by the server, the clients and other work on the machine.",

@@ -132,3 +132,34 @@ def test_a_wave_posts_every_frame_before_it_gives_a_lease_back(
     assert steps == ["post"] * SESSIONS + ["release"] * SESSIONS, steps
     for connection in connections:
         assert texts(edge.messages(connection)) == ["m0"], connection
+
+
+def test_a_session_whose_lease_cannot_be_taken_fails_the_batch_after_the_others(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A throttled lease write for one session of a wave: the others are pushed and give
+    their leases back; the error is raised after them, so the router's batch is retried (as
+    it was when each session pushed alone)."""
+    connections = subscribed(edge)
+    throttled = edge.connections.connection(connections[1])
+    assert throttled is not None
+    take = edge.connections.take_lease
+
+    def taking(connection: Any) -> str | None:
+        if connection.session_id == throttled.session_id:
+            raise ClientError({"Error": {"Code": "ThrottlingException"}}, "UpdateItem")
+        return take(connection)
+
+    monkeypatch.setattr(edge.connections, "take_lease", taking)
+    edge.world.publish("a/b", "m0")
+    # the router's push: the first and third sessions get the message
+    edge.world.route()
+    assert [texts(edge.messages(c)) for c in connections] == [["m0"], [], ["m0"]]
+    # and the push raises once they are done (the router's invocation fails, as it did)
+    sessions = [edge.connections.connection(c) for c in connections]
+    with pytest.raises(ClientError):
+        edge.pusher.push_sessions([s.session_id for s in sessions if s is not None])
+    # the retried batch's push, once the lease can be taken, reaches the third session only
+    monkeypatch.setattr(edge.connections, "take_lease", take)
+    assert edge.pusher.push_sessions([s.session_id for s in sessions if s is not None]) == 1
+    assert [texts(edge.messages(c)) for c in connections] == [["m0"]] * SESSIONS

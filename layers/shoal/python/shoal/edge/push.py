@@ -200,6 +200,9 @@ class Pusher:
             return self.push(targets[0], lines, source, read.get(targets[0].session_id))
         workers = min(PUSH_PARALLELISM, len(targets))
         pushed = 0
+        #: what a session's step raised (a throttled lease, say): the other sessions' pushes
+        #: go on to the end, and the first error is raised then (the router's batch is retried)
+        errors: list[Exception] = []
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-push") as pool:
 
             def each(work: Any, *columns: Iterable[Any]) -> list[Any]:
@@ -208,7 +211,13 @@ class Pusher:
                     pool.submit(contextvars.copy_context().run, work, *args)
                     for args in zip(*columns, strict=True)
                 ]
-                return [future.result() for future in futures]
+                done: list[Any] = []
+                for future in futures:
+                    error = future.exception()
+                    if error is not None:
+                        errors.append(error)  # type: ignore[arg-type]
+                    done.append(None if error is not None else future.result())
+                return done
 
             for start in range(0, len(targets), workers):
                 wave = targets[start : start + workers]
@@ -225,9 +234,12 @@ class Pusher:
                 # every frame of the wave before any lease goes back: the releases (a write
                 # each) wait behind the frames, not the frames behind the releases
                 each(self._post_opened, wave, opened)
-                pushed += sum(
-                    each(self._finish, wave, opened, [lines] * len(wave), [source] * len(wave))
+                finished = each(
+                    self._finish, wave, opened, [lines] * len(wave), [source] * len(wave)
                 )
+                pushed += sum(n or 0 for n in finished)
+        if errors:
+            raise errors[0]
         return pushed
 
     def _event_batch(self) -> EventBatch | None:
@@ -291,8 +303,8 @@ class Pusher:
         lines: LineCache | None,
         source: str | None,
     ) -> int:
-        """The rest of a wave's push for one session: the frames its first get handed out, then
-        as ``push`` goes on (more gets, the release, more rounds)."""
+        """The rest of a wave's push for one session once its frames went out, as ``push``
+        goes on: more gets when the first one filled a page, the release, more rounds."""
         if opened is None:
             return 0
         if opened.handed:

@@ -144,6 +144,18 @@ def texts(frames: list[dict[str, Any]]) -> list[str]:
     return [base64.b64decode(f["payload"]).decode() for f in frames]
 
 
+def answered_first(edge: Edge, connection: str, waiting: str) -> None:
+    """The connection's first frame is its connect's (or renewal's) answer, the delivery that
+    waited comes after it, and the push lease was given back: the next message goes out at
+    once."""
+    frames = edge.api.sent[connection]
+    assert [f["action"] for f in frames] == ["connected", "message"]
+    assert texts(frames[1:]) == [waiting]
+    edge.world.publish("a/b", "next")
+    edge.world.route()
+    assert texts(edge.messages(connection)) == [waiting, "next"]
+
+
 @pytest.fixture
 def edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
     world = World(aws, monkeypatch)
@@ -831,13 +843,7 @@ def test_nothing_is_pushed_to_a_renewed_connection_before_its_answer(
     monkeypatch.setattr(edge.service, "_keep", keep_then_race)
     assert _renew(edge, "c2", connected["channel"]) is None
     assert raced == [0]
-    frames = edge.api.sent["c2"]
-    assert [f["action"] for f in frames] == ["connected", "message"]
-    assert texts(frames[1:]) == ["raced"]
-    # the lease was given back: the next message is pushed at once
-    edge.world.publish("a/b", "next")
-    edge.world.route()
-    assert texts(edge.messages("c2")) == ["raced", "next"]
+    answered_first(edge, "c2", "raced")
 
 
 def test_a_push_that_loses_its_lease_to_a_renewal_still_times_what_it_handed_out(
@@ -1473,10 +1479,4 @@ def test_nothing_is_pushed_to_a_connection_before_its_connect_is_answered(
     edge.world.clock.advance(0.001)
     edge.send("c2", {"action": "connect", "client_id": "alice-1", "clean_start": False})
     assert raced == [0]
-    frames = edge.api.sent["c2"]
-    assert [f["action"] for f in frames] == ["connected", "message"]
-    assert texts(frames[1:]) == ["waiting"]
-    # the lease was given back: the next message is pushed at once
-    edge.world.publish("a/b", "next")
-    edge.world.route()
-    assert texts(edge.messages("c2")) == ["waiting", "next"]
+    answered_first(edge, "c2", "waiting")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import struct
 import sys
 import threading
@@ -14,7 +15,7 @@ import boto3
 import certifi
 import pytest
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError
 from shoal.local.aws import EmbeddedAws, share_service_models
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.provision import LocalNames, provision
@@ -507,6 +508,8 @@ def test_this_process_calls_in_process_and_answers_as_over_http(tmp_path: Path) 
     try:
         answers = _same_calls(aws)
         assert aws._transport is not None and aws._transport.calls >= 6
+        # the four DynamoDB calls went to moto's handler without Flask, S3's through the server
+        assert aws._transport.handed == 4
     finally:
         aws.stop()
     assert answers == answers_http
@@ -554,3 +557,74 @@ def test_clients_share_one_tls_context_unless_a_proxy_has_tls_settings() -> None
         ),
     )
     assert _tls_context(proxied) is not _tls_context(one)
+
+
+def test_a_call_handed_over_in_process_is_journaled_and_replayed_through_the_server(
+    start: Start, state_dir: Path
+) -> None:
+    """A DynamoDB or Kinesis call handed to moto's handler without Flask is journaled (only
+    when it succeeded) in the form a restart replays through the server's own path."""
+    aws = start()
+    ddb = create_counter_table(aws)
+    kinesis = client(aws, "kinesis")
+    kinesis.create_stream(StreamName="s", ShardCount=1)
+    handed = aws._transport.handed if aws._transport else 0
+    ddb.update_item(
+        TableName=TABLE,
+        Key={"pk": {"S": "a"}},
+        UpdateExpression="ADD n :one",
+        ExpressionAttributeValues={":one": {"N": "1"}},
+    )
+    with pytest.raises(ClientError):
+        ddb.update_item(
+            TableName=TABLE,
+            Key={"pk": {"S": "a"}},
+            UpdateExpression="ADD n :one",
+            ConditionExpression="n > :one",
+            ExpressionAttributeValues={":one": {"N": "1"}},
+        )
+    sequence = kinesis.put_record(StreamName="s", Data=b"x", PartitionKey="k")["SequenceNumber"]
+    assert aws._transport is not None and aws._transport.handed == handed + 3
+    assert journal_length(state_dir) == 4  # table, stream, update, record; not the refused one
+
+    again = start()
+    item = client(again, "dynamodb").get_item(TableName=TABLE, Key={"pk": {"S": "a"}})["Item"]
+    assert item["n"] == {"N": "1"}
+    kinesis = client(again, "kinesis")
+    shard = kinesis.list_shards(StreamName="s")["Shards"][0]["ShardId"]
+    iterator = kinesis.get_shard_iterator(
+        StreamName="s", ShardId=shard, ShardIteratorType="TRIM_HORIZON"
+    )["ShardIterator"]
+    records = kinesis.get_records(ShardIterator=iterator)["Records"]
+    assert [(r["SequenceNumber"], r["Data"]) for r in records] == [(sequence, b"x")]
+
+
+def test_the_emulator_calls_skip_only_the_signature_arithmetic(start: Start) -> None:
+    """A JSON-protocol call handed over in-process carries the credential scope moto reads,
+    not a computed signature; a call to any other endpoint is signed as usual; a call without
+    credentials is refused as botocore refuses it."""
+    aws = start()
+    seen: list[str] = []
+
+    def keep(request: Any, **_: Any) -> None:
+        seen.append(request.headers["Authorization"].decode())
+
+    ddb = create_counter_table(aws)
+    ddb.meta.events.register_last("before-send.dynamodb", keep)
+    ddb.list_tables()
+    assert seen[-1].startswith("AWS4-HMAC-SHA256 Credential=testing/")
+    assert "/us-east-1/dynamodb/aws4_request" in seen[-1]
+    assert seen[-1].endswith("Signature=in-process")
+
+    # another endpoint (here the same server, addressed by another name) is signed in full
+    other = boto3.session.Session(
+        aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    ).client("dynamodb", endpoint_url=f"http://localhost:{aws.port}", config=CLIENT_CONFIG)
+    other.meta.events.register_last("before-send.dynamodb", keep)
+    other.list_tables()
+    assert re.search(r"Signature=[0-9a-f]{64}$", seen[-1])
+
+    bare = client(aws, "dynamodb")
+    bare._request_signer._credentials = None  # as with no credentials anywhere
+    with pytest.raises(NoCredentialsError):
+        bare.list_tables()

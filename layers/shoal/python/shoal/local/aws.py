@@ -20,6 +20,7 @@ numbers are per-shard counters in moto, so in-order replay reproduces them on it
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import io
 import json
 import logging
@@ -44,7 +45,12 @@ from shoal.local.moto_dynamodb import (
 )
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
-from shoal.local.transport import InProcessTransport, call_wsgi
+from shoal.local.transport import (
+    InProcessTransport,
+    call_wsgi,
+    environ_for,
+    json_target,
+)
 
 log = logging.getLogger("shoal-dev.aws")
 
@@ -307,6 +313,7 @@ class ReplayStats:
 #: how long a DynamoDB or Kinesis call waits for the emulator; below the shortest read timeout
 #: of Shoal's clients (the publish path's writer: ``shoal.aws.clients.PUT_READ_TIMEOUT_S``)
 LOCK_WAIT_BUDGET_S = 2.0
+_JOURNAL_FAILED = b"the emulator's journal failed; restart shoal dev"
 _UNAVAILABLE = json.dumps(
     {"__type": "ServiceUnavailable", "message": "the emulator is busy; retry"}
 ).encode()
@@ -348,7 +355,7 @@ class SerializedApp:
         with BACKEND_LOCK:
             if self.failed:
                 start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
-                return [b"the emulator's journal failed; restart shoal dev"]
+                return [_JOURNAL_FAILED]
             journal = self.journal
             if journal is None or not is_mutating(environ, body):
                 status, headers, payload = self._run(environ)
@@ -377,6 +384,48 @@ class SerializedApp:
 
     def _run(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
         return call_wsgi(self.app, environ)
+
+    def serve_in_process(self, request: Any) -> tuple[int, list[tuple[str, str]], bytes] | None:
+        """A DynamoDB or Kinesis call made in this process, handed to moto's handler for its
+        service without Flask (as moto's own in-process mock does), under the same bounded
+        wait, lock and journal as ``__call__``; None for any other call. The journal keeps
+        the environ werkzeug would have built, so a restart replays it through the server's
+        path like any other record."""
+        target = json_target(request)
+        handler = _direct_handlers().get(target.split(".", 1)[0]) if target else None
+        if handler is None or target is None:
+            return None
+        # the environ werkzeug's server would build: moto's request is made from it (moto's
+        # own conversion builds one through werkzeug's test builder, a third of the call's
+        # time outside the model), and the journal keeps it
+        environ = environ_for(request)
+        if not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S):
+            return 503, [("Content-Type", "application/x-amz-json-1.1")], _UNAVAILABLE
+        try:
+            if self.failed:
+                return 503, [("Content-Type", "text/plain")], _JOURNAL_FAILED
+            journal = self.journal
+            if journal is None or target.rsplit(".", 1)[-1].startswith(READ_ONLY_ACTION_PREFIXES):
+                return _call_handler(handler, environ)
+            record = JournalRecord(
+                seq=journal.next_seq,
+                at_ms=self.clock_ms(),
+                environ=_journaled_environ(environ),
+                preserved_names=dict(environ.get(_PRESERVED_NAMES_KEY) or {}),
+                body=environ["wsgi.input"].getvalue(),
+            )
+            with _Pinned(record.seq, record.at_ms):
+                answer = _call_handler(handler, environ)
+            if 200 <= answer[0] < 300:
+                try:
+                    journal.append(record)
+                except OSError:
+                    self.failed = True
+                    log.critical("journal: append failed; refusing every further request")
+                    raise
+            return answer
+        finally:
+            BACKEND_LOCK.release()
 
     def replay(self) -> ReplayStats:
         """Apply every journaled request, in order, to the (fresh) backend."""
@@ -408,6 +457,40 @@ class SerializedApp:
         )
         journal.records = []  # applied; the bodies need not stay in memory
         return stats
+
+
+@functools.cache
+def _direct_handlers() -> dict[str, Callable[..., Any]]:
+    """moto's handlers of the JSON-protocol services, by their ``X-Amz-Target`` prefix."""
+    from moto.dynamodb.responses import DynamoHandler
+    from moto.kinesis.responses import KinesisResponse
+
+    return {
+        "DynamoDB_20120810": DynamoHandler.dispatch,
+        "Kinesis_20131202": KinesisResponse.dispatch,
+    }
+
+
+def _call_handler(
+    handler: Callable[..., Any], environ: dict[str, Any]
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One call of a moto handler on a request made from ``environ``, answered as moto's Flask
+    front answers it: an HTTP error (moto's ``JsonRESTError``) is its own answer, a botocore
+    ``ClientError`` a 400."""
+    from botocore.exceptions import ClientError
+    from moto.core.request import Request
+    from werkzeug.exceptions import HTTPException
+
+    normalized = Request(environ)
+    try:
+        status, headers, content = handler(normalized, normalized.raw_url, normalized.headers)
+    except HTTPException as exc:
+        status, headers, content = exc.code or 500, exc.get_headers(), exc.get_body()
+    except ClientError as exc:
+        status, headers, content = 400, {}, exc.response["Error"]["Message"]
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    payload = content.encode("utf-8") if isinstance(content, str) else bytes(content)
+    return int(status), [(str(k), str(v)) for k, v in pairs], payload
 
 
 # --- the server ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import re
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -480,10 +481,10 @@ def test_a_failed_journal_append_stops_all_service(
     ddb = create_counter_table(aws)
     assert aws.journal is not None
 
-    def disk_full(record: JournalRecord) -> None:
+    def disk_full(chunks: list[bytes]) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(aws.journal, "append", disk_full)
+    monkeypatch.setattr(aws.journal, "write_out", disk_full)
     # When a write is applied by moto but cannot be journaled
     with pytest.raises(ClientError):
         ddb.put_item(TableName=TABLE, Item={"pk": {"S": "lost"}, "n": {"N": "1"}})
@@ -628,3 +629,59 @@ def test_the_emulator_calls_skip_only_the_signature_arithmetic(start: Start) -> 
     bare._request_signer._credentials = None  # as with no credentials anywhere
     with pytest.raises(NoCredentialsError):
         bare.list_tables()
+
+
+def test_the_journal_writes_outside_the_lock_and_no_answer_leaves_before_its_disk_write(
+    start: Start, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit: a write's record goes to disk after the backend lock is let go, with the
+    records staged meanwhile, and no answer (a read's neither) leaves before what it may have
+    seen is on disk."""
+    aws = start()
+    ddb = create_counter_table(aws)
+    journal = aws.journal
+    assert journal is not None
+    write_out = journal.write_out
+    writing, go_on = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def slow_disk(chunks: list[bytes]) -> None:
+        writing.set()
+        assert go_on.wait(10)
+        written.append(len(chunks))
+        write_out(chunks)
+
+    monkeypatch.setattr(journal, "write_out", slow_disk)
+    answers: list[str] = []
+
+    def put(key: str) -> None:
+        ddb.put_item(TableName=TABLE, Item={"pk": {"S": key}})
+        answers.append(key)
+
+    def read() -> None:
+        ddb.get_item(TableName=TABLE, Key={"pk": {"S": "a"}})
+        answers.append("read")
+
+    # Given a write whose disk write hangs
+    first = threading.Thread(target=put, args=("a",))
+    first.start()
+    assert writing.wait(10)
+    # Then the lock is free meanwhile: two more writes and a read are applied and staged...
+    rest = [threading.Thread(target=put, args=(k,)) for k in ("b", "c")]
+    rest.append(threading.Thread(target=read))
+    for t in rest:
+        t.start()
+    deadline = time.monotonic() + 10
+    while journal.staged_seq < journal.durable_seq + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert journal.staged_seq == journal.durable_seq + 3
+    # ...but none of the four is answered before the disk has what it saw
+    time.sleep(0.2)
+    assert answers == []
+    go_on.set()
+    for t in [first, *rest]:
+        t.join(10)
+    assert sorted(answers) == ["a", "b", "c", "read"]
+    # the first write alone, then the two staged behind it together
+    assert written == [1, 2]
+    assert journal_length(state_dir) == 4  # the table and the three items

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -333,57 +334,15 @@ class SerializedApp:
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("wsgi.input_terminated", None)
-        # DynamoDB and Kinesis calls (JSON protocols, named by X-Amz-Target) wait a bounded
-        # time for their turn; past it they are refused unapplied, as AWS throttles. Without
-        # the bound, a call queued behind a burst could be applied after its caller timed out,
-        # and a put the publisher was told failed would land in the stream after all.
-        target = environ.get("HTTP_X_AMZ_TARGET")
-        if target and not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S):
-            start_response(
-                "503 Service Unavailable", [("Content-Type", "application/x-amz-json-1.1")]
-            )
-            return [_UNAVAILABLE]
-        try:
-            return self._serve(environ, start_response, body)
-        finally:
-            if target:
-                BACKEND_LOCK.release()
-
-    def _serve(
-        self, environ: dict[str, Any], start_response: Callable[..., Any], body: bytes
-    ) -> list[bytes]:
-        with BACKEND_LOCK:
-            if self.failed:
-                start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
-                return [_JOURNAL_FAILED]
-            journal = self.journal
-            if journal is None or not is_mutating(environ, body):
-                status, headers, payload = self._run(environ)
-            else:
-                seq, at_ms = journal.next_seq, self.clock_ms()
-                record = JournalRecord(
-                    seq=seq,
-                    at_ms=at_ms,
-                    environ=_journaled_environ(environ),
-                    preserved_names=dict(environ.get(_PRESERVED_NAMES_KEY) or {}),
-                    body=body,
-                )
-                with _Pinned(seq, at_ms):
-                    status, headers, payload = self._run(environ)
-                if status.startswith("2"):
-                    try:
-                        journal.append(record)
-                    except OSError:
-                        # moto has applied what the journal lacks: serve nothing more, so no
-                        # client observes state that a restart would not bring back
-                        self.failed = True
-                        log.critical("journal: append failed; refusing every further request")
-                        raise
+        status, headers, payload = self._serve(
+            environ,
+            body,
+            lambda: self._run(environ),
+            mutating=is_mutating(environ, body),
+            bounded=bool(environ.get("HTTP_X_AMZ_TARGET")),
+        )
         start_response(status, headers)
         return [payload]
-
-    def _run(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
-        return call_wsgi(self.app, environ)
 
     def serve_in_process(self, request: Any) -> tuple[int, list[tuple[str, str]], bytes] | None:
         """A DynamoDB or Kinesis call made in this process, handed to moto's handler for its
@@ -399,33 +358,79 @@ class SerializedApp:
         # own conversion builds one through werkzeug's test builder, a third of the call's
         # time outside the model), and the journal keeps it
         environ = environ_for(request)
-        if not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S):
-            return 503, [("Content-Type", "application/x-amz-json-1.1")], _UNAVAILABLE
+        status, headers, payload = self._serve(
+            environ,
+            environ["wsgi.input"].getvalue(),
+            lambda: _call_handler(handler, environ),
+            mutating=not target.rsplit(".", 1)[-1].startswith(READ_ONLY_ACTION_PREFIXES),
+            bounded=True,
+        )
+        return int(status.split(" ", 1)[0]), headers, payload
+
+    def _serve(
+        self,
+        environ: dict[str, Any],
+        body: bytes,
+        run: Callable[[], tuple[str, list[tuple[str, str]], bytes]],
+        *,
+        mutating: bool,
+        bounded: bool,
+    ) -> tuple[str, list[tuple[str, str]], bytes]:
+        """One request under the backend lock (``bounded``: a DynamoDB or Kinesis call, which
+        waits a bounded time for its turn), its record staged in the journal if it changed
+        anything; the answer leaves once every record it may have seen is on disk.
+
+        The disk write is not under the lock (group commit, ``Journal.wait_durable``): with
+        it there, each write held the lock through a write and an fsync, both of which let go
+        of the GIL, and got it back only after whichever thread took it meanwhile ran its
+        slice: 2 ms at the median and 5 ms at p90 a write under a 10-session load, against
+        0.3 ms for the fsync alone. A read waits as a write does (for what was staged before
+        it), so no client sees a change that a restart would not bring back."""
+        # DynamoDB and Kinesis calls wait a bounded time for their turn; past it they are
+        # refused unapplied, as AWS throttles. Without the bound, a call queued behind a burst
+        # could be applied after its caller timed out, and a put the publisher was told failed
+        # would land in the stream after all.
+        if not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S if bounded else -1):
+            return (
+                "503 Service Unavailable",
+                [("Content-Type", "application/x-amz-json-1.1")],
+                _UNAVAILABLE,
+            )
         try:
             if self.failed:
-                return 503, [("Content-Type", "text/plain")], _JOURNAL_FAILED
+                return "503 Service Unavailable", [("Content-Type", "text/plain")], _JOURNAL_FAILED
             journal = self.journal
-            if journal is None or target.rsplit(".", 1)[-1].startswith(READ_ONLY_ACTION_PREFIXES):
-                return _call_handler(handler, environ)
-            record = JournalRecord(
-                seq=journal.next_seq,
-                at_ms=self.clock_ms(),
-                environ=_journaled_environ(environ),
-                preserved_names=dict(environ.get(_PRESERVED_NAMES_KEY) or {}),
-                body=environ["wsgi.input"].getvalue(),
-            )
-            with _Pinned(record.seq, record.at_ms):
-                answer = _call_handler(handler, environ)
-            if 200 <= answer[0] < 300:
-                try:
-                    journal.append(record)
-                except OSError:
-                    self.failed = True
-                    log.critical("journal: append failed; refusing every further request")
-                    raise
-            return answer
+            if journal is None or not mutating:
+                answer = run()
+            else:
+                record = JournalRecord(
+                    seq=journal.next_seq,
+                    at_ms=self.clock_ms(),
+                    environ=_journaled_environ(environ),
+                    preserved_names=dict(environ.get(_PRESERVED_NAMES_KEY) or {}),
+                    body=body,
+                )
+                with _Pinned(record.seq, record.at_ms):
+                    answer = run()
+                if answer[0].startswith("2"):
+                    journal.stage(record)
+            # whatever this request saw: every change staged so far
+            seen = journal.staged_seq if journal is not None else None
         finally:
             BACKEND_LOCK.release()
+        if journal is not None and seen is not None:
+            try:
+                journal.wait_durable(seen)
+            except OSError:
+                # moto has applied what the journal lacks: serve nothing more, so no client
+                # observes state that a restart would not bring back
+                self.failed = True
+                log.critical("journal: append failed; refusing every further request")
+                raise
+        return answer
+
+    def _run(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        return call_wsgi(self.app, environ)
 
     def replay(self) -> ReplayStats:
         """Apply every journaled request, in order, to the (fresh) backend."""
@@ -473,7 +478,7 @@ def _direct_handlers() -> dict[str, Callable[..., Any]]:
 
 def _call_handler(
     handler: Callable[..., Any], environ: dict[str, Any]
-) -> tuple[int, list[tuple[str, str]], bytes]:
+) -> tuple[str, list[tuple[str, str]], bytes]:
     """One call of a moto handler on a request made from ``environ``, answered as moto's Flask
     front answers it: an HTTP error (moto's ``JsonRESTError``) is its own answer, a botocore
     ``ClientError`` a 400."""
@@ -490,7 +495,14 @@ def _call_handler(
         status, headers, content = 400, {}, exc.response["Error"]["Message"]
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
     payload = content.encode("utf-8") if isinstance(content, str) else bytes(content)
-    return int(status), [(str(k), str(v)) for k, v in pairs], payload
+    return f"{int(status)} {_reason(int(status))}", [(str(k), str(v)) for k, v in pairs], payload
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 # --- the server ------------------------------------------------------------------------------

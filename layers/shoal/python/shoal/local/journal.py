@@ -1,5 +1,10 @@
 """The embedded AWS's journal: every successful mutating request, durable before its response
-leaves (``shoal.local.aws`` appends and replays it)."""
+leaves (``shoal.local.aws`` stages, waits for and replays it).
+
+Group commit: a request's record is staged in memory under the backend lock, in apply order,
+and written and fsynced after the lock is let go, by whichever waiting request finds no write
+in progress, for every record staged by then (``Journal.wait_durable``). A crash loses only
+staged records whose requests were never answered."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +77,13 @@ class Journal:
         self._load()
         os.lseek(self._fd, 0, os.SEEK_END)
         self.next_seq = self.records[-1].seq + 1 if self.records else 0
+        #: the last record staged (applied, in order), and the last one on disk
+        self.staged_seq = self.next_seq - 1
+        self.durable_seq = self.staged_seq
+        self._staged: list[bytes] = []
+        self._writing = False
+        self._failure: OSError | None = None
+        self._turn = threading.Condition()
 
     def _load(self) -> None:
         size = os.fstat(self._fd).st_size
@@ -96,18 +109,65 @@ class Journal:
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
 
-    def append(self, record: JournalRecord) -> None:
-        """Write and fsync one record; returns only once it is durable."""
+    def stage(self, record: JournalRecord) -> None:
+        """Queue one applied record for the disk (under the backend lock, in apply order)."""
         data = record.encode()
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        os.fsync(self._fd)
+        with self._turn:
+            self._staged.append(data)
+            self.staged_seq = record.seq
         self.next_seq = record.seq + 1
+
+    def wait_durable(self, seq: int) -> None:
+        """Returns once every record up to ``seq`` is on disk, writing them if no other
+        waiter is; raises OSError once a write failed (every later answer would show what
+        the disk lacks)."""
+        with self._turn:
+            while True:
+                if self._failure is not None:
+                    raise OSError(self._failure.errno, f"journal write failed: {self._failure}")
+                if self.durable_seq >= seq:
+                    return
+                if not self._writing:
+                    break
+                self._turn.wait()
+            chunks, upto = self._staged, self.staged_seq
+            self._staged = []
+            self._writing = True
+        failure: OSError | None = None
+        try:
+            self.write_out(chunks)
+        except OSError as exc:
+            failure = exc
+        with self._turn:
+            self._writing = False
+            if failure is None:
+                self.durable_seq = upto
+            else:
+                self._failure = failure
+            self._turn.notify_all()
+        if failure is not None:
+            raise failure
+
+    def write_out(self, chunks: list[bytes]) -> None:
+        """Write records in order and fsync them."""
+        for data in chunks:
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        os.fsync(self._fd)
+
+    def append(self, record: JournalRecord) -> None:
+        """Stage one record and wait until it is durable."""
+        self.stage(record)
+        self.wait_durable(record.seq)
 
     def close(self) -> None:
         if self._fd >= 0:
+            try:
+                self.wait_durable(self.staged_seq)
+            except OSError:
+                log.warning("journal: the last staged records could not be written")
             os.close(self._fd)
             self._fd = -1
 

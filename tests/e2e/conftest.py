@@ -247,6 +247,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
+def connection_ids(dev: DevServer, client_id: str) -> list[str]:
+    """The WebSocket connections that hold ``client_id``'s session (the connections table)."""
+    dynamo = dev.aws().client("dynamodb")
+    (table,) = [t for t in dynamo.list_tables()["TableNames"] if t.endswith("-connections")]
+    items = dynamo.scan(TableName=table)["Items"]
+    return [
+        i["key"]["S"].removeprefix("conn#")
+        for i in items
+        if i["key"]["S"].startswith("conn#") and i.get("client_id", {}).get("S") == client_id
+    ]
+
+
 DevFactory = Callable[..., DevServer]
 
 

@@ -26,7 +26,7 @@ from shoal.client.ws import ShoalWsClient
 from shoal.client.wslink import WsSettings
 from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
 
-from tests.e2e.conftest import DevServer
+from tests.e2e.conftest import DevServer, connection_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -65,18 +65,6 @@ def publish(dev: DevServer, jwt: str, topic: str, texts: list[str]) -> None:
 
 def ws_client(dev: DevServer, jwt: str, client_id: str, state: Path, **options: Any) -> Any:
     return ShoalWsClient(dev.ws_url, jwt, client_id=client_id, state=state, **options)
-
-
-def connection_ids(dev: DevServer, client_id: str) -> list[str]:
-    """The WebSocket connections that hold ``client_id``'s session (the connections table)."""
-    dynamo = dev.aws().client("dynamodb")
-    (table,) = [t for t in dynamo.list_tables()["TableNames"] if t.endswith("-connections")]
-    items = dynamo.scan(TableName=table)["Items"]
-    return [
-        i["key"]["S"].removeprefix("conn#")
-        for i in items
-        if i["key"]["S"].startswith("conn#") and i.get("client_id", {}).get("S") == client_id
-    ]
 
 
 class HttpMember:

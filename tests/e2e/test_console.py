@@ -25,10 +25,18 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import pytest
-from playwright.sync_api import Browser, Dialog, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    Dialog,
+    Page,
+    Playwright,
+    Route,
+    expect,
+    sync_playwright,
+)
 from shoal.local.authorizer import SigningKey, mint_token
 
-from tests.e2e.conftest import ROOT, DevServer, shoal_command
+from tests.e2e.conftest import ROOT, DevServer, connection_ids, shoal_command
 
 pytestmark = pytest.mark.e2e
 
@@ -136,7 +144,7 @@ def test_shoal_dev_prints_the_consoles_url_and_serves_it_beside_the_http_api(
     status, config = shared_dev.request("GET", "/console/config.json")
     assert (status, config) == (
         200,
-        {"ws_url": shared_dev.ws_url, "api_url": "", "local_mint": True},
+        {"ws_url": shared_dev.ws_url, "api_url": "", "local_mint": True, "max_connection_s": 7200},
     )
     # any other path under it gets the API's coded 404, as deployed (the $default route)
     status, body = shared_dev.request("GET", "/console/nothing.js")
@@ -406,6 +414,62 @@ def test_a_takeover_by_another_tab_is_said_with_its_reason(
         "disconnected by the service: session_taken_over"
     )
     expect(page.locator("#connection")).to_contain_text("Not connected")
+
+
+def test_the_live_session_moves_to_a_new_connection_before_the_api_closes_it(
+    browser: Browser, shared_dev: DevServer
+) -> None:
+    """API Gateway closes every WebSocket at 2 hours (``config.json``'s ``max_connection_s``,
+    told 12 s here): before then the page moves its live session to a new connection, make
+    before break, as ``shoal.client`` does. The channel and what is in flight carry over: a
+    message delivered before the renewal is acked by hand after it, and one published after it
+    arrives on the new connection, which alone holds the session."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+
+    def short_lifetime(route: Route) -> None:
+        served = route.fetch()
+        route.fulfill(response=served, json={**served.json(), "max_connection_s": 12})
+
+    context.route("**/console/config.json", short_lifetime)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{shared_dev.url}/console/")
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        # Given a connected session acking by hand, one message delivered and not acked
+        jwt = token(shared_dev, "cons-renew", clients=["cons-renew*"], subscribe=["sensors/#"])
+        sign_in(page, jwt)
+        page.get_by_label("Ack each message as it arrives").uncheck()
+        connect(page)
+        client_id = page.get_by_role("textbox", name="Client id", exact=True).input_value()
+        subscribe(page, "sensors/cons-renew/#")
+        publish(shared_dev, "sensors/cons-renew/a", text="before")
+        ack = page.get_by_role("button", name="Ack the message on sensors/cons-renew/a")
+        expect(ack).to_be_visible(timeout=WAIT_MS)
+        (before,) = connection_ids(shared_dev, client_id)
+        # When the connection nears its end (renewed 6 to 9 s after the connect)
+        expect(page.locator("#renewed")).to_contain_text("Connection renewed", timeout=30_000)
+        # Then one connection holds the session, a new one, and the page stays connected
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while len(held := connection_ids(shared_dev, client_id)) != 1 and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert len(held) == 1 and held[0] != before, (before, held)
+        expect(page.locator("#connection")).to_have_text(re.compile("^Connected as"))
+        # the delivery made before the renewal is acked over the new connection
+        ack.click()
+        row = page.locator("#messages tbody tr", has_text="sensors/cons-renew/a")
+        expect(row.locator("td.ack")).to_have_text("acked", timeout=WAIT_MS)
+        # and a message published after it comes on the new one, once
+        publish(shared_dev, "sensors/cons-renew/b", text="after")
+        rows = page.locator("#messages tbody tr", has_text="sensors/cons-renew/b")
+        expect(rows).to_have_count(1, timeout=WAIT_MS)
+        expect(page.locator("#connection-error")).to_have_text("")
+    finally:
+        context.close()
+    assert errors == [], errors
 
 
 def test_the_mint_button_signs_in_with_a_local_admin_token(page: Page) -> None:

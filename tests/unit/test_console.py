@@ -49,6 +49,7 @@ def test_config_names_the_stacks_websocket_api_and_no_mint() -> None:
         "ws_url": "wss://abc123.execute-api.eu-west-1.amazonaws.com/v1",
         "api_url": "",
         "local_mint": False,
+        "max_connection_s": 7200.0,
     }
 
 

@@ -88,7 +88,12 @@ def test_every_file_the_page_loads_is_served(console: DevConsole) -> None:
 def test_config_names_the_websocket_api_and_the_mint(console: DevConsole) -> None:
     answer = get(console, "/console/config.json")
     assert answer.status == 200
-    assert json.loads(answer.body) == {"ws_url": WS_URL, "api_url": "", "local_mint": True}
+    assert json.loads(answer.body) == {
+        "ws_url": WS_URL,
+        "api_url": "",
+        "local_mint": True,
+        "max_connection_s": 7200.0,
+    }
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from typing import Any
 PREFIX = "/console/"
 INDEX = "index.html"
 CONFIG = "config.json"
+#: API Gateway closes every WebSocket connection at 2 hours (a quota it does not raise)
+MAX_CONNECTION_S = 7200.0
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -70,7 +72,13 @@ class Served:
 
 
 def serve(
-    method: str, path: str, *, ws_url: str, api_url: str = "", local_mint: bool = False
+    method: str,
+    path: str,
+    *,
+    ws_url: str,
+    api_url: str = "",
+    local_mint: bool = False,
+    max_connection_s: float = MAX_CONNECTION_S,
 ) -> Served | None:
     """The answer to ``method path`` when it asks for one of the console's files (or
     ``/console``, redirected to the page), else None."""
@@ -83,7 +91,12 @@ def serve(
         return None
     name = path[len(PREFIX) :]
     if name == CONFIG:
-        found: Asset | None = config_asset(ws_url=ws_url, api_url=api_url, local_mint=local_mint)
+        found: Asset | None = config_asset(
+            ws_url=ws_url,
+            api_url=api_url,
+            local_mint=local_mint,
+            max_connection_s=max_connection_s,
+        )
     else:
         found = asset(name)
     if found is None:
@@ -102,10 +115,22 @@ def websocket_url(connections_endpoint: str) -> str:
     return ""
 
 
-def config_asset(*, ws_url: str, api_url: str = "", local_mint: bool = False) -> Asset:
+def config_asset(
+    *,
+    ws_url: str,
+    api_url: str = "",
+    local_mint: bool = False,
+    max_connection_s: float = MAX_CONNECTION_S,
+) -> Asset:
     """``config.json``: what the page cannot know by itself. ``api_url`` empty: the HTTP API is
-    the page's own origin."""
-    config: dict[str, Any] = {"ws_url": ws_url, "api_url": api_url, "local_mint": local_mint}
+    the page's own origin. ``max_connection_s``: when the WebSocket API closes a connection,
+    which the page's live session renews before (``shoal dev`` may be told a shorter one)."""
+    config: dict[str, Any] = {
+        "ws_url": ws_url,
+        "api_url": api_url,
+        "local_mint": local_mint,
+        "max_connection_s": max_connection_s,
+    }
     return Asset(CONTENT_TYPES[".json"], json.dumps(config).encode())
 
 

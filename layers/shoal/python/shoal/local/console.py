@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from shoal.console import serve
+from shoal.console import MAX_CONNECTION_S, serve
 from shoal.local.gateway import LOOPBACK, HttpRequest, HttpResponse
 
 TOKEN_PATH = "/_shoal/token"  # noqa: S105 - a URL path, not a secret
@@ -53,14 +53,24 @@ def _filters(body: dict[str, Any], name: str) -> list[str]:
 class DevConsole:
     """What the gateway asks before its routes: a console file, the mint, or None."""
 
-    def __init__(self, *, ws_url: str, mint: Mint) -> None:
+    def __init__(
+        self, *, ws_url: str, mint: Mint, max_connection_s: float = MAX_CONNECTION_S
+    ) -> None:
         self.ws_url = ws_url
         self.mint = mint
+        #: the WebSocket server's whole-connection lifetime (a test may shorten it)
+        self.max_connection_s = max_connection_s
 
     def handle(self, request: HttpRequest) -> HttpResponse | None:
         if request.raw_path == TOKEN_PATH:
             return self._mint(request)
-        served = serve(request.method, request.raw_path, ws_url=self.ws_url, local_mint=True)
+        served = serve(
+            request.method,
+            request.raw_path,
+            ws_url=self.ws_url,
+            local_mint=True,
+            max_connection_s=self.max_connection_s,
+        )
         if served is None:
             return None
         return HttpResponse(served.status, served.headers, served.body)

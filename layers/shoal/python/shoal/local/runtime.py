@@ -371,7 +371,11 @@ class LocalRuntime:
             public_url=public,
             connections=websocket,
             invocations=self.functions.invocation_counts,
-            console=DevConsole(ws_url=self.ws_url, mint=self.mint_token),
+            console=DevConsole(
+                ws_url=self.ws_url,
+                mint=self.mint_token,
+                max_connection_s=websocket.limits.max_connection_s,
+            ),
         )
         IssuerSettings(self.issuer, options.audience).save(state)
 

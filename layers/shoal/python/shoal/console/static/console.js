@@ -8,13 +8,21 @@ const WS_KEY = "shoal.console.ws_url";
 const MAX_ROWS = 500;
 // API Gateway closes a WebSocket idle 10 minutes; a keepalive frame costs no function
 const KEEPALIVE_MS = 4 * 60 * 1000;
+// API Gateway closes every WebSocket at 2 hours (config.json's max_connection_s): the live
+// session moves to a new connection (a renew frame) between one and two times this before
+// (a quarter of the lifetime at most), as shoal.client does
+const RENEW_BEFORE_S = 5 * 60;
 
 const state = {
-  config: { ws_url: "", api_url: "", local_mint: false },
+  config: { ws_url: "", api_url: "", local_mint: false, max_connection_s: 7200 },
   token: null,
   claims: null,
   ws: null,
   keepalive: null,
+  renewal: null,
+  // the live session's client id and channel, which a renewal names
+  clientId: "",
+  channel: "",
   refs: new Map(),
   nextRef: 1,
   subscriptions: new Map(),
@@ -270,13 +278,17 @@ function show(view) {
 // --- live: the WebSocket session --------------------------------------------------------
 
 function send(frame) {
-  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) {
+  return sendOn(state.ws, frame);
+}
+
+function sendOn(ws, frame) {
+  if (!ws || ws.readyState !== WebSocket.OPEN) {
     return Promise.reject(new ApiError(0, "not_connected", "connect a session first"));
   }
   const ref = `c${state.nextRef++}`;
   return new Promise((resolve, reject) => {
     state.refs.set(ref, { resolve, reject });
-    state.ws.send(JSON.stringify({ ...frame, ref }));
+    ws.send(JSON.stringify({ ...frame, ref }));
   });
 }
 
@@ -287,16 +299,23 @@ function setConnected(connected, text) {
   $("subscribe").disabled = !connected;
 }
 
+function openSocket(url) {
+  // browsers cannot set Authorization on a WebSocket: the token is offered as a subprotocol
+  const ws = new WebSocket(url, ["shoal.v1", `bearer.${state.token}`]);
+  ws.addEventListener("message", (event) => onFrame(event.data));
+  return ws;
+}
+
 function connect(event) {
   event.preventDefault();
   say("connection-error", "");
+  say("renewed", "");
   closeSocket("reconnecting");
   const url = $("ws-url").value.trim();
   sessionStorage.setItem(WS_KEY, url);
   let ws;
   try {
-    // browsers cannot set Authorization on a WebSocket: the token is offered as a subprotocol
-    ws = new WebSocket(url, ["shoal.v1", `bearer.${state.token}`]);
+    ws = openSocket(url);
   } catch (exc) {
     say("connection-error", `invalid_url: ${exc.message}`);
     return;
@@ -315,31 +334,87 @@ function connect(event) {
     try {
       const answer = await send(frame);
       answered = true;
+      state.clientId = frame.client_id;
+      live(ws, url, answer);
       setConnected(true,
         `Connected as ${frame.client_id} (session present: ${answer.session_present}, receive maximum ${answer.receive_maximum})`);
-      state.keepalive = setInterval(() => {
-        if (ws.readyState === WebSocket.OPEN) ws.send('{"action":"keepalive"}');
-      }, KEEPALIVE_MS);
       $("filter").focus();
     } catch (exc) {
       say("connection-error", explain(exc));
       ws.close(1000);
     }
   });
-  ws.addEventListener("message", (event) => onFrame(event.data));
-  ws.addEventListener("close", (event) => {
-    if (state.ws !== ws) return;
-    clearInterval(state.keepalive);
-    state.ws = null;
-    for (const { reject } of state.refs.values()) reject(new ApiError(0, "connection_closed", "the connection closed"));
-    state.refs.clear();
-    setConnected(false, `Not connected (closed ${event.code}${event.reason ? `: ${event.reason}` : ""})`);
-    if (!answered && event.code === 1006 && !$("connection-error").textContent) {
-      // the browser tells a page nothing of a refused handshake (401, 403): only 1006
-      say("connection-error",
-        "handshake_failed (1006): the WebSocket API refused the handshake or cannot be reached — check the token and the URL.");
+  ws.addEventListener("close", (event) => closed(ws, event, answered));
+}
+
+// the connection holding the live session now: its keepalives, and its renewal before its end
+function live(ws, url, answer) {
+  state.channel = answer.channel || "";
+  clearInterval(state.keepalive);
+  clearTimeout(state.renewal);
+  state.keepalive = setInterval(() => {
+    if (ws.readyState === WebSocket.OPEN) ws.send('{"action":"keepalive"}');
+  }, KEEPALIVE_MS);
+  const lifetime = Number(state.config.max_connection_s) || 7200;
+  const before = Math.min(RENEW_BEFORE_S, lifetime / 4) * (1 + Math.random());
+  state.renewal = setTimeout(() => renew(ws, url), (lifetime - before) * 1000);
+}
+
+// make-before-break: the new connection's renew moves the live channel over (what is in flight
+// stays, no will); the old one is closed once that is answered, with no disconnect frame
+function renew(old, url) {
+  if (state.ws !== old) return;
+  let ws;
+  try {
+    ws = openSocket(url);
+  } catch (_exc) {
+    return; // the old connection serves until its end
+  }
+  ws.addEventListener("open", async () => {
+    let answer;
+    try {
+      answer = await sendOn(ws, { action: "renew", client_id: state.clientId, channel: state.channel });
+    } catch (exc) {
+      if (exc.code !== "renew_refused" || state.ws !== old) {
+        ws.close(1000);
+        return;
+      }
+      // the old connection lost the channel meanwhile: the session is resumed instead
+      try {
+        answer = await sendOn(ws, { action: "connect", client_id: state.clientId, clean_start: false,
+          session_expiry_s: Number($("session-expiry").value || 0),
+          receive_maximum: Number($("receive-maximum").value || 100) });
+      } catch (again) {
+        say("connection-error", explain(again));
+        ws.close(1000);
+        return;
+      }
     }
+    if (state.ws !== old) {
+      ws.close(1000);
+      return;
+    }
+    state.ws = ws;
+    live(ws, url, answer);
+    old.close(1000, "renewed");
+    say("renewed", `Connection renewed at ${new Date().toLocaleTimeString()}`);
   });
+  ws.addEventListener("close", (event) => closed(ws, event, true));
+}
+
+function closed(ws, event, answered) {
+  if (state.ws !== ws) return;
+  clearInterval(state.keepalive);
+  clearTimeout(state.renewal);
+  state.ws = null;
+  for (const { reject } of state.refs.values()) reject(new ApiError(0, "connection_closed", "the connection closed"));
+  state.refs.clear();
+  setConnected(false, `Not connected (closed ${event.code}${event.reason ? `: ${event.reason}` : ""})`);
+  if (!answered && event.code === 1006 && !$("connection-error").textContent) {
+    // the browser tells a page nothing of a refused handshake (401, 403): only 1006
+    say("connection-error",
+      "handshake_failed (1006): the WebSocket API refused the handshake or cannot be reached — check the token and the URL.");
+  }
 }
 
 function closeSocket(why) {
@@ -347,6 +422,7 @@ function closeSocket(why) {
   const ws = state.ws;
   state.ws = null;
   clearInterval(state.keepalive);
+  clearTimeout(state.renewal);
   if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ action: "disconnect" }));
   ws.close(1000, why);
   setConnected(false, "Not connected");

@@ -326,3 +326,50 @@ def test_a_validator_builds_its_map_once_an_update(
     assert len(built) == 1
     item = table.get_item(Key={"p": "b", "k": 3})["Item"]
     assert (item["a"], item["b"], item["c"]) == ("1", 2, [1, 1])
+
+
+def test_a_condition_is_lexed_once_and_each_call_gets_its_own_names_and_values(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto lexed a ConditionExpression from its text twice a call (``lex_conditions_once``):
+    the emulator keeps each text's tokens, and every call still resolves its own names and
+    values: the writes it allows go through, the ones it refuses are refused."""
+    from botocore.exceptions import ClientError
+    from moto.dynamodb.comparisons import ConditionExpressionParser
+
+    lexed: list[str] = []
+    original = ConditionExpressionParser._lex_one_node
+
+    def counting(self: Any, remaining: str) -> Any:
+        lexed.append(remaining)
+        return original(self, remaining)
+
+    monkeypatch.setattr(ConditionExpressionParser, "_lex_one_node", counting)
+    condition = "#v = :old AND (attribute_not_exists(#u) OR #u < :now)"
+    allowed = []
+    for k, old in ((1, "a1"), (3, "nope"), (5, "a5")):
+        try:
+            table.update_item(
+                Key={"p": "a", "k": k},
+                UpdateExpression="SET #u = :now",
+                ConditionExpression=condition,
+                ExpressionAttributeNames={"#v": "v", "#u": "until"},
+                ExpressionAttributeValues={":old": old, ":now": k},
+            )
+            allowed.append(k)
+        except ClientError as exc:
+            assert exc.response["Error"]["Code"] == "ConditionalCheckFailedException"
+    # the same text with other names: its own attribute, resolved for this call
+    with pytest.raises(ClientError):
+        table.update_item(
+            Key={"p": "a", "k": 1},
+            UpdateExpression="SET #u = :now",
+            ConditionExpression=condition,
+            ExpressionAttributeNames={"#v": "g", "#u": "until"},
+            ExpressionAttributeValues={":old": "a1", ":now": 9},
+        )
+    assert allowed == [1, 5]
+    assert lexed.count(condition) <= 1
+    items = {i["k"]: i for i in table.query(KeyConditionExpression=Key("p").eq("a"))["Items"]}
+    assert (items[1]["until"], items[5]["until"]) == (1, 5)
+    assert "until" not in items[3]

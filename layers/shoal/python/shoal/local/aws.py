@@ -38,6 +38,7 @@ import boto3
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_dynamodb import (
     cache_action_names,
+    lex_conditions_once,
     parse_update_expressions_once,
     query_one_partition,
     roll_back_transactions_by_item,
@@ -231,6 +232,7 @@ def adapt_moto() -> None:
     cache_action_names()
     parse_update_expressions_once()
     traverse_with_fixed_maps()
+    lex_conditions_once()
 
 
 def detach_moto_lambda_triggers() -> None:

@@ -356,6 +356,36 @@ def parse_update_expressions_once() -> None:
     parser.make = classmethod(once)
 
 
+def lex_conditions_once() -> None:
+    """Tokenize each distinct ``ConditionExpression`` text once.
+
+    moto lexes a condition from its text by trying six regular expressions at every token,
+    twice an UpdateItem (the response layer's check, then the backend's): profiled on the push
+    lease's update, a ninth of the call. The tokens depend on the text alone and are tuples
+    that no later step changes (each step makes new nodes), so every parse gets a fresh deque
+    of the same tokens; names and values are resolved afterwards, per call, as before. A text
+    that does not lex raises as before (an error is not kept).
+    """
+    from collections import deque
+
+    from moto.dynamodb.comparisons import ConditionExpressionParser
+
+    if getattr(ConditionExpressionParser._lex_condition_expression, "_once", False):
+        return
+    lex = ConditionExpressionParser._lex_condition_expression
+
+    @functools.lru_cache(maxsize=1024)
+    def tokens(expression: str) -> tuple[Any, ...]:
+        parser = ConditionExpressionParser(expression, None, None)
+        return tuple(lex(parser))
+
+    def once(self: Any) -> Any:
+        return deque(tokens(self.condition_expression))
+
+    once._once = True  # type: ignore[attr-defined]
+    ConditionExpressionParser._lex_condition_expression = once
+
+
 def traverse_with_fixed_maps() -> None:
     """Build each validator's map of node types to processors once, not at every node.
 

@@ -76,9 +76,8 @@ class Journal:
             _fsync_dir(path.parent)
         self._load()
         os.lseek(self._fd, 0, os.SEEK_END)
-        self.next_seq = self.records[-1].seq + 1 if self.records else 0
         #: the last record staged (applied, in order), and the last one on disk
-        self.staged_seq = self.next_seq - 1
+        self.staged_seq = self.records[-1].seq if self.records else -1
         self.durable_seq = self.staged_seq
         self._staged: list[bytes] = []
         self._writing = False
@@ -109,13 +108,17 @@ class Journal:
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number of the next record."""
+        return self.staged_seq + 1
+
     def stage(self, record: JournalRecord) -> None:
         """Queue one applied record for the disk (under the backend lock, in apply order)."""
         data = record.encode()
         with self._turn:
             self._staged.append(data)
             self.staged_seq = record.seq
-        self.next_seq = record.seq + 1
 
     def wait_durable(self, seq: int) -> None:
         """Returns once every record up to ``seq`` is on disk, writing them if no other

@@ -306,6 +306,17 @@ function openSocket(url) {
   return ws;
 }
 
+// the connect frame (MQTT's CONNECT) with the form's session expiry and receive maximum
+function connectFrame(clientId, cleanStart) {
+  return {
+    action: "connect",
+    client_id: clientId,
+    clean_start: cleanStart,
+    session_expiry_s: Number($("session-expiry").value || 0),
+    receive_maximum: Number($("receive-maximum").value || 100),
+  };
+}
+
 function connect(event) {
   event.preventDefault();
   say("connection-error", "");
@@ -324,13 +335,7 @@ function connect(event) {
   let answered = false;
   setConnected(true, `Connecting to ${url} …`);
   ws.addEventListener("open", async () => {
-    const frame = {
-      action: "connect",
-      client_id: $("client-id").value.trim(),
-      clean_start: $("clean-start").checked,
-      session_expiry_s: Number($("session-expiry").value || 0),
-      receive_maximum: Number($("receive-maximum").value || 100),
-    };
+    const frame = connectFrame($("client-id").value.trim(), $("clean-start").checked);
     try {
       const answer = await send(frame);
       answered = true;
@@ -381,9 +386,7 @@ function renew(old, url) {
       }
       // the old connection lost the channel meanwhile: the session is resumed instead
       try {
-        answer = await sendOn(ws, { action: "connect", client_id: state.clientId, clean_start: false,
-          session_expiry_s: Number($("session-expiry").value || 0),
-          receive_maximum: Number($("receive-maximum").value || 100) });
+        answer = await sendOn(ws, connectFrame(state.clientId, false));
       } catch (again) {
         say("connection-error", explain(again));
         ws.close(1000);

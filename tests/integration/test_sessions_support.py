@@ -18,6 +18,7 @@ from shoal import wiring
 from shoal.core.clock import ManualClock
 from shoal.core.config import get_config
 from shoal.core.errors import ShoalError
+from shoal.local.aws import adapt_moto
 from shoal.local.provision import LocalNames
 from shoal.local.serialize import serialized_moto
 from shoal.sessions.model import RegistryView, Version, WillMessage
@@ -161,6 +162,9 @@ def account() -> Iterator[boto3.Session]:
         for key, value in names.environment().items():
             patch.setenv(key, value)
         get_config.cache_clear()
+        # as the ``aws`` fixture: moto's own delivery of stream records needs Docker, and
+        # which module first made an account must not decide whether a publish works
+        adapt_moto()
         with mock_aws(), serialized_moto():
             session = boto3.Session(region_name="us-east-1")
             provision_account(session, names)

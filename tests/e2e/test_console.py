@@ -423,8 +423,18 @@ def test_the_live_session_moves_to_a_new_connection_before_the_api_closes_it(
     told 12 s here): before then the page moves its live session to a new connection, make
     before break, as ``shoal.client`` does. The channel and what is in flight carry over: a
     message delivered before the renewal is acked by hand after it, and one published after it
-    arrives on the new connection, which alone holds the session."""
+    arrives on the new connection, which alone holds the session. An ack sent on the old
+    connection and never answered (here it is lost on the way) is sent again on the new one:
+    the message is acked, not delivered again with ``dup``."""
     context = browser.new_context(viewport={"width": 1280, "height": 800})
+    # the frames of ``window.lostAcksOn``'s connection that ack are lost on the way
+    context.add_init_script(
+        """const send = WebSocket.prototype.send;
+        WebSocket.prototype.send = function (data) {
+          if (window.lostAcksOn === this && String(data).includes('"action":"ack"')) return;
+          return send.call(this, data);
+        };"""
+    )
 
     def short_lifetime(route: Route) -> None:
         served = route.fetch()
@@ -448,6 +458,14 @@ def test_the_live_session_moves_to_a_new_connection_before_the_api_closes_it(
         ack = page.get_by_role("button", name="Ack the message on sensors/cons-renew/a")
         expect(ack).to_be_visible(timeout=WAIT_MS)
         (before,) = connection_ids(shared_dev, client_id)
+        # and one acked before the renewal whose ack frame is lost
+        publish(shared_dev, "sensors/cons-renew/lost", text="lost ack")
+        lost = page.get_by_role("button", name="Ack the message on sensors/cons-renew/lost")
+        expect(lost).to_be_visible(timeout=WAIT_MS)
+        page.evaluate("() => { window.lostAcksOn = state.ws; }")
+        lost.click()
+        lost_row = page.locator("#messages tbody tr", has_text="sensors/cons-renew/lost")
+        expect(lost_row.locator("td.ack")).to_have_text("acking…")
         # When the connection nears its end (renewed 6 to 9 s after the connect)
         expect(page.locator("#renewed")).to_contain_text("Connection renewed", timeout=30_000)
         # Then one connection holds the session, a new one, and the page stays connected
@@ -458,6 +476,8 @@ def test_the_live_session_moves_to_a_new_connection_before_the_api_closes_it(
             time.sleep(0.2)
         assert len(held) == 1 and held[0] != before, (before, held)
         expect(page.locator("#connection")).to_have_text(re.compile("^Connected as"))
+        # the lost ack went again over the new connection, answered there
+        expect(lost_row.locator("td.ack")).to_have_text("acked", timeout=WAIT_MS)
         # the delivery made before the renewal is acked over the new connection
         ack.click()
         row = page.locator("#messages tbody tr", has_text="sensors/cons-renew/a")
@@ -467,6 +487,12 @@ def test_the_live_session_moves_to_a_new_connection_before_the_api_closes_it(
         rows = page.locator("#messages tbody tr", has_text="sensors/cons-renew/b")
         expect(rows).to_have_count(1, timeout=WAIT_MS)
         expect(page.locator("#connection-error")).to_have_text("")
+        page.get_by_role("button", name="Ack the message on sensors/cons-renew/b").click()
+        expect(rows.locator("td.ack")).to_have_text("acked", timeout=WAIT_MS)
+        # nothing is left in flight: the lost ack's message will not come again with dup
+        status, view = shared_dev.request("GET", f"/v1/sessions/{client_id}", token=jwt)
+        assert status == 200 and view["in_flight"] == 0, (status, view)
+        expect(lost_row).to_have_count(1)
     finally:
         context.close()
     assert errors == [], errors

@@ -287,9 +287,25 @@ function sendOn(ws, frame) {
   }
   const ref = `c${state.nextRef++}`;
   return new Promise((resolve, reject) => {
-    state.refs.set(ref, { resolve, reject });
+    state.refs.set(ref, { resolve, reject, ws, frame });
     ws.send(JSON.stringify({ ...frame, ref }));
   });
+}
+
+// a renewal closes the old connection: what was sent on it and not answered yet would wait
+// forever (its answer goes to a closed connection). An ack is sent again on the new one (an
+// ack of an id already acked acks nothing: it is safe twice), so a message acked just before
+// the renewal is not delivered again with dup; anything else is refused, to be tried again.
+function carryOver(old, ws) {
+  for (const [ref, waiting] of state.refs) {
+    if (waiting.ws !== old) continue;
+    state.refs.delete(ref);
+    if (waiting.frame.action === "ack") {
+      sendOn(ws, waiting.frame).then(waiting.resolve, waiting.reject);
+    } else {
+      waiting.reject(new ApiError(0, "connection_renewed", "the connection was renewed before the answer came; try again"));
+    }
+  }
 }
 
 function setConnected(connected, text) {
@@ -399,6 +415,7 @@ function renew(old, url) {
     }
     state.ws = ws;
     live(ws, url, answer);
+    carryOver(old, ws);
     old.close(1000, "renewed");
     say("renewed", `Connection renewed at ${new Date().toLocaleTimeString()}`);
   });

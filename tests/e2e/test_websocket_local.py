@@ -24,7 +24,7 @@ from botocore.exceptions import ClientError
 from shoal.core.clock import SystemClock
 from shoal.core.config import Config
 from shoal.local.authorizer import JwtAuthorizer
-from shoal.local.gateway import Gateway, GatewayServer, RouteTable
+from shoal.local.gateway import Gateway, GatewayServer, RouteTable, in_process_connections
 from shoal.local.provision import LocalNames
 from shoal.local.runtime import DevOptions, Functions, LocalRuntime
 from shoal.local.websocket import WebSocketServer, WsLimits
@@ -48,7 +48,8 @@ class Edge:
         return self.websocket.url
 
     def management(self) -> Any:
-        return boto3.client(
+        # a session of its own: an in-process endpoint installed meanwhile reaches new sessions
+        return boto3.session.Session().client(
             "apigatewaymanagementapi",
             endpoint_url=self.gateway.url,
             region_name="us-east-1",
@@ -424,7 +425,32 @@ def test_a_client_close_runs_disconnect_with_its_code(edge: Edge) -> None:
     assert context["authorizer"]["principalId"] == "alice"
 
 
-def test_connections_api_posts_gets_and_deletes(edge: Edge) -> None:
+@pytest.fixture(params=["http", "in-process"])
+def over(request: pytest.FixtureRequest, edge: Edge) -> Iterator[tuple[str, list[str]]]:
+    """How the management calls reach the gateway: over HTTP, or (as under ``shoal dev``, for
+    the functions of its own process) handed to it in-process. The paths the gateway's HTTP
+    server was asked for are listed."""
+    served: list[str] = []
+    gateway = edge.gateway.gateway
+    assert isinstance(gateway, Gateway)
+    handle = gateway.handle
+
+    def counted(request: Any) -> Any:
+        served.append(request.raw_path)
+        return handle(request)
+
+    gateway.handle = counted  # type: ignore[method-assign]
+    endpoint = in_process_connections(edge.gateway.url, gateway)
+    if request.param == "in-process":
+        endpoint.install()
+    try:
+        yield request.param, served
+    finally:
+        endpoint.uninstall()
+        del gateway.handle
+
+
+def test_connections_api_posts_gets_and_deletes(edge: Edge, over: tuple[str, list[str]]) -> None:
     client = edge.management()
 
     async def scenario() -> tuple[str, Any, Any, ConnectionClosed]:
@@ -468,6 +494,30 @@ def test_connections_api_posts_gets_and_deletes(edge: Edge) -> None:
             call()
         assert gone.value.response["Error"]["Code"] == "GoneException"
         assert gone.value.response["ResponseMetadata"]["HTTPStatusCode"] == 410
+    # the same answers, whichever way they came: in-process, none reached the HTTP server
+    mode, served = over
+    calls = [p for p in served if p.startswith("/@connections/")]
+    assert len(calls) == (0 if mode == "in-process" else 6), (mode, served)
+
+
+def test_posted_frames_arrive_in_the_order_posted(edge: Edge, over: tuple[str, list[str]]) -> None:
+    """A POST is answered once the frame is taken, before it is sent (as API Gateway's): the
+    frames one caller posts still reach the client in its order."""
+    client = edge.management()
+    frames = 200
+
+    async def scenario() -> list[int]:
+        async with open_ws(edge) as ws:
+            connection_id = await whoami(ws)
+
+            def post_all() -> None:
+                for n in range(frames):
+                    client.post_to_connection(ConnectionId=connection_id, Data=str(n).encode())
+
+            await asyncio.get_running_loop().run_in_executor(None, post_all)
+            return [int(await ws.recv()) for _ in range(frames)]
+
+    assert run(scenario()) == list(range(frames))
 
 
 def test_connections_api_refuses_a_frame_over_128kb(edge: Edge) -> None:

@@ -41,6 +41,7 @@ from shoal.local.authorizer import (
     unauthorized_header,
 )
 from shoal.local.provision import ACCOUNT_ID
+from shoal.local.transport import Answer, InProcessEndpoint
 
 log = logging.getLogger("shoal-dev.gateway")
 
@@ -377,11 +378,9 @@ class Gateway:
             and request.source_ip in LOOPBACK
         ):
             return HttpResponse.json(200, dict(self.invocations()))
-        if self.connections is not None and request.raw_path.startswith(CONNECTIONS_PATH):
-            connection_id = unquote(request.raw_path[len(CONNECTIONS_PATH) :])
-            if not connection_id or "/" in connection_id:
-                return HttpResponse.json(404, {"message": "Not Found"})
-            return self.connections.manage(request.method, connection_id, request.body)
+        managed = self.manage_connection(request.method, request.raw_path, request.body)
+        if managed is not None:
+            return managed
         if self.console is not None and (answer := self.console.handle(request)) is not None:
             return answer
         if len(request.body) > MAX_REQUEST_BYTES:
@@ -413,6 +412,17 @@ class Gateway:
             response = to_http_response(result)
         response.headers.append(("apigw-requestid", request_id))
         return response
+
+    def manage_connection(self, method: str, raw_path: str, body: bytes) -> HttpResponse | None:
+        """The answer of the WebSocket API's ``@connections`` to a request for ``raw_path``;
+        None when the path is not one of its own. Over HTTP and in-process alike
+        (``shoal.local.transport.InProcessEndpoint``)."""
+        if self.connections is None or not raw_path.startswith(CONNECTIONS_PATH):
+            return None
+        connection_id = unquote(raw_path[len(CONNECTIONS_PATH) :])
+        if not connection_id or "/" in connection_id:
+            return HttpResponse.json(404, {"message": "Not Found"})
+        return self.connections.manage(method, connection_id, body)
 
     def _identity_provider(self, path: str) -> HttpResponse:
         if path == JWKS_PATH:
@@ -723,3 +733,14 @@ class GatewayServer:
             self._thread.join(timeout=10)
             self._thread = None
         self._server.server_close()
+
+
+def in_process_connections(url: str, gateway: Gateway) -> InProcessEndpoint:
+    """``gateway``'s ``@connections`` for this process's SDK calls to ``url`` (the functions'
+    pushes under ``shoal dev``), answered without the socket; not installed yet."""
+
+    def respond(method: str, raw_path: str, body: bytes) -> Answer | None:
+        answer = gateway.manage_connection(method, raw_path, body)
+        return None if answer is None else (answer.status, answer.headers, answer.body)
+
+    return InProcessEndpoint(url, respond)

@@ -43,9 +43,16 @@ from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.console import DevConsole
 from shoal.local.context import REGION, LambdaContext
 from shoal.local.esm.mappings import EventSourceMappings
-from shoal.local.gateway import JWKS_PATH, Gateway, GatewayServer, RouteTable
+from shoal.local.gateway import (
+    JWKS_PATH,
+    Gateway,
+    GatewayServer,
+    RouteTable,
+    in_process_connections,
+)
 from shoal.local.provision import LocalNames, provision, provision_mappings
 from shoal.local.scheduler import Scheduler, schedules_for
+from shoal.local.transport import InProcessEndpoint
 from shoal.local.websocket import WebSocketServer, WsLimits
 
 log = logging.getLogger("shoal-dev.runtime")
@@ -297,6 +304,8 @@ class LocalRuntime:
         self.aws: EmbeddedAws | None = None
         self.gateway: GatewayServer | None = None
         self.websocket: WebSocketServer | None = None
+        #: the functions' ``@connections`` calls, answered by the gateway in this process
+        self._connections: InProcessEndpoint | None = None
         self.functions = Functions(deployment, self.names)
         self.key: SigningKey | None = None
         self.issuer = ""
@@ -378,6 +387,9 @@ class LocalRuntime:
             ),
         )
         IssuerSettings(self.issuer, options.audience).save(state)
+        # before any function runs: every push of this process skips the socket
+        self._connections = in_process_connections(public, server.gateway)
+        self._connections.install()
 
         self.functions.warm()
         if options.triggers:
@@ -410,6 +422,9 @@ class LocalRuntime:
     def stop(self) -> None:
         """Stop serving, then the triggers, then the emulator; safe to call more than once."""
         started = time.monotonic()
+        if self._connections is not None:
+            self._connections.uninstall()
+            self._connections = None
         if self.websocket is not None:
             # first: closing its connections runs $disconnect, which needs the account
             self.websocket.stop()

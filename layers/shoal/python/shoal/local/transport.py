@@ -139,15 +139,13 @@ def call_wsgi(app: WsgiApp, environ: dict[str, Any]) -> tuple[str, list[tuple[st
     return str(captured["status"]), captured["headers"], payload
 
 
-class InProcessTransport:
-    """Answers the SDK requests addressed to ``url`` by calling ``app`` in this process."""
+class _InProcess:
+    """A ``before-send`` handler answering the SDK requests addressed to ``url`` in this
+    process (``answer``); None from ``answer``: the request goes to the socket as usual."""
 
-    def __init__(self, url: str, app: WsgiApp) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        self.app = app
         self.calls = 0
-        #: of those, the calls handed to moto's handler without Flask (``serve_in_process``)
-        self.handed = 0
         self.closed = False
 
     def __call__(self, request: AWSPreparedRequest, **_: Any) -> AWSResponse | None:
@@ -155,22 +153,21 @@ class InProcessTransport:
             # another endpoint, or a stopped emulator (its clients then meet a closed port,
             # as over HTTP): botocore sends it as usual
             return None
-        direct = getattr(self.app, "serve_in_process", None)
         try:
-            answer = direct(request) if direct is not None else None
-            if answer is None:
-                status_line, pairs, payload = call_wsgi(self.app, environ_for(request))
-                status = int(status_line.split(" ", 1)[0])
-            else:
-                status, pairs, payload = answer
-                self.handed += 1
+            answer = self.answer(request)
         except Exception:
             # over HTTP the server would log it and answer 500; the caller sees the same
-            log.exception("emulator: a request failed in-process")
-            status, pairs, payload = 500, [], _SERVER_ERROR
+            log.exception("shoal dev: a request failed in-process")
+            answer = 500, [], _SERVER_ERROR
+        if answer is None:
+            return None
+        status, pairs, payload = answer
         self.calls += 1
         headers = HTTPHeaders.from_pairs(pairs)
         return AWSResponse(request.url, status, headers, _Body(payload))
+
+    def answer(self, request: AWSPreparedRequest) -> Answer | None:
+        raise NotImplementedError
 
     def answers(self, url: str) -> bool:
         return not self.closed and (url == self.url or url.startswith(self.url + "/"))
@@ -184,8 +181,6 @@ class InProcessTransport:
         if entry not in handlers.BUILTIN_HANDLERS:
             handlers.BUILTIN_HANDLERS.append(entry)
         _OPEN.append(self)
-        _sign_in_process_cheaply()
-        _keep_user_agent_parts()
 
     def uninstall(self) -> None:
         # sessions made meanwhile keep the handler: closed, it lets their calls go to the socket
@@ -197,8 +192,52 @@ class InProcessTransport:
             handlers.BUILTIN_HANDLERS.remove(entry)
 
 
+#: an answer: status, headers, body
+Answer = tuple[int, list[tuple[str, str]], bytes]
+
+
+class InProcessTransport(_InProcess):
+    """Answers the SDK requests addressed to ``url`` by calling ``app`` in this process."""
+
+    def __init__(self, url: str, app: WsgiApp) -> None:
+        super().__init__(url)
+        self.app = app
+        #: of the calls, those handed to moto's handler without Flask (``serve_in_process``)
+        self.handed = 0
+
+    def answer(self, request: AWSPreparedRequest) -> Answer:
+        direct = getattr(self.app, "serve_in_process", None)
+        answer = direct(request) if direct is not None else None
+        if answer is not None:
+            self.handed += 1
+            return answer
+        status_line, pairs, payload = call_wsgi(self.app, environ_for(request))
+        return int(status_line.split(" ", 1)[0]), pairs, payload
+
+    def install(self) -> None:
+        super().install()
+        _sign_in_process_cheaply()
+        _keep_user_agent_parts()
+
+
+class InProcessEndpoint(_InProcess):
+    """Answers the SDK requests to ``url`` that ``respond`` (method, raw path, body) answers,
+    in this process: ``shoal dev``'s ``@connections``, which the functions' pushes call once a
+    frame. Over loopback each POST was a connection's request parsed by a server thread, about
+    10 ms of the process's time under load (a router's wave of 10 posts took 50-120 ms);
+    in-process it is the gateway's own answer, the same one a request over HTTP gets."""
+
+    def __init__(self, url: str, respond: Callable[[str, str, bytes], Answer | None]) -> None:
+        super().__init__(url)
+        self.respond = respond
+
+    def answer(self, request: AWSPreparedRequest) -> Answer | None:
+        url = urlsplit(request.url)
+        return self.respond(request.method, url.path, _request_body(request))
+
+
 #: the transports answering in this process now (a test may start and stop several)
-_OPEN: list[InProcessTransport] = []
+_OPEN: list[_InProcess] = []
 
 
 def json_target(request: Any) -> str | None:
@@ -219,7 +258,10 @@ def _sign_in_process_cheaply() -> None:
     sign = botocore.auth.SigV4Auth.add_auth
 
     def add_auth(auth: botocore.auth.SigV4Auth, request: Any) -> None:
-        if not (json_target(request) and any(t.answers(request.url) for t in list(_OPEN))):
+        if not (
+            json_target(request)
+            and any(isinstance(t, InProcessTransport) and t.answers(request.url) for t in _OPEN)
+        ):
             sign(auth, request)
             return
         if auth.credentials is None:

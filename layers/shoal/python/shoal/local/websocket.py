@@ -279,6 +279,8 @@ class WebSocketServer:
         self._connections: dict[str, _Connection] = {}
         #: closes under way (the loop keeps only weak references to its tasks)
         self._closing: set[asyncio.Task[None]] = set()
+        #: frames posted through @connections, being sent (held: the loop keeps weak references)
+        self._sending: set[asyncio.Task[None]] = set()
         self.method_arn = (
             f"arn:aws:execute-api:{REGION}:{ACCOUNT_ID}:{API_ID}/{self.websocket.stage}/{CONNECT}"
         )
@@ -693,7 +695,9 @@ class WebSocketServer:
         loop = self._loop
         if loop is None or loop.is_closed():
             return _gone()
-        coroutine = self._manage(method.upper(), connection_id, body)
+        if method.upper() == "POST":
+            return self._post(loop, connection_id, body)
+        coroutine = self._manage(method.upper(), connection_id)
         try:
             return asyncio.run_coroutine_threadsafe(coroutine, loop).result(MANAGEMENT_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -702,17 +706,47 @@ class WebSocketServer:
             coroutine.close()
             return _gone()
 
-    async def _manage(self, method: str, connection_id: str, body: bytes) -> HttpResponse:
+    def _post(
+        self, loop: asyncio.AbstractEventLoop, connection_id: str, body: bytes
+    ) -> HttpResponse:
+        """A frame for the connection: answered at once, as API Gateway answers a POST once it
+        took the frame, not once the client has it. The frame is queued on the event loop, in
+        the order posted. Waiting for the loop to send it made each POST a hand-over between
+        threads: under load, 5-15 ms a frame, and a router's wave of 10 frames 50-180 ms."""
+        if len(body) > self.limits.max_message_bytes:
+            return _too_long()
         conn = self._connections.get(connection_id)
-        if method not in ("POST", "GET", "DELETE"):
+        if conn is None or conn.gone or conn.ws is None:
+            return _gone()
+        try:
+            payload: str | bytes = body.decode("utf-8")
+        except UnicodeDecodeError:
+            payload = body
+        try:
+            loop.call_soon_threadsafe(self._queue_frame, conn, payload)
+        except RuntimeError:  # the loop closed meanwhile
+            return _gone()
+        return HttpResponse(200, [], b"")
+
+    def _queue_frame(self, conn: _Connection, payload: str | bytes) -> None:
+        # one task a frame, made in the order posted: each writes its frame in its first step
+        assert self._loop is not None
+        task = self._loop.create_task(self._send_posted(conn, payload))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send_posted(self, conn: _Connection, payload: str | bytes) -> None:
+        if conn.gone or conn.ws is None:
+            return  # closed after the POST was answered: lost, as on AWS
+        with contextlib.suppress(ConnectionClosed):
+            await conn.ws.send(payload)
+
+    async def _manage(self, method: str, connection_id: str) -> HttpResponse:
+        """GET and DELETE (and any other method, refused), on the loop; POST is ``_post``."""
+        conn = self._connections.get(connection_id)
+        if method not in ("GET", "DELETE"):
             return HttpResponse.json(
                 405, {"message": "Method Not Allowed"}, [("Allow", "DELETE, GET, POST")]
-            )
-        if method == "POST" and len(body) > self.limits.max_message_bytes:
-            return HttpResponse.json(
-                400,
-                {"message": "Message too long"},
-                [("x-amzn-ErrorType", "PayloadTooLargeException")],
             )
         if conn is None or conn.gone or conn.ws is None:
             return _gone()
@@ -725,20 +759,14 @@ class WebSocketServer:
                     "lastActiveAt": _iso(conn.last_active_ms),
                 },
             )
-        if method == "DELETE":
-            self._close(conn, DELETED)
-            return HttpResponse(204, [], b"")
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            payload: str | bytes = body
-        else:
-            payload = text
-        try:
-            await conn.ws.send(payload)
-        except ConnectionClosed:
-            return _gone()
-        return HttpResponse(200, [], b"")
+        self._close(conn, DELETED)
+        return HttpResponse(204, [], b"")
+
+
+def _too_long() -> HttpResponse:
+    return HttpResponse.json(
+        400, {"message": "Message too long"}, [("x-amzn-ErrorType", "PayloadTooLargeException")]
+    )
 
 
 def _gone() -> HttpResponse:

@@ -1414,11 +1414,12 @@ def _all_lanes(edge: Edge) -> list[str]:
     return sorted(loaded.state.streams)
 
 
-def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
+def test_an_ack_frame_reads_its_sessions_head_state_and_push_mark_in_one_call(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A connection knows its session: an ``ack`` frame reads the session's head and delivery
-    state together (one batch read), and a stale state read that way costs only a read again."""
+    """A connection knows its session: an ``ack`` frame reads the session's head, delivery
+    state and push mark (whether a push left deliveries behind) together, in one batch read,
+    and a stale state read that way costs only a read again."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     for n in range(2):
@@ -1435,21 +1436,23 @@ def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
     monkeypatch.setattr(Dynamo, "call", recording)
     edge.send("c1", {"action": "ack", "ids": [first["id"]], "ref": "a1"})
     keys = [r.get("Key", {}) for op, r in calls if op == "get_item"]
-    assert not [k for k in keys if k.get("item") == {"S": "head"}]
-    assert not [k for k in keys if k.get("position") == {"S": STATE}]
-    assert [op for op, _ in calls].count("batch_get_item") == 1
+    # the one item read alone is the connection's, which names the session
+    assert keys == [{"key": {"S": "conn#c1"}}]
+    [batch] = [r for op, r in calls if op == "batch_get_item"]
+    assert sorted(len(part["Keys"]) for part in batch["RequestItems"].values()) == [1, 1, 1]
+    assert edge.api.sent["c1"][-1] == {"action": "acked", "ref": "a1", "acked": 1}
     # a state that moved after the read: the write fails, the ack reads again and lands
     service = edge.service.delivery
-    real_read = service.read_sessions
+    real_read = service.read_session_with
 
-    def stale_read(sessions: Any) -> Any:
-        read = real_read(list(sessions))
-        monkeypatch.setattr(service, "read_sessions", real_read)
+    def stale_read(*args: Any) -> Any:
+        read = real_read(*args)
+        monkeypatch.setattr(service, "read_session_with", real_read)
         edge.world.publish("a/b", "m2")
         edge.world.route()  # its push hands m2 out: a new state version
         return read
 
-    monkeypatch.setattr(service, "read_sessions", stale_read)
+    monkeypatch.setattr(service, "read_session_with", stale_read)
     assert edge.send("c1", {"action": "ack", "ids": [second["id"]], "ref": "a2"}) is None
     answers = [f for f in edge.api.sent["c1"] if f.get("action") == "acked"]
     assert [a["acked"] for a in answers] == [1, 1]

@@ -167,20 +167,42 @@ class DeliveryService:
         """The heads and delivery states of ``sessions`` (client id, session id), strongly
         consistent, in one batch read for up to 50 sessions (not two reads each), by session
         id: what a router's push to the sessions a batch wrote to starts from."""
-        pairs = sorted(set(sessions))
+        return self._read_sessions(sorted(set(sessions)))[0]
+
+    def read_session_with(
+        self, client_id: str, session_id: str, table: str, key: Mapping[str, Any]
+    ) -> tuple[SessionRead, dict[str, Any] | None]:
+        """``read_sessions`` of one session, and the item at ``key`` of another ``table`` in
+        the same call (None: there is none): an ack frame's head, state and push mark."""
+        reads, others = self._read_sessions([(client_id, session_id)], (table, key))
+        return reads[session_id], others[0] if others else None
+
+    def _read_sessions(
+        self,
+        pairs: list[tuple[str, str]],
+        other: tuple[str, Mapping[str, Any]] | None = None,
+    ) -> tuple[dict[str, SessionRead], list[dict[str, Any]]]:
         if not pairs:
-            return {}
+            return {}, []
         repository = self.registry.repository
-        keys = [(repository.table, repository.head_key(c)) for c, _ in pairs]
+        keys: list[tuple[str, Mapping[str, Any]]] = [
+            (repository.table, repository.head_key(c)) for c, _ in pairs
+        ]
         keys += [(self.inbox.table, self.inbox.state_key(s)) for _, s in pairs]
+        if other is not None:
+            keys.append(other)
         heads: dict[str, Head] = {}
         states: dict[str, DeliveryState] = {}
+        others: list[dict[str, Any]] = []
         for table, row in self.inbox.dynamo.batch_get_tables(keys, consistent=True):
             if table == self.inbox.table:
                 states[str(row["inbox"])] = DeliveryState.from_record(row)
-            else:
+            elif table == repository.table:
                 heads[str(row["client_id"])] = repository.head_of(row)
-        return {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
+            else:
+                others.append(row)
+        reads = {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
+        return reads, others
 
     def get(
         self,

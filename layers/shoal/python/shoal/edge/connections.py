@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,6 +335,15 @@ class ConnectionStore:
             ProjectionExpression="#p, #o, #u",
             ExpressionAttributeNames={"#p": "pushing", "#o": "lease_owner", "#u": "lease_until"},
         )
+        return self.unfinished_as_read(raw)
+
+    def session_key(self, session_id: str) -> tuple[str, dict[str, str]]:
+        """The table and key of the session's item, for a caller's batch read of several
+        tables (an ack frame's: ``unfinished_as_read`` then needs no read of its own)."""
+        return self.table, {"key": SESSION + session_id}
+
+    def unfinished_as_read(self, raw: Mapping[str, Any] | None) -> bool:
+        """``unfinished`` of the session's item as read (None: there is none)."""
         if not raw:
             return False
         until = raw.get("lease_until")

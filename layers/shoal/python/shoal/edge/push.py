@@ -320,17 +320,22 @@ class Pusher:
             logger.info("push read failed", extra={"error_type": type(exc).__name__})
             return {}
 
-    def after_ack(self, connection: Connection, opened: bool) -> int:
+    def after_ack(
+        self, connection: Connection, opened: bool, *, unfinished: bool | None = None
+    ) -> int:
         """The push an ack makes: when it opened room for deliveries that wait (``opened``,
         ``DeliveryService.ack_opening``), or a push may have left deliveries behind (it
         stopped early, or died holding the lease: ``ConnectionStore.unfinished``).
         Otherwise every delivery there is went out already, or a live holder is handing it
         out, and a push would take and give back the lease to find nothing (two writes and
         three or four reads), or send the holder round once more for nothing; what comes due
-        for redelivery meanwhile is the sweep's. The frames pushed."""
-        if opened or self.connections.unfinished(connection.session_id):
+        for redelivery meanwhile is the sweep's. The frames pushed. ``unfinished``: as the
+        caller read it already (``ConnectionStore.unfinished_as_read``), not read again."""
+        if opened:
             return self.push(connection)
-        return 0
+        if unfinished is None:
+            unfinished = self.connections.unfinished(connection.session_id)
+        return self.push(connection) if unfinished else 0
 
     def push(
         self,

@@ -198,22 +198,29 @@ class EdgeService:
             _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
             return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
         if isinstance(frame, AckFrame):
-            # the connection knows its session: its head and state in one read, not two
-            known = self.delivery.read_sessions([(connection.client_id, connection.session_id)])
-            answer, opened = self.delivery.ack_opening(
-                who,
+            # the connection knows its session: its head, its state and its push mark (whether
+            # a push left deliveries behind) in one read, not three
+            known, mark = self.delivery.read_session_with(
                 connection.client_id,
-                connection.channel,
-                frame,
-                connection.window,
-                known=known.get(connection.session_id),
+                connection.session_id,
+                *self.connections.session_key(connection.session_id),
             )
+            answer, opened = self.delivery.ack_opening(
+                who, connection.client_id, connection.channel, frame, connection.window, known=known
+            )
+            # read before the ack's write, not after: a push that stops early in between marks
+            # the session after this read, as it could after a read made later; the next ack,
+            # the sweep or a message pushes what it left
+            unfinished = self.connections.unfinished_as_read(mark)
             if frame.ref is None:
                 # nothing asked back: the freed window is filled at once
-                self.pusher.after_ack(connection, opened)
+                self.pusher.after_ack(connection, opened, unfinished=unfinished)
                 return Answer()
             return self._post_then_push(
-                connection, encode(AckedFrame(ref=frame.ref, **answer)), opened=opened
+                connection,
+                encode(AckedFrame(ref=frame.ref, **answer)),
+                opened=opened,
+                unfinished=unfinished,
             )
         if isinstance(frame, DisconnectFrame):
             return self._disconnect(connection, who, frame)
@@ -342,6 +349,7 @@ class EdgeService:
         answer: str,
         *,
         opened: bool | None = None,
+        unfinished: bool | None = None,
         held_by: str | None = None,
     ) -> Answer:
         """Posts the answer, then pushes what the session has waiting; the route response is
@@ -368,7 +376,7 @@ class EdgeService:
             self.pusher.push(connection)
         else:
             # an ack's: only when it opened room or a push is unfinished
-            self.pusher.after_ack(connection, opened)
+            self.pusher.after_ack(connection, opened, unfinished=unfinished)
         return Answer()
 
 

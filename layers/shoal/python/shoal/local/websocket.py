@@ -6,7 +6,8 @@ route selection expression ``$request.body.action`` does. The handshake runs the
 authorizer function and then ``$connect``; every text frame runs its route's function with the
 MESSAGE event; a close, from either side and for any reason, runs ``$disconnect``. The
 ``@connections`` management API (POST, GET, DELETE ``/@connections/{id}``) is served by the
-HTTP gateway, which hands each call over to this server's event loop (``ConnectionsApi``).
+HTTP gateway (in-process for the functions of this process), which hands each call over to this
+server's event loop (``ConnectionsApi``); a POST is answered once its frame is queued there.
 
 API Gateway's quotas are enforced the same way: a binary frame closes with 1003, a frame over
 32 KB or a message over 128 KB with 1009, 10 minutes idle or 2 hours connected with 1001.
@@ -45,17 +46,15 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
-from shoal.declarations import Deployment, FunctionDef, MockRoute, WebSocketDef, WsRoute
+from shoal.declarations import Deployment, FunctionDef, WebSocketDef
 from shoal.local.context import REGION
 from shoal.local.gateway import HttpResponse, frames
 from shoal.local.provision import ACCOUNT_ID
+from shoal.local.wsroutes import CONNECT, DISCONNECT, WsRouteTable
 
 log = logging.getLogger("shoal-dev.websocket")
 
 API_ID = "localws"
-CONNECT = "$connect"
-DISCONNECT = "$disconnect"
-DEFAULT = "$default"
 #: the environment variables that shorten the idle and whole-connection lifetimes (tests)
 IDLE_TIMEOUT_ENV = "SHOAL_WS_IDLE_TIMEOUT_S"
 MAX_CONNECTION_ENV = "SHOAL_WS_MAX_CONNECTION_S"
@@ -151,53 +150,6 @@ def _now_ms() -> int:
 def _iso(ms: int) -> str:
     at = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
     return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-# --- route selection -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Selected:
-    key: str
-    route: WsRoute | None = None
-    function: FunctionDef | None = None
-    mock: MockRoute | None = None
-
-
-class WsRouteTable:
-    """The WebSocket API's routes: the functions' ``ws_routes`` and the mock routes."""
-
-    def __init__(self, deployment: Deployment) -> None:
-        self._routes = {route.key: (route, fn) for route, fn in deployment.ws_routes()}
-        self._mocks = {mock.key: mock for mock in deployment.websocket.mock_routes}
-
-    def special(self, key: str) -> Selected | None:
-        """``$connect`` or ``$disconnect``, when declared."""
-        found = self._routes.get(key)
-        return Selected(key, *found) if found else None
-
-    def select(self, body: str) -> Selected | None:
-        """The route of a text frame: its ``action`` when a route has that key, else
-        ``$default``. A body that is not JSON, or has no string ``action``, goes to ``$default``
-        too, as API Gateway's selection does. None: no route and no ``$default``."""
-        key: str | None = None
-        try:
-            frame = json.loads(body)
-        except ValueError:
-            frame = None
-        if isinstance(frame, dict) and isinstance(frame.get("action"), str):
-            key = frame["action"]
-        # the $-keys are API Gateway's own routes, never chosen by a frame
-        if key is not None and not key.startswith("$"):
-            if key in self._mocks:
-                return Selected(key, mock=self._mocks[key])
-            if key in self._routes:
-                return Selected(key, *self._routes[key])
-        if DEFAULT in self._mocks:
-            return Selected(DEFAULT, mock=self._mocks[DEFAULT])
-        if DEFAULT in self._routes:
-            return Selected(DEFAULT, *self._routes[DEFAULT])
-        return None
 
 
 # --- connections and events ------------------------------------------------------------------

@@ -105,7 +105,22 @@ def test_publish_lines_from_stdin_go_in_batches_and_arrive_in_order(shoal: Shoal
     before = len(shoal.log_lines())
     # When 60 lines (and two blank ones, which are not sent) are published with -l
     lines = b"".join(f"line {n}\n".encode() for n in range(60)) + b"\n\n"
-    run = shoal(["publish", *common, "-t", "lines/a", "-l", "--batch-size", "25"], stdin=lines)
+    # (batches cut by count only: with the default 10 ms delay, a reader held up that long on a
+    # loaded machine sends a partial batch, and the count below was 4 once in a whole run)
+    run = shoal(
+        [
+            "publish",
+            *common,
+            "-t",
+            "lines/a",
+            "-l",
+            "--batch-size",
+            "25",
+            "--batch-delay-ms",
+            "60000",
+        ],
+        stdin=lines,
+    )
     assert run.status == 0, run.err
     # Then each line is one message with the next seq of one publisher
     results = run.json_lines()

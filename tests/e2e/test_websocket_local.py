@@ -27,6 +27,7 @@ from shoal.local.authorizer import JwtAuthorizer
 from shoal.local.gateway import Gateway, GatewayServer, RouteTable, in_process_connections
 from shoal.local.provision import LocalNames
 from shoal.local.runtime import DevOptions, Functions, LocalRuntime
+from shoal.local.throttle import Throttles
 from shoal.local.websocket import WebSocketServer, WsLimits
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -608,3 +609,41 @@ def test_the_functions_are_given_the_local_edge_and_issuer(monkeypatch: pytest.M
     assert config.jwt_issuer == "http://127.0.0.1:8080"
     assert config.jwt_audiences == ("shoal",)
     assert config.jwks_url == "http://127.0.0.1:8080/.well-known/jwks.json"
+
+
+def test_a_throttled_post_is_refused_as_api_gateway_refuses_it(
+    edge: Edge, over: tuple[str, list[str]]
+) -> None:
+    """``SHOAL_DEV_THROTTLE=posts=...``: a refused post is a 429 ``LimitExceededException`` and
+    sends nothing; the next one, let through, arrives."""
+    client = edge.management()
+    gateway = edge.gateway.gateway
+    assert isinstance(gateway, Gateway)
+    # Given a gateway that refuses every post, then none
+    gateway.throttles = Throttles.parse("posts=1.0")
+
+    async def scenario() -> tuple[ClientError, Any]:
+        async with open_ws(edge) as ws:
+            connection_id = await whoami(ws)
+            loop = asyncio.get_running_loop()
+
+            def refused() -> ClientError:
+                with pytest.raises(ClientError) as error:
+                    client.post_to_connection(ConnectionId=connection_id, Data=b"lost")
+                return error.value
+
+            error = await loop.run_in_executor(None, refused)
+            gateway.throttles = Throttles.parse("posts=0")
+            await loop.run_in_executor(
+                None, lambda: client.post_to_connection(ConnectionId=connection_id, Data=b"kept")
+            )
+            return error, await ws.recv()
+
+    try:
+        error, received = run(scenario())
+    finally:
+        gateway.throttles = None
+    # Then the refusal is API Gateway's, and only the frame let through arrived
+    assert error.response["Error"]["Code"] == "LimitExceededException"
+    assert error.response["ResponseMetadata"]["HTTPStatusCode"] == 429
+    assert received == "kept"

@@ -20,6 +20,7 @@ from botocore.exceptions import ClientError, NoCredentialsError
 from shoal.local.aws import EmbeddedAws, share_service_models
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.provision import LocalNames, provision
+from shoal.local.throttle import Throttles
 
 CLIENT_CONFIG = Config(max_pool_connections=32, retries={"max_attempts": 1, "mode": "standard"})
 TABLE = "counters"
@@ -685,3 +686,22 @@ def test_the_journal_writes_outside_the_lock_and_no_answer_leaves_before_its_dis
     # the first write alone, then the two staged behind it together
     assert written == [1, 2]
     assert journal_length(state_dir) == 4  # the table and the three items
+
+
+def test_a_throttled_dynamodb_call_is_refused_unapplied(start: Start) -> None:
+    """``SHOAL_DEV_THROTTLE=dynamodb=...``: the call is refused as DynamoDB refuses it, and
+    changes nothing; other services are not throttled."""
+    aws = start()
+    ddb = create_counter_table(aws)
+    # Given every DynamoDB call refused
+    aws.throttle(Throttles.parse("dynamodb=1.0"))
+    try:
+        with pytest.raises(ClientError) as refused:
+            ddb.put_item(TableName=TABLE, Item={"pk": {"S": "a"}, "n": {"N": "1"}})
+        # S3 answers as ever
+        client(aws, "s3").create_bucket(Bucket="unthrottled")
+    finally:
+        aws.throttle(None)
+    # Then the refusal is DynamoDB's throttling error, and the item was never written
+    assert refused.value.response["Error"]["Code"] == "ProvisionedThroughputExceededException"
+    assert "Item" not in ddb.get_item(TableName=TABLE, Key={"pk": {"S": "a"}})

@@ -32,6 +32,8 @@ REBALANCES: Final = "GroupRebalances"
 # (the connection was gone, or @connections refused): the inbox keeps what they carried
 PUSHED: Final = "FramesPushed"
 PUSH_FAILED: Final = "PushFailed"
+# edge: @connections posts refused as throttled (each refusal; the post is tried again)
+POSTS_THROTTLED: Final = "PostsThrottled"
 # archiver: delivery-event lines written to the archive (a retried batch counts again)
 ARCHIVED_EVENTS: Final = "DeliveryEventsArchived"
 

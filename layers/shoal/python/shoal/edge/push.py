@@ -30,6 +30,7 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
 from shoal.core.errors import ShoalError
 from shoal.core.observability import count, logger
+from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch
 from shoal.delivery.inbox import LineCache
 from shoal.delivery.model import MAX_GET
@@ -79,11 +80,28 @@ class ConnectionGone(Exception):
     """The connection was closed (``@connections`` answered 410)."""
 
 
+class PostThrottled(Exception):
+    """``@connections`` kept refusing a post as throttled (``LimitExceededException``) past
+    ``POST_ATTEMPTS``: the frame did not go; its delivery stays where the inbox has it."""
+
+
+#: a throttled post is tried this many times in all, with exponential backoff and full
+#: jitter between tries (``POST_BACKOFF_S`` doubling up to ``POST_BACKOFF_CAP_S``): at most
+#: about 4 s of waiting, then the caller leaves the frame to a later push
+POST_ATTEMPTS = 6
+POST_BACKOFF_S = 0.05
+POST_BACKOFF_CAP_S = 2.0
+#: what API Gateway answers a post past the account's request rate (429)
+THROTTLED = frozenset({"LimitExceededException", "TooManyRequestsException", "ThrottlingException"})
+
+
 class Connections:
     """The WebSocket API's ``@connections`` management API."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, clock: Clock | None = None) -> None:
         self.client = client
+        #: sleeps between a throttled post's tries (injected: tests advance it)
+        self.clock = clock or SystemClock()
 
     @classmethod
     def from_config(cls, config: Config) -> Connections | None:
@@ -99,12 +117,25 @@ class Connections:
         )
 
     def post(self, connection_id: str, frame: str) -> None:
-        try:
-            self.client.post_to_connection(ConnectionId=connection_id, Data=frame.encode())
-        except ClientError as exc:
-            if error_code(exc) == GONE:
-                raise ConnectionGone(connection_id) from exc
-            raise
+        """One frame to the connection. API Gateway counts every post against the account's
+        request rate, shared by every API of the region, and refuses past it (429): such a
+        post is tried again after a jittered, growing wait (never dropped silently), up to
+        ``POST_ATTEMPTS``, then ``PostThrottled``."""
+        data = frame.encode()
+        for attempt in range(POST_ATTEMPTS):
+            try:
+                self.client.post_to_connection(ConnectionId=connection_id, Data=data)
+                return
+            except ClientError as exc:
+                code = error_code(exc)
+                if code == GONE:
+                    raise ConnectionGone(connection_id) from exc
+                if code not in THROTTLED:
+                    raise
+                count(metrics.POSTS_THROTTLED)
+                if attempt + 1 == POST_ATTEMPTS:
+                    raise PostThrottled(connection_id) from exc
+                self.clock.sleep(backoff_s(attempt, POST_BACKOFF_S, POST_BACKOFF_CAP_S))
 
     def close(self, connection_id: str) -> None:
         """Closes the connection (API Gateway then invokes ``$disconnect``); a gone one is

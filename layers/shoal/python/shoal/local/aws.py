@@ -46,6 +46,7 @@ from shoal.local.moto_dynamodb import (
     traverse_with_fixed_maps,
 )
 from shoal.local.serialize import BACKEND_LOCK
+from shoal.local.throttle import DYNAMODB_THROTTLED, Throttles
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
 from shoal.local.transport import (
     InProcessTransport,
@@ -316,6 +317,9 @@ class ReplayStats:
 #: how long a DynamoDB or Kinesis call waits for the emulator; below the shortest read timeout
 #: of Shoal's clients (the publish path's writer: ``shoal.aws.clients.PUT_READ_TIMEOUT_S``)
 LOCK_WAIT_BUDGET_S = 2.0
+#: the X-Amz-Target prefix of DynamoDB's calls
+DYNAMODB_TARGET = "DynamoDB_20120810."
+_AMZ_JSON = "application/x-amz-json-1.0"
 _JOURNAL_FAILED = b"the emulator's journal failed; restart shoal dev"
 _UNAVAILABLE = json.dumps(
     {"__type": "ServiceUnavailable", "message": "the emulator is busy; retry"}
@@ -325,9 +329,13 @@ _UNAVAILABLE = json.dumps(
 class SerializedApp:
     """WSGI middleware: one request at a time, successful mutations journaled before replying."""
 
-    def __init__(self, app: WsgiApp, journal: Journal | None = None) -> None:
+    def __init__(
+        self, app: WsgiApp, journal: Journal | None = None, throttles: Throttles | None = None
+    ) -> None:
         self.app = app
         self.journal = journal
+        #: ``SHOAL_DEV_THROTTLE``'s share of DynamoDB calls refused as throttled
+        self.throttles = throttles
         self.failed = False
         self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
 
@@ -342,6 +350,7 @@ class SerializedApp:
             lambda: self._run(environ),
             mutating=is_mutating(environ, body),
             bounded=bool(environ.get("HTTP_X_AMZ_TARGET")),
+            target=str(environ.get("HTTP_X_AMZ_TARGET") or ""),
         )
         start_response(status, headers)
         return [payload]
@@ -366,6 +375,7 @@ class SerializedApp:
             lambda: _call_handler(handler, environ),
             mutating=not target.rsplit(".", 1)[-1].startswith(READ_ONLY_ACTION_PREFIXES),
             bounded=True,
+            target=target,
         )
         return int(status.split(" ", 1)[0]), headers, payload
 
@@ -377,6 +387,7 @@ class SerializedApp:
         *,
         mutating: bool,
         bounded: bool,
+        target: str = "",
     ) -> tuple[str, list[tuple[str, str]], bytes]:
         """One request under the backend lock (``bounded``: a DynamoDB or Kinesis call, which
         waits a bounded time for its turn), its record staged in the journal if it changed
@@ -388,6 +399,13 @@ class SerializedApp:
         slice: 2 ms at the median and 5 ms at p90 a write under a 10-session load, against
         0.3 ms for the fsync alone. A read waits as a write does (for what was staged before
         it), so no client sees a change that a restart would not bring back."""
+        if (
+            self.throttles is not None
+            and target.startswith(DYNAMODB_TARGET)
+            and self.throttles.refuse("dynamodb")
+        ):
+            # refused unapplied, as DynamoDB refuses past a partition's capacity
+            return "400 Bad Request", [("Content-Type", _AMZ_JSON)], DYNAMODB_THROTTLED
         # DynamoDB and Kinesis calls wait a bounded time for their turn; past it they are
         # refused unapplied, as AWS throttles. Without the bound, a call queued behind a burst
         # could be applied after its caller timed out, and a put the publisher was told failed
@@ -554,8 +572,10 @@ class EmbeddedAws:
         state_dir: Path | None = None,
         *,
         in_process: bool = True,
+        throttles: Throttles | None = None,
     ) -> None:
         self.host = host
+        self.throttles = throttles
         self.in_process = in_process
         self._transport: InProcessTransport | None = None
         self.port = port
@@ -564,6 +584,13 @@ class EmbeddedAws:
         self.replay_stats = ReplayStats(0, 0.0, 0, 0)
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._app: SerializedApp | None = None
+
+    def throttle(self, throttles: Throttles | None) -> None:
+        """Refuse calls as ``throttles`` say from now on (``SHOAL_DEV_THROTTLE``; None: none)."""
+        self.throttles = throttles
+        if self._app is not None:
+            self._app.throttles = throttles
 
     def start(self) -> None:
         _MotoClock.install()
@@ -598,6 +625,9 @@ class EmbeddedAws:
             self.journal = Journal(self.state_dir / JOURNAL_FILE)
         app = SerializedApp(Dispatcher(), self.journal)
         self.replay_stats = app.replay()
+        # after the replay: what a journal holds was answered, never refused
+        app.throttles = self.throttles
+        self._app = app
         if self.replay_stats.records:
             log.info(
                 "journal: replayed %d requests in %.2f s (%d failed)",

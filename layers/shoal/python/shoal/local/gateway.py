@@ -41,6 +41,7 @@ from shoal.local.authorizer import (
     unauthorized_header,
 )
 from shoal.local.provision import ACCOUNT_ID
+from shoal.local.throttle import POST_THROTTLED_BODY, POST_THROTTLED_HEADERS, Throttles
 from shoal.local.transport import Answer, InProcessEndpoint
 
 log = logging.getLogger("shoal-dev.gateway")
@@ -358,8 +359,11 @@ class Gateway:
         connections: ConnectionsApi | None = None,
         invocations: Callable[[], Mapping[str, int]] | None = None,
         console: Answers | None = None,
+        throttles: Throttles | None = None,
     ) -> None:
         self.connections = connections
+        #: ``SHOAL_DEV_THROTTLE``'s share of ``@connections`` POSTs refused as throttled
+        self.throttles = throttles
         self.console = console
         self.invocations = invocations
         self.routes = routes
@@ -422,6 +426,10 @@ class Gateway:
         connection_id = unquote(raw_path[len(CONNECTIONS_PATH) :])
         if not connection_id or "/" in connection_id:
             return HttpResponse.json(404, {"message": "Not Found"})
+        throttles = self.throttles
+        if method.upper() == "POST" and throttles is not None and throttles.refuse("posts"):
+            # refused before the frame is taken, as API Gateway refuses past the account's rate
+            return HttpResponse.json(429, POST_THROTTLED_BODY, POST_THROTTLED_HEADERS)
         return self.connections.manage(method, connection_id, body)
 
     def _identity_provider(self, path: str) -> HttpResponse:

@@ -52,6 +52,7 @@ from shoal.local.gateway import (
 )
 from shoal.local.provision import LocalNames, provision, provision_mappings
 from shoal.local.scheduler import Scheduler, schedules_for
+from shoal.local.throttle import Throttles
 from shoal.local.transport import InProcessEndpoint
 from shoal.local.websocket import WebSocketServer, WsLimits
 
@@ -350,7 +351,11 @@ class LocalRuntime:
         if options.host in ("0.0.0.0", "::"):  # noqa: S104 - naming it, not binding it
             public = f"http://127.0.0.1:{server.port}"
         self.issuer = options.issuer or public
-        self.aws = EmbeddedAws(options.aws_host, options.aws_port, options.state_dir)
+        # SHOAL_DEV_THROTTLE: a share of posts and DynamoDB calls refused as AWS throttles
+        throttles = Throttles.from_environment()
+        self.aws = EmbeddedAws(
+            options.aws_host, options.aws_port, options.state_dir, throttles=throttles
+        )
         self.aws.start()
         self._set_environment(self.aws.url, public)
         session = self.aws.session()
@@ -385,6 +390,7 @@ class LocalRuntime:
                 mint=self.mint_token,
                 max_connection_s=websocket.limits.max_connection_s,
             ),
+            throttles=throttles,
         )
         IssuerSettings(self.issuer, options.audience).save(state)
         # before any function runs: every push of this process skips the socket

@@ -10,12 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 MAKE = shutil.which("make")
-
-pytestmark = pytest.mark.skipif(MAKE is None, reason="no make on PATH (the README's prerequisite)")
 
 #: apt-get's stand-in: logs its arguments; `install` makes the Chromium the check looks for
 #: (an executable file) unless told to fail as a failed download would
@@ -62,7 +58,7 @@ class Machine:
         }
 
     def make(self, target: str, **env: str) -> subprocess.CompletedProcess[str]:
-        assert MAKE is not None
+        assert MAKE is not None, "no make on PATH (the README's prerequisite)"
         # Debian's path is this machine's stand-in (and SHOAL_CHROMIUM's default), so the real
         # /usr/bin/chromium is never looked at
         stand_in = f"DEBIAN_CHROMIUM={self.chromium}"

@@ -17,7 +17,7 @@ unexport PYTHONDONTWRITEBYTECODE
 export PYTHONMALLOC := malloc
 export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
-.PHONY: install run test lint unit bench lock clean
+.PHONY: install run test lint unit bench lock clean chromium
 
 # The venv is made without pip (ensurepip took 2 minutes on CI's machine; pip comes pinned from
 # requirements.txt) and uv goes in with the machine's pip. uv reads its cache offline first:
@@ -48,10 +48,29 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The console's browser tests (tests/e2e/test_console.py) drive the system's Chromium, never a
+# browser of Playwright's own. A fresh machine has none: root with apt-get gets Debian's package
+# (so CI, which runs only `make test`); anyone else is told how in one line, before the install
+# and the suite, rather than see those tests fail 14 minutes later. They are never skipped.
+# SHOAL_CHROMIUM names another Chromium, for this check and the tests alike.
+DEBIAN_CHROMIUM := /usr/bin/chromium
+SHOAL_CHROMIUM ?= $(DEBIAN_CHROMIUM)
+export SHOAL_CHROMIUM
+
+chromium:
+	@test -x "$(SHOAL_CHROMIUM)" || { \
+		if [ "$(SHOAL_CHROMIUM)" = "$(DEBIAN_CHROMIUM)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+			echo "make: no Chromium at $(SHOAL_CHROMIUM); installing Debian's chromium for the browser tests"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null; \
+		fi; \
+		test -x "$(SHOAL_CHROMIUM)" || { \
+			echo "make: no Chromium at $(SHOAL_CHROMIUM) for the console's browser tests: install Debian's (apt-get install chromium, as root) or name another (SHOAL_CHROMIUM=/path/to/chromium)" >&2; \
+			exit 1; }; }
+
 # mypy runs beside pytest, not before it: started cold (as in CI) it is several CPU-minutes,
 # and the end-to-end tests leave a core idle while they wait on timers (ack timeouts, the
 # reaper's schedule). Both must pass; mypy's report is printed after the tests'.
-test: install
+test: chromium install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@$(BIN)/mypy > $(VENV)/mypy.out 2>&1 & types=$$!; \

@@ -32,7 +32,7 @@ REPORT_ENV = "SHOAL_IAM_REPORT"
 #: the check runs unless ``SHOAL_IAM_CHECK=off``. The first whole run with it on (2026-11-29)
 #: named 1,093 calls: 1,077 a stage mismatch of the check's own (tests/iam/requests.py), one a
 #: missing grant (sessions' PutRecords), and 15 that were four more missing grants and two
-#: tests' calls taken for a function's (docs/notes/2026-11-29/session-16.md)
+#: tests' calls taken for a function's (docs/decisions/0010-calls-held-against-the-roles.md)
 SWITCH_ENV = "SHOAL_IAM_CHECK"
 
 #: a test's figure for the run's closing lines (tests/infra/test_package_limits.py)

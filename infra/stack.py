@@ -33,6 +33,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as sns_subscriptions
+from aws_cdk import aws_sqs as sqs
 from aws_cdk import custom_resources
 from constructs import Construct, Node
 from shoal.aws.tables import TableDef
@@ -45,6 +46,7 @@ from shoal.declarations import (
     EventSource,
     FunctionDef,
     Grant,
+    QueueDef,
     StreamDef,
     check_archive_lifetime,
     environment,
@@ -134,6 +136,14 @@ MAPPING_PROPERTIES = {
 }
 
 
+#: the pusher's workers at most, by default (context ``pushConcurrency``): a worker of 1 GB
+#: posts a few hundred frames a second (docs/operations.md, "Fan-out"), so 50 of them reach the
+#: account's default API Gateway rate of 10,000 requests a second, shared by every API of the
+#: region: more would only meet throttling, and take from the account's 1,000 concurrent
+#: executions what the other functions need
+DEFAULT_PUSH_CONCURRENCY = 50
+
+
 class MissingContextError(ValueError):
     """A CDK context value the stack cannot be built without."""
 
@@ -153,6 +163,8 @@ class Settings:
     #: keep the Kinesis streams and event source mappings made at run time when the stack is
     #: deleted (infra/lifecycle.py); by default they go with it, every shard being billed
     retain_streams: bool = False
+    #: the push queue mapping's maximum concurrency: the pusher's workers at most
+    push_concurrency: int = DEFAULT_PUSH_CONCURRENCY
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -182,7 +194,18 @@ class Settings:
             stream_prefix=get("streamPrefix"),
             alarm_email=get("alarmEmail"),
             retain_streams=_flag(get("retainStreams"), default=False),
+            push_concurrency=_push_concurrency(get("pushConcurrency")),
         )
+
+
+def _push_concurrency(value: Any) -> int:
+    # Lambda's SQS mappings take a maximum concurrency of 2 to 1,000
+    if value is None:
+        return DEFAULT_PUSH_CONCURRENCY
+    number = int(value)
+    if not 2 <= number <= 1000:
+        raise MissingContextError(f"pushConcurrency must be 2 to 1000, got {number}")
+    return number
 
 
 def _flag(value: Any, *, default: bool) -> bool:
@@ -230,6 +253,8 @@ class ShoalStack(cdk.Stack):
         )
         self.buckets = {b.logical: self._bucket(b) for b in deployment.buckets}
         self.streams = {s.logical: self._stream(s) for s in deployment.streams}
+        self.dead_letter_queues: dict[str, sqs.Queue] = {}
+        self.queues = {q.logical: self._queue(q) for q in deployment.queues}
         # Explicit names, known before anything is created: a function's environment names
         # every function (itself included), which with generated names would be a cycle.
         self.function_names = {f.name: self._function_name(f) for f in deployment.functions}
@@ -250,6 +275,7 @@ class ShoalStack(cdk.Stack):
                 stream_prefix=self.stream_prefix,
                 default_partitions=self.settings.default_partitions,
                 streams={logical: stream.ref for logical, stream in self.streams.items()},
+                queues={logical: queue.queue_url for logical, queue in self.queues.items()},
             ),
             **self.websocket.environment(),
             **deployment.extra_env,
@@ -282,7 +308,12 @@ class ShoalStack(cdk.Stack):
             self.pipeline = PipelineJobs(self, "Pipeline", archive=self.buckets["archive"])
         # the dashboard, and alarms on lag, dead letters and table throttling
         self.observability = Observability(self, self.alarm_topic)
-        self.websocket.observe(self.alarm_topic, self.observability.dashboard)
+        self.websocket.observe(
+            self.alarm_topic,
+            self.observability.dashboard,
+            push_queue=self.queues.get("push"),
+            push_dead_letters=self.dead_letter_queues.get("push"),
+        )
         # the runtime-made streams and mappings go with the stack (unless retainStreams)
         self.runtime_resources = runtime_resources(self)
 
@@ -386,6 +417,48 @@ class ShoalStack(cdk.Stack):
         )
         cfn.apply_removal_policy(cdk.RemovalPolicy.DESTROY)
         return cfn
+
+    def _queue(self, queue: QueueDef) -> sqs.Queue:
+        """A declared queue and its dead-letter queue; encrypted by SQS, TLS only. CloudFormation
+        names them (a FIFO queue's name ends in ``.fifo``, which CDK adds)."""
+        cid = pascal(queue.logical)
+        dead = sqs.Queue(
+            self,
+            f"{cid}DeadLetterQueue",
+            fifo=queue.fifo or None,
+            retention_period=cdk.Duration.days(14),
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
+        for rule in ("AwsSolutions-SQS3", "Serverless-SQSRedrivePolicy"):
+            acknowledge(
+                dead,
+                rule,
+                "this is the dead-letter queue itself: what reaches it is looked at, not retried",
+            )
+        made = sqs.Queue(
+            self,
+            f"{cid}Queue",
+            fifo=queue.fifo or None,
+            # a retried hand-off sends the same deduplication ids (shoal.edge.pushwork): one
+            # copy a group and 5 minutes; high throughput (per group) for many lanes
+            content_based_deduplication=False if queue.fifo else None,
+            deduplication_scope=sqs.DeduplicationScope.MESSAGE_GROUP if queue.fifo else None,
+            fifo_throughput_limit=sqs.FifoThroughputLimit.PER_MESSAGE_GROUP_ID
+            if queue.fifo
+            else None,
+            visibility_timeout=cdk.Duration.seconds(queue.visibility_timeout_s),
+            retention_period=cdk.Duration.seconds(queue.retention_s),
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            dead_letter_queue=sqs.DeadLetterQueue(
+                queue=dead, max_receive_count=queue.max_receive_count
+            ),
+            removal_policy=cdk.RemovalPolicy.DESTROY,
+        )
+        self.dead_letter_queues[queue.logical] = dead
+        return made
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -552,6 +625,13 @@ class ShoalStack(cdk.Stack):
                 )
         elif grant.kind == "connections":
             self.websocket.grant_connections(fdef, fn, grant)
+        elif grant.kind == "queue":
+            queue = self._declared(self.queues, fdef, grant)
+            if reads:
+                # its mapping's function: receive, delete, change visibility, attributes
+                queue.grant_consume_messages(fn)
+            if writes:
+                queue.grant_send_messages(fn)
         else:  # pragma: no cover - the Literal type names every kind
             raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
 
@@ -595,6 +675,9 @@ class ShoalStack(cdk.Stack):
     def _event_source(self, fdef: FunctionDef, source: EventSource) -> None:
         """A declared stream's mapping to the function (``FunctionDef.sources``), with the
         arguments the declarations give (``ARCHIVER_MAPPING``), as the local runtime makes it."""
+        if source.queue:
+            self._queue_source(fdef, source)
+            return
         spec = dict(source.mapping)
         stream = self.streams[source.stream]
         mapping = lambda_.CfnEventSourceMapping(
@@ -614,6 +697,31 @@ class ShoalStack(cdk.Stack):
             "Serverless-LambdaEventSourceMappingDestination",
             "Shoal's mappings never skip a batch (shoal.aws.kinesis.NEVER_SKIP): an on-failure "
             "destination would never be sent anything; a stuck shard raises the IteratorAge alarm",
+        )
+
+    def _queue_source(self, fdef: FunctionDef, source: EventSource) -> None:
+        """A declared queue's mapping to the function, its workers at most the stack's push
+        concurrency (``pushConcurrency``)."""
+        spec = dict(source.mapping)
+        mapping = lambda_.CfnEventSourceMapping(
+            self,
+            f"{pascal(fdef.name)}{pascal(source.queue)}Mapping",
+            function_name=self.functions[fdef.name].function_name,
+            event_source_arn=self.queues[source.queue].queue_arn,
+            batch_size=spec.pop("BatchSize", None),
+            function_response_types=spec.pop("FunctionResponseTypes", None),
+            scaling_config=lambda_.CfnEventSourceMapping.ScalingConfigProperty(
+                maximum_concurrency=self.settings.push_concurrency
+            ),
+        )
+        if spec:
+            raise ValueError(f"{fdef.name}: mapping arguments the stack does not map: {spec}")
+        mapping.node.add_dependency(self.functions[fdef.name])
+        acknowledge(
+            mapping,
+            "Serverless-LambdaEventSourceMappingDestination",
+            "a queue's failed messages go to its dead-letter queue (the redrive policy), which "
+            "an alarm watches: an on-failure destination would be a second one",
         )
 
     # -- API -------------------------------------------------------------------------------

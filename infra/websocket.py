@@ -29,6 +29,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 from shoal.core import metrics
 from shoal.declarations import Deployment, FunctionDef, Grant, WsRoute
@@ -59,6 +60,10 @@ FRAMES_PUSHED = metrics.PUSHED
 PUSH_FAILED = metrics.PUSH_FAILED
 PUSH_FAILED_SHARE = 0.5
 PUSH_FAILED_MIN_PUSHES = 100
+POSTS_THROTTLED = metrics.POSTS_THROTTLED
+#: the push queue's oldest message older than this (its lanes fall behind: the pusher's
+#: concurrency or the account's API Gateway rate is too small for the fan-out) raises an alarm
+PUSH_BACKLOG_AGE_ALARM_S = 60
 #: context flag: access logs for the WebSocket stage. Off by default: unlike an HTTP API's, a
 #: WebSocket stage can log only once the account's API Gateway CloudWatch Logs role is set
 #: (an account-wide setting this stack does not take over); with it unset the stage fails
@@ -406,9 +411,17 @@ class WebSocketEdge(Construct):
             expression=expression, using_metrics=metrics, label=name, period=period
         )
 
-    def observe(self, alarm_topic: sns.ITopic, dashboard: cloudwatch.Dashboard) -> None:
-        """Alarms on errors, the new-connection quota and failed pushes; one dashboard row of
-        connections, messages, errors and pushes; the ``wss://`` URL as an output."""
+    def observe(
+        self,
+        alarm_topic: sns.ITopic,
+        dashboard: cloudwatch.Dashboard,
+        *,
+        push_queue: sqs.IQueue | None = None,
+        push_dead_letters: sqs.IQueue | None = None,
+    ) -> None:
+        """Alarms on errors, the new-connection quota, failed pushes and the push queue's
+        backlog (its age, its dead letters); one dashboard row of connections, messages,
+        errors and pushes, and one of the push queue; the ``wss://`` URL as an output."""
         if self.api is None:
             return
         notify = cloudwatch_actions.SnsAction(alarm_topic)
@@ -477,8 +490,56 @@ class WebSocketEdge(Construct):
                 periods=2,
             )
 
+        if push_queue is not None:
+            alarm(
+                "PushBacklogAgeAlarm",
+                "ws-push-backlog-age",
+                push_queue.metric_approximate_age_of_oldest_message(
+                    period=GRAPH_PERIOD, statistic="Maximum"
+                ),
+                f"the push queue's oldest push waited over {PUSH_BACKLOG_AGE_ALARM_S} s, three "
+                "minutes running: pushes fall behind (pushConcurrency, or the account's API "
+                "Gateway rate)",
+                threshold=PUSH_BACKLOG_AGE_ALARM_S,
+                periods=3,
+            )
+        if push_dead_letters is not None:
+            alarm(
+                "PushDeadLettersAlarm",
+                "ws-push-dead-letters",
+                push_dead_letters.metric_approximate_number_of_messages_visible(
+                    period=ALARM_PERIOD, statistic="Maximum"
+                ),
+                "a push failed ten times and went to the push queue's dead-letter queue (its "
+                "deliveries wait in the inboxes for the session's next push or reconnect)",
+            )
+
         def graph(title: str, *metrics: cloudwatch.IMetric) -> cloudwatch.GraphWidget:
             return cloudwatch.GraphWidget(title=title, left=list(metrics), width=6, height=6)
+
+        if push_queue is not None:
+            dashboard.add_widgets(
+                graph(
+                    "Pushes: backlog",
+                    push_queue.metric_approximate_number_of_messages_visible(
+                        period=GRAPH_PERIOD, statistic="Maximum", label="waiting"
+                    ),
+                    push_queue.metric_approximate_number_of_messages_not_visible(
+                        period=GRAPH_PERIOD, statistic="Maximum", label="in flight"
+                    ),
+                ),
+                graph(
+                    "Pushes: backlog age (s)",
+                    push_queue.metric_approximate_age_of_oldest_message(
+                        period=GRAPH_PERIOD, statistic="Maximum", label="oldest push"
+                    ),
+                ),
+                graph(
+                    "Pushes: throttled posts and failed pushes",
+                    self._shoal_sum(POSTS_THROTTLED, GRAPH_PERIOD, "t"),
+                    self._shoal_sum(PUSH_FAILED, GRAPH_PERIOD, "f"),
+                ),
+            )
 
         dashboard.add_widgets(
             graph(

@@ -12,14 +12,20 @@ from shoal import wiring
 from shoal.core.config import get_config
 from shoal.core.observability import logger, observed
 from shoal.drain import Sealer
-from shoal.edge.push import Pusher
+from shoal.edge.push import PushSweep
+from shoal.edge.pushwork import HandOffs
 from shoal.sessions.reaper import Reaper
 
 
 @cache
+def hand_offs() -> HandOffs:
+    # the members a dead channel's groups hand streams to: their pushes, when connected
+    return wiring.hand_overs(get_config())
+
+
+@cache
 def reaper() -> Reaper:
-    # the pusher pushes the members a dead channel's groups hand streams to (in its sweep)
-    return wiring.reaper(get_config(), push=pusher())
+    return wiring.reaper(get_config(), hand_offs=hand_offs())
 
 
 @cache
@@ -28,14 +34,15 @@ def sealer() -> Sealer:
 
 
 @cache
-def pusher() -> Pusher | None:
-    return wiring.pusher(get_config())
+def sweep() -> PushSweep | None:
+    return wiring.push_sweep(get_config())
 
 
 @observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report = reaper().run().as_dict()
-    push = pusher()
+    report["push_handed_over"] = hand_offs().flush()
+    push = sweep()
     if push is not None:
         # WebSocket sessions whose pushed deliveries passed their ack timeout: again, dup
         swept = push.sweep()

@@ -5,7 +5,7 @@ exceptions are where IAM's actions are not the API's operations: S3 (``HeadObjec
 ``s3:GetObject``, listing is ``s3:ListBucket`` on the bucket, multipart uploads are
 ``s3:PutObject``), DynamoDB's transactions (one ``PutItem``/``UpdateItem``/``DeleteItem``/
 ``ConditionCheckItem``/``GetItem`` per table of the transaction) and batches (the batch action
-on each table), and API Gateway's management API (``execute-api:ManageConnections``). Actions
+on each table), SQS's batches (the single action), and API Gateway's management API (``execute-api:ManageConnections``). Actions
 that name no resource (``kinesis:ListStreams``, ``lambda:CreateEventSourceMapping``) are
 requests on ``*``. From the AWS Service Authorization Reference of each service.
 """
@@ -201,7 +201,28 @@ def _execute_api(call: Call) -> list[Request]:
     ]
 
 
+#: SQS's batch calls are authorized as their single calls (the Service Authorization Reference
+#: lists no action of their own)
+SQS_BATCH_ACTIONS = {
+    "SendMessageBatch": "SendMessage",
+    "DeleteMessageBatch": "DeleteMessage",
+    "ChangeMessageVisibilityBatch": "ChangeMessageVisibility",
+}
+
+
+def _sqs(call: Call) -> list[Request]:
+    # a queue is named by its URL, https://sqs.<region>.amazonaws.com/<account>/<name>; IAM
+    # checks the queue's ARN
+    action = f"sqs:{SQS_BATCH_ACTIONS.get(call.operation, call.operation)}"
+    url = str(call.params.get("QueueUrl", ""))
+    if not url:
+        return [Request(action, "*")]
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return [Request(action, call.arn("sqs", name))]
+
+
 _MAPPERS = {
+    "sqs": _sqs,
     "dynamodb": _dynamodb,
     "kinesis": _kinesis,
     "s3": _s3,

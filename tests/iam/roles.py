@@ -133,6 +133,11 @@ def synthesized_roles(deployment: Deployment) -> Roles:
         lid = logical_id(bucket.node.default_child)
         refs[lid] = names.buckets[logical]
         arns[lid] = f"arn:{PARTITION}:s3:::{refs[lid]}"
+    for logical, queue in [*stack.queues.items(), *stack.dead_letter_queues.items()]:
+        name = logical if queue is stack.queues.get(logical) else f"{logical}-dead"
+        lid = logical_id(queue.node.default_child)
+        refs[lid] = names.queue_url(name)
+        arns[lid] = f"arn:{PARTITION}:sqs:{REGION}:{ACCOUNT_ID}:{names.queues[name]}"
     for name, function in stack.functions.items():
         lid = logical_id(function.node.default_child)
         refs[lid] = names.functions[name]

@@ -423,8 +423,12 @@ def test_the_event_log_is_one_provisioned_shard_named_outside_the_storage_stream
 def test_the_archiver_is_mapped_to_the_event_log_in_large_batches_that_never_skip(
     deployed: Synth,
 ) -> None:
-    # Given the real declarations
-    [mapping] = deployed.of_type("AWS::Lambda::EventSourceMapping").values()
+    # Given the real declarations: the archiver's mapping (the pusher's is on the push queue)
+    [mapping] = [
+        m
+        for m in deployed.of_type("AWS::Lambda::EventSourceMapping").values()
+        if m["Properties"]["EventSourceArn"] == {"Fn::GetAtt": ["EventsStream", "Arn"]}
+    ]
     props = mapping["Properties"]
     # Then the archiver reads the log from its start, in batches of up to 10,000 or a minute
     assert props["FunctionName"] == {"Ref": next(iter(_function_ids(deployed, "archiver")))}
@@ -496,7 +500,16 @@ def test_only_the_recorders_append_to_the_log_and_only_the_archiver_reads_it(
     # what it pushes and what is acked, as messages does for gets, and the reaper's sweep what
     # it pushes again; sessions and subscriptions the held QoS 2 group deliveries an ended or
     # leaving member drops); the archiver reads, no more
-    recorders = ("router", "messages", "push", "edge", "reaper", "sessions", "subscriptions")
+    recorders = (
+        "router",
+        "messages",
+        "push",
+        "edge",
+        "pusher",
+        "reaper",
+        "sessions",
+        "subscriptions",
+    )
     for name in recorders:
         assert on_log(name) == {"kinesis:PutRecord", "kinesis:PutRecords"}, name
     assert "kinesis:GetRecords" in on_log("archiver")

@@ -170,9 +170,9 @@ def test_only_the_pushing_functions_may_manage_connections(deployed: Synth) -> N
         for f in deployed.deployment.functions
         if any(g.kind == "connections" for g in f.grants)
     }
-    # the edge, the router, the reaper's sweep, and the HTTP functions whose requests hand
-    # shared-group lanes to WebSocket members (``wiring.HandOvers``)
-    assert granted == {"edge", "router", "reaper", "messages", "subscriptions"}
+    # the edge (answers, a takeover's close), the pusher (deliveries), the reaper (closing
+    # connections whose $disconnect never came); the others hand pushes to the push queue
+    assert granted == {"edge", "pusher", "reaper"}
     for fdef in deployed.deployment.functions:
         resources = _manage_connections(deployed, fdef.name)
         if fdef.name not in granted:
@@ -225,7 +225,7 @@ def test_alarms_watch_errors_connect_rate_and_failed_pushes(deployed: Synth) -> 
     assert alarms["shoal-test-ws-connect-rate"]["Threshold"] == 0.8 * 500 * 300
     # failed pushes: the Shoal metric of every pushing function
     pushes = json.dumps(alarms["shoal-test-ws-push-failed"]["Metrics"])
-    for service in ("edge", "router", "reaper"):
+    for service in ("edge", "pusher", "reaper"):
         assert f'"Value": "{service}"' in pushes
     assert '"MetricName": "PushFailed"' in pushes and '"Namespace": "Shoal"' in pushes
 
@@ -236,6 +236,119 @@ def test_dashboard_has_the_websocket_rows(deployed: Synth) -> None:
     for metric in ("ConnectCount", "MessageCount", "IntegrationError", "ClientError"):
         assert metric in body
     assert "ExecutionError" in body and "PushFailed" in body and "FramesPushed" in body
+    # the push queue's row: its backlog, the backlog's age, throttled posts and failed pushes
+    for metric in (
+        "ApproximateNumberOfMessagesVisible",
+        "ApproximateNumberOfMessagesNotVisible",
+        "ApproximateAgeOfOldestMessage",
+        "PostsThrottled",
+    ):
+        assert metric in body, metric
+
+
+# --- the push queue (shoal.edge.pushwork) ----------------------------------------------------
+
+
+def _queues(synthesized: Synth) -> dict[str, dict[str, Any]]:
+    """The queues' properties by their construct ids (CDK adds a hash to the logical id)."""
+    found = synthesized.of_type("AWS::SQS::Queue")
+    return {
+        name: found[_queue_id(synthesized, name)]["Properties"]
+        for name in ("PushQueue", "PushDeadLetterQueue")
+    }
+
+
+def _queue_id(synthesized: Synth, name: str) -> str:
+    [logical] = [
+        k
+        for k in synthesized.of_type("AWS::SQS::Queue")
+        if re.fullmatch(f"{name}[0-9A-F]{{8}}", k)
+    ]
+    return logical
+
+
+def test_the_push_queue_is_fifo_with_a_dead_letter_queue_encrypted_tls_only(
+    deployed: Synth,
+) -> None:
+    queues = _queues(deployed)
+    push, dead = queues["PushQueue"], queues["PushDeadLetterQueue"]
+    # Then a session's pushes keep their order (FIFO, deduplicated per group, throughput per
+    # group), a failed one goes to the dead-letter queue after ten receives, and a batch is
+    # never handed to a second worker while the first runs it (six times the pusher's timeout)
+    assert push["FifoQueue"] is True and dead["FifoQueue"] is True
+    assert push["DeduplicationScope"] == "messageGroup"
+    assert push["FifoThroughputLimit"] == "perMessageGroupId"
+    assert push["ContentBasedDeduplication"] is False
+    pusher = deployed.function("pusher")["Properties"]
+    assert push["VisibilityTimeout"] == 6 * pusher["Timeout"]
+    redrive = push["RedrivePolicy"]
+    assert redrive["maxReceiveCount"] == 10
+    dead_id = _queue_id(deployed, "PushDeadLetterQueue")
+    assert redrive["deadLetterTargetArn"] == {"Fn::GetAtt": [dead_id, "Arn"]}
+    for queue in (push, dead):
+        assert queue["SqsManagedSseEnabled"] is True
+    policies = json.dumps(list(deployed.of_type("AWS::SQS::QueuePolicy").values()))
+    assert '"aws:SecureTransport": "false"' in policies
+
+
+def test_the_pusher_takes_the_push_queue_at_the_stacks_concurrency(deployed: Synth) -> None:
+    [mapping] = [
+        m["Properties"]
+        for m in deployed.of_type("AWS::Lambda::EventSourceMapping").values()
+        if m["Properties"]["EventSourceArn"]
+        == {"Fn::GetAtt": [_queue_id(deployed, "PushQueue"), "Arn"]}
+    ]
+    assert mapping["FunctionName"] == {"Ref": _function_logical_id(deployed, "pusher")}
+    # ten chunks an invocation, a failed one returned alone (with its group's later ones)
+    assert mapping["BatchSize"] == 10
+    assert mapping["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+    # Then the workers are at most the default push concurrency (context pushConcurrency)
+    assert mapping["ScalingConfig"] == {"MaximumConcurrency": 50}
+
+
+def test_push_concurrency_is_a_context_value_within_lambdas_bounds() -> None:
+    from infra.stack import MissingContextError, Settings, _push_concurrency
+
+    assert _push_concurrency(None) == 50
+    assert _push_concurrency("200") == 200
+    for bad in ("1", "1001"):
+        with pytest.raises(MissingContextError, match="pushConcurrency"):
+            _push_concurrency(bad)
+    assert Settings(jwt_issuer="https://i", jwt_audience=("a",)).push_concurrency == 50
+
+
+def test_who_may_send_to_and_take_from_the_push_queue(deployed: Synth) -> None:
+    queue = {"Fn::GetAtt": [_queue_id(deployed, "PushQueue"), "Arn"]}
+    senders, takers = set(), set()
+    for fdef in deployed.deployment.functions:
+        for statement in deployed.statements(fdef.name):
+            if statement.get("Resource") != queue:
+                continue
+            actions = set(as_list(statement["Action"]))
+            if "sqs:SendMessage" in actions:
+                senders.add(fdef.name)
+            if "sqs:ReceiveMessage" in actions:
+                takers.add(fdef.name)
+                assert {"sqs:DeleteMessage", "sqs:ChangeMessageVisibility"} <= actions
+    # Then whoever has deliveries for connected sessions hands their pushes over, and only
+    # the pusher takes them
+    assert senders == {"router", "edge", "messages", "subscriptions", "reaper"}
+    assert takers == {"pusher"}
+
+
+def test_alarms_watch_the_push_backlogs_age_and_its_dead_letters(deployed: Synth) -> None:
+    alarms = {
+        a["Properties"]["AlarmName"]: a["Properties"]
+        for a in deployed.of_type("AWS::CloudWatch::Alarm").values()
+    }
+    age = alarms["shoal-test-ws-push-backlog-age"]
+    assert age["MetricName"] == "ApproximateAgeOfOldestMessage"
+    assert (age["Threshold"], age["EvaluationPeriods"]) == (60, 3)
+    dead = alarms["shoal-test-ws-push-dead-letters"]
+    assert dead["MetricName"] == "ApproximateNumberOfMessagesVisible"
+    dead_id = _queue_id(deployed, "PushDeadLetterQueue")
+    assert dead["Dimensions"][0]["Value"] == {"Fn::GetAtt": [dead_id, "QueueName"]}
+    assert age["AlarmActions"] and dead["AlarmActions"]
 
 
 def test_the_wss_url_is_an_output(deployed: Synth) -> None:

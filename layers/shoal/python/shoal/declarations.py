@@ -16,6 +16,7 @@ from shoal.aws.tables import TABLES, TableDef
 from shoal.core.config import (
     BUCKET_ENV_PREFIX,
     FUNCTION_ENV_PREFIX,
+    QUEUE_ENV_PREFIX,
     STREAM_ENV_PREFIX,
     TABLE_ENV_PREFIX,
 )
@@ -42,9 +43,12 @@ class Grant:
     """What a function may do to one resource: a table, a bucket, a stream the stack owns
     (``stream``), the storage streams (``streams``: every topic's, made at run time), or the
     WebSocket API's connections (``connections``: ``execute-api:ManageConnections`` on its
-    ``@connections`` API, to push frames to connected clients and close them)."""
+    ``@connections`` API, to push frames to connected clients and close them), or a queue the
+    stack owns (``queue``: write sends to it, read consumes it as a mapping's function)."""
 
-    kind: Literal["table", "bucket", "stream", "streams", "event_source_mappings", "connections"]
+    kind: Literal[
+        "table", "bucket", "stream", "streams", "event_source_mappings", "connections", "queue"
+    ]
     name: str
     access: Access
 
@@ -103,13 +107,43 @@ class StreamDef:
 
 
 @dataclass(frozen=True)
-class EventSource:
-    """An event source mapping the stack owns: a declared stream feeding a function."""
+class QueueDef:
+    """An SQS queue the stack owns, with its dead-letter queue (``<logical>-dead``).
 
-    stream: str
-    #: CreateEventSourceMapping's arguments besides the stream and function (not hashed: a
+    A FIFO queue delivers the messages of one message group in order, one batch at a time
+    (Lambda's mapping holds a group while a batch of it is in flight), and the groups side by
+    side: the WebSocket pushes' carrier (``shoal.edge.pushwork``)."""
+
+    logical: str
+    fifo: bool = False
+    #: how long a received message stays invisible: six times its consumer's timeout (AWS's
+    #: advice for a Lambda mapping), so a batch is never handed to a second worker while the
+    #: first still runs it
+    visibility_timeout_s: int = 30
+    #: receives before a message goes to the dead-letter queue
+    max_receive_count: int = 10
+    retention_s: int = 4 * 24 * 3600
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.logical}-dead"
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """An event source mapping the stack owns: a declared stream (``stream``) or queue
+    (``queue``) feeding a function."""
+
+    stream: str = ""
+    #: CreateEventSourceMapping's arguments besides the source and function (not hashed: a
     #: dict of lists, and the stream names the source anyway)
     mapping: Mapping[str, Any] = field(hash=False, default_factory=dict)
+    #: a declared queue instead of a stream
+    queue: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.queue or self.stream
 
 
 @dataclass(frozen=True)
@@ -123,7 +157,7 @@ class FunctionDef:
     grants: tuple[Grant, ...] = ()
     #: run every this many seconds (EventBridge schedule); None for no schedule
     schedule_s: int | None = None
-    #: declared streams that invoke it through event source mappings
+    #: declared streams and queues that invoke it through event source mappings
     sources: tuple[EventSource, ...] = ()
     memory_mb: int = 512
     timeout_s: int = 29
@@ -160,6 +194,16 @@ class BucketDef:
         return min(days, default=None)
 
 
+#: the pusher function's timeout: a chunk's pushes, posts retried when throttled
+#: (``shoal.edge.push.POST_ATTEMPTS``, about 4 s at most a frame), well inside it
+PUSHER_TIMEOUT_S = 60
+#: the pusher's mapping on the push queue: ten messages (chunks of sessions) an invocation,
+#: FIFO's most; a failed chunk is returned alone (with the later ones of its group)
+PUSHER_MAPPING: Mapping[str, Any] = {
+    "BatchSize": 10,
+    "FunctionResponseTypes": ["ReportBatchItemFailures"],
+}
+
 #: what inbox items name in the archive bucket: the router's message lines (deliveries by
 #: reference, ``shoal.delivery.codec``) and large payloads (``shoal.delivery.inbox``)
 INBOX_REFERENCES = ("messages/", "payloads/")
@@ -189,6 +233,7 @@ class Deployment:
     buckets: tuple[BucketDef, ...]
     functions: tuple[FunctionDef, ...]
     streams: tuple[StreamDef, ...] = ()
+    queues: tuple[QueueDef, ...] = ()
     websocket: WebSocketDef = field(default_factory=WebSocketDef)
     #: the composite topic every MQTT topic without a topic of its own belongs to
     default_topic: str = "default"
@@ -220,6 +265,17 @@ DEPLOYMENT = Deployment(
     # the delivery-event log (shoal.delivery.events): gets, acks, the router and push append
     # their events, the archiver writes them to the archive bucket
     streams=(StreamDef("events"),),
+    # the WebSocket pushes' carrier (shoal.edge.pushwork): whoever has deliveries for connected
+    # sessions hands the pushes to it, and the pusher function's workers post them, a session's
+    # pushes one after the other (its message group), the sessions side by side
+    queues=(
+        QueueDef(
+            "push",
+            fifo=True,
+            visibility_timeout_s=6 * PUSHER_TIMEOUT_S,
+            max_receive_count=10,
+        ),
+    ),
     functions=(
         FunctionDef(
             name="health",
@@ -284,24 +340,21 @@ DEPLOYMENT = Deployment(
             description="Consumes the storage streams: fan-out to session inboxes, archive",
             grants=(
                 Grant("streams", "storage", "read"),
-                # it writes the archive; pushing to connected sessions (below) reads the
-                # message lines and payloads their inbox items name
+                # it writes the archive (and reads back the payloads a retried batch stored)
                 Grant("bucket", "archive", "read_write"),
                 # the subscription store's versions, changes and subscriptions
                 Grant("table", "subscriptions", "read"),
                 # deliveries, and the per-shard ledger that makes a retried batch write nothing
                 # twice (a retry reads what it wrote before)
                 Grant("table", "inboxes", "read_write"),
-                # a shared group's new stream is made known to its leader (a conditional put);
-                # pushing to a connected member reads and leases its group's deliveries
+                # a shared group's new stream is made known to its leader (a conditional put)
                 Grant("table", "groups", "read_write"),
                 # its ``routed`` delivery events (shoal.delivery.events)
                 Grant("stream", "events", "write"),
-                # sessions connected over the WebSocket API get their new deliveries pushed
-                # (shoal.edge.push): their delivery state and channel, and the connection
-                Grant("table", "sessions", "read"),
-                Grant("table", "connections", "read_write"),
-                Grant("connections", "websocket", "write"),
+                # which sessions are connected over the WebSocket API: their pushes are handed
+                # to the push queue (shoal.edge.pushwork), the pusher posts them
+                Grant("table", "connections", "read"),
+                Grant("queue", "push", "write"),
             ),
             timeout_s=60,
         ),
@@ -387,10 +440,12 @@ DEPLOYMENT = Deployment(
                 # ends their channels and closes what API Gateway still holds
                 Grant("table", "connections", "read_write"),
                 Grant("connections", "websocket", "write"),
-                # and pushes again what passed its ack timeout, recording it as the edge does
-                # (shoal.delivery.events), reading the archive lines the items name
+                # and hands the push of what passed its ack timeout to the push queue (the
+                # due index is in the connections table)
+                Grant("queue", "push", "write"),
+                # an expired session's held QoS 2 group deliveries are dropped, each recorded
+                # with its reason ([MQTT-4.8.2-5])
                 Grant("stream", "events", "write"),
-                Grant("bucket", "archive", "read"),
             ),
             schedule_s=60,
             timeout_s=120,
@@ -413,10 +468,9 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "read_write"),
                 # a member that leaves drops its held QoS 2 deliveries, recording each
                 Grant("stream", "events", "write"),
-                # the members a rebalance handed group lanes to, pushed when connected over
-                # the WebSocket API (``wiring.HandOvers``)
-                Grant("table", "connections", "read_write"),
-                Grant("connections", "websocket", "write"),
+                # the members a rebalance handed group lanes to: their pushes go to the push
+                # queue (``wiring.HandOvers``; the pusher skips those not connected)
+                Grant("queue", "push", "write"),
             ),
         ),
         FunctionDef(
@@ -436,10 +490,9 @@ DEPLOYMENT = Deployment(
                 Grant("bucket", "archive", "read"),
                 # delivery events of gets and acks (shoal.delivery.events)
                 Grant("stream", "events", "write"),
-                # the members an ack handed group lanes to, pushed when connected over the
-                # WebSocket API (``wiring.HandOvers``)
-                Grant("table", "connections", "read_write"),
-                Grant("connections", "websocket", "write"),
+                # the members an ack handed group lanes to: their pushes go to the push queue
+                # (``wiring.HandOvers``; the pusher skips those not connected)
+                Grant("queue", "push", "write"),
             ),
         ),
         FunctionDef(
@@ -481,9 +534,37 @@ DEPLOYMENT = Deployment(
                 Grant("stream", "events", "write"),
                 # which session a connection holds
                 Grant("table", "connections", "read_write"),
-                # answers, deliveries, and closing a taken-over connection
+                # answers, and closing a taken-over connection
+                Grant("connections", "websocket", "write"),
+                # deliveries: a connect's, a subscribe's retained messages, an ack that opened
+                # the window are handed to the push queue, after the frame's answer
+                Grant("queue", "push", "write"),
+            ),
+        ),
+        FunctionDef(
+            name="pusher",
+            description="WebSocket pushes: a chunk of connected sessions' deliveries posted",
+            sources=(EventSource(queue="push", mapping=PUSHER_MAPPING),),
+            grants=(
+                Grant("queue", "push", "read"),
+                # a push is a get for the connection's channel (shoal.delivery): the session's
+                # head, its delivery state and inbox, its group streams (a member's lanes)
+                Grant("table", "sessions", "read"),
+                Grant("table", "inboxes", "read_write"),
+                Grant("table", "groups", "read_write"),
+                # the deliveries' archive lines and large payloads, when the chunk does not
+                # carry them
+                Grant("bucket", "archive", "read"),
+                # its ``delivered`` events, appended before the frames go
+                Grant("stream", "events", "write"),
+                # the sessions' connections (forgotten when gone; the due index armed)
+                Grant("table", "connections", "read_write"),
                 Grant("connections", "websocket", "write"),
             ),
+            # posts wait on their round trips, and the gets' writes on theirs: more memory
+            # buys more CPU for the chunk's threads (docs/operations.md, "Fan-out")
+            memory_mb=1024,
+            timeout_s=PUSHER_TIMEOUT_S,
         ),
         FunctionDef(
             name="push",
@@ -541,10 +622,13 @@ def environment(
     stream_prefix: str,
     default_partitions: int,
     streams: Mapping[str, str] | None = None,
+    queues: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment variables every function gets, given physical resource names."""
+    """The environment variables every function gets, given physical resource names (a
+    queue's: its URL, what SQS's calls name it by)."""
     env = {f"{TABLE_ENV_PREFIX}{k.upper()}": v for k, v in tables.items()}
     env |= {f"{STREAM_ENV_PREFIX}{k.upper()}": v for k, v in (streams or {}).items()}
+    env |= {f"{QUEUE_ENV_PREFIX}{k.upper()}": v for k, v in (queues or {}).items()}
     env |= {f"{BUCKET_ENV_PREFIX}{k.upper()}": v for k, v in buckets.items()}
     env |= {f"{FUNCTION_ENV_PREFIX}{k.upper()}": v for k, v in functions.items()}
     env["SHOAL_STREAM_PREFIX"] = stream_prefix

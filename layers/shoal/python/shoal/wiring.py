@@ -7,8 +7,7 @@ service is put together (its stores, clients, clock and hooks) is written once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -32,7 +31,8 @@ from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
 from shoal.edge.connections import ConnectionStore
-from shoal.edge.push import Connections, Pusher
+from shoal.edge.push import Connections, PushSweep, PushWorker
+from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.service import EdgeService
 from shoal.groups.gate import group_gate
 from shoal.groups.service import GroupService, StreamRegistrar
@@ -215,91 +215,60 @@ def delivery_service(
     )
 
 
-def pusher(config: Config, clock: Clock | None = None) -> Pusher | None:
-    """Pushed delivery to WebSocket connections (``shoal.edge.push``); None without a
-    WebSocket API (``SHOAL_CONNECTIONS_ENDPOINT`` unset)."""
-    api = Connections.from_config(config)
+def push_queue(config: Config, clock: Clock | None = None) -> PushQueue | None:
+    """Where pushes to WebSocket connections are handed (``shoal.edge.pushwork``); None
+    without a WebSocket API (``SHOAL_CONNECTIONS_ENDPOINT`` unset) or a push queue."""
+    return PushQueue.from_config(config, clock)
+
+
+def push_worker(config: Config, clock: Clock | None = None) -> PushWorker:
+    """The pusher function's work (``shoal.edge.push``)."""
+    api = Connections.from_config(config, clock)
     if api is None:
-        return None
+        raise RuntimeError("the pusher needs SHOAL_CONNECTIONS_ENDPOINT")
     # a push's gets are the service's own: they do not keep the channel alive
     delivery = delivery_service(config, clock, requests_seen=False)
-    return Pusher(ConnectionStore.from_config(config, clock), api, delivery, clock)
+    return PushWorker(
+        ConnectionStore.from_config(config, clock), api, delivery, push_queue(config, clock), clock
+    )
 
 
-class HandOvers:
-    """The shared-group members that an HTTP request's work handed streams to (an ack's final
-    progress, a leave, a subscribe's rebalance), pushed when the request ends: a member
-    connected over the WebSocket API and idle runs nothing that would read them, so a group
-    of HTTP and WebSocket members would leave a lane's backlog waiting for the next message
-    routed to the group (at a stream's end, for ever). Nothing without a WebSocket API.
-
-    The ``Pusher`` (an ``@connections`` client and a delivery service of its own) is made the
-    first time a request hands streams over, not at the function's cold start: most requests
-    hand none."""
-
-    def __init__(self, make_pusher: Callable[[], Pusher | None], pushes: bool = True) -> None:
-        self._make_pusher = make_pusher
-        self._pusher: Pusher | None = None
-        #: False without a WebSocket API: nothing to note
-        self.pushes = pushes
-        #: per thread (``shoal dev`` runs invocations on threads): hand-overs noted, not pushed
-        self._local = threading.local()
-
-    @property
-    def pusher(self) -> Pusher | None:
-        if self._pusher is None and self.pushes:
-            self._pusher = self._make_pusher()
-            self.pushes = self._pusher is not None
-        return self._pusher
-
-    def _note(self, session_ids: set[str]) -> None:
-        pending: set[str] | None = getattr(self._local, "pending", None)
-        if pending is None:
-            pending = self._local.pending = set()
-        pending.update(session_ids)
-
-    @contextmanager
-    def watching(self, groups: object | None) -> Iterator[None]:
-        """Notes the hand-overs of ``groups`` (a ``GroupService``) during the block, then
-        pushes them (best effort: a failed push leaves them to the member's next trigger)."""
-        store = getattr(groups, "store", None)
-        if not self.pushes or store is None:
-            yield
-            return
-        # idempotent: the store's hook is set again on each request (a push's own
-        # hand-overs go to the pusher, which hooks the store of its own delivery service)
-        store.on_granted = self._note
-        self._local.pending = set()
-        try:
-            yield
-        finally:
-            pending: set[str] = self._local.pending
-            self._local.pending = set()
-            pusher = self.pusher if pending else None
-            if pusher is not None:
-                pusher.handed_over(pending)
-                pusher.push_handed_over()
+def push_sweep(config: Config, clock: Clock | None = None) -> PushSweep | None:
+    """The reaper's sweep of pushed deliveries past their ack timeout; None without pushes."""
+    queue = push_queue(config, clock)
+    if queue is None:
+        return None
+    return PushSweep(
+        ConnectionStore.from_config(config, clock),
+        delivery_service(config, clock, requests_seen=False),
+        queue,
+        clock,
+    )
 
 
-def hand_overs(config: Config, clock: Clock | None = None) -> HandOvers:
-    return HandOvers(lambda: pusher(config, clock), pushes=bool(config.connections_endpoint))
+def hand_overs(config: Config, clock: Clock | None = None) -> HandOffs:
+    """The shared-group members an HTTP request's work hands streams to, handed to the push
+    queue when the request ends (``HandOffs.watching``)."""
+    return HandOffs(push_queue(config, clock))
 
 
 def edge_service(config: Config, clock: Clock | None = None) -> EdgeService:
     """The WebSocket API's routes: the HTTP routes' services, acting for a connection."""
-    push = pusher(config, clock)
-    if push is None:
-        raise RuntimeError("the WebSocket API's functions need SHOAL_CONNECTIONS_ENDPOINT")
+    api = Connections.from_config(config, clock)
+    queue = push_queue(config, clock)
+    if api is None or queue is None:
+        raise RuntimeError(
+            "the WebSocket API's functions need SHOAL_CONNECTIONS_ENDPOINT and the push queue"
+        )
     subscriptions = subscription_service(config, clock)
-    # a subscribe's or unsubscribe's rebalance hands streams to other members
-    push.watch(subscriptions.groups)
     return EdgeService(
         subscriptions.registry,
         subscriptions,
         PublishService.from_config(config),
-        delivery=push.delivery,
-        connections=push.connections,
-        pusher=push,
+        delivery=delivery_service(config, clock),
+        connections=ConnectionStore.from_config(config, clock),
+        api=api,
+        queue=queue,
         settings=config.delivery,
         clock=clock,
     )
@@ -331,12 +300,12 @@ class ServiceWillPublisher:
         self.service.publish(as_owner, request)
 
 
-def reaper(config: Config, clock: Clock | None = None, push: Pusher | None = None) -> Reaper:
-    """Keepalive expiry, wills (through the publish path) and session expiry; ``push``: the
-    pusher of a stack with a WebSocket API, told whom the groups' advances hand streams to."""
+def reaper(config: Config, clock: Clock | None = None, hand_offs: HandOffs | None = None) -> Reaper:
+    """Keepalive expiry, wills (through the publish path) and session expiry; ``hand_offs``:
+    told whom the groups' advances hand streams to (a stack with a WebSocket API)."""
     groups = group_service(config, clock, payloads=False)
-    if push is not None:
-        push.watch(groups)
+    if hand_offs is not None:
+        hand_offs.watch(groups)
     return Reaper(
         SessionRepository.from_config(config),
         ServiceWillPublisher(PublishService.from_config(config)),
@@ -381,6 +350,7 @@ def router(config: Config) -> Router:
         ArchiveWriter.from_config(config),
         Recording.from_config(config),
         Faults.from_config(config, "router"),
-        # sessions connected over the WebSocket API get their new deliveries at once
-        pusher=pusher(config),
+        # sessions connected over the WebSocket API get their new deliveries pushed
+        queue=push_queue(config),
+        connections=ConnectionStore.from_config(config),
     )

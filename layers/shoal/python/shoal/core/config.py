@@ -21,6 +21,8 @@ FUNCTION_ENV_PREFIX = "SHOAL_FUNCTION_"
 #: the Kinesis streams the stack owns (the delivery-event log), not the topics' storage
 #: streams, which are named after SHOAL_STREAM_PREFIX at run time
 STREAM_ENV_PREFIX = "SHOAL_KINESIS_"
+#: the SQS queues the stack owns, by URL (the push queue: ``shoal.edge.pushwork``)
+QUEUE_ENV_PREFIX = "SHOAL_QUEUE_"
 
 #: delivery defaults (``shoal.delivery``)
 DEFAULT_ACK_TIMEOUT_S = 30
@@ -71,6 +73,24 @@ class DeliverySettings(BaseModel):
         return cls.model_validate(values)
 
 
+#: the push queue's message groups (``shoal.edge.pushwork``): a session's pushes go one after
+#: the other in its lane, the lanes side by side, so the pushes of one hand-off spread over at
+#: most this many workers at once (the stack's push concurrency caps them further)
+DEFAULT_PUSH_LANES = 64
+
+
+class PushSettings(BaseModel):
+    """The WebSocket pushes' knobs (``shoal.edge.pushwork``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lanes: int = Field(default=DEFAULT_PUSH_LANES, ge=1, le=4096)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PushSettings:
+        return cls(lanes=int(env["SHOAL_PUSH_LANES"])) if env.get("SHOAL_PUSH_LANES") else cls()
+
+
 class GroupSettings(BaseModel):
     """The shared groups' knobs."""
 
@@ -115,6 +135,8 @@ class Config(BaseModel):
     #: logical stream name -> physical name, of the streams the stack owns (``events``: the
     #: delivery-event log, ``shoal.delivery.events``)
     streams: dict[str, str] = Field(default_factory=dict)
+    #: logical queue name -> URL, of the queues the stack owns (``push``)
+    queues: dict[str, str] = Field(default_factory=dict)
     #: Kinesis stream names of storage topics are "<stream_prefix>-<topic>-<index>"
     stream_prefix: str = "shoal"
     default_partitions: int = 1
@@ -129,6 +151,7 @@ class Config(BaseModel):
     crash_at: str = ""
     delivery: DeliverySettings = Field(default_factory=DeliverySettings)
     groups: GroupSettings = Field(default_factory=GroupSettings)
+    push: PushSettings = Field(default_factory=PushSettings)
     #: ``shoal dev`` and tests shorten the drain's seal grace (``SHOAL_SEAL_GRACE_S``); None:
     #: derived from the deployment's function timeouts (``shoal.drain.seal_grace_ms``)
     seal_grace_s: float | None = None
@@ -163,6 +186,7 @@ class Config(BaseModel):
             buckets=section(BUCKET_ENV_PREFIX),
             functions=section(FUNCTION_ENV_PREFIX),
             streams=section(STREAM_ENV_PREFIX),
+            queues=section(QUEUE_ENV_PREFIX),
             stream_prefix=env.get("SHOAL_STREAM_PREFIX", "shoal"),
             default_partitions=int(env.get("SHOAL_DEFAULT_PARTITIONS", "1")),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", str(6 * 1024 * 1024))),
@@ -170,6 +194,7 @@ class Config(BaseModel):
             crash_at=env.get("SHOAL_CRASH_AT", ""),
             delivery=DeliverySettings.from_env(env),
             groups=GroupSettings.from_env(env),
+            push=PushSettings.from_env(env),
             seal_grace_s=float(env["SHOAL_SEAL_GRACE_S"])
             if env.get("SHOAL_SEAL_GRACE_S")
             else None,

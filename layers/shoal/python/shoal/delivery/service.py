@@ -675,6 +675,27 @@ class DeliveryService:
             events.add("acked", "session", session_id, delivery_id=delivery_id(session_id, ordinal))
         events.flush(f"ack/{session_id}/{state.version}/{done[0]}")
 
+    def unsend(self, session_id: str, ordinals: set[int]) -> bool:
+        """The deliveries ``ordinals`` were handed out and never went (a push whose posts were
+        refused as throttled): their runs are due again at once, so the next get or push
+        sends them again, first and in order, with ``dup`` (a run's other deliveries with
+        them: a copy too many is allowed, a message out of order is not). Whether a run
+        changed."""
+        for attempt in range(ATTEMPTS):
+            state = self.inbox.state(session_id)
+            expected = state.version
+            runs = [r for r in state.runs if any(r.first <= o < r.end for o in ordinals)]
+            if not runs or all(r.sent_at_ms == 0 for r in runs):
+                return False
+            for run in runs:
+                run.sent_at_ms = 0
+            state.version = expected + 1
+            expires = self.clock.now_ms() // 1000 + self.settings.retention_s
+            if self.inbox.write_state(session_id, state, expected, expires):
+                return True
+            self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+        raise ServerBusy("this session's deliveries are contended; retry")
+
     # -- ack
 
     def ack(

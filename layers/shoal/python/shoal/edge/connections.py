@@ -4,30 +4,28 @@ Two items per connected session (``shoal.aws.tables.ConnectionModel``):
 
 - ``conn#<connection id>``: the client id, principal, channel and session the connection holds,
   read by every frame (API Gateway names the connection, not the session);
-- ``session#<session id>``: the connection its deliveries are pushed to and its in-flight
-  window, read by whoever writes the session's inbox (the router), and the *push lease*.
+- ``session#<session id>``: the connection its deliveries are pushed to, its in-flight
+  window, whether its connection is *ready* (the connect's or renewal's answer went out), and
+  its place in the *due index* (when pushed deliveries pass their ack timeout), read by
+  whoever hands its pushes to the push queue (``shoal.edge.pushwork``) and by the pusher.
 
-The push lease keeps one pusher per session at a time, so that frames reach the client in the
-order their deliveries were handed out (two pushers each writing the delivery state and then
-posting could interleave their posts). A pusher that finds the lease held marks the item
-``again`` instead; the holder clears ``again`` before each round and releases only when no
-``again`` came in meanwhile, so a delivery written during a round is pushed by the next one.
-A holder that dies leaves a lease that expires after ``LEASE_MS``: the next write, ack or sweep
-pushes what it held. A holder that stops early marks the item ``pushing`` (it may have left
-deliveries behind), and only a clean release after a round that looked in every source removes
-the mark: an ack that opened no room pushes only while the mark is there, or a holder died,
-and no live holder is at work (``shoal.edge.push.Pusher.after_ack``).
+One pusher at a time per session is the push queue's doing (a session's pushes go through one
+message group, ``shoal.edge.pushwork``), not a lease in this table. What remains here is
+``ready``: a connection is bound (or a renewal moves the session to it) before its answer is
+posted, and the pusher posts nothing to a connection that is not ready, so no delivery
+overtakes the CONNACK that opens the session (MQTT 5 [MQTT-3.2.0-1]); the answering frame
+marks it ready, then hands the session's first push to the queue, behind any push handed
+over meanwhile.
 """
 
 from __future__ import annotations
 
-import secrets
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
 from shoal.aws import tables
 from shoal.aws.clients import error_code
@@ -37,9 +35,6 @@ from shoal.core.config import Config
 
 CONNECTION = "conn#"
 SESSION = "session#"
-#: a push round posts at most a window of frames (each a ~10 ms call deployed): a lease
-#: outlives a round by far, and a dead holder's lease is free again soon
-LEASE_MS = 10_000
 #: API Gateway closes every connection within two hours; an item left by a lost $disconnect
 #: is removed by TTL a little after
 MAX_CONNECTION_S = 7200
@@ -60,6 +55,10 @@ class Connection:
     #: the in-flight window: the client's Receive Maximum, at most the service's
     window: int
     connected_at_ms: int
+    #: the connection's answer went out: the pusher may post to it (``ConnectionStore.ready``)
+    ready: bool = True
+    #: when the sweep looks at the session next (the due index), if it is armed
+    due_at_ms: int | None = None
 
     def record(self, expires_at: int) -> dict[str, Any]:
         return {
@@ -88,6 +87,7 @@ class Connection:
 
     @classmethod
     def from_record(cls, raw: dict[str, Any], session_id: str | None = None) -> Connection:
+        due = raw.get("due_at_ms")
         return cls(
             connection_id=str(raw.get("connection_id") or raw["key"][len(CONNECTION) :]),
             client_id=str(raw["client_id"]),
@@ -96,6 +96,9 @@ class Connection:
             session_id=str(session_id or raw["session_id"]),
             window=int(raw["window"]),
             connected_at_ms=int(raw["connected_at_ms"]),
+            # an item written before ``ready`` existed was ready: its answer had gone out
+            ready=bool(raw.get("ready", True)),
+            due_at_ms=int(due) if due is not None else None,
         )
 
 
@@ -114,33 +117,38 @@ class ConnectionStore:
 
     # -- the connection's session
 
-    def bind(self, connection: Connection) -> str:
+    def bind(self, connection: Connection) -> None:
         """The connection holds its session now, and the session's deliveries go to it (one
-        transaction: a frame never finds a session whose pushes go elsewhere). The session's
-        push lease is taken in the same write, and its owner returned: nothing is pushed to
-        the connection before the connect's answer (MQTT 5 [MQTT-3.2.0-1]: CONNACK is the
-        server's first packet), a router's push meanwhile finds the lease held and leaves its
-        deliveries to the holder, which pushes once the answer is out. A holder that dies
-        leaves the lease to run out (``LEASE_MS``), as any push's."""
+        transaction: a frame never finds a session whose pushes go elsewhere), not ready until
+        its answer went out (``ready``)."""
         expires = self._expires()
-        owner = secrets.token_hex(8)
-        target = {
-            **connection.target(expires),
-            "lease_owner": owner,
-            "lease_until": self.clock.now_ms() + LEASE_MS,
-            "again": False,
-        }
         self.dynamo.transact(
             [
                 {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
-                {"Put": {"TableName": self.table, "Item": _item(target)}},
+                {
+                    "Put": {
+                        "TableName": self.table,
+                        "Item": _item({**connection.target(expires), "ready": False}),
+                    }
+                },
             ]
         )
-        return owner
+
+    def ready(self, connection: Connection) -> bool:
+        """The connection's answer went out: pushes may reach it from now. False when the
+        session's item names another connection now (or is gone)."""
+        e = Expression()
+        e.set("ready", True)
+        return self.dynamo.conditional(
+            "update_item",
+            TableName=self.table,
+            Key=_key(SESSION + connection.session_id),
+            **e.params(f"{e.n('connection_id')} = {e.v(connection.connection_id)}"),
+        )
 
     def move(
         self, connection_id: str, session_id: str, channel: str, sub: str
-    ) -> tuple[Connection, str] | None:
+    ) -> Connection | None:
         """A renewal (``renew``): the session's deliveries go to ``connection_id`` from now,
         on condition that its item names ``channel`` and ``sub`` (None when not: the older
         connection is gone, or the session is held by another channel). The session's item
@@ -151,17 +159,13 @@ class ConnectionStore:
         a whole (its ``renew`` is sent again; the older connection's item is left to its
         ``$disconnect``).
 
-        The session's push lease is taken in the same write, and its owner returned with the
-        connection, as ``bind`` does: the renewal's answer goes out before any delivery on the
-        new connection. A holder pushing to the older connection loses the lease then: it
-        stops at its release, and arms its deliveries' redelivery itself (``arm_session``)."""
+        The moved item is not ready (``ready``) until the renewal's answer went out: nothing
+        reaches the new connection before it, as a connect's CONNACK."""
         now = self.clock.now_ms()
         expires = self._expires()
-        owner = secrets.token_hex(8)
         e = Expression()
         e.set("connection_id", connection_id).set("connected_at_ms", now)
-        e.set("expires_at", expires)
-        e.set("lease_owner", owner).set("lease_until", now + LEASE_MS).set("again", False)
+        e.set("expires_at", expires).set("ready", False)
         condition = f"{e.n('channel')} = {e.v(channel)} AND {e.n('sub')} = {e.v(sub)}"
         try:
             raw = self.dynamo.call(
@@ -184,12 +188,13 @@ class ConnectionStore:
             session_id=session_id,
             window=int(old["window"]),
             connected_at_ms=now,
+            ready=False,
         )
         self.dynamo.call("put_item", TableName=self.table, Item=_item(connection.record(expires)))
         older = str(old.get("connection_id") or "")
         if older and older != connection_id:
             self.dynamo.call("delete_item", TableName=self.table, Key=_key(CONNECTION + older))
-        return connection, owner
+        return connection
 
     def connection(self, connection_id: str) -> Connection | None:
         raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})
@@ -240,117 +245,6 @@ class ConnectionStore:
         raw = self.dynamo.get(self.table, {"key": SESSION + session_id})
         return None if raw is None else Connection.from_record(raw, session_id)
 
-    # -- the push lease
-
-    def take_lease(self, connection: Connection) -> str | None:
-        """The session's push lease, or None when another pusher holds it (then that pusher is
-        told to go round once more)."""
-        owner = secrets.token_hex(8)
-        now = self.clock.now_ms()
-        e = Expression()
-        e.set("lease_owner", owner).set("lease_until", now + LEASE_MS).set("again", False)
-        condition = (
-            f"{e.n('connection_id')} = {e.v(connection.connection_id)} AND "
-            f"(attribute_not_exists({e.n('lease_until')}) OR {e.n('lease_until')} < {e.v(now)})"
-        )
-        if self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + connection.session_id),
-            **e.params(condition),
-        ):
-            return owner
-        again = Expression()
-        again.set("again", True)
-        self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + connection.session_id),
-            **again.params(f"attribute_exists({again.n('lease_owner')})"),
-        )
-        return None
-
-    def next_round(self, connection: Connection, owner: str) -> bool:
-        """Clears ``again`` before a round; False when the lease is no longer ours."""
-        e = Expression()
-        e.set("again", False).set("lease_until", self.clock.now_ms() + LEASE_MS)
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + connection.session_id),
-            **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
-        )
-
-    def release(
-        self,
-        connection: Connection,
-        owner: str,
-        due_at_ms: int | None = None,
-        *,
-        everywhere: bool = True,
-    ) -> bool:
-        """Gives the lease back; False when ``again`` came in during the round (then the
-        holder goes round once more, still holding it). ``due_at_ms``: when the deliveries
-        the push handed out come due again, if they do (written in the same update).
-        ``everywhere``: the last round looked in every source (not only where its trigger
-        wrote), so nothing an earlier push left behind is left: the ``pushing`` mark goes."""
-        e = Expression()
-        e.remove("lease_owner", "lease_until", "again")
-        if everywhere:
-            e.remove("pushing")
-        if due_at_ms is not None:
-            _arm(e, connection.session_id, due_at_ms)
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + connection.session_id),
-            **e.params(f"{e.n('lease_owner')} = {e.v(owner)} AND {e.n('again')} = {e.v(False)}"),
-        )
-
-    def let_go(self, connection: Connection, owner: str, due_at_ms: int | None = None) -> None:
-        """Gives the lease back whatever ``again`` says (a holder that stops early); best
-        effort: a lease not given back runs out by itself. The item is marked ``pushing``:
-        the holder may have left deliveries behind, and the next ack pushes them."""
-        e = Expression()
-        e.remove("lease_owner", "lease_until", "again").set("pushing", True)
-        if due_at_ms is not None:
-            _arm(e, connection.session_id, due_at_ms)
-        try:
-            self.dynamo.conditional(
-                "update_item",
-                TableName=self.table,
-                Key=_key(SESSION + connection.session_id),
-                **e.params(f"{e.n('lease_owner')} = {e.v(owner)}"),
-            )
-        except (ClientError, BotoCoreError):
-            return
-
-    def unfinished(self, session_id: str) -> bool:
-        """Whether a push may have left the session's deliveries behind and no live holder is
-        at work on it now: one stopped early (``pushing``), or died holding the lease (its
-        owner still there, its time run out). Strongly consistent, one small read."""
-        raw = self.dynamo.get(
-            self.table,
-            {"key": SESSION + session_id},
-            ProjectionExpression="#p, #o, #u",
-            ExpressionAttributeNames={"#p": "pushing", "#o": "lease_owner", "#u": "lease_until"},
-        )
-        return self.unfinished_as_read(raw)
-
-    def session_key(self, session_id: str) -> tuple[str, dict[str, str]]:
-        """The table and key of the session's item, for a caller's batch read of several
-        tables (an ack frame's: ``unfinished_as_read`` then needs no read of its own)."""
-        return self.table, {"key": SESSION + session_id}
-
-    def unfinished_as_read(self, raw: Mapping[str, Any] | None) -> bool:
-        """``unfinished`` of the session's item as read (None: there is none)."""
-        if not raw:
-            return False
-        until = raw.get("lease_until")
-        if until is not None and int(until) >= self.clock.now_ms():
-            return False  # a live holder: it goes on, and a release that fails sends it again
-        return bool(raw.get("pushing") or raw.get("lease_owner"))
-
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 
     def arm(self, connection: Connection, due_at_ms: int, *, earliest: bool = True) -> bool:
@@ -367,9 +261,9 @@ class ConnectionStore:
 
     def arm_session(self, session_id: str, due_at_ms: int) -> bool:
         """As ``arm`` (the earliest wins), whichever connection the session's item names now:
-        a pusher that lost its lease (a renewal moved the session, or the lease ran out and
-        another took it) still had its deliveries handed out. False when the item is gone
-        (then a reconnect sends everything in flight again)."""
+        a pusher whose connection was gone after a renewal moved the session on still had its
+        deliveries handed out. False when the item is gone (then a reconnect sends everything
+        in flight again)."""
         e = Expression()
         _arm(e, session_id, due_at_ms)
         return self.dynamo.conditional(

@@ -1,24 +1,37 @@
-"""Pushed delivery: a connected session's deliveries handed to its WebSocket connection.
+"""Pushed delivery: connected sessions' deliveries posted to their WebSocket connections.
 
-Whoever writes a connected session's inbox (the router) or frees its window (a connect; an ack
-that opened room, ``Pusher.after_ack``) calls ``Pusher.push``. A push is a get
-(``shoal.delivery.DeliveryService.get``) for the connection's channel within its window, then
-one ``PostToConnection`` per delivery: the get's conditional write of the session's delivery
-state hands each delivery out exactly once, as for HTTP, and the inbox stays the one source of
-truth. A post that fails loses nothing: the delivery is in flight for that channel and comes
-again with ``dup`` on reconnect (another channel) or after the ack timeout, like an unacked
-get. One pusher at a time per session (``ConnectionStore``'s push lease) keeps frames in the
-order they were handed out.
+The pusher function runs ``PushWorker.handle`` on a batch of the push queue's messages (push
+work, ``shoal.edge.pushwork``): chunks of sessions whose deliveries to post. For each session
+that is connected (and whose connection's answer went out, ``ConnectionStore.ready``) a push
+is a get (``shoal.delivery.DeliveryService.get``) for the connection's channel within its
+window, then one ``PostToConnection`` per delivery: the get's conditional write of the
+session's delivery state hands each delivery out exactly once, as for HTTP, and the inbox
+stays the one source of truth. A post that fails loses nothing: the delivery is in flight for
+that channel and comes again with ``dup`` on reconnect (another channel) or after the ack
+timeout, like an unacked get.
+
+A chunk's work is batched across its sessions: one read of their connections, one batch read
+of their heads and delivery states, their first gets side by side (``PUSH_PARALLELISM``),
+the delivery events of those gets in one append before any frame goes, then the posts side
+by side, each session's in order. Where the chunk carries the archive lines its deliveries
+name, nothing is read back from S3.
+
+Order: one session's pushes never run at once (its pushes share a message group of the FIFO
+push queue, ``shoal.edge.pushwork``), so frames leave in the order their deliveries were
+handed out, without a lease. A post refused as throttled is tried again with backoff and
+jitter (``Connections.post``); past its attempts, what this push handed out and did not post
+is made due again (``DeliveryService.unsend``) and the chunk is returned to the queue with a
+growing visibility delay: its group waits, so no later delivery of the session overtakes it,
+and the retry sends it again, in order, with ``dup``.
 """
 
 from __future__ import annotations
 
 import contextvars
-import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -28,52 +41,37 @@ from shoal.core import metrics
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
-from shoal.core.errors import ShoalError
+from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch
-from shoal.delivery.inbox import LineCache
+from shoal.delivery.inbox import LineCache, ordinal_of
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
 from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
 from shoal.edge.frames import MessageFrame, ServerDisconnectFrame, encode
+from shoal.edge.pushwork import HandOffs, PushQueue, PushWork
 
-#: sessions pushed at once by one invocation (a router batch's fan-out): each push waits on
-#: its round trips, not on the CPU
+#: sessions of a batch pushed at once: each push waits on its round trips, not on the CPU
 PUSH_PARALLELISM = 16
-#: rounds one push goes before leaving the rest to the next trigger: a round hands out at most
-#: the window, so a client that acks at once is not held in one invocation forever
+#: gets one session's push makes at most: a get hands out at most a page (``MAX_GET``), so a
+#: client that acks at once is not held in one invocation for ever (its acks push the rest)
 MAX_ROUNDS = 8
 GONE = "GoneException"
 
+#: a throttled post is tried this many times in all, with exponential backoff and full
+#: jitter between tries (``POST_BACKOFF_S`` doubling up to ``POST_BACKOFF_CAP_S``): at most
+#: about 4 s of waiting, then the push returns its chunk to the queue
+POST_ATTEMPTS = 6
+POST_BACKOFF_S = 0.05
+POST_BACKOFF_CAP_S = 2.0
+#: what API Gateway answers a post past the account's request rate (429)
+THROTTLED = frozenset({"LimitExceededException", "TooManyRequestsException", "ThrottlingException"})
+#: a chunk returned to the queue is visible again after a jittered, growing delay (by its
+#: receive count), at most this long: its group (its sessions' later pushes) waits meanwhile
+MAX_RETRY_DELAY_S = 60
 
-@dataclass
-class SweepReport:
-    #: sessions found due
-    swept: int = 0
-    #: frames pushed to them (deliveries again, with ``dup``, and any new ones)
-    pushed: int = 0
-    #: sessions armed again for deliveries still in flight
-    armed: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-@dataclass
-class _Opened:
-    """One session's push after a wave's first step (``Pusher._open``)."""
-
-    #: the push lease's owner
-    owner: str
-    #: what the first get handed out, to be posted
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    #: how many of them were posted (``Pusher._post_opened``)
-    posted: int = 0
-    #: why the first step failed (raised again where the push goes on)
-    failed: Exception | None = None
-    #: shared-group members the first get handed streams to
-    handed: set[str] = field(default_factory=set)
+T = TypeVar("T")
 
 
 class ConnectionGone(Exception):
@@ -85,16 +83,6 @@ class PostThrottled(Exception):
     ``POST_ATTEMPTS``: the frame did not go; its delivery stays where the inbox has it."""
 
 
-#: a throttled post is tried this many times in all, with exponential backoff and full
-#: jitter between tries (``POST_BACKOFF_S`` doubling up to ``POST_BACKOFF_CAP_S``): at most
-#: about 4 s of waiting, then the caller leaves the frame to a later push
-POST_ATTEMPTS = 6
-POST_BACKOFF_S = 0.05
-POST_BACKOFF_CAP_S = 2.0
-#: what API Gateway answers a post past the account's request rate (429)
-THROTTLED = frozenset({"LimitExceededException", "TooManyRequestsException", "ThrottlingException"})
-
-
 class Connections:
     """The WebSocket API's ``@connections`` management API."""
 
@@ -104,7 +92,7 @@ class Connections:
         self.clock = clock or SystemClock()
 
     @classmethod
-    def from_config(cls, config: Config) -> Connections | None:
+    def from_config(cls, config: Config, clock: Clock | None = None) -> Connections | None:
         if not config.connections_endpoint:
             return None
         return cls(
@@ -113,14 +101,16 @@ class Connections:
                 config.region,
                 "connections",
                 endpoint_url=config.connections_endpoint,
-            )
+            ),
+            clock,
         )
 
     def post(self, connection_id: str, frame: str) -> None:
         """One frame to the connection. API Gateway counts every post against the account's
         request rate, shared by every API of the region, and refuses past it (429): such a
         post is tried again after a jittered, growing wait (never dropped silently), up to
-        ``POST_ATTEMPTS``, then ``PostThrottled``."""
+        ``POST_ATTEMPTS``, then ``PostThrottled``. A 429 took nothing, so a try again never
+        sends a frame twice (the client itself is not retried: ``clients.PROFILES``)."""
         data = frame.encode()
         for attempt in range(POST_ATTEMPTS):
             try:
@@ -146,358 +136,377 @@ class Connections:
             if error_code(exc) != GONE:
                 raise
 
+    def disconnect(self, connection_id: str, reason: str, ref: str | None = None) -> None:
+        """Sends the service's ``disconnect`` frame, then closes the connection (MQTT 5
+        §3.14: the server's DISCONNECT, then the network connection is closed)."""
+        try:
+            self.post(connection_id, encode(ServerDisconnectFrame(reason=reason, ref=ref)))  # type: ignore[arg-type]
+        except ConnectionGone:
+            return
+        except PostThrottled:
+            pass  # closed all the same: the client learns why from its close
+        self.close(connection_id)
 
-class Pusher:
+
+@dataclass
+class _Push:
+    """One session's push in a batch."""
+
+    session_id: str
+    #: the batch's records naming the session, in order
+    records: list[int]
+    #: where the first get looks (None: everywhere)
+    source: str | None
+    lines: LineCache
+    connection: Connection | None = None
+    read: SessionRead | None = None
+    #: what the first get handed out, to be posted
+    handed: list[dict[str, Any]] = field(default_factory=list)
+    #: frames posted
+    posted: int = 0
+    #: a QoS 1/2 delivery went out: it waits for an ack (the due index is armed for it)
+    acked_later: bool = False
+    #: the push failed in a way a retry of its chunk mends (throttled, contended, refused)
+    failed: Exception | None = None
+    #: ordinals handed out and not posted (made due again when the push failed)
+    unposted: set[int] = field(default_factory=set)
+
+
+@dataclass
+class WorkReport:
+    sessions: int = 0
+    #: sessions not connected (or not ready): nothing to post
+    skipped: int = 0
+    frames: int = 0
+    failed_records: int = 0
+
+
+class PushWorker:
+    """The pusher function's work: a batch of push-queue messages posted."""
+
     def __init__(
         self,
         connections: ConnectionStore,
         api: Connections,
         delivery: DeliveryService,
+        queue: PushQueue | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.connections = connections
         self.api = api
         self.delivery = delivery
+        self.queue = queue
         self.clock = clock or SystemClock()
-        #: per thread (``shoal dev`` runs invocations on threads): the shared-group members
-        #: handed streams during this invocation, and how deep in pushes it is
-        self._local = threading.local()
-        # the delivery's groups: gets and acks hand streams over
-        self.watch(getattr(delivery, "groups", None))
+        #: the members this batch's gets handed group streams to: pushed by their own work
+        self.hand_offs = HandOffs(queue)
+        self.hand_offs.watch(getattr(delivery, "groups", None))
+        self.last = WorkReport()
 
-    def watch(self, groups: object | None) -> None:
-        """Pushes the members that the transitions of ``groups`` (a ``GroupService``) hand
-        streams to (a lane revoked from one member goes to another when the first acks its
-        last): an idle member connected over the WebSocket API runs nothing that would read
-        them."""
-        store = getattr(groups, "store", None)
-        if store is not None:
-            store.on_granted = self.handed_over
+    # -- the function's event
 
-    def handed_over(self, session_ids: set[str]) -> None:
-        """Noted, and pushed when the outermost push of this invocation ends (or at
-        ``push_handed_over``): never in the middle of the get that granted them."""
-        pending: set[str] | None = getattr(self._local, "pending", None)
-        if pending is None:
-            pending = self._local.pending = set()
-        pending.update(session_ids)
-
-    def push_handed_over(self) -> int:
-        """Pushes the members handed streams so far in this invocation; the frames pushed."""
-        pushed = 0
-        pending: set[str] | None = getattr(self._local, "pending", None)
-        # a push of one may hand streams to another: until none is left
-        while pending:
-            session_ids = set(pending)
-            pending.clear()
+    def handle(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """An SQS batch (Lambda's event), answered with the records to return to the queue:
+        those whose push failed, and every later one of the same message group (FIFO: a
+        group's later message must not run before an earlier one succeeded)."""
+        records = list(event.get("Records") or [])
+        works: list[PushWork | None] = []
+        for record in records:
             try:
-                pushed += self.push_sessions(session_ids)
-            except (ClientError, BotoCoreError) as exc:
-                # the streams wait for the member's next trigger (a message routed to the
-                # group pushes every member): the work that granted them is done
+                works.append(PushWork.parse(str(record.get("body") or "")))
+            except (ValueError, KeyError, TypeError):
+                # a body no worker can read would only come back: dropped, and counted
+                logger.error("unreadable push work dropped", extra={"id": record.get("messageId")})
                 count(metrics.PUSH_FAILED)
-                logger.info("handed-over push failed", extra={"error_type": type(exc).__name__})
-        return pushed
+                works.append(None)
+        failed = self.work(works)
+        returned = _fifo_failures(records, failed)
+        if returned:
+            self._delay(records, returned)
+        return {
+            "batchItemFailures": [{"itemIdentifier": records[n]["messageId"]} for n in returned]
+        }
 
-    def push_sessions(
-        self,
-        session_ids: Iterable[str],
-        lines: LineCache | None = None,
-        source: str | None = None,
-    ) -> int:
-        """Pushes to those of ``session_ids`` that are connected over the WebSocket API (one
-        strongly consistent batch read finds them); the frames pushed.
-
-        Sessions are pushed side by side (``PUSH_PARALLELISM`` at once): a push is a few
-        round trips (lease, get, post, release), so one after the other a router batch that
-        fans out to 1,000 connected sessions would take over a minute deployed (the router's
-        timeout) and the last subscriber would wait for all the others. Each session's own
-        frames stay in order: one pusher per session holds its lease.
-
-        ``lines``: the archive lines the caller holds (the router's batch), so that the pushes
-        fill the deliveries naming them without reading the archive back. ``source``: the
-        source the caller just wrote the sessions' deliveries to (the router's shard), where
-        each push's first round looks for new ones (``DeliveryService.get``).
-
-        The targets' heads and delivery states are read together first (one batch read for
-        up to 50 sessions, ``DeliveryService.read_sessions``), so that each push's first get
-        reads neither: under one lock (``shoal dev``) the pushes of a batch wait for each
-        other's calls, and deployed each read is a round trip before the frame goes out."""
-        targets = self.connections.targets(session_ids)
-        if not targets:
-            return 0
-        read = self._read(targets)
-        if len(targets) == 1:
-            return self.push(targets[0], lines, source, read.get(targets[0].session_id))
-        workers = min(PUSH_PARALLELISM, len(targets))
-        pushed = 0
-        #: what a session's step raised (a throttled lease, say): the other sessions' pushes
-        #: go on to the end, and the first error is raised then (the router's batch is retried)
-        errors: list[Exception] = []
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-push") as pool:
-
-            def each(work: Any, *columns: Iterable[Any]) -> list[Any]:
-                # the invocation's context (its metrics, its logger's keys) goes with each
-                futures = [
-                    pool.submit(contextvars.copy_context().run, work, *args)
-                    for args in zip(*columns, strict=True)
-                ]
-                done: list[Any] = []
-                for future in futures:
-                    error = future.exception()
-                    if error is not None:
-                        errors.append(error)  # type: ignore[arg-type]
-                    done.append(None if error is not None else future.result())
-                return done
-
-            for start in range(0, len(targets), workers):
-                wave = targets[start : start + workers]
-                batch = self._event_batch()
-                opened = each(
-                    self._open,
-                    wave,
-                    [lines] * len(wave),
-                    [source] * len(wave),
-                    [read.get(c.session_id) for c in wave],
-                    [batch] * len(wave),
+    def _delay(self, records: list[Mapping[str, Any]], returned: list[int]) -> None:
+        """Returned records become visible after a jittered delay growing with their receive
+        count, not after the queue's visibility timeout (minutes): best effort."""
+        if self.queue is None:
+            return
+        entries = []
+        for n in returned:
+            received = int((records[n].get("attributes") or {}).get("ApproximateReceiveCount", 1))
+            delay = max(1, round(backoff_s(received, 1.0, MAX_RETRY_DELAY_S)))
+            entries.append(
+                {
+                    "Id": str(n),
+                    "ReceiptHandle": records[n]["receiptHandle"],
+                    "VisibilityTimeout": delay,
+                }
+            )
+        try:
+            for start in range(0, len(entries), 10):
+                self.queue.sqs.change_message_visibility_batch(
+                    QueueUrl=self.queue.url, Entries=entries[start : start + 10]
                 )
-                self._append(batch, opened)
-                # every frame of the wave before any lease goes back: the releases (a write
-                # each) wait behind the frames, not the frames behind the releases
-                each(self._post_opened, wave, opened)
-                finished = each(
-                    self._finish, wave, opened, [lines] * len(wave), [source] * len(wave)
-                )
-                pushed += sum(n or 0 for n in finished)
-        if errors:
-            raise errors[0]
-        return pushed
+        except (ClientError, BotoCoreError) as exc:
+            logger.info("push retry delay not set", extra={"error_type": type(exc).__name__})
+
+    # -- the work
+
+    def work(self, works: list[PushWork | None]) -> set[int]:
+        """Pushes the sessions of ``works`` (the batch's records, in order); the indexes of
+        the records whose push failed (to be returned to the queue)."""
+        report = self.last = WorkReport()
+        pushes = _plan(works)
+        report.sessions = len(pushes)
+        if not pushes:
+            return set()
+        targets = {c.session_id: c for c in self.connections.targets(pushes)}
+        ready = []
+        for push in pushes.values():
+            push.connection = targets.get(push.session_id)
+            if push.connection is not None and push.connection.ready:
+                ready.append(push)
+        report.skipped = len(pushes) - len(ready)
+        if ready:
+            reads = self._read(ready)
+            for push in ready:
+                push.read = reads.get(push.session_id)
+            self._push(ready)
+        failed = {n for push in ready if push.failed is not None for n in push.records}
+        report.frames = sum(p.posted for p in ready)
+        report.failed_records = len(failed)
+        # the members these gets handed group streams to: their own pushes
+        self.hand_offs.flush()
+        return failed
+
+    def _push(self, pushes: list[_Push]) -> None:
+        batch = self._event_batch()
+        # the first gets side by side, their events appended together before any frame goes
+        self._each(lambda p: self._open(p, batch), pushes)
+        if batch is not None:
+            try:
+                batch.flush()
+            except (ClientError, BotoCoreError) as exc:
+                # a delivery the log does not name is never posted (the audit counts what the
+                # events say went out): made due again, and the chunk retried
+                for push in pushes:
+                    if push.failed is None and push.handed:
+                        push.failed = exc
+                        push.unposted = _ordinals(push.session_id, push.handed)
+        self._each(self._post_and_go_on, pushes)
+        for push in pushes:
+            self._settle(push)
+
+    def _each(self, step: Callable[[_Push], None], pushes: list[_Push]) -> None:
+        if len(pushes) == 1:
+            step(pushes[0])
+            return
+        with ThreadPoolExecutor(
+            min(PUSH_PARALLELISM, len(pushes)), thread_name_prefix="shoal-push"
+        ) as pool:
+            # the invocation's context (its metrics, its logger's keys) goes with each
+            for done in [pool.submit(contextvars.copy_context().run, step, p) for p in pushes]:
+                done.result()
+
+    def _open(self, push: _Push, batch: EventBatch | None) -> None:
+        """A push's first get, its events to ``batch``."""
+        try:
+            push.handed = self._get(push, push.source, push.read, batch)
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            self._stopped(push, exc)
+
+    def _post_and_go_on(self, push: _Push) -> None:
+        """Posts what the first get handed out, then gets and posts more while a page came
+        full (the rest waits in the inbox) or while another record named the session."""
+        if push.failed is not None or push.connection is None:
+            return
+        messages = push.handed
+        rounds = 0
+        #: frames posted before this round's
+        before = push.posted
+        try:
+            while True:
+                before = push.posted
+                self._post(push, messages)
+                rounds += 1
+                more = len(messages) == MAX_GET or (rounds == 1 and len(push.records) > 1)
+                if not more or rounds >= MAX_ROUNDS:
+                    return
+                # a second get looks in every source: what else waits, wherever it is
+                messages = self._get(push, None, None, None)
+        except ConnectionGone:
+            count(metrics.PUSH_FAILED)
+            # no more pushes to it; its own item stays for its $disconnect, which loses the
+            # channel (the will's delay starts there)
+            if self.connections.forget(push.connection):
+                # a renewal moved the session on meanwhile: what this push handed out stays in
+                # flight for the same channel, and comes again after its ack timeout
+                self.connections.arm_session(push.session_id, self._due())
+        except PostThrottled as exc:
+            count(metrics.PUSH_FAILED)
+            push.failed = exc
+            push.unposted = _ordinals(push.session_id, messages[push.posted - before :])
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            self._stopped(push, exc)
+
+    def _post(self, push: _Push, messages: list[dict[str, Any]]) -> None:
+        assert push.connection is not None
+        for message in messages:
+            self.api.post(push.connection.connection_id, encode(MessageFrame(**message)))
+            push.posted += 1
+            push.acked_later = push.acked_later or message["qos"] > 0
+        count(metrics.PUSHED, len(messages))
+
+    def _settle(self, push: _Push) -> None:
+        """After a push: the due index armed for what waits for an ack (unless armed already:
+        the sweep goes on from deadline to deadline), or what a failed push handed out and
+        did not post made due again for the chunk's retry."""
+        connection = push.connection
+        if connection is None:
+            return
+        try:
+            if push.unposted:
+                self.delivery.unsend(push.session_id, push.unposted)
+            if push.acked_later and connection.due_at_ms is None:
+                self.connections.arm(connection, self._due())
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            logger.warning("push settle failed", extra={"error_type": type(exc).__name__})
+            if push.unposted and push.failed is None:
+                push.failed = exc
+
+    def _stopped(self, push: _Push, exc: Exception) -> None:
+        """A get or post that raised: a channel taken over or gone pushes nothing more (the
+        newer connection pushes for itself); what a retry can mend (contention, throttling)
+        returns the chunk to the queue."""
+        count(metrics.PUSH_FAILED)
+        code = (
+            exc.code
+            if isinstance(exc, ShoalError)
+            else error_code(exc)
+            if isinstance(exc, ClientError)
+            else None
+        )
+        logger.warning("push stopped", extra={"error_type": type(exc).__name__, "code": code})
+        if isinstance(exc, ServerBusy) or not isinstance(exc, ShoalError):
+            push.failed = exc
+
+    def _due(self) -> int:
+        return self.clock.now_ms() + int(self.delivery.settings.ack_timeout_s * 1000)
 
     def _event_batch(self) -> EventBatch | None:
         recording = self.delivery.events
         return EventBatch(recording) if recording is not None and recording.enabled else None
 
-    def _open(
-        self,
-        connection: Connection,
-        lines: LineCache | None,
-        source: str | None,
-        read: SessionRead | None,
-        batch: EventBatch | None,
-    ) -> _Opened | None:
-        """A wave's first step for one session: its lease and its first get, whose delivery
-        events go to ``batch`` (appended for the whole wave before any frame goes out). None:
-        another pusher holds the lease (and goes round once more for us)."""
-        owner = self.connections.take_lease(connection)
-        if owner is None:
-            return None
-        opened = _Opened(owner)
+    def _read(self, pushes: list[_Push]) -> dict[str, SessionRead]:
+        """The sessions' heads and states in one batch read, or nothing when it failed: each
+        get then reads its own, as it would without this."""
         try:
-            opened.messages = self._get(connection, lines, source, read, batch)
-        except (ShoalError, ClientError, BotoCoreError) as exc:
-            opened.failed = exc
-        # streams this get handed to shared-group members: pushed by whichever thread finishes
-        pending: set[str] | None = getattr(self._local, "pending", None)
-        if pending:
-            opened.handed = set(pending)
-            pending.clear()
-        return opened
-
-    @staticmethod
-    def _append(batch: EventBatch | None, opened: list[_Opened | None]) -> None:
-        """The wave's delivery events, in one append, before its frames: a delivery the log
-        does not name is never posted (the audit counts what the events say went out)."""
-        if batch is None:
-            return
-        try:
-            batch.flush()
-        except (ClientError, BotoCoreError) as exc:
-            for o in opened:
-                if o is not None and o.failed is None:
-                    o.failed = exc
-
-    def _post_opened(self, connection: Connection, opened: _Opened | None) -> None:
-        """Posts what a wave's first get handed out (``opened.posted`` counts those gone)."""
-        if opened is None or opened.failed is not None:
-            return
-        try:
-            for message in opened.messages:
-                self.api.post(connection.connection_id, encode(MessageFrame(**message)))
-                opened.posted += 1
-        except (ConnectionGone, ClientError, BotoCoreError) as exc:
-            opened.failed = exc
-
-    def _finish(
-        self,
-        connection: Connection,
-        opened: _Opened | None,
-        lines: LineCache | None,
-        source: str | None,
-    ) -> int:
-        """The rest of a wave's push for one session once its frames went out, as ``push``
-        goes on: more gets when the first one filled a page, the release, more rounds."""
-        if opened is None:
-            return 0
-        if opened.handed:
-            self.handed_over(opened.handed)
-        return self.push(connection, lines, source, opened=opened)
-
-    def _read(self, targets: list[Connection]) -> dict[str, SessionRead]:
-        """The targets' heads and states, or nothing when the read failed: each push then
-        reads its own, as it would without this."""
-        try:
-            return self.delivery.read_sessions((c.client_id, c.session_id) for c in targets)
+            return self.delivery.read_sessions(
+                (p.connection.client_id, p.session_id) for p in pushes if p.connection
+            )
         except (ShoalError, ClientError, BotoCoreError) as exc:
             logger.info("push read failed", extra={"error_type": type(exc).__name__})
             return {}
 
-    def after_ack(
-        self, connection: Connection, opened: bool, *, unfinished: bool | None = None
-    ) -> int:
-        """The push an ack makes: when it opened room for deliveries that wait (``opened``,
-        ``DeliveryService.ack_opening``), or a push may have left deliveries behind (it
-        stopped early, or died holding the lease: ``ConnectionStore.unfinished``).
-        Otherwise every delivery there is went out already, or a live holder is handing it
-        out, and a push would take and give back the lease to find nothing (two writes and
-        three or four reads), or send the holder round once more for nothing; what comes due
-        for redelivery meanwhile is the sweep's. The frames pushed. ``unfinished``: as the
-        caller read it already (``ConnectionStore.unfinished_as_read``), not read again."""
-        if opened:
-            return self.push(connection)
-        if unfinished is None:
-            unfinished = self.connections.unfinished(connection.session_id)
-        return self.push(connection) if unfinished else 0
-
-    def push(
+    def _get(
         self,
-        connection: Connection,
-        lines: LineCache | None = None,
-        source: str | None = None,
-        read: SessionRead | None = None,
-        *,
-        held_by: str | None = None,
-        opened: _Opened | None = None,
-    ) -> int:
-        """The connection's deliveries, within its window, in order; the frames pushed. Never
-        raises for a failed push: the inbox keeps what it would have carried.
+        push: _Push,
+        source: str | None,
+        read: SessionRead | None,
+        events: EventBatch | None,
+    ) -> list[dict[str, Any]]:
+        connection = push.connection
+        assert connection is not None
+        who = Principal(sub=connection.sub, clients=(connection.client_id,))
+        messages: list[dict[str, Any]] = self.delivery.get(
+            who,
+            connection.client_id,
+            connection.channel,
+            max_messages=MAX_GET,
+            window=connection.window,
+            lines=push.lines,
+            source=source,
+            known=read,
+            events=events,
+        )["messages"]
+        return messages
 
-        Handing out a QoS 1/2 delivery arms the session in the due index for its ack timeout
-        (in the lease's release: no extra write), so that the reaper's sweep pushes it again
-        with ``dup`` if no ack came by then; nothing else would, while the client stays.
 
-        Shared-group members that this push's gets handed streams to are pushed after it.
-        ``read``: the session's head and state as read before the lease was taken, where the
-        first get starts (a stale state costs that get a failed write and a read again).
-        ``held_by``: the lease's owner when the caller holds it already (a connect's bind).
-        ``opened``: the lease and first get done already (``push_sessions``' waves)."""
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        try:
-            pushed = self._push(connection, lines, source, read, held_by=held_by, opened=opened)
-        finally:
-            self._local.depth = depth
-        if depth == 0:
-            pushed += self.push_handed_over()
-        return pushed
+def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
+    """The batch's sessions, each with the records naming it (in order), where its first get
+    looks (the first record's source: another source, or none, looks everywhere) and the
+    archive lines the records carry."""
+    pushes: dict[str, _Push] = {}
+    for n, work in enumerate(works):
+        if work is None:
+            continue
+        for session_id in work.sessions:
+            push = pushes.get(session_id)
+            if push is None:
+                pushes[session_id] = _Push(session_id, [n], work.source, dict(work.lines))
+                continue
+            push.records.append(n)
+            if push.source != work.source:
+                push.source = None
+            push.lines.update(work.lines)
+    return pushes
 
-    def _push(
+
+def _ordinals(session_id: str, messages: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The session's own ordinals among delivered messages (a group's ``g-`` ids are their
+    lanes', which redeliver on their own)."""
+    found = (ordinal_of(session_id, str(m.get("id", ""))) for m in messages)
+    return {o for o in found if o is not None}
+
+
+def _fifo_failures(records: list[Mapping[str, Any]], failed: set[int]) -> list[int]:
+    """The records to return: the failed ones, and every later record of a group one failed
+    in (Lambda's rule for a FIFO queue's partial batch response)."""
+    stopped: set[str] = set()
+    out: list[int] = []
+    for n, record in enumerate(records):
+        group = str((record.get("attributes") or {}).get("MessageGroupId", ""))
+        if n in failed or group in stopped:
+            stopped.add(group)
+            out.append(n)
+    return out
+
+
+@dataclass
+class SweepReport:
+    #: sessions found due
+    swept: int = 0
+    #: sessions whose pushes were handed to the queue (deliveries again, with ``dup``)
+    pushed: int = 0
+    #: sessions armed again for deliveries still in flight
+    armed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class PushSweep:
+    """The reaper's part: the connected sessions whose pushed deliveries passed their ack
+    timeout (the due index), handed to the push queue again, each armed for its next
+    deadline."""
+
+    def __init__(
         self,
-        connection: Connection,
-        lines: LineCache | None = None,
-        source: str | None = None,
-        read: SessionRead | None = None,
-        *,
-        held_by: str | None = None,
-        opened: _Opened | None = None,
-    ) -> int:
-        owner = opened.owner if opened else held_by or self.connections.take_lease(connection)
-        if owner is None:
-            return 0  # the holder goes round once more for us
-        pushed = 0
-        due: int | None = None
-        held = True
-        try:
-            if opened is not None and opened.failed is not None:
-                # what its get handed out never went out: armed, so that the sweep sends it
-                # again after its ack timeout (as a frame lost on the way would be)
-                if any(m["qos"] > 0 for m in opened.messages):
-                    due = self.clock.now_ms() + self._ack_timeout_ms
-                pushed = opened.posted
-                raise opened.failed
-            for round_ in range(MAX_ROUNDS):
-                # the lease was just taken with ``again`` cleared: the first round needs no
-                # write of its own (a pusher that came in meanwhile set ``again``, and the
-                # release then fails and sends this holder round once more)
-                if round_ and not self.connections.next_round(connection, owner):
-                    # the lease is another's now (a renewal took it, or it ran out): what this
-                    # push handed out is still timed, or only a reconnect would send it again
-                    held = False
-                    if due is not None:
-                        self.connections.arm_session(connection.session_id, due)
-                    return pushed
-                # the first round looks where the trigger wrote (``source``); a round again
-                # (``again``: another trigger came meanwhile, maybe for another source, or an
-                # ack opened the window) looks everywhere
-                frames, acked_later = self._round(
-                    connection,
-                    lines,
-                    *((source, read) if not round_ else (None, None)),
-                    handed=opened.messages if opened is not None and not round_ else None,
-                    posted=opened.posted if opened is not None and not round_ else 0,
-                )
-                pushed += frames
-                if acked_later and due is None:
-                    due = self.clock.now_ms() + self._ack_timeout_ms
-                everywhere = source is None or round_ > 0
-                if self.connections.release(connection, owner, due, everywhere=everywhere):
-                    held = False
-                    return pushed
-            # rounds used up: given back below, the next trigger goes on
-            return pushed
-        except ConnectionGone:
-            count(metrics.PUSH_FAILED)
-            # no more pushes to it; its own item stays for its $disconnect, which loses the
-            # channel (the will's delay starts there)
-            if self.connections.forget(connection):
-                # a renewal moved the session on meanwhile: what this push handed out stays in
-                # flight for the same channel, and comes again after its ack timeout
-                self.connections.arm_session(
-                    connection.session_id, self.clock.now_ms() + self._ack_timeout_ms
-                )
-            held = False
-            return pushed
-        except (ShoalError, ClientError, BotoCoreError) as exc:
-            # e.g. the channel was taken over (the newer connection pushes for itself), a
-            # shared group's lane contended past its retries, a throttled call
-            count(metrics.PUSH_FAILED)
-            logger.warning(
-                "push stopped",
-                extra={
-                    "error_type": type(exc).__name__,
-                    "code": exc.code
-                    if isinstance(exc, ShoalError)
-                    else error_code(exc)
-                    if isinstance(exc, ClientError)
-                    else None,
-                },
-            )
-            return pushed
-        finally:
-            if held:
-                # a lease kept until it runs out (10 s) turns every push meanwhile into a
-                # no-op that counts on this holder: when the last trigger came in that time,
-                # the session's backlog waited for a trigger that never came
-                self.connections.let_go(connection, owner, due)
-
-    @property
-    def _ack_timeout_ms(self) -> int:
-        return int(self.delivery.settings.ack_timeout_s * 1000)
+        connections: ConnectionStore,
+        delivery: DeliveryService,
+        queue: PushQueue,
+        clock: Clock | None = None,
+    ) -> None:
+        self.connections = connections
+        self.delivery = delivery
+        self.queue = queue
+        self.clock = clock or SystemClock()
 
     def sweep(self, limit_per_shard: int = 500) -> SweepReport:
-        """The reaper's part: pushes again the connected sessions whose pushed deliveries
-        passed their ack timeout (the due index), and arms each for its next deadline."""
         report = SweepReport()
         now = self.clock.now_ms()
+        timeout_ms = int(self.delivery.settings.ack_timeout_s * 1000)
+        due: set[str] = set()
         for shard in range(DUE_SHARDS):
             for session_id, due_at_ms in self.connections.due(shard, now, limit_per_shard):
                 # taken off first, so a sweep that dies later loses only the timer (the next
@@ -506,91 +515,20 @@ class Pusher:
                     continue
                 report.swept += 1
                 # most sessions acked in time: one read of the delivery state says so
-                following = self._next_deadline(session_id)
-                if following is None:
+                runs = self.delivery.inbox.state(session_id).runs
+                if not runs:
                     continue
+                following = min(r.sent_at_ms for r in runs) + timeout_ms
                 connection = self.connections.target(session_id)
                 if connection is None:
                     continue
                 if following <= now:
-                    report.pushed += self.push(connection)
-                    following = self._next_deadline(session_id)
-                if following is not None and self.connections.arm(
-                    connection, following, earliest=False
-                ):
+                    due.add(session_id)
+                    # its push sends them again now: their next deadline is a timeout away
+                    following = now + timeout_ms
+                if self.connections.arm(connection, following, earliest=False):
                     report.armed += 1
-        # the reaper's group advances (a dead channel's leases) hand streams on too
-        report.pushed += self.push_handed_over()
+        if due:
+            self.queue.hand_off(due)
+            report.pushed = len(due)
         return report
-
-    def _next_deadline(self, session_id: str) -> int | None:
-        """When the earliest of the session's deliveries still in flight comes due again."""
-        runs = self.delivery.inbox.state(session_id).runs
-        if not runs:
-            return None
-        return min(r.sent_at_ms for r in runs) + self._ack_timeout_ms
-
-    def _round(
-        self,
-        connection: Connection,
-        lines: LineCache | None = None,
-        source: str | None = None,
-        read: SessionRead | None = None,
-        *,
-        handed: list[dict[str, Any]] | None = None,
-        posted: int = 0,
-    ) -> tuple[int, bool]:
-        """The frames pushed, and whether any of them waits for an ack. ``handed``: what this
-        round's first get handed out already (``_open``), of which the first ``posted`` went
-        out already (``_post_opened``)."""
-        pushed = 0
-        acked_later = False
-        while True:
-            gone = 0
-            if handed is not None:
-                messages, handed, gone = handed, None, posted
-            else:
-                messages = self._get(connection, lines, source, read)
-            # more than one get: the rest of what waits, wherever it is, read again
-            source = None
-            read = None
-            for n, message in enumerate(messages):
-                if n >= gone:
-                    self.api.post(connection.connection_id, encode(MessageFrame(**message)))
-                acked_later = acked_later or message["qos"] > 0
-            pushed += len(messages)
-            count(metrics.PUSHED, len(messages))
-            if len(messages) < MAX_GET:
-                # all there was, or the window is full: acks open it again
-                return pushed, acked_later
-
-    def _get(
-        self,
-        connection: Connection,
-        lines: LineCache | None,
-        source: str | None,
-        read: SessionRead | None,
-        events: EventBatch | None = None,
-    ) -> list[dict[str, Any]]:
-        who = Principal(sub=connection.sub, clients=(connection.client_id,))
-        messages: list[dict[str, Any]] = self.delivery.get(
-            who,
-            connection.client_id,
-            connection.channel,
-            max_messages=MAX_GET,
-            window=connection.window,
-            lines=lines,
-            source=source,
-            known=read,
-            events=events,
-        )["messages"]
-        return messages
-
-    def disconnect(self, connection_id: str, reason: str, ref: str | None = None) -> None:
-        """Sends the service's ``disconnect`` frame, then closes the connection (MQTT 5
-        §3.14: the server's DISCONNECT, then the network connection is closed)."""
-        try:
-            self.api.post(connection_id, encode(ServerDisconnectFrame(reason=reason, ref=ref)))  # type: ignore[arg-type]
-        except ConnectionGone:
-            return
-        self.api.close(connection_id)

@@ -3,9 +3,13 @@
 Each client frame is answered by the same service as its HTTP route (the session registry,
 subscribe, publish, get/ack), acting as the channel its connection holds; the answers and the
 errors are the HTTP API's, in frames. A frame's function returns its answer as the route
-response, except where deliveries follow the answer (``connect``, ``subscribe``, ``ack``): then
-it posts the answer first and pushes after, so a client never sees a delivery before the
-CONNACK that opens its session (MQTT 5 §3.2) or the SUBACK of its retained messages.
+response, except where deliveries follow the answer (``connect``, ``renew``, ``subscribe``,
+``ack``): then it posts the answer first and hands the session's push to the push queue after
+(``shoal.edge.pushwork``), so a client never sees a delivery before the CONNACK that opens its
+session (MQTT 5 §3.2) or the SUBACK of its retained messages. A connect's or renewal's
+connection is marked ready once its answer went out: the pusher posts nothing to it before
+(a push handed over between the bind and the answer finds it not ready, and the connect's own
+push, behind it in the session's lane, sends what it would have).
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from shoal.edge.frames import (
     UnsubscribeFrame,
     encode,
 )
-from shoal.edge.push import ConnectionGone, Pusher
+from shoal.edge.push import ConnectionGone, Connections, PostThrottled
+from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService
 from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest, Head
@@ -110,7 +115,8 @@ class EdgeService:
         *,
         delivery: DeliveryService,
         connections: ConnectionStore,
-        pusher: Pusher,
+        api: Connections,
+        queue: PushQueue,
         settings: DeliverySettings,
         clock: Clock | None = None,
     ) -> None:
@@ -119,7 +125,13 @@ class EdgeService:
         self.publisher = publish
         self.delivery = delivery
         self.connections = connections
-        self.pusher = pusher
+        self.api = api
+        self.queue = queue
+        #: the members this frame's work handed shared-group streams to (a leave, a
+        #: subscribe's rebalance, an ack's final progress): handed to the queue at its end
+        self.hand_offs = HandOffs(queue)
+        for groups in (subscriptions.groups, getattr(delivery, "groups", None)):
+            self.hand_offs.watch(groups)
         self.settings = settings
         self.clock = clock or SystemClock()
 
@@ -132,7 +144,7 @@ class EdgeService:
             self._disconnected(connection_id)
         finally:
             # a lost member's groups may hand its streams on
-            self.pusher.push_handed_over()
+            self.hand_offs.flush()
 
     def _disconnected(self, connection_id: str) -> None:
         connection = self.connections.connection(connection_id)
@@ -163,7 +175,7 @@ class EdgeService:
         finally:
             # the members this frame's work handed shared-group streams to (an ack's final
             # progress, a leave, a subscribe's rebalance): idle, they would not read them
-            self.pusher.push_handed_over()
+            self.hand_offs.flush()
 
     def _frame(
         self, connection_id: str, who: Principal, frame: BaseModel, requested_at_ms: int | None
@@ -198,29 +210,20 @@ class EdgeService:
             _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
             return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
         if isinstance(frame, AckFrame):
-            # the connection knows its session: its head, its state and its push mark (whether
-            # a push left deliveries behind) in one read, not three
-            known, mark = self.delivery.read_session_with(
-                connection.client_id,
-                connection.session_id,
-                *self.connections.session_key(connection.session_id),
-            )
+            # the connection knows its session: its head and its state in one read, not two
+            (known,) = self.delivery.read_sessions(
+                [(connection.client_id, connection.session_id)]
+            ).values()
             answer, opened = self.delivery.ack_opening(
                 who, connection.client_id, connection.channel, frame, connection.window, known=known
             )
-            # read before the ack's write, not after: a push that stops early in between marks
-            # the session after this read, as it could after a read made later; the next ack,
-            # the sweep or a message pushes what it left
-            unfinished = self.connections.unfinished_as_read(mark)
             if frame.ref is None:
                 # nothing asked back: the freed window is filled at once
-                self.pusher.after_ack(connection, opened, unfinished=unfinished)
+                if opened:
+                    self.queue.hand_off({connection.session_id: connection.client_id})
                 return Answer()
             return self._post_then_push(
-                connection,
-                encode(AckedFrame(ref=frame.ref, **answer)),
-                opened=opened,
-                unfinished=unfinished,
+                connection, encode(AckedFrame(ref=frame.ref, **answer)), push=opened
             )
         if isinstance(frame, DisconnectFrame):
             return self._disconnect(connection, who, frame)
@@ -261,14 +264,14 @@ class EdgeService:
             window=window,
             connected_at_ms=self.clock.now_ms(),
         )
-        # the push lease comes with the bind: no delivery before the answer below
-        holder = self.connections.bind(connection)
+        # not ready until the answer below went out: no delivery before it
+        self.connections.bind(connection)
         # after the bind: a keep is ended by its connection's end, which needs the bind's
         # items; a crash between the two leaves the member to its lease, as before keeps
         self._keep(connection, head)
         if previous is not None and previous.connection_id != connection_id:
             # MQTT 5 §4.13 / [MQTT-3.1.4-3]: the older connection is told why, then closed
-            self.pusher.disconnect(previous.connection_id, "session_taken_over")
+            self.api.disconnect(previous.connection_id, "session_taken_over")
         answer = ConnectedFrame(
             ref=frame.ref,
             session_present=connected.session_present,
@@ -276,7 +279,7 @@ class EdgeService:
             keepalive_s=0,
             receive_maximum=window,
         )
-        return self._post_then_push(connection, encode(answer), held_by=holder)
+        return self._post_then_push(connection, encode(answer), ready=True)
 
     def _renew(self, connection_id: str, who: Principal, frame: RenewFrame) -> Answer:
         """The client's own live channel moves to this connection (``RenewFrame``): the
@@ -289,12 +292,11 @@ class EdgeService:
             head = self.registry.renew(who, frame.client_id, frame.channel, CHANNEL_KEEPALIVE_S)
         except (SessionNotFound, SessionTakenOver) as exc:
             raise RenewRefused(f"{exc.message}: send connect") from exc
-        taken = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
-        if taken is None:
+        moved = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
+        if moved is None:
             raise RenewRefused("this channel's connection is gone: send connect")
-        # the push lease comes with the move: nothing reaches the new connection before the
-        # answer (as a connect's CONNACK, MQTT 5 [MQTT-3.2.0-1])
-        moved, owner = taken
+        # not ready until the answer went out: nothing reaches the new connection before it
+        # (as a connect's CONNACK, MQTT 5 [MQTT-3.2.0-1])
         # the session's group members are kept by this connection now (the older one's item
         # is gone, so its $disconnect releases nothing)
         self._keep(moved, head)
@@ -305,7 +307,7 @@ class EdgeService:
             keepalive_s=0,
             receive_maximum=moved.window,
         )
-        return self._post_then_push(moved, encode(answer), held_by=owner)
+        return self._post_then_push(moved, encode(answer), ready=True)
 
     def _previous(self, client_id: str) -> Connection | None:
         """The connection that holds the client id's session now, if any (to be taken over)."""
@@ -325,7 +327,7 @@ class EdgeService:
         # which releases the members again
         self._release(connection, head or self.registry.repository.head(connection.client_id))
         self.connections.unbind(connection)
-        self.pusher.disconnect(connection.connection_id, "normal", ref=frame.ref)
+        self.api.disconnect(connection.connection_id, "normal", ref=frame.ref)
         return Answer()
 
     def _keep(self, connection: Connection, head: Head) -> None:
@@ -344,40 +346,34 @@ class EdgeService:
         groups.connection_ended(connection.session_id, head.subscriptions, connection.connection_id)
 
     def _post_then_push(
-        self,
-        connection: Connection,
-        answer: str,
-        *,
-        opened: bool | None = None,
-        unfinished: bool | None = None,
-        held_by: str | None = None,
+        self, connection: Connection, answer: str, *, ready: bool = False, push: bool = True
     ) -> Answer:
-        """Posts the answer, then pushes what the session has waiting; the route response is
-        empty then. A post that fails for another reason than a gone connection (throttled,
-        answered late) must not turn a frame that did its work into an error: the answer goes
-        back as the route response instead, and nothing is pushed after it (a delivery must
-        not overtake it); the next write, ack or sweep pushes. ``held_by``: the push lease's
-        owner when this frame holds it (a connect's), given back if nothing is pushed."""
+        """Posts the answer, then hands the session's push to the queue (``push``); the route
+        response is empty then. ``ready``: the connection (a connect's, a renewal's) is
+        marked ready first, so the pusher may post to it. A post that fails for another
+        reason than a gone connection (throttled past its tries, answered late) must not turn
+        a frame that did its work into an error: the answer goes back as the route response
+        instead (API Gateway sends it as the function returns, before the queue's push can
+        come)."""
         try:
-            self.pusher.api.post(connection.connection_id, answer)
-        except (ConnectionGone, ClientError, BotoCoreError) as exc:
-            if held_by is not None:
-                # marked unfinished: the next ack (or the sweep, or a message) pushes
-                self.connections.let_go(connection, held_by)
-            if isinstance(exc, ConnectionGone):
-                return Answer()
+            self.api.post(connection.connection_id, answer)
+        except ConnectionGone:
+            return Answer()
+        except (PostThrottled, ClientError, BotoCoreError) as exc:
             logger.info(
                 "answer posted as the route response", extra={"error_type": type(exc).__name__}
             )
+            self._push_after(connection, ready=ready, push=push)
             return Answer(answer)
-        if held_by is not None:
-            self.pusher.push(connection, held_by=held_by)
-        elif opened is None:
-            self.pusher.push(connection)
-        else:
-            # an ack's: only when it opened room or a push is unfinished
-            self.pusher.after_ack(connection, opened, unfinished=unfinished)
+        self._push_after(connection, ready=ready, push=push)
         return Answer()
+
+    def _push_after(self, connection: Connection, *, ready: bool, push: bool) -> None:
+        if ready and not self.connections.ready(connection):
+            # the session moved to another connection meanwhile: that one pushes for itself
+            return
+        if push or ready:
+            self.queue.hand_off({connection.session_id: connection.client_id})
 
 
 def _kept_by(connection: Connection) -> KeptBy:

@@ -69,6 +69,24 @@ READ_ONLY_ACTION_PREFIXES = (
     "TransactGet",
 )
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: SQS's message calls: a queue's messages live in memory only, not in the journal. moto draws
+#: receipt handles at random, so a replayed delete could not find what a replayed receive
+#: made; and what the queues carry under ``shoal dev`` is pushes to WebSocket connections,
+#: which end with the process anyway (the inboxes hold every delivery). The queues themselves
+#: (create, attributes, mappings) are journaled as any resource.
+TRANSIENT_QUEUE_ACTIONS = frozenset(
+    {
+        "SendMessage",
+        "SendMessageBatch",
+        "ReceiveMessage",
+        "DeleteMessage",
+        "DeleteMessageBatch",
+        "ChangeMessageVisibility",
+        "ChangeMessageVisibilityBatch",
+        "PurgeQueue",
+    }
+)
+SQS_TARGET = "AmazonSQS."
 
 #: environ keys a replay needs to route and apply a request as the first run did
 _REPLAYED_ENVIRON = (
@@ -251,6 +269,13 @@ def detach_moto_lambda_triggers() -> None:
 
     LambdaBackend.send_kinesis_message = no_delivery
     LambdaBackend.send_dynamodb_items = no_delivery
+    # a queue's mapping is kept by moto on the queue, and every send would receive the
+    # message for it (counting a receive) before failing to invoke: the queue keeps none
+    from moto.sqs.models import Queue
+
+    Queue.lambda_event_source_mappings = property(
+        lambda self: {}, lambda self, value: None
+    )
 
 
 # --- the middleware --------------------------------------------------------------------------
@@ -271,11 +296,19 @@ def _action(environ: dict[str, Any], body: bytes) -> str | None:
 
 
 def is_mutating(environ: dict[str, Any], body: bytes) -> bool:
-    """Whether a request may change moto's state, so a restart must replay it."""
+    """Whether a request may change moto's state, so a restart must replay it. A queue's
+    messages are not replayed (``TRANSIENT_QUEUE_ACTIONS``)."""
     if str(environ.get("REQUEST_METHOD", "")).upper() in READ_ONLY_METHODS:
         return False
     action = _action(environ, body)
+    if action in TRANSIENT_QUEUE_ACTIONS and _is_sqs(environ):
+        return False
     return not (action and action.startswith(READ_ONLY_ACTION_PREFIXES))
+
+
+def _is_sqs(environ: dict[str, Any]) -> bool:
+    target = str(environ.get("HTTP_X_AMZ_TARGET") or "")
+    return target.startswith(SQS_TARGET) or "/sqs/" in str(environ.get("HTTP_AUTHORIZATION", ""))
 
 
 def _read_body(environ: dict[str, Any]) -> bytes:
@@ -317,6 +350,30 @@ class ReplayStats:
 #: how long a DynamoDB or Kinesis call waits for the emulator; below the shortest read timeout
 #: of Shoal's clients (the publish path's writer: ``shoal.aws.clients.PUT_READ_TIMEOUT_S``)
 LOCK_WAIT_BUDGET_S = 2.0
+
+
+class QueueSends:
+    """Wakes whoever waits for a message sent to a queue of this process's emulator."""
+
+    def __init__(self) -> None:
+        self._sent = threading.Condition()
+        self.count = 0
+
+    def notify(self) -> None:
+        with self._sent:
+            self.count += 1
+            self._sent.notify_all()
+
+    def wait(self, seen: int, timeout_s: float) -> int:
+        """Waits until a send after the ``seen``-th (or ``timeout_s``); the sends so far."""
+        with self._sent:
+            self._sent.wait_for(lambda: self.count > seen, timeout_s)
+            return self.count
+
+
+QUEUE_SENDS = QueueSends()
+SQS_SEND = "AmazonSQS.SendMessage"
+
 #: the X-Amz-Target prefix of DynamoDB's calls
 DYNAMODB_TARGET = "DynamoDB_20120810."
 _AMZ_JSON = "application/x-amz-json-1.0"
@@ -438,6 +495,9 @@ class SerializedApp:
             seen = journal.staged_seq if journal is not None else None
         finally:
             BACKEND_LOCK.release()
+        if target.startswith(SQS_SEND) and answer[0].startswith("2"):
+            # the queues' pollers (``shoal.local.esm.queues``) wait for this, not a timer
+            QUEUE_SENDS.notify()
         if journal is not None and seen is not None:
             try:
                 journal.wait_durable(seen)

@@ -50,6 +50,7 @@ TEST_MODULE_PREFIX = "tests."
 MAX_DEPTH = 400
 #: the parameters that name what a call acts on (the rest are data)
 NAMING = (
+    "QueueUrl",
     "TableName",
     "IndexName",
     "StreamName",

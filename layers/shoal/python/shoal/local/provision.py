@@ -9,6 +9,7 @@ deployed stack has. The declared event source mappings (``provision_mappings``) 
 from __future__ import annotations
 
 import io
+import json
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from shoal.declarations import DEPLOYMENT, Deployment, environment
+from shoal.declarations import DEPLOYMENT, Deployment, QueueDef, environment
 
 ACCOUNT_ID = "123456789012"
+REGION = "us-east-1"
 LAMBDA_ROLE = "shoal-local-lambda"
 
 
@@ -34,6 +36,9 @@ class LocalNames:
     #: streams the stack owns: "<logical>.<prefix>", a name outside every storage stream's
     #: "<prefix>-<topic>-<index>" (as the stack names them "<logical>.<stack name>")
     streams: dict[str, str] = field(default_factory=dict)
+    #: queues the stack owns (and their dead-letter queues): "<prefix>-<logical>", ".fifo" for
+    #: a FIFO queue, as SQS requires
+    queues: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def for_deployment(
@@ -46,7 +51,20 @@ class LocalNames:
             buckets={b.logical: f"{prefix}-{b.logical}-{ACCOUNT_ID}" for b in deployment.buckets},
             functions={f.name: f"{prefix}-{f.name}" for f in deployment.functions},
             streams={s.logical: f"{s.logical}.{prefix}" for s in deployment.streams},
+            queues={
+                name: f"{prefix}-{name}{'.fifo' if q.fifo else ''}"
+                for q in deployment.queues
+                for name in (q.logical, q.dead_letter)
+            },
         )
+
+    def queue_url(self, logical: str) -> str:
+        """A queue's URL as SQS gives it (moto finds a queue by the URL's last two parts, so
+        the same URL serves every endpoint the emulator listens on)."""
+        return f"https://sqs.{REGION}.amazonaws.com/{ACCOUNT_ID}/{self.queues[logical]}"
+
+    def queue_arn(self, logical: str) -> str:
+        return f"arn:aws:sqs:{REGION}:{ACCOUNT_ID}:{self.queues[logical]}"
 
     def environment(self) -> dict[str, str]:
         env = environment(
@@ -56,6 +74,8 @@ class LocalNames:
             stream_prefix=self.prefix,
             default_partitions=self.default_partitions,
             streams=self.streams,
+            # the queues consumed by code (not their dead-letter queues, which only alarms read)
+            queues={q: self.queue_url(q) for q in self.queues if not q.endswith("-dead")},
         )
         env["SHOAL_STREAM_CLOCK_SKEW_MS"] = str(LOCAL_STREAM_SKEW_MS)
         return env
@@ -129,6 +149,19 @@ def provision(
             if not _exists(exc):
                 raise
 
+    sqs = session.client("sqs")
+    for queue in deployment.queues:
+        # the dead-letter queue first: the queue's redrive policy names it
+        dead = _queue(sqs, names.queues[queue.dead_letter], queue, retention_s=14 * 24 * 3600)
+        _queue(
+            sqs,
+            names.queues[queue.logical],
+            queue,
+            RedrivePolicy=json.dumps(
+                {"deadLetterTargetArn": dead, "maxReceiveCount": str(queue.max_receive_count)}
+            ),
+        )
+
     iam = session.client("iam")
     trust = (
         '{"Version":"2012-10-17","Statement":[{"Effect":"Allow",'
@@ -164,6 +197,31 @@ def provision(
                 raise
 
 
+def _queue(
+    sqs: Any, name: str, queue: QueueDef, *, retention_s: int | None = None, **more: str
+) -> str:
+    """Creates the queue unless it exists (with the same attributes: SQS answers a create of
+    an existing queue with its URL); its ARN."""
+    attributes = {
+        "VisibilityTimeout": str(queue.visibility_timeout_s),
+        "MessageRetentionPeriod": str(retention_s or queue.retention_s),
+        **more,
+    }
+    if queue.fifo:
+        # a retried hand-off sends the same deduplication ids: SQS keeps one of each for 5 min
+        attributes |= {
+            "FifoQueue": "true",
+            "ContentBasedDeduplication": "false",
+            "DeduplicationScope": "messageGroup",
+            "FifoThroughputLimit": "perMessageGroupId",
+        }
+    url = sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+    arn: str = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    return arn
+
+
 def provision_mappings(
     session: boto3.Session,
     names: LocalNames,
@@ -180,9 +238,12 @@ def provision_mappings(
     uuids: list[str] = []
     for fn in deployment.functions:
         for source in fn.sources:
-            arn = kinesis.describe_stream_summary(StreamName=names.streams[source.stream])[
-                "StreamDescriptionSummary"
-            ]["StreamARN"]
+            if source.queue:
+                arn = names.queue_arn(source.queue)
+            else:
+                arn = kinesis.describe_stream_summary(StreamName=names.streams[source.stream])[
+                    "StreamDescriptionSummary"
+                ]["StreamARN"]
             function = names.functions[fn.name]
             found = awslambda.list_event_source_mappings(EventSourceArn=arn, FunctionName=function)
             existing = [m["UUID"] for m in found.get("EventSourceMappings", [])]
@@ -190,7 +251,7 @@ def provision_mappings(
                 uuids.extend(existing)
                 continue
             spec: dict[str, Any] = dict(source.mapping)
-            if batching_window_s is not None:
+            if batching_window_s is not None and not source.queue:
                 spec["MaximumBatchingWindowInSeconds"] = batching_window_s
             made = awslambda.create_event_source_mapping(
                 EventSourceArn=arn, FunctionName=function, **spec

@@ -43,6 +43,7 @@ from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.console import DevConsole
 from shoal.local.context import REGION, LambdaContext
 from shoal.local.esm.mappings import EventSourceMappings
+from shoal.local.esm.queues import QueueMappings
 from shoal.local.gateway import (
     JWKS_PATH,
     Gateway,
@@ -199,6 +200,11 @@ class Functions:
         #: that an idle WebSocket connection runs no function
         self.invocations: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+
+    def concurrency(self, name: str) -> int:
+        """How many invocations of the declared function run at once (its sandboxes)."""
+        sandboxes = self._sandboxes.get(name)
+        return sandboxes.limit if sandboxes is not None else MAX_CONCURRENCY
 
     def invocation_counts(self) -> dict[str, int]:
         """A copy of ``invocations`` (read from the gateway's threads)."""
@@ -417,6 +423,15 @@ class LocalRuntime:
         )
         mappings.start()
         self._triggers.append(mappings)
+        # the queues' mappings (the push queue's pusher), batches side by side as Lambda runs them
+        queues = QueueMappings(
+            self.aws.session(),
+            self.functions.invoke,
+            endpoint_url=self.aws.url,
+            default_concurrency=self.functions.concurrency("pusher"),
+        )
+        queues.start()
+        self._triggers.append(queues)
         scheduler = Scheduler(
             schedules_for(self.deployment, self.names, dict(self.options.schedule_every_s)),
             self.functions.invoke,

@@ -36,9 +36,13 @@ from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
 from shoal.delivery.inbox import LineCache
 from shoal.delivery.model import ArchiveLine, source_id
-from shoal.edge.push import Pusher
+from shoal.edge.connections import ConnectionStore
+from shoal.edge.pushwork import PushQueue
 from shoal.router.archive import ArchiveWriter
 from shoal.router.fanout import Fanout
+
+#: a batch reaching at most this many sessions reads which are connected (one batch read)
+TARGETS_READ_INLINE = 100
 
 
 class Router:
@@ -51,14 +55,17 @@ class Router:
         recording: Recording,
         faults: Faults,
         *,
-        pusher: Pusher | None = None,
+        queue: PushQueue | None = None,
+        connections: ConnectionStore | None = None,
     ) -> None:
         self.fanout = fanout
         self.archive = archive
         self.recording = recording
         self.faults = faults
-        #: WebSocket connections of the sessions a batch wrote to (None: no WebSocket API)
-        self.pusher = pusher
+        #: where the pushes of the sessions a batch wrote to go (None: no WebSocket API)
+        self.queue = queue
+        #: which of them are connected (read for a small batch only: ``_hand_off``)
+        self.connections = connections
 
     def handle(self, event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         self._lag(event)
@@ -105,16 +112,32 @@ class Router:
             fault.at("before_events")
             events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
             fault.at("after_events")
-            if self.pusher is not None and report.sessions:
-                # after every write of the batch: a push that fails, or a crash here, loses
-                # nothing (the deliveries wait in the inboxes for the next push or a reconnect)
-                self.pusher.push_sessions(
+            if self.queue is not None and report.sessions:
+                # after every write of the batch: a hand-off that fails fails the batch (its
+                # retry writes nothing twice and hands off again); a crash here loses nothing
+                # (the deliveries wait in the inboxes for the next push or a reconnect)
+                self._hand_off(
                     report.sessions,
+                    source_id(batch.stream, batch.shard),
                     # what the batch wrote, which the pushes need not read back
                     _read(objects, lines),
-                    source_id(batch.stream, batch.shard),
+                    f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}",
                 )
         return dict(response)
+
+    def _hand_off(self, sessions: set[str], source: str, lines: LineCache, key: str) -> None:
+        """The sessions' pushes to the push queue. Of a few sessions (one batch read), only
+        the connected ones: most deliveries of an HTTP subscriber's would otherwise cost a
+        queue message and an invocation for nothing. Of more, every one, the pusher reading
+        which are connected: the router's work then does not grow with the fan-out (a
+        queue message per lane, ``PushSettings.lanes``), and a shard never waits on a
+        thousand reads."""
+        assert self.queue is not None
+        targets: dict[str, str | None] = dict.fromkeys(sessions)
+        if self.connections is not None and len(sessions) <= TARGETS_READ_INLINE:
+            targets = {c.session_id: c.client_id for c in self.connections.targets(sessions)}
+        if targets:
+            self.queue.hand_off(targets, source=source, lines=lines, key=key)
 
     def _lag(self, event: dict[str, Any]) -> None:
         """The age of the batch's first record: one shard's records come in order, so the

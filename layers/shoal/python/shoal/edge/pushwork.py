@@ -1,0 +1,291 @@
+"""The WebSocket pushes' carrier: push work handed to an SQS FIFO queue, posted by the pusher.
+
+Whoever has deliveries for sessions that may be connected over the WebSocket API hands their
+push to the *push queue* and goes on: the router after a batch's inbox writes, a connect or a
+renewal after its answer, a subscribe after its SUBACK (retained messages), an ack that
+opened the window, the reaper's sweep (ack timeouts), a group's hand-over of lanes. The
+pusher function (``shoal.edge.push.PushWorker``) takes the queue's messages, a batch at a
+time, and posts each session's deliveries to its connection. So one message to many connected
+clients is posted by as many workers as Lambda runs side by side (up to the mapping's maximum
+concurrency), not by the router invocation that routed it, and a shard never waits on posts.
+
+Why a FIFO queue. A session's pushes must post its frames in the order their deliveries were
+handed out: two pushers each handing out and posting could interleave their frames. A FIFO
+queue's *message groups* give that order without any lock: every push of a session goes to
+its *lane* (a message group chosen by a stable hash of the session id, ``lane_of``), and
+Lambda's mapping never runs two batches of one group at once, nor a later message of a group
+before an earlier one is done (a failed one holds its group until it succeeds or goes to the
+dead-letter queue). The lanes run side by side: a hand-off to 1,000 sessions is at most
+``PushSettings.lanes`` messages (one per lane, a chunk of sessions each), so it spreads over
+that many workers at most. The queue's deduplication keeps one copy of a hand-off sent twice
+within 5 minutes (a retried router batch, deterministic ids).
+
+What travels: the sessions (and their client ids where the sender knows them, which saves the
+worker a read), the source the deliveries were written to (the router's shard: the worker's
+get looks there only), and the archive lines the deliveries name, when they are few (the
+worker then reads nothing back from S3). Never the deliveries' state: the inbox stays the one
+source of truth, and a push that never happens loses nothing (the session's next trigger, a
+reconnect, or the ack timeout's sweep serves what waits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.aws import clients
+from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
+from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
+from shoal.delivery.inbox import LineCache
+from shoal.delivery.model import ArchiveLine
+
+#: the push queue's logical name (``shoal.declarations``)
+PUSH_QUEUE = "push"
+#: a message's body at most (SQS allows 256 KB a message and a batch call): room for the
+#: envelope of a SendMessageBatch entry
+MAX_BODY_BYTES = 200 * 1024
+#: SQS takes ten messages a SendMessageBatch, 256 KB in all
+MAX_BATCH_ENTRIES = 10
+MAX_BATCH_BYTES = 250 * 1024
+#: archive lines travel with the work while they take at most this much of a body; beyond, the
+#: worker reads the lines it needs back (one ranged GET per archive object)
+MAX_LINES_BYTES = 64 * 1024
+#: SendMessageBatch calls of one hand-off in flight at once
+SEND_CONCURRENCY = 4
+SEND_ATTEMPTS = 4
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PushWork:
+    """One queue message: sessions whose deliveries to push, one lane's."""
+
+    #: session id -> its client id (None: the worker reads it with the session's connection)
+    sessions: Mapping[str, str | None]
+    #: the source the sender wrote the deliveries to (None: look in every source)
+    source: str | None = None
+    #: archive lines the deliveries name, as the sender holds them
+    lines: LineCache = field(default_factory=dict)
+
+    def body(self) -> str:
+        data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
+        if self.source is not None:
+            data["src"] = self.source
+        if self.lines:
+            data["l"] = [[k.key, k.offset, k.length, v] for k, v in self.lines.items()]
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, body: str) -> PushWork:
+        """``ValueError`` for a body this version cannot read."""
+        data = json.loads(body)
+        if not isinstance(data, dict) or data.get("v") != VERSION:
+            raise ValueError("not a push work message of this version")
+        return cls(
+            sessions={str(s): (str(c) if c else None) for s, c in data["s"]},
+            source=str(data["src"]) if data.get("src") else None,
+            lines={ArchiveLine(str(k), int(o), int(n)): v for k, o, n, v in data.get("l") or []},
+        )
+
+
+def lane_of(session_id: str, lanes: int) -> int:
+    """A session's lane: stable across processes and releases (crc32, not ``hash``)."""
+    return zlib.crc32(session_id.encode("utf-8", "surrogatepass")) % lanes
+
+
+def group_id(lane: int) -> str:
+    return f"lane-{lane}"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    lane: int
+    body: str
+    dedupe: str
+
+
+class PushQueue:
+    """Hands push work to the push queue (``SendMessageBatch``), a message per lane."""
+
+    def __init__(self, sqs: Any, url: str, lanes: int, clock: Clock | None = None) -> None:
+        self.sqs = sqs
+        self.url = url
+        self.lanes = lanes
+        self.clock = clock or SystemClock()
+        #: messages sent so far by this process (tests and the benchmarks count them)
+        self.sent = 0
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock | None = None) -> PushQueue | None:
+        """None without a WebSocket API or a push queue: nothing is pushed."""
+        url = config.queues.get(PUSH_QUEUE)
+        if not url or not config.connections_endpoint:
+            return None
+        return cls(clients.client("sqs", config.region), url, config.push.lanes, clock)
+
+    def hand_off(
+        self,
+        sessions: Mapping[str, str | None] | Iterable[str],
+        *,
+        source: str | None = None,
+        lines: LineCache | None = None,
+        key: str | None = None,
+    ) -> int:
+        """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
+        the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
+        router batch's source and range): its messages then carry the same deduplication ids,
+        and the queue keeps one of each. Raises when the queue refused a message past
+        ``SEND_ATTEMPTS`` (the caller's retry sends it again)."""
+        pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
+        if not pairs:
+            return 0
+        entries = list(self._entries(pairs, source, lines or {}, key))
+        calls = list(_calls(entries))
+        # a lane split into parts must reach the queue in order: SQS keeps the order of one
+        # group's messages within a call, not across calls sent at once
+        split = len({e.lane for e in entries}) < len(entries)
+        if len(calls) == 1 or split:
+            for call in calls:
+                self._send(call)
+        else:
+            with ThreadPoolExecutor(min(SEND_CONCURRENCY, len(calls))) as pool:
+                for done in [pool.submit(self._send, call) for call in calls]:
+                    done.result()
+        self.sent += len(entries)
+        return len(entries)
+
+    def _entries(
+        self,
+        pairs: Mapping[str, str | None],
+        source: str | None,
+        lines: LineCache,
+        key: str | None,
+    ) -> Iterator[_Entry]:
+        by_lane: dict[int, dict[str, str | None]] = {}
+        for session_id, client_id in sorted(pairs.items()):
+            by_lane.setdefault(lane_of(session_id, self.lanes), {})[session_id] = client_id
+        carried = lines if _lines_bytes(lines) <= MAX_LINES_BYTES else {}
+        salt = key or secrets.token_hex(8)
+        for lane, chunk in sorted(by_lane.items()):
+            for part, body in enumerate(_bodies(chunk, source, carried)):
+                dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()
+                yield _Entry(lane, body, dedupe)
+
+    def _send(self, entries: Sequence[_Entry]) -> None:
+        pending = {str(n): e for n, e in enumerate(entries)}
+        for attempt in range(SEND_ATTEMPTS):
+            answer = self.sqs.send_message_batch(
+                QueueUrl=self.url,
+                Entries=[
+                    {
+                        "Id": n,
+                        "MessageBody": e.body,
+                        "MessageGroupId": group_id(e.lane),
+                        "MessageDeduplicationId": e.dedupe,
+                    }
+                    for n, e in pending.items()
+                ],
+            )
+            failed = {f["Id"] for f in answer.get("Failed") or []}
+            pending = {n: e for n, e in pending.items() if n in failed}
+            if not pending:
+                return
+            self.clock.sleep(backoff_s(attempt, 0.05, 1.0))
+        raise ServerBusy("the push queue refused a hand-off; retry")
+
+
+def _lines_bytes(lines: LineCache) -> int:
+    return sum(len(k.key) + len(json.dumps(v)) + 24 for k, v in lines.items())
+
+
+def _bodies(chunk: Mapping[str, str | None], source: str | None, lines: LineCache) -> Iterator[str]:
+    """A lane's sessions as one body, or as several in order when one would be too large."""
+    work = PushWork(chunk, source, lines)
+    body = work.body()
+    if len(body) <= MAX_BODY_BYTES or len(chunk) == 1:
+        yield body
+        return
+    items = list(chunk.items())
+    half = len(items) // 2
+    yield from _bodies(dict(items[:half]), source, lines)
+    yield from _bodies(dict(items[half:]), source, lines)
+
+
+def _calls(entries: Sequence[_Entry]) -> Iterator[list[_Entry]]:
+    """Entries packed into SendMessageBatch calls: ten at most, 256 KB in all, in order."""
+    call: list[_Entry] = []
+    size = 0
+    for entry in entries:
+        grows = len(entry.body) + 200
+        if call and (len(call) == MAX_BATCH_ENTRIES or size + grows > MAX_BATCH_BYTES):
+            yield call
+            call, size = [], 0
+        call.append(entry)
+        size += grows
+    if call:
+        yield call
+
+
+class HandOffs:
+    """Sessions noted during one invocation (per thread: ``shoal dev`` runs invocations on
+    threads), handed to the push queue at its end: the shared-group members a request's work
+    handed streams to (an ack's final progress, a leave, a subscribe's rebalance, an expired
+    lease). A member connected over the WebSocket API and idle runs nothing that would read
+    them, so a group of HTTP and WebSocket members would leave a lane's backlog waiting for
+    the next message routed to the group. Nothing without a push queue."""
+
+    def __init__(self, queue: PushQueue | None) -> None:
+        self.queue = queue
+        self._local = threading.local()
+
+    def watch(self, groups: object | None) -> None:
+        """Notes the hand-overs of ``groups`` (a ``GroupService``) from now on."""
+        store = getattr(groups, "store", None)
+        if self.queue is not None and store is not None:
+            store.on_granted = self.note
+
+    @contextmanager
+    def watching(self, groups: object | None) -> Iterator[None]:
+        """Notes the hand-overs of ``groups`` during the block, then hands them off (an HTTP
+        request's: its function makes one such object per container)."""
+        self.watch(groups)
+        self._local.pending = set()
+        try:
+            yield
+        finally:
+            self.flush()
+
+    def note(self, session_ids: set[str]) -> None:
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = set()
+        pending.update(session_ids)
+
+    def flush(self) -> int:
+        """Hands what was noted on this thread to the queue (best effort: a failed hand-off
+        leaves the streams to the member's next trigger); the messages sent."""
+        pending: set[str] | None = getattr(self._local, "pending", None)
+        if not pending or self.queue is None:
+            return 0
+        noted = set(pending)
+        pending.clear()
+        try:
+            return self.queue.hand_off(noted)
+        except (ServerBusy, ClientError, BotoCoreError) as exc:
+            logger.warning(
+                "group hand-over not handed off", extra={"error_type": type(exc).__name__}
+            )
+            return 0

@@ -17,10 +17,18 @@ from typing import Any
 
 import boto3
 from moto.backends import get_backend
-from shoal.local.provision import LocalNames, provision
+from shoal.local.provision import LocalNames, provision, provision_queues
 
 #: the services ``provision`` creates resources in
-SERVICES = ("dynamodb", "kinesis", "s3", "iam", "lambda")
+#: the services whose backends are copied (SQS's queues hold locks, which no copy takes:
+#: they are made anew for each test, ``provision_queues``)
+SERVICES = (
+    "dynamodb",
+    "kinesis",
+    "s3",
+    "iam",
+    "lambda",
+)
 
 _provisioned: dict[tuple[tuple[str, str], ...], dict[str, dict[str, Any]]] = {}
 
@@ -49,3 +57,4 @@ def provision_account(session: boto3.Session, names: LocalNames) -> None:
             # creates were refused as existing and not journaled, and its replay lacked them
             # (tests/integration/test_account.py)
             backends._create_account_specific_backend(account)
+    provision_queues(session, names)

@@ -16,19 +16,23 @@ from typing import Any
 
 import boto3
 import pytest
+import shoal.edge.push as push_module
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
+from shoal.declarations import PUSHER_MAPPING
 from shoal.delivery.model import STATE
-from shoal.edge.connections import LEASE_MS, MAX_CONNECTION_S, ConnectionStore
+from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
-from shoal.edge.push import ConnectionGone, Connections, Pusher
+from shoal.edge.push import ConnectionGone, Connections, PushSweep, PushWorker, SweepReport
+from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
 from shoal.groups.records import group_key
+from shoal.local.esm.queues import QueueMapping, QueueMappings
+from shoal.local.provision import LocalNames
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.repository import SessionRepository
-from shoal.wiring import HandOvers
 
 import functions.messages.app as messages_app
 import functions.router.app as router_app
@@ -64,6 +68,10 @@ class RecordingConnections(Connections):
 
 
 class Edge:
+    """The edge's routes over moto, with the push queue drained by the pusher's worker after
+    every routed batch and every frame, as Lambda's mapping on the queue would take it: a
+    test sees what a connected client would have been sent by then."""
+
     def __init__(self, world: World, monkeypatch: pytest.MonkeyPatch) -> None:
         self.world = world
         config = get_config()
@@ -71,7 +79,24 @@ class Edge:
         self.connections = ConnectionStore(
             Dynamo(world.session.client("dynamodb")), config.table("connections"), world.clock
         )
-        self.pusher = Pusher(self.connections, self.api, world.delivery, world.clock)
+        self.queue = PushQueue(
+            world.session.client("sqs"), config.queues["push"], config.push.lanes, world.clock
+        )
+        self.worker = PushWorker(
+            self.connections, self.api, world.delivery, self.queue, world.clock
+        )
+        # Lambda's mapping of the pusher on the push queue, as the stack declares it
+        self.pushers = QueueMappings(world.session, lambda _name, event: self.worker.handle(event))
+        names = LocalNames.for_deployment()
+        self.mapping = QueueMapping(
+            uuid="pusher",
+            function_arn=names.functions["pusher"],
+            queue_arn=names.queue_arn("push"),
+            batch_size=PUSHER_MAPPING["BatchSize"],
+            concurrency=1,
+            report_item_failures=True,
+            enabled=True,
+        )
         publish = world.harness.publish
         self.service = EdgeService(
             world.registry,
@@ -79,12 +104,27 @@ class Edge:
             publish,
             delivery=world.delivery,
             connections=self.connections,
-            pusher=self.pusher,
+            api=self.api,
+            queue=self.queue,
             settings=world.settings,
             clock=world.clock,
         )
-        # the router pushes to connected sessions after its writes
-        monkeypatch.setattr(router_app.router(), "pusher", self.pusher)
+        # the router hands its connected sessions' pushes to the queue after its writes
+        router = router_app.router()
+        monkeypatch.setattr(router, "queue", self.queue)
+        monkeypatch.setattr(router, "connections", self.connections)
+        route = world.route
+
+        def routed_then_pushed() -> int:
+            routed = route()
+            self.push()
+            return routed
+
+        monkeypatch.setattr(world, "route", routed_then_pushed)
+
+    def push(self) -> int:
+        """The pusher over everything the queue holds now; the chunks it finished."""
+        return self.pushers.drain_mapping(self.mapping)
 
     def event(self, name: str, connection: str, **context: Any) -> dict[str, Any]:
         event = load_event(name)
@@ -94,7 +134,8 @@ class Edge:
         return event
 
     def send(self, connection: str, frame: dict[str, Any] | str, **context: Any) -> Any:
-        """One client frame; the route response's frame (None when it sent none)."""
+        """One client frame, then the pushes it handed over; the route response's frame (None
+        when it sent none)."""
         event = self.event("edge_frame.json", connection, **context)
         event["body"] = frame if isinstance(frame, str) else json.dumps(frame)
         event["requestContext"]["routeKey"] = (
@@ -102,6 +143,7 @@ class Edge:
         )
         answer = handle(lambda: self.service, event)
         assert answer["statusCode"] == 200
+        self.push()
         return json.loads(answer["body"]) if "body" in answer else None
 
     def connect(self, connection: str, client_id: str = "alice-1", **fields: Any) -> dict[str, Any]:
@@ -120,24 +162,43 @@ class Edge:
         """The connection is gone without a disconnect frame: ``$disconnect``."""
         self.api.gone.add(connection)
         handle(lambda: self.service, self.event("edge_disconnect.json", connection))
+        self.push()
 
     def messages(self, connection: str) -> list[dict[str, Any]]:
+        """The deliveries the connection was sent, once the queue's pushes are done."""
+        self.push()
         return [f for f in self.api.sent[connection] if f["action"] == "message"]
 
+    def sweep(self) -> SweepReport:
+        """The reaper's sweep of pushed deliveries past their ack timeout, and its pushes."""
+        report = PushSweep(
+            self.connections, self.world.delivery, self.queue, self.world.clock
+        ).sweep()
+        self.push()
+        return report
 
-def fail_first_round(edge: Edge, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
-    """The next push round of the edge's pusher raises ``ServerBusy`` (a contended group
-    lane, a throttled call); the rounds after it run as they do."""
-    real = edge.pusher._round
+    def push_again(self, connection: str) -> None:
+        """A push of the connection's session handed over (as a trigger would) and run."""
+        found = self.connections.connection(connection)
+        assert found is not None
+        self.queue.hand_off([found.session_id])
+        self.push()
+
+
+def fail_first_get(edge: Edge, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """The pusher's next get raises ``ServerBusy`` (a contended group lane, a throttled
+    call), and a returned chunk is visible again at once (its jittered delay drawn as 0)."""
+    real = edge.worker._get
     calls = {"n": 0}
 
-    def failing_once(connection: Any, *args: Any, **kwargs: Any) -> tuple[int, bool]:
+    def failing_once(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise ServerBusy(why)
-        return real(connection, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(edge.pusher, "_round", failing_once)
+    monkeypatch.setattr(edge.worker, "_get", failing_once)
+    monkeypatch.setattr(push_module, "backoff_s", lambda *_: 0.0)
 
 
 def texts(frames: list[dict[str, Any]]) -> list[str]:
@@ -146,8 +207,7 @@ def texts(frames: list[dict[str, Any]]) -> list[str]:
 
 def answered_first(edge: Edge, connection: str, waiting: str) -> None:
     """The connection's first frame is its connect's (or renewal's) answer, the delivery that
-    waited comes after it, and the push lease was given back: the next message goes out at
-    once."""
+    waited comes after it, and the connection is ready: the next message goes out at once."""
     frames = edge.api.sent[connection]
     assert [f["action"] for f in frames] == ["connected", "message"]
     assert texts(frames[1:]) == [waiting]
@@ -238,7 +298,7 @@ def test_a_connected_session_is_pushed_its_messages_and_an_ack_ends_them(edge: E
     assert {"action": "acked", "ref": "a1", "acked": 3} in edge.api.sent["c1"]
     # an acked id never comes again, after the ack timeout either
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    edge.pusher.push_sessions([edge.connections.connection("c1").session_id])  # type: ignore[union-attr]
+    edge.push_again("c1")
     assert len(edge.messages("c1")) == 3
 
 
@@ -257,7 +317,7 @@ def test_an_ack_without_a_ref_is_answered_with_nothing_and_still_acks(edge: Edge
     # ... yet the window opened (the next message pushed) and the id is acked for good
     assert texts(after) == ["m1"]
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    edge.pusher.push_sessions([edge.connections.connection("c1").session_id])  # type: ignore[union-attr]
+    edge.push_again("c1")
     assert [f["id"] for f in edge.messages("c1")].count(first["id"]) == 1
 
 
@@ -304,10 +364,10 @@ def test_the_sweep_pushes_again_with_dup_what_passed_its_ack_timeout(edge: Edge)
     edge.world.route()
     assert [f["dup"] for f in edge.messages("c1")] == [False]
     # before the ack timeout the sweep finds nothing due
-    assert edge.pusher.sweep().swept == 0
+    assert edge.sweep().swept == 0
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
     # no other trigger: the reaper's sweep alone sends it again
-    report = edge.pusher.sweep()
+    report = edge.sweep()
     assert (report.swept, report.pushed, report.armed) == (1, 1, 1)
     frames = edge.messages("c1")
     assert [f["dup"] for f in frames] == [False, True]
@@ -315,8 +375,8 @@ def test_the_sweep_pushes_again_with_dup_what_passed_its_ack_timeout(edge: Edge)
     edge.send("c1", {"action": "ack", "ids": [frames[1]["id"]]})
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
     # acked: found due once more, then off the index; never sent again
-    assert edge.pusher.sweep().pushed == 0
-    assert edge.pusher.sweep().swept == 0
+    assert edge.sweep().pushed == 0
+    assert edge.sweep().swept == 0
     assert len(edge.messages("c1")) == 2
 
 
@@ -327,9 +387,9 @@ def test_a_session_that_acked_in_time_costs_the_sweep_one_look(edge: Edge) -> No
     edge.world.route()
     edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    report = edge.pusher.sweep()
+    report = edge.sweep()
     assert (report.swept, report.pushed, report.armed) == (1, 0, 0)
-    assert edge.pusher.sweep().swept == 0
+    assert edge.sweep().swept == 0
 
 
 def test_the_sweep_arms_the_next_deadline_of_later_deliveries(edge: Edge) -> None:
@@ -345,9 +405,9 @@ def test_the_sweep_arms_the_next_deadline_of_later_deliveries(edge: Edge) -> Non
     edge.send("c1", {"action": "ack", "ids": [early["id"]]})
     # the first deadline (early's) passes: early was acked, late is not due yet
     edge.world.clock.advance(timeout / 2 + 0.5)
-    assert (edge.pusher.sweep().pushed, len(edge.messages("c1"))) == (0, 2)
+    assert (edge.sweep().pushed, len(edge.messages("c1"))) == (0, 2)
     edge.world.clock.advance(timeout / 2 + 0.5)
-    assert edge.pusher.sweep().pushed == 1
+    assert edge.sweep().pushed == 1
     assert texts(edge.messages("c1")) == ["early", "late", "late"]
     assert edge.messages("c1")[-1]["dup"] is True
 
@@ -362,7 +422,7 @@ def test_a_taken_over_sessions_due_item_is_not_pushed_to_the_old_connection(edge
     # the newer connection got the unacked message again on its connect (dup)
     assert [(texts([f]), f["dup"]) for f in edge.messages("c2")] == [(["m"], True)]
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    assert edge.pusher.sweep().pushed == 1
+    assert edge.sweep().pushed == 1
     # still unacked after its timeout: again to the newer connection, never to the older
     assert len(edge.api.sent["c1"]) == sent_before
     assert [(texts([f]), f["dup"]) for f in edge.messages("c2")] == [(["m"], True)] * 2
@@ -411,22 +471,28 @@ def test_a_fan_out_is_pushed_side_by_side_each_session_in_order(
     assert len({name for name in pushers if name.startswith("shoal-push")}) > 1, pushers
 
 
-def test_a_push_stopped_by_an_error_gives_its_lease_back(
+def test_a_push_stopped_by_an_error_returns_its_chunk_and_its_retry_pushes(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A push that stops early (a contended group lane, a throttled call) gives the session's
-    push lease back at once: kept until it ran out, every push meanwhile found it held and
-    left the work to a holder that had gone, and the last message's push was lost for good."""
+    """A push that stops early (a contended group lane, a throttled call) returns its chunk
+    to the queue, after a jittered delay: its retry pushes what waits, with no other
+    trigger, once."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    fail_first_round(edge, monkeypatch, "this group stream is contended; retry")
+    fail_first_get(edge, monkeypatch, "this group stream is contended; retry")
+    answers: list[dict[str, Any]] = []
+    real = edge.worker.handle
+
+    def recording(event: Any) -> dict[str, Any]:
+        answers.append(real(event))
+        return answers[-1]
+
+    monkeypatch.setattr(edge.worker, "handle", recording)
     edge.world.publish("a/b", "first")
     edge.world.route()
-    assert edge.messages("c1") == []
-    # the next trigger, at once (no clock moved past the lease), pushes what waits
-    edge.world.publish("a/b", "second")
-    edge.world.route()
-    assert texts(edge.messages("c1")) == ["first", "second"]
+    # the first attempt returned its chunk; the second (its delay drawn as 0 here) pushed it
+    assert [len(a["batchItemFailures"]) for a in answers] == [1, 0]
+    assert texts(edge.messages("c1")) == ["first"]
 
 
 def test_the_routers_push_fills_deliveries_from_the_lines_its_batch_wrote(
@@ -459,7 +525,7 @@ def test_the_routers_push_fills_deliveries_from_the_lines_its_batch_wrote(
     assert reads == []
     # a redelivery (no router batch behind it) still reads its lines from the archive
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    assert edge.pusher.sweep().pushed == 6
+    assert edge.sweep().pushed == 3
     assert texts(edge.messages("c0")) == ["m0", "m1", "m0", "m1"]
     assert reads
 
@@ -490,48 +556,16 @@ def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
     assert len(queries) == 1, queries
 
 
-def test_a_round_again_after_a_source_push_looks_in_every_source(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Only the router's first round looks in its own source: ``again`` means that another
-    trigger came meanwhile (another shard's batch, an ack that opened the window), whose
-    deliveries may be anywhere."""
-    edge.connect("c1")
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    looked: list[str | None] = []
-    real_round = edge.pusher._round
-
-    def recording(
-        connection: Any, lines: Any = None, source: Any = None, read: Any = None, **kwargs: Any
-    ) -> tuple[int, bool]:
-        looked.append(source)
-        return real_round(connection, lines, source, read, **kwargs)
-
-    real_release = edge.connections.release
-    releases = {"n": 0}
-
-    def again_once(*args: Any, **kwargs: Any) -> bool:
-        releases["n"] += 1
-        # as if another trigger had set ``again`` during the first round
-        return False if releases["n"] == 1 else real_release(*args, **kwargs)
-
-    monkeypatch.setattr(edge.pusher, "_round", recording)
-    monkeypatch.setattr(edge.connections, "release", again_once)
-    edge.world.publish("a/b", "m0")
-    edge.world.route()
-    assert texts(edge.messages("c1")) == ["m0"]
-    assert len(looked) == 2 and looked[0] is not None and looked[1] is None, looked
-
-
-def _leases_taken(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _handed_off(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sessions whose pushes are handed to the queue from now on, one entry a hand-off."""
     taken: list[str] = []
-    real = edge.connections.take_lease
+    real = edge.queue.hand_off
 
-    def counting(connection: Any) -> str | None:
-        taken.append(connection.session_id)
-        return real(connection)
+    def counting(sessions: Any, **kwargs: Any) -> int:
+        taken.extend(sessions)
+        return real(sessions, **kwargs)
 
-    monkeypatch.setattr(edge.connections, "take_lease", counting)
+    monkeypatch.setattr(edge.queue, "hand_off", counting)
     return taken
 
 
@@ -539,14 +573,14 @@ def test_an_ack_that_opens_no_room_for_waiting_deliveries_pushes_nothing(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A push hands out everything it finds within the window, so deliveries wait only
-    behind a full one: an ack of a session whose window was not full, with no push
-    unfinished, would take and give back the push lease to find nothing (two writes and three
-    or four reads for every ack). The next message is pushed by its own router write."""
+    behind a full one: an ack of a session whose window was not full would hand over a push
+    that finds nothing (a queue message, an invocation, two reads). The next message is
+    pushed by its own router write."""
     edge.connect("c1", receive_maximum=5)
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     edge.world.publish("a/b", "m0")
     edge.world.route()
-    taken = _leases_taken(edge, monkeypatch)
+    taken = _handed_off(edge, monkeypatch)
     [first] = edge.messages("c1")
     edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
     assert {"action": "acked", "ref": "a1", "acked": 1} in edge.api.sent["c1"]
@@ -567,7 +601,7 @@ def test_an_ack_that_opens_a_full_window_pushes_what_waits(
         edge.world.publish("a/b", f"m{n}")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["m0", "m1"]
-    taken = _leases_taken(edge, monkeypatch)
+    taken = _handed_off(edge, monkeypatch)
     edge.send("c1", {"action": "ack", "ref": "a1", "ids": [edge.messages("c1")[1]["id"]]})
     assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
     # m0 and m2 fill the window again: the next ack pushes (nothing is left)
@@ -579,75 +613,33 @@ def test_an_ack_that_opens_a_full_window_pushes_what_waits(
     assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
 
 
-def test_an_ack_after_a_push_that_stopped_early_pushes_what_it_left(
+def test_a_retried_chunk_sends_again_what_an_earlier_attempt_handed_out(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A push that stops on an error keeps the session marked (``pushing``) though its
-    window is not full: the next ack pushes what the stopped push left behind, which would
-    otherwise wait for the next message routed to the session."""
+    """A pusher that died after its get wrote the state and before it posted (its chunk comes
+    back after the visibility timeout): the retry sends what the dead attempt handed out,
+    with ``dup``, in order, rather than leave it to the ack timeout."""
     edge.connect("c1", receive_maximum=5)
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    edge.world.publish("a/b", "m0")
-    edge.world.route()
-    [first] = edge.messages("c1")
-    fail_first_round(edge, monkeypatch, "throttled")
-    edge.world.publish("a/b", "m1")
-    edge.world.route()
-    assert texts(edge.messages("c1")) == ["m0"]
-    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
-    assert texts(edge.messages("c1")) == ["m0", "m1"]
-    # pushed cleanly now: the mark is gone, and the next ack pushes nothing
-    taken = _leases_taken(edge, monkeypatch)
-    edge.send("c1", {"action": "ack", "ref": "a2", "ids": [edge.messages("c1")[1]["id"]]})
-    assert taken == []
+    real_post = edge.worker._post
+    calls = {"n": 0}
 
+    def dies_before_posting(push: Any, messages: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("the worker died")
+        real_post(push, messages)
 
-def test_a_push_that_looked_in_one_source_keeps_an_earlier_pushs_mark(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What a stopped push left may be in any source: a router push that looked only where
-    its batch wrote and released cleanly leaves the mark, so the next ack still looks
-    everywhere."""
-    edge.connect("c1", receive_maximum=5)
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    session = _session_of(edge, "c1")
-    fail_first_round(edge, monkeypatch, "throttled")
-    edge.world.publish("a/b", "m0")
+    monkeypatch.setattr(edge.worker, "_post", dies_before_posting)
+    # a received chunk is visible again at once (its visibility timeout run out)
+    sqs = edge.world.session.client("sqs")
+    sqs.set_queue_attributes(QueueUrl=edge.queue.url, Attributes={"VisibilityTimeout": "0"})
+    for n in range(2):
+        edge.world.publish("a/b", f"m{n}")
     edge.world.route()
-    assert edge.messages("c1") == []
-    assert edge.connections.unfinished(session)
-    # a push for another source (nothing there) releases cleanly: the mark stays
-    assert edge.pusher.push_sessions([session], source="0" * 12) == 0
-    assert edge.connections.unfinished(session)
-    assert edge.messages("c1") == []
-    # a push that looks everywhere hands m0 out and takes the mark away
-    assert edge.pusher.push_sessions([session]) == 1
-    assert texts(edge.messages("c1")) == ["m0"]
-    assert not edge.connections.unfinished(session)
-
-
-def test_an_ack_after_a_holder_died_pushes_once_its_lease_ran_out(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A holder that died (no release, no let-go) leaves its lease to run out: an ack that
-    opened no room pushes once it has, and not while it still runs (the holder might be at
-    work)."""
-    edge.connect("c1", receive_maximum=5)
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    edge.world.publish("a/b", "m0")
-    edge.world.route()
-    [first] = edge.messages("c1")
-    connection = edge.connections.connection("c1")
-    assert connection is not None
-    assert edge.connections.take_lease(connection) is not None  # and then it dies
-    edge.world.publish("a/b", "m1")
-    edge.world.route()  # finds the lease held: leaves m1 to the holder
-    assert texts(edge.messages("c1")) == ["m0"]
-    assert not edge.connections.unfinished(connection.session_id)
-    edge.world.clock.advance(LEASE_MS / 1000 + 1)
-    edge.send("c1", {"action": "ack", "ref": "a1", "ids": [first["id"]]})
-    assert texts(edge.messages("c1")) == ["m0", "m1"]
-    assert not edge.connections.unfinished(connection.session_id)
+    frames = edge.messages("c1")
+    assert texts(frames) == ["m0", "m1"]
+    assert [f["dup"] for f in frames] == [True, True]
 
 
 def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:
@@ -825,8 +817,8 @@ def test_nothing_is_pushed_to_a_renewed_connection_before_its_answer(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As a connect's (MQTT 5 [MQTT-3.2.0-1]): a router's push that comes between the
-    renewal's move and its answer finds the push lease taken with the move; the renewal
-    pushes what waits after its ``connected`` frame."""
+    renewal's move and its answer finds the connection not ready; the renewal's own push
+    sends what waits after its ``connected`` frame."""
     connected = edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     real_keep = edge.service._keep
@@ -846,12 +838,13 @@ def test_nothing_is_pushed_to_a_renewed_connection_before_its_answer(
     answered_first(edge, "c2", "raced")
 
 
-def test_a_push_that_loses_its_lease_to_a_renewal_still_times_what_it_handed_out(
+def test_a_push_under_way_when_a_renewal_moves_the_session_times_what_it_handed_out(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A push to the older connection is under way when the renewal takes the lease: the
-    push's release fails, and it arms the redelivery of what it handed out itself, so the
-    sweep sends it again over the new connection after its ack timeout."""
+    """A push to the older connection is under way when the renewal moves the session: what
+    it handed out is in flight for the same channel, and the push arms its redelivery on the
+    session's item (now the new connection's), so the sweep sends it again over the new
+    connection after its ack timeout."""
     connected = edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     real_post = edge.api.post
@@ -869,7 +862,7 @@ def test_a_push_that_loses_its_lease_to_a_renewal_still_times_what_it_handed_out
     # the renewal found it in flight, not due: nothing more on the new connection yet
     assert [f["action"] for f in edge.api.sent["c2"]] == ["connected"]
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    assert edge.pusher.sweep().pushed == 1
+    assert edge.sweep().pushed == 1
     [again] = edge.messages("c2")
     assert texts([again]) == ["in flight"] and again["dup"] is True
 
@@ -896,7 +889,7 @@ def test_a_push_to_the_older_connection_gone_after_a_renewal_times_what_it_hande
     edge.world.route()
     assert edge.messages("c1") == [] and edge.messages("c2") == []
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    assert edge.pusher.sweep().pushed == 1
+    assert edge.sweep().pushed == 1
     [again] = edge.messages("c2")
     assert texts([again]) == ["lost on the way"] and again["dup"] is True
 
@@ -1064,11 +1057,11 @@ def group_edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     world = GroupWorld(aws, monkeypatch, lanes=4)
     world.topic("default")
     edge = Edge(world, monkeypatch)
-    # as ``wiring.edge_service``: the subscriptions' groups too (here one service for both)
-    edge.pusher.watch(world.subscriptions.groups)
-    # the HTTP functions push the members their requests hand lanes to (``wiring.HandOvers``)
-    monkeypatch.setattr(messages_app, "hand_overs", lambda: HandOvers(lambda: edge.pusher))
-    monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: HandOvers(lambda: edge.pusher))
+    # the HTTP functions hand the members their requests hand lanes to to the push queue
+    # (``wiring.hand_overs``)
+    watcher = HandOffs(edge.queue)
+    monkeypatch.setattr(messages_app, "hand_overs", lambda: watcher)
+    monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: watcher)
     yield edge
 
 
@@ -1168,47 +1161,6 @@ def test_lanes_an_http_member_leaves_are_pushed_to_a_websocket_member(
     assert sorted(texts(edge.messages("c2"))) == sorted(f"m-{k}" for k in keys)
 
 
-def test_the_hand_over_pusher_is_made_when_a_request_first_hands_lanes_over(
-    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The messages and subscriptions functions make their ``Pusher`` (an ``@connections``
-    client and a delivery service of its own) when a request first hands streams over, not
-    at their cold start: a get or an ack that hands nothing over makes none."""
-    edge = group_edge
-    world = edge.world
-    made: list[int] = []
-
-    def make() -> Pusher:
-        made.append(1)
-        return edge.pusher
-
-    watcher = HandOvers(make)
-    monkeypatch.setattr(messages_app, "hand_overs", lambda: watcher)
-    share = {"filter": "$share/g/a/#", "qos": 1}
-    keys = [f"k{n}" for n in range(8)]
-    channel = world.connect("alice-1", clean_start=False, session_expiry_s=3600)
-    world.subscribe("alice-1", channel, share)
-    for key in keys:
-        world.publish("a/b", f"first-{key}", ordering_key=key)
-    world.route()
-    first = world.get("alice-1", channel, max_messages=100)
-    assert len(first) == len(keys) and made == []
-    edge.connect("c2", client_id="alice-2")
-    edge.send("c2", {"action": "subscribe", "subscriptions": [share]})
-    for key in keys:
-        world.publish("a/b", f"second-{key}", ordering_key=key)
-    world.route()
-    assert world.ack("alice-1", channel, [m["id"] for m in first])[0] == 200
-    # the ack's final progress handed the revoked lanes over: made once, and it pushed
-    assert made == [1] and edge.messages("c2")
-    rest = world.get("alice-1", channel, max_messages=100)
-    assert world.ack("alice-1", channel, [m["id"] for m in rest])[0] == 200
-    assert made == [1]
-
-
-# --- a router push's reads
-
-
 def test_a_router_push_reads_its_sessions_heads_and_states_in_one_call(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1245,9 +1197,7 @@ def test_a_router_push_reads_its_sessions_heads_and_states_in_one_call(
     assert sum(k.get("position") == {"S": STATE} for k in batched) == len(clients)
 
 
-def test_a_push_from_a_stale_read_hands_out_nothing_twice(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_push_from_a_stale_read_hands_out_nothing_twice(edge: Edge) -> None:
     """A push that starts from a head and state read before another push wrote the state (a
     stale read) fails its conditional write, reads again, and hands out only what is new."""
     edge.connect("c1")
@@ -1256,16 +1206,18 @@ def test_a_push_from_a_stale_read_hands_out_nothing_twice(
     assert found is not None
     session_id = found.session_id
     connection = edge.connections.targets([session_id])[0]
-    stale = edge.pusher.delivery.read_sessions([(connection.client_id, session_id)])
+    stale = edge.world.delivery.read_sessions([(connection.client_id, session_id)])
     edge.world.publish("a/b", "m0")
     edge.world.route()  # its push hands m0 out: the state moves past what ``stale`` holds
     assert texts(edge.messages("c1")) == ["m0"]
-    # m1 is routed with no push of its own
-    monkeypatch.setattr(edge.pusher, "push_sessions", lambda *args, **kwargs: 0)
-    edge.world.publish("a/b", "m1")
-    edge.world.route()
-    assert texts(edge.messages("c1")) == ["m0"]
-    assert edge.pusher.push(connection, read=stale[session_id]) == 1
+    # m1 is routed, and its push starts from the stale read
+    real_read = edge.worker._read
+    edge.worker._read = lambda pushes: stale  # type: ignore[method-assign]
+    try:
+        edge.world.publish("a/b", "m1")
+        edge.world.route()
+    finally:
+        edge.worker._read = real_read  # type: ignore[method-assign]
     assert texts(edge.messages("c1")) == ["m0", "m1"]
 
 
@@ -1414,12 +1366,12 @@ def _all_lanes(edge: Edge) -> list[str]:
     return sorted(loaded.state.streams)
 
 
-def test_an_ack_frame_reads_its_sessions_head_state_and_push_mark_in_one_call(
+def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A connection knows its session: an ``ack`` frame reads the session's head, delivery
-    state and push mark (whether a push left deliveries behind) together, in one batch read,
-    and a stale state read that way costs only a read again."""
+    """A connection knows its session: an ``ack`` frame reads the session's head and
+    delivery state together, in one batch read, and a stale state read that way costs only a
+    read again."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     for n in range(2):
@@ -1439,20 +1391,20 @@ def test_an_ack_frame_reads_its_sessions_head_state_and_push_mark_in_one_call(
     # the one item read alone is the connection's, which names the session
     assert keys == [{"key": {"S": "conn#c1"}}]
     [batch] = [r for op, r in calls if op == "batch_get_item"]
-    assert sorted(len(part["Keys"]) for part in batch["RequestItems"].values()) == [1, 1, 1]
+    assert sorted(len(part["Keys"]) for part in batch["RequestItems"].values()) == [1, 1]
     assert edge.api.sent["c1"][-1] == {"action": "acked", "ref": "a1", "acked": 1}
     # a state that moved after the read: the write fails, the ack reads again and lands
     service = edge.service.delivery
-    real_read = service.read_session_with
+    real_read = service.read_sessions
 
     def stale_read(*args: Any) -> Any:
         read = real_read(*args)
-        monkeypatch.setattr(service, "read_session_with", real_read)
+        monkeypatch.setattr(service, "read_sessions", real_read)
         edge.world.publish("a/b", "m2")
         edge.world.route()  # its push hands m2 out: a new state version
         return read
 
-    monkeypatch.setattr(service, "read_session_with", stale_read)
+    monkeypatch.setattr(service, "read_sessions", stale_read)
     assert edge.send("c1", {"action": "ack", "ids": [second["id"]], "ref": "a2"}) is None
     answers = [f for f in edge.api.sent["c1"] if f.get("action") == "acked"]
     assert [a["acked"] for a in answers] == [1, 1]
@@ -1463,8 +1415,8 @@ def test_nothing_is_pushed_to_a_connection_before_its_connect_is_answered(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MQTT 5 [MQTT-3.2.0-1]: CONNACK is the server's first packet. A router's push that
-    comes between the connect's bind and its answer finds the push lease taken with the bind,
-    and the connect pushes the deliveries after its ``connected`` frame."""
+    comes between the connect's bind and its answer finds the connection not ready, and the
+    connect's own push, handed over after its ``connected`` frame, sends the deliveries."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     edge.dropped("c1")
@@ -1476,7 +1428,9 @@ def test_nothing_is_pushed_to_a_connection_before_its_connect_is_answered(
     def keep_then_race(connection: Any, head: Any) -> None:
         real_keep(connection, head)
         # the router's push of a message routed right after the bind
-        raced.append(edge.pusher.push_sessions([connection.session_id]))
+        edge.queue.hand_off([connection.session_id])
+        edge.push()
+        raced.append(len(edge.api.sent[connection.connection_id]))
 
     monkeypatch.setattr(edge.service, "_keep", keep_then_race)
     edge.world.clock.advance(0.001)

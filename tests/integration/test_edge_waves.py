@@ -1,6 +1,6 @@
-"""The router's push in waves (``Pusher.push_sessions``): each wave of sessions takes its
-leases and hands its deliveries out, appends every session's delivery events in one call, and
-only then posts its frames."""
+"""A push-queue batch (``PushWorker.handle``): its sessions' first gets side by side, every
+session's delivery events appended in one call, and only then its frames; a session whose
+push fails returns its chunk without holding the others back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import boto3
 import pytest
+import shoal.edge.push as push_module
 from botocore.exceptions import ClientError
 from shoal.core.config import get_config
 from shoal.delivery.events import EVENT_LOG, Recording
@@ -50,10 +51,16 @@ def subscribed(edge: Edge) -> list[str]:
     return connections
 
 
-def test_a_wave_appends_its_sessions_delivery_events_in_one_call(
+@pytest.fixture
+def at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A returned chunk is visible again at once (its jittered delay drawn as 0)."""
+    monkeypatch.setattr(push_module, "backoff_s", lambda *_: 0.0)
+
+
+def test_a_batch_appends_its_sessions_delivery_events_in_one_call(
     edge: Edge, aws: boto3.Session
 ) -> None:
-    """One PutRecords for the wave, not one a session; each session's events are still a
+    """One PutRecords for the batch, not one a session; each session's events are still a
     record of its own (its partition key), and each names its delivery."""
     appends = record(edge, aws)
     connections = subscribed(edge)
@@ -69,97 +76,100 @@ def test_a_wave_appends_its_sessions_delivery_events_in_one_call(
     assert sorted(e["delivery_id"] for e in delivered) == ids
 
 
-def test_no_frame_goes_out_before_its_waves_events_are_appended(
+@pytest.mark.usefixtures("at_once")
+def test_no_frame_goes_out_before_its_batchs_events_are_appended(
     edge: Edge, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The append fails: no session of the wave is posted what the log does not name. Each
-    gives its lease back armed, so the sweep alone sends the deliveries again after their ack
-    timeout, once each and with ``dup``; the next message is pushed at once."""
+    """The append fails: no session of the batch is posted what the log does not name. What
+    the gets handed out is made due again and the chunks are returned: their retry sends it,
+    once each and with ``dup``; the next message goes out at once."""
     appends = record(edge, aws)
     connections = subscribed(edge)
     log = edge.world.delivery.events.log()  # type: ignore[union-attr]
     working = log.append
     failures = {"n": 0}
+    posted_before_retry: list[int] = []
 
     def failing_once(records: list[tuple[str, bytes]]) -> Any:
         if failures["n"] == 0 and any(key.startswith("session/") for key, _ in records):
             failures["n"] += 1
             raise ClientError({"Error": {"Code": "InternalFailure"}}, "PutRecords")
+        posted_before_retry.append(sum(len(edge.api.sent[c]) for c in connections))
         return working(records)
 
     monkeypatch.setattr(log, "append", failing_once)
     edge.world.publish("a/b", "m0")
     edge.world.route()
     assert failures["n"] == 1
-    for connection in connections:
-        assert edge.messages(connection) == [], connection
-    # no other trigger: the sweep alone sends them again
-    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    assert edge.pusher.sweep().pushed == SESSIONS
+    # nothing had been posted when the retry appended its events
+    assert posted_before_retry[0] == 2 * SESSIONS  # each connection's connected, subscribed
     for connection in connections:
         [again] = edge.messages(connection)
         assert texts([again]) == ["m0"] and again["dup"] is True, again
-    # the leases were given back: the next message goes out at once
     edge.world.publish("a/b", "m1")
     edge.world.route()
     for connection in connections:
         assert texts(edge.messages(connection)) == ["m0", "m1"], connection
-    # m1's wave: one append of every session's record
+    # m1's batch: one append of every session's record
     assert len(appends[-1]) == SESSIONS
 
 
-def test_a_wave_posts_every_frame_before_it_gives_a_lease_back(
+def test_a_batch_posts_every_frame_before_its_arm_writes(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The releases (a conditional write each) come after all the wave's frames, so that no
-    frame waits behind another session's release."""
+    """The due index's writes (one a session with deliveries in flight) come after all the
+    batch's frames, so that no frame waits behind another session's write."""
     connections = subscribed(edge)
     steps: list[str] = []
-    post, release = edge.api.post, edge.connections.release
+    post, arm = edge.api.post, edge.connections.arm_session
 
     def posting(connection_id: str, frame: str) -> None:
         steps.append("post")
         post(connection_id, frame)
 
-    def releasing(*args: Any, **kwargs: Any) -> bool:
-        steps.append("release")
-        return release(*args, **kwargs)
+    def arming(*args: Any, **kwargs: Any) -> bool:
+        steps.append("arm")
+        return arm(*args, **kwargs)
 
     monkeypatch.setattr(edge.api, "post", posting)
-    monkeypatch.setattr(edge.connections, "release", releasing)
+    monkeypatch.setattr(edge.connections, "arm_session", arming)
     edge.world.publish("a/b", "m0")
     edge.world.route()
-    assert steps == ["post"] * SESSIONS + ["release"] * SESSIONS, steps
+    assert steps == ["post"] * SESSIONS + ["arm"] * SESSIONS, steps
     for connection in connections:
         assert texts(edge.messages(connection)) == ["m0"], connection
 
 
-def test_a_session_whose_lease_cannot_be_taken_fails_the_batch_after_the_others(
+@pytest.mark.usefixtures("at_once")
+def test_a_session_whose_get_is_throttled_returns_its_chunk_alone(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A throttled lease write for one session of a wave: the others are pushed and give
-    their leases back; the error is raised after them, so the router's batch is retried (as
-    it was when each session pushed alone)."""
+    """A throttled call in one session's get: the others are pushed; its chunk alone is
+    returned to the queue, and its retry pushes it, once."""
     connections = subscribed(edge)
     throttled = edge.connections.connection(connections[1])
     assert throttled is not None
-    take = edge.connections.take_lease
+    get = edge.worker._get
+    refusals = {"n": 0}
 
-    def taking(connection: Any) -> str | None:
-        if connection.session_id == throttled.session_id:
-            raise ClientError({"Error": {"Code": "ThrottlingException"}}, "UpdateItem")
-        return take(connection)
+    def getting(push: Any, *args: Any) -> Any:
+        if push.session_id == throttled.session_id and refusals["n"] == 0:
+            refusals["n"] += 1
+            raise ClientError({"Error": {"Code": "ThrottlingException"}}, "PutItem")
+        return get(push, *args)
 
-    monkeypatch.setattr(edge.connections, "take_lease", taking)
+    monkeypatch.setattr(edge.worker, "_get", getting)
+    answers: list[dict[str, Any]] = []
+    handle = edge.worker.handle
+
+    def recording(event: Any) -> dict[str, Any]:
+        answers.append(handle(event))
+        return answers[-1]
+
+    monkeypatch.setattr(edge.worker, "handle", recording)
     edge.world.publish("a/b", "m0")
-    # the router's push: the first and third sessions get the message
     edge.world.route()
-    assert [texts(edge.messages(c)) for c in connections] == [["m0"], [], ["m0"]]
-    # and the push raises once they are done (the router's invocation fails, as it did)
-    sessions = [edge.connections.connection(c) for c in connections]
-    with pytest.raises(ClientError):
-        edge.pusher.push_sessions([s.session_id for s in sessions if s is not None])
-    # the retried batch's push, once the lease can be taken, reaches the third session only
-    monkeypatch.setattr(edge.connections, "take_lease", take)
-    assert edge.pusher.push_sessions([s.session_id for s in sessions if s is not None]) == 1
+    assert refusals["n"] == 1
+    # one chunk returned (the throttled session's lane), then taken again
+    assert sum(len(a["batchItemFailures"]) for a in answers) == 1
     assert [texts(edge.messages(c)) for c in connections] == [["m0"]] * SESSIONS

@@ -675,17 +675,27 @@ class DeliveryService:
             events.add("acked", "session", session_id, delivery_id=delivery_id(session_id, ordinal))
         events.flush(f"ack/{session_id}/{state.version}/{done[0]}")
 
-    def unsend(self, session_id: str, ordinals: set[int]) -> bool:
-        """The deliveries ``ordinals`` were handed out and never went (a push whose posts were
-        refused as throttled): their runs are due again at once, so the next get or push
-        sends them again, first and in order, with ``dup`` (a run's other deliveries with
-        them: a copy too many is allowed, a message out of order is not). Whether a run
-        changed."""
+    def unsend(
+        self, session_id: str, ordinals: set[int] | None = None, *, channel: Channel | None = None
+    ) -> bool:
+        """Deliveries handed out that may never have gone (a push whose posts were refused as
+        throttled: ``ordinals``; a push retried after an attempt that died: every delivery in
+        flight for ``channel``) are due again at once, so the next get or push sends them
+        again, first and in order, with ``dup`` (their runs' other deliveries with them: a
+        copy too many is allowed, a message out of order is not). Whether a run changed."""
         for attempt in range(ATTEMPTS):
             state = self.inbox.state(session_id)
             expected = state.version
-            runs = [r for r in state.runs if any(r.first <= o < r.end for o in ordinals)]
-            if not runs or all(r.sent_at_ms == 0 for r in runs):
+            runs = [
+                r
+                for r in state.runs
+                if r.sent_at_ms != 0
+                and (
+                    (ordinals is not None and any(r.first <= o < r.end for o in ordinals))
+                    or (channel is not None and r.channel == channel)
+                )
+            ]
+            if not runs:
                 return False
             for run in runs:
                 run.sent_at_ms = 0

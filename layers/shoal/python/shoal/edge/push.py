@@ -170,6 +170,9 @@ class _Push:
     failed: Exception | None = None
     #: ordinals handed out and not posted (made due again when the push failed)
     unposted: set[int] = field(default_factory=set)
+    #: a record naming the session was received before (an attempt failed or died): what is
+    #: in flight for its channel may never have gone, and goes again first
+    retried: bool = False
 
 
 @dataclass
@@ -218,7 +221,12 @@ class PushWorker:
                 logger.error("unreadable push work dropped", extra={"id": record.get("messageId")})
                 count(metrics.PUSH_FAILED)
                 works.append(None)
-        failed = self.work(works)
+        retried = {
+            n
+            for n, record in enumerate(records)
+            if int((record.get("attributes") or {}).get("ApproximateReceiveCount", 1)) > 1
+        }
+        failed = self.work(works, retried)
         returned = _fifo_failures(records, failed)
         if returned:
             self._delay(records, returned)
@@ -234,7 +242,7 @@ class PushWorker:
         entries = []
         for n in returned:
             received = int((records[n].get("attributes") or {}).get("ApproximateReceiveCount", 1))
-            delay = max(1, round(backoff_s(received, 1.0, MAX_RETRY_DELAY_S)))
+            delay = round(backoff_s(received, 1.0, MAX_RETRY_DELAY_S))
             entries.append(
                 {
                     "Id": str(n),
@@ -252,11 +260,14 @@ class PushWorker:
 
     # -- the work
 
-    def work(self, works: list[PushWork | None]) -> set[int]:
+    def work(self, works: list[PushWork | None], retried: set[int] | None = None) -> set[int]:
         """Pushes the sessions of ``works`` (the batch's records, in order); the indexes of
-        the records whose push failed (to be returned to the queue)."""
+        the records whose push failed (to be returned to the queue). ``retried``: records
+        received before (``ApproximateReceiveCount`` over 1)."""
         report = self.last = WorkReport()
         pushes = _plan(works)
+        for push in pushes.values():
+            push.retried = bool(retried and retried.intersection(push.records))
         report.sessions = len(pushes)
         if not pushes:
             return set()
@@ -309,8 +320,16 @@ class PushWorker:
                 done.result()
 
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
-        """A push's first get, its events to ``batch``."""
+        """A push's first get, its events to ``batch``. A retried push first makes what is in
+        flight for the channel due: the attempt that failed may have handed it out and died
+        before posting it, and the ack timeout is long to wait (the state read before is
+        stale then: the get reads its own)."""
         try:
+            if push.retried and push.connection is not None:
+                if self.delivery.unsend(push.session_id, channel=push.connection.channel):
+                    push.read = None
+                # everywhere: what an earlier attempt handed out may be in any source
+                push.source = None
             push.handed = self._get(push, push.source, push.read, batch)
         except (ShoalError, ClientError, BotoCoreError) as exc:
             self._stopped(push, exc)
@@ -368,7 +387,9 @@ class PushWorker:
             if push.unposted:
                 self.delivery.unsend(push.session_id, push.unposted)
             if push.acked_later and connection.due_at_ms is None:
-                self.connections.arm(connection, self._due())
+                # whichever connection the session's item names now: a renewal may have moved
+                # it meanwhile, and the same channel's deliveries are then in flight there
+                self.connections.arm_session(push.session_id, self._due())
         except (ShoalError, ClientError, BotoCoreError) as exc:
             logger.warning("push settle failed", extra={"error_type": type(exc).__name__})
             if push.unposted and push.failed is None:

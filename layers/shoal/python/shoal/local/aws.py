@@ -273,9 +273,7 @@ def detach_moto_lambda_triggers() -> None:
     # message for it (counting a receive) before failing to invoke: the queue keeps none
     from moto.sqs.models import Queue
 
-    Queue.lambda_event_source_mappings = property(
-        lambda self: {}, lambda self, value: None
-    )
+    Queue.lambda_event_source_mappings = property(lambda self: {}, lambda self, value: None)
 
 
 # --- the middleware --------------------------------------------------------------------------

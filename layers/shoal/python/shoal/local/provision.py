@@ -149,18 +149,7 @@ def provision(
             if not _exists(exc):
                 raise
 
-    sqs = session.client("sqs")
-    for queue in deployment.queues:
-        # the dead-letter queue first: the queue's redrive policy names it
-        dead = _queue(sqs, names.queues[queue.dead_letter], queue, retention_s=14 * 24 * 3600)
-        _queue(
-            sqs,
-            names.queues[queue.logical],
-            queue,
-            RedrivePolicy=json.dumps(
-                {"deadLetterTargetArn": dead, "maxReceiveCount": str(queue.max_receive_count)}
-            ),
-        )
+    provision_queues(session, names, deployment)
 
     iam = session.client("iam")
     trust = (
@@ -195,6 +184,24 @@ def provision(
         except ClientError as exc:
             if not _exists(exc):
                 raise
+
+
+def provision_queues(
+    session: boto3.Session, names: LocalNames, deployment: Deployment = DEPLOYMENT
+) -> None:
+    """Create every declared queue and its dead-letter queue (kept when they exist)."""
+    sqs = session.client("sqs")
+    for queue in deployment.queues:
+        # the dead-letter queue first: the queue's redrive policy names it
+        dead = _queue(sqs, names.queues[queue.dead_letter], queue, retention_s=14 * 24 * 3600)
+        _queue(
+            sqs,
+            names.queues[queue.logical],
+            queue,
+            RedrivePolicy=json.dumps(
+                {"deadLetterTargetArn": dead, "maxReceiveCount": str(queue.max_receive_count)}
+            ),
+        )
 
 
 def _queue(

@@ -228,6 +228,17 @@ class QueueMappings:
                 finished += len(self.deliver(mapping, messages))
         return finished
 
+    def drain_mapping(self, mapping: QueueMapping, max_rounds: int = 1000) -> int:
+        """Batches of ``mapping`` (not necessarily one the Lambda API lists: a test's) until
+        its queue hands out nothing; the messages finished."""
+        finished = 0
+        for _ in range(max_rounds):
+            messages = self.receive(mapping)
+            if not messages:
+                break
+            finished += len(self.deliver(mapping, messages))
+        return finished
+
     def drain(self, max_rounds: int = 1000) -> int:
         """Rounds until no mapping receives anything; the messages finished."""
         finished = 0

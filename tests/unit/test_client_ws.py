@@ -388,10 +388,10 @@ def test_a_message_is_acked_only_after_the_application_asks_for_the_next(
     assert clients.server.frames("ack") == []
     second = next(stream)
     stream.close()
-    # leaving the loop sends the acks of what was processed; the one held stays unacked
+    client.close()
+    # closing sends the acks of what was processed; the one held stays unacked
     assert session.acked == {first.id}
     assert second.id not in session.acked
-    client.close()
 
 
 def test_a_handler_that_raises_gets_its_message_again_and_it_is_acked_once(
@@ -411,7 +411,9 @@ def test_a_handler_that_raises_gets_its_message_again_and_it_is_acked_once(
     with pytest.raises(RuntimeError):
         client.consume(fragile)
     session = clients.server.sessions["c1"]
-    assert session.acked == {"d1"}
+    # the first was processed (its ack held), the second not
+    assert client.state.was_processed("c1", "d1")
+    assert not client.state.was_processed("c1", "d2")
     # the failed one is handed out again first, then acked once its handler returned
     assert client.consume(fragile, count=1) == 1
     assert calls == ["one", "two", "two"]
@@ -428,6 +430,7 @@ def test_a_redelivered_id_already_processed_is_acked_again_and_not_handed_out(
     server.lose_acks = True  # the ack is lost on its way
     server.publish("a/1", "one")
     assert texts(client.messages(count=1)) == ["one"]
+    client.ack()  # its held ack goes now
     assert server.frames("ack")[-1]["ids"] == ["d1"]
     server.lose_acks = False
     # the ack timeout passes: d1 comes again with dup, then a new one
@@ -555,7 +558,8 @@ def test_held_acks_go_before_waiting_would_keep_the_window_shut(clients: Clients
     client.close()
 
 
-def test_held_acks_go_when_the_client_closes(clients: Clients) -> None:
+@pytest.mark.parametrize("disconnect", [False, True])
+def test_held_acks_go_when_the_client_closes(clients: Clients, disconnect: bool) -> None:
     # Given two messages processed, their acks held
     client = clients.new(ack_delay_s=10)
     client.subscribe("a/#")
@@ -565,10 +569,18 @@ def test_held_acks_go_when_the_client_closes(clients: Clients) -> None:
     held = list(client.messages(count=2, auto_ack=False, until_ms=soon(clients.clock)))
     client.mark_processed(*held)
     assert server.sessions["c1"].ack_frames == []
-    # When the client closes
-    client.close()
+    # When the client closes (with a disconnect or not)
+    client.close(disconnect=disconnect)
     # Then one frame acked both
     assert server.sessions["c1"].ack_frames == [["d1", "d2"]]
+    sent = [f for f in server.sockets[-1].sent if f["action"] in ("ack", "disconnect")]
+    if disconnect:
+        # asking for an answer, waited for before the disconnect (API Gateway runs a
+        # connection's frames in no set order: the disconnect must not overtake the ack)
+        assert [f["action"] for f in sent] == ["ack", "disconnect"]
+        assert "ref" in sent[0]
+    else:
+        assert [f["action"] for f in sent] == ["ack"] and "ref" not in sent[0]
 
 
 def test_an_ack_frame_carries_at_most_1000_ids(clients: Clients) -> None:

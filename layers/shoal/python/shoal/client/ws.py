@@ -33,22 +33,27 @@ Acks, exactly-once processing. A message counts as processed once the applicatio
 ``messages()`` for the next one (or ``consume``'s handler returned, or ``mark_processed``): its
 id is recorded in the state file, then acked. Acks are held for ``ack_delay_s`` (300 ms by
 default, as the API's contract says: "a few hundred ms at most") and go out together, up to
-1,000 ids a frame: at the delay, sooner once half the window (``receive_maximum``) waits for
-its ack or when waiting for frames with the acks held would keep the window shut, and when the
-loop ends or the client closes. Each ack frame is a billed WebSocket message and an ``ack``
+1,000 ids a frame: at the delay (sent by the keep-alive thread when no loop is receiving:
+while a handler runs, or after the loop was left), sooner once half the window
+(``receive_maximum``) waits for its ack or when waiting for frames with the acks held would
+keep the window shut, and when the client closes (before a disconnect, answered: API Gateway
+runs a connection's frames in no set order, and a disconnect that overtook the ack would
+leave it refused). Each ack frame is a billed WebSocket message and an ``ack``
 function invocation with one state write, whatever its number of ids: at 1 message a second a
 300 ms delay still sends one frame per message, a delay of seconds one per several. A longer
 delay is fewer frames, and more messages sent again after a crash (those processed in the last
 delay; they are in the state file, so they are acked again and not handed out) or, past the
 service's ack timeout (30 s by default), sent again with ``dup`` while the client runs: hence
 at most ``MAX_ACK_DELAY_S``. 0 sends one ack per message, before the next is handed out. Acks
-are never waited for: a lost ack means the message comes again with ``dup``, and a redelivered
+are not waited for (but at a disconnect): a lost ack means the message comes again with ``dup``,
+and a redelivered
 id already recorded is acked again without being handed to the application. A message handed
 out but not processed (the handler raised, the loop was left) is handed out first by the next
 ``messages()`` of this client.
 
 Keep-alive: ``shoal.client.wslink``. The keep-alive thread also sends held acks when their
-delay ends while the application's handler runs (no loop is receiving then).
+delay ends and no loop is receiving (without it, ``WsSettings.keepalive_thread`` false, they
+go with the next ``messages()`` or at ``close``).
 
 Takeover. A newer connect for the client id elsewhere makes the server send ``disconnect``
 with ``session_taken_over`` and close: the client forgets its connection and raises
@@ -227,12 +232,12 @@ class ShoalWsClient:
         return min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM)
 
     def close(self, *, disconnect: bool = False) -> None:
-        """Send pending acks (best effort), optionally disconnect (no will), close, release
-        the state file."""
+        """Send held acks (best effort; before a disconnect, answered), optionally disconnect
+        (no will), close, release the state file."""
         try:
             if self._link is not None:
-                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
-                    self._flush_acks()
+                with contextlib.suppress(ClientError, LinkLost, _TakenOver, _Busy):
+                    self._flush_acks(answered=disconnect)
                 if disconnect:
                     with contextlib.suppress(ClientError, LinkLost, _TakenOver):
                         self.disconnect()
@@ -685,9 +690,10 @@ class ShoalWsClient:
             held += sum(1 for m in self._outstanding.values() if m.qos > 0)
             return held + len(self._unacked) >= self.receive_maximum
 
-    def _flush_acks(self) -> int:
-        """Every held ack now, one frame per 1000 ids (no answer is asked for: a lost ack
-        means the message comes again, acked again then); the ids sent."""
+    def _flush_acks(self, *, answered: bool = False) -> int:
+        """Every held ack now, one frame per 1000 ids; the ids sent. No answer is asked for (a
+        lost ack means the message comes again, acked again then), but for the last frame
+        when ``answered``: a disconnect sent next would not overtake it."""
         sent = 0
         while True:
             with self._lock:
@@ -695,12 +701,18 @@ class ShoalWsClient:
                 if link is None or not self._unacked:
                     return sent
                 ids = list(itertools.islice(self._unacked, MAX_ACK_IDS))
-                # no ref: an ack is answered only when asked (one billed message fewer)
-                self._send_on(link, {"action": "ack", "ids": ids})
+                last = len(ids) == len(self._unacked)
+                if not (answered and last):
+                    # no ref: an ack is answered only when asked (one billed message fewer)
+                    self._send_on(link, {"action": "ack", "ids": ids})
                 for message_id in ids:
                     del self._unacked[message_id]
                 if not self._unacked:
                     self._ack_due_ms = None
+            if answered and last:
+                # not held again if this fails: the ids are processed (the state file), so
+                # their messages, sent again, are acked again then
+                self._ask_on(link, {"action": "ack", "ids": ids})
             sent += len(ids)
 
     def _next_ready(self, flow_bytes: int) -> ReceivedMessage | None:
@@ -784,10 +796,7 @@ class ShoalWsClient:
                     # next messages() hands it out first
                     del self._outstanding[current.id]
                     self._buffer.appendleft(current)
-            if self._link is not None:
-                # no loop receives now: what was processed is acked as the loop ends
-                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
-                    self._flush_acks()
+            # what was processed is acked at its delay (the keep-alive thread), or at close
 
     def _wait_for_message(self, until_ms: int | None) -> ReceivedMessage | None:
         """The next message to hand out, receiving frames (and sending acks and pings, and

@@ -35,21 +35,20 @@ id is recorded in the state file, then acked. Acks are held for ``ack_delay_s`` 
 default, as the API's contract says: "a few hundred ms at most") and go out together, up to
 1,000 ids a frame: at the delay (sent by the keep-alive thread when no loop is receiving:
 while a handler runs, or after the loop was left), sooner once half the window
-(``receive_maximum``) waits for its ack or when waiting for frames with the acks held would
+(``receive_maximum``) waits for its acks or when waiting for frames with the acks held would
 keep the window shut, and when the client closes (before a disconnect, answered: API Gateway
-runs a connection's frames in no set order, and a disconnect that overtook the ack would
-leave it refused). Each ack frame is a billed WebSocket message and an ``ack``
-function invocation with one state write, whatever its number of ids: at 1 message a second a
-300 ms delay still sends one frame per message, a delay of seconds one per several. A longer
-delay is fewer frames, and more messages sent again after a crash (those processed in the last
-delay; they are in the state file, so they are acked again and not handed out) or, past the
-service's ack timeout (30 s by default), sent again with ``dup`` while the client runs: hence
-at most ``MAX_ACK_DELAY_S``. 0 sends one ack per message, before the next is handed out. Acks
-are not waited for (but at a disconnect): a lost ack means the message comes again with ``dup``,
-and a redelivered
-id already recorded is acked again without being handed to the application. A message handed
-out but not processed (the handler raised, the loop was left) is handed out first by the next
-``messages()`` of this client.
+runs a connection's frames in no set order, and a disconnect that overtook the ack would leave
+it refused). Each ack frame is a billed WebSocket message and an ``ack`` function invocation
+with one state write, whatever its number of ids: at 1 message a second a 300 ms delay still
+sends one frame per message, a delay of seconds one per several. A longer delay is fewer
+frames, and more messages sent again after a crash (those processed in the last delay; they
+are in the state file, so they are acked again and not handed out) or, past the service's ack
+timeout (30 s by default), sent again with ``dup`` while the client runs: hence at most
+``MAX_ACK_DELAY_S``. 0 sends one ack per message, before the next is handed out. Acks are not
+waited for (but before a disconnect): a lost ack means the message comes again with ``dup``,
+and a redelivered id already recorded is acked again without being handed to the application.
+A message handed out but not processed (the handler raised, the loop was left) is handed out
+first by the next ``messages()`` of this client.
 
 Keep-alive: ``shoal.client.wslink``. The keep-alive thread also sends held acks when their
 delay ends and no loop is receiving (without it, ``WsSettings.keepalive_thread`` false, they
@@ -634,8 +633,8 @@ class ShoalWsClient:
     # -- receiving ----------------------------------------------------------------------
 
     def mark_processed(self, *messages: ReceivedMessage | str) -> None:
-        """Record messages as processed (durably) and queue their acks. Safe from any
-        thread: a receiving loop sends the acks soon."""
+        """Record messages as processed (durably) and hold their acks. Safe from any
+        thread: the acks go at their delay (``ack_delay_s``), or sooner."""
         ids = [m.id if isinstance(m, ReceivedMessage) else m for m in messages]
         with self._outstanding_changed:
             # recorded (durably) before its ack is held: a crash inside the delay brings the

@@ -76,6 +76,8 @@ def test_mosquitto_short_flags_mean_what_they_mean_there() -> None:
         (["publish", "-t", "a", "-m", "x"], "no token"),
         (["publish", "--token", "t", "-t", "a"], "give the payload"),
         (["publish", "--token", "t", "-t", "a", "-l", "--batch-size", "501"], "--batch-size"),
+        (["subscribe", "--token", "t", "-t", "a", "--ack-delay-ms", "10001"], "--ack-delay-ms"),
+        (["subscribe", "--token", "t", "-t", "a", "--ack-delay-ms", "-1"], "--ack-delay-ms"),
     ],
 )
 def test_every_usage_error_is_one_line_and_exit_2(

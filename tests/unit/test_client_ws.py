@@ -89,8 +89,11 @@ class FakeSocket:
             return self.inbound.popleft()
         if self.closed_code is not None:
             raise LinkLost("closed", self.closed_code)
-        # nothing comes: the wait passes
-        self.server.clock.advance(timeout or 0)
+        # nothing comes: the wait passes, unless a message scheduled meanwhile comes first
+        if not self.server.publish_due(within_s=timeout or 0) and self.closed_code is None:
+            self.server.clock.advance(timeout or 0)
+        if self.inbound:
+            return self.inbound.popleft()
         raise TimeoutError
 
     def close(self, code: int = 1000, reason: str = "") -> None:
@@ -130,6 +133,10 @@ class FakeServer:
         #: ``renew`` frames, and whether to refuse them (as for a connection lost meanwhile)
         self.renews: list[dict[str, Any]] = []
         self.refuse_renewals = False
+        #: (clock ms, topic, text), in time order: published when the clock gets there
+        self.scheduled: deque[tuple[int, str, str]] = deque()
+        #: the clock's time of each ack frame, beside ``Session.ack_frames``
+        self.ack_times: list[int] = []
 
     # -- the connector
     def connector(self, url: str, headers: Mapping[str, str], timeout: float) -> FakeSocket:
@@ -211,6 +218,7 @@ class FakeServer:
             socket.push({"ref": ref, "action": "subscribed", "granted": granted})
         elif action == "ack":
             session.ack_frames.append(list(frame["ids"]))
+            self.ack_times.append(self.clock.now_ms())
             if self.lose_acks:
                 return
             fresh = [i for i in frame["ids"] if i not in session.acked]
@@ -265,6 +273,16 @@ class FakeServer:
             if delivery not in handed:
                 session.in_flight.append(delivery)
                 socket.push({"action": "message", **message})
+
+    def publish_due(self, within_s: float) -> bool:
+        """A client waits ``within_s``: if a scheduled message is due by then, the clock moves
+        to it and it is published (True)."""
+        if not self.scheduled or self.scheduled[0][0] > self.clock.now_ms() + within_s * 1000:
+            return False
+        at_ms, topic, text = self.scheduled.popleft()
+        self.clock.advance(max(at_ms - self.clock.now_ms(), 0) / 1000)
+        self.publish(topic, text)
+        return True
 
     def redeliver(self, client_id: str, delivery: str) -> None:
         """The ack timeout passed: ``delivery`` comes again, with dup, on the live connection."""
@@ -370,10 +388,10 @@ def test_a_message_is_acked_only_after_the_application_asks_for_the_next(
     assert clients.server.frames("ack") == []
     second = next(stream)
     stream.close()
-    # leaving the loop sends the acks of what was processed; the one held stays unacked
+    client.close()
+    # closing sends the acks of what was processed; the one held stays unacked
     assert session.acked == {first.id}
     assert second.id not in session.acked
-    client.close()
 
 
 def test_a_handler_that_raises_gets_its_message_again_and_it_is_acked_once(
@@ -393,7 +411,9 @@ def test_a_handler_that_raises_gets_its_message_again_and_it_is_acked_once(
     with pytest.raises(RuntimeError):
         client.consume(fragile)
     session = clients.server.sessions["c1"]
-    assert session.acked == {"d1"}
+    # the first was processed (its ack held), the second not
+    assert client.state.was_processed("c1", "d1")
+    assert not client.state.was_processed("c1", "d2")
     # the failed one is handed out again first, then acked once its handler returned
     assert client.consume(fragile, count=1) == 1
     assert calls == ["one", "two", "two"]
@@ -410,6 +430,7 @@ def test_a_redelivered_id_already_processed_is_acked_again_and_not_handed_out(
     server.lose_acks = True  # the ack is lost on its way
     server.publish("a/1", "one")
     assert texts(client.messages(count=1)) == ["one"]
+    client.ack()  # its held ack goes now
     assert server.frames("ack")[-1]["ids"] == ["d1"]
     server.lose_acks = False
     # the ack timeout passes: d1 comes again with dup, then a new one
@@ -437,6 +458,211 @@ def test_processed_ids_survive_a_restart_of_the_client(clients: Clients) -> None
     assert texts(second.messages(count=1)) == ["two"]
     second.close()
     assert server.sessions["c1"].acked == {"d1", "d2"}
+
+
+# -- acks held for a delay -------------------------------------------------------------------------
+
+
+def test_acks_are_held_for_the_delay_and_go_in_one_frame(clients: Clients) -> None:
+    # Given ten messages waiting for a client with the default delay (300 ms)
+    client = clients.new()
+    client.subscribe("a/#")
+    server = clients.server
+    for n in range(10):
+        server.publish("a/x", str(n))
+    start = clients.clock.now_ms()
+    # When it processes them all and waits for more
+    assert texts(client.messages(until_ms=soon(clients.clock))) == [str(n) for n in range(10)]
+    # Then one ack frame carried the ten ids, 300 ms after the first was processed
+    assert server.sessions["c1"].ack_frames == [[f"d{n}" for n in range(1, 11)]]
+    assert server.ack_times == [start + 300]
+    client.close()
+
+
+def test_at_a_low_rate_the_acks_of_one_delay_share_a_frame(clients: Clients) -> None:
+    # Given a message every 100 ms, each processed as it comes, with the default delay
+    client = clients.new()
+    client.subscribe("a/#")
+    server = clients.server
+    start = clients.clock.now_ms()
+    published = {f"d{n}": start + 100 * n for n in range(1, 13)}
+    server.scheduled.extend((at, "a/x", name) for name, at in published.items())
+    # When the twelve are processed
+    got = list(client.messages(until_ms=soon(clients.clock, 3)))
+    assert len(got) == 12
+    frames = server.sessions["c1"].ack_frames
+    # Then a frame carries the acks of about 300 ms: four frames, not twelve
+    assert len(frames) == 4
+    assert sorted(i for ids in frames for i in ids) == sorted(published)
+    # and none was held past the delay: a frame goes at most 300 ms after its oldest id was
+    # processed (as it came)
+    for ids, sent in zip(frames, server.ack_times, strict=True):
+        assert sent - published[ids[0]] <= 300
+    client.close()
+
+
+def test_an_ack_delay_of_zero_acks_each_message_before_the_next_is_handed_out(
+    clients: Clients,
+) -> None:
+    # Given a message every 100 ms and a client with no ack delay
+    client = clients.new(ack_delay_s=0)
+    client.subscribe("a/#")
+    server = clients.server
+    start = clients.clock.now_ms()
+    server.scheduled.extend((start + 100 * n, "a/x", str(n)) for n in range(1, 6))
+    # When it processes them
+    assert len(list(client.messages(until_ms=soon(clients.clock, 1)))) == 5
+    # Then each got an ack frame of its own, sent as it was processed
+    assert server.sessions["c1"].ack_frames == [[f"d{n}"] for n in range(1, 6)]
+    assert server.ack_times == [start + 100 * n for n in range(1, 6)]
+    client.close()
+
+
+def test_half_the_window_waiting_for_acks_sends_them_at_once(clients: Clients) -> None:
+    # Given a window of 10, full, and two more messages behind it
+    client = clients.new(flow=FlowControl(max_messages=10))
+    client.subscribe("a/#")
+    server = clients.server
+    for n in range(12):
+        server.publish("a/x", str(n))
+    start = clients.clock.now_ms()
+    # When five are processed (the application asks for the sixth)
+    stream = client.messages()
+    for _ in range(6):
+        next(stream)
+    # Then their acks went at once, in one frame, before the delay, and the window opened
+    assert server.sessions["c1"].ack_frames == [[f"d{n}" for n in range(1, 6)]]
+    assert server.ack_times == [start]
+    assert server.sessions["c1"].in_flight[-2:] == ["d11", "d12"]
+    stream.close()
+    client.close()
+
+
+def test_held_acks_go_before_waiting_would_keep_the_window_shut(clients: Clients) -> None:
+    # Given a window of 4 filled by messages the application holds (auto_ack off), and more
+    # behind it
+    client = clients.new(flow=FlowControl(max_messages=4))
+    client.subscribe("a/#")
+    server = clients.server
+    for n in range(6):
+        server.publish("a/x", str(n))
+    held = list(client.messages(count=4, auto_ack=False, until_ms=soon(clients.clock)))
+    start = clients.clock.now_ms()
+    # When one is processed (one ack held: under half the window) and the loop looks for more
+    client.mark_processed(held[0])
+    more = list(client.messages(count=1, auto_ack=False, until_ms=soon(clients.clock)))
+    # Then the held ack went at once (nothing could come until it did), and the next came
+    assert server.sessions["c1"].ack_frames == [["d1"]]
+    assert server.ack_times == [start]
+    assert texts(more) == ["4"]
+    client.close()
+
+
+@pytest.mark.parametrize("disconnect", [False, True])
+def test_held_acks_go_when_the_client_closes(clients: Clients, disconnect: bool) -> None:
+    # Given two messages processed, their acks held
+    client = clients.new(ack_delay_s=10)
+    client.subscribe("a/#")
+    server = clients.server
+    server.publish("a/x", "one")
+    server.publish("a/x", "two")
+    held = list(client.messages(count=2, auto_ack=False, until_ms=soon(clients.clock)))
+    client.mark_processed(*held)
+    assert server.sessions["c1"].ack_frames == []
+    # When the client closes (with a disconnect or not)
+    client.close(disconnect=disconnect)
+    # Then one frame acked both
+    assert server.sessions["c1"].ack_frames == [["d1", "d2"]]
+    sent = [f for f in server.sockets[-1].sent if f["action"] in ("ack", "disconnect")]
+    if disconnect:
+        # asking for an answer, waited for before the disconnect (API Gateway runs a
+        # connection's frames in no set order: the disconnect must not overtake the ack)
+        assert [f["action"] for f in sent] == ["ack", "disconnect"]
+        assert "ref" in sent[0]
+    else:
+        assert [f["action"] for f in sent] == ["ack"] and "ref" not in sent[0]
+
+
+def test_an_ack_frame_carries_at_most_1000_ids(clients: Clients) -> None:
+    # Given 1,500 messages processed together, their acks held
+    client = clients.new(flow=FlowControl(max_messages=1500), ack_delay_s=10)
+    client.subscribe("a/#")
+    server = clients.server
+    for n in range(1500):
+        server.publish("a/x", str(n))
+    held = list(client.messages(count=1500, auto_ack=False, until_ms=soon(clients.clock)))
+    client.mark_processed(*held)
+    # When they are sent
+    client.close()
+    # Then in frames of 1,000 ids at most (the API's limit), each id once
+    frames = server.sessions["c1"].ack_frames
+    assert [len(ids) for ids in frames] == [1000, 500]
+    assert len(server.sessions["c1"].acked) == 1500
+
+
+def test_a_client_killed_inside_its_ack_delay_acks_its_messages_again_without_handing_them_out(
+    clients: Clients,
+) -> None:
+    # Given a client that processed three messages, their acks held for 10 s
+    server = clients.server
+    first = clients.new(ack_delay_s=10)
+    first.subscribe("a/#")
+    for n in range(1, 4):
+        server.publish("a/x", f"m{n}")
+    held = list(first.messages(count=3, auto_ack=False, until_ms=soon(clients.clock)))
+    first.mark_processed(*held)
+    assert server.sessions["c1"].ack_frames == []
+    # When it is killed inside the delay (its connection lost, its state file released, no
+    # ack sent), and a new process on the same state file resumes the session
+    server.sockets[-1].drop(1006)
+    second = clients.new()
+    server.publish("a/x", "m4")
+    got = list(second.messages(count=1, until_ms=soon(clients.clock)))
+    # Then the three came again (dup) and were acked without being handed out: the
+    # application gets only the new one
+    assert texts(got) == ["m4"]
+    second.close()
+    assert server.sessions["c1"].acked == {"d1", "d2", "d3", "d4"}
+    acks_again = [f for f in server.sockets[-1].sent if f["action"] == "ack"]
+    assert sorted(i for frame in acks_again for i in frame["ids"]) == ["d1", "d2", "d3", "d4"]
+
+
+def test_the_keepalive_thread_sends_held_acks_while_the_handler_runs(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    import time
+
+    from shoal.core.clock import SystemClock
+
+    server.clock = ManualClock()  # only recv's waits move it; the client reads real time
+    client = ShoalWsClient(
+        URL,
+        TOKEN,
+        client_id="c1",
+        state=tmp_path / "s.json",
+        connector=server.connector,
+        clock=SystemClock(),
+        ack_delay_s=0.05,
+    )
+    client.subscribe("a/#")
+    server.publish("a/1", "quick")
+    server.publish("a/2", "slow")
+    for message in client.messages(count=2):
+        if message.text == "slow":
+            # a long handler: no loop receives, yet the first's ack goes at its delay (waited
+            # for, not timed)
+            deadline = time.monotonic() + 30
+            while not server.sessions["c1"].ack_frames and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.sessions["c1"].ack_frames == [["d1"]]
+    client.close()
+    assert server.sessions["c1"].acked == {"d1", "d2"}
+
+
+@pytest.mark.parametrize("delay_s", [-0.1, 10.5])
+def test_an_ack_delay_out_of_its_range_is_refused(delay_s: float) -> None:
+    with pytest.raises(ValueError, match="ack_delay_s must be 0 to 10 s"):
+        ShoalWsClient(URL, TOKEN, client_id="c1", ack_delay_s=delay_s)
 
 
 # -- flow control ----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from shoal.client.support import (
     principal_of,
 )
 from shoal.client.tokens import TokenKeeper
-from shoal.client.ws import ShoalWsClient
+from shoal.client.ws import DEFAULT_ACK_DELAY_S, MAX_ACK_DELAY_S, ShoalWsClient
 from shoal.client.wslink import check_ws_url
 
 CLIENT_DIR = DEFAULT_STATE_DIR / "client"
@@ -434,6 +434,16 @@ def subscribe_arguments(parser: argparse.ArgumentParser, client_arguments: Argum
         help="with --transport poll: how long one request waits for messages",
     )
     parser.add_argument(
+        "--ack-delay-ms",
+        type=int,
+        default=round(DEFAULT_ACK_DELAY_S * 1000),
+        metavar="MS",
+        help=f"over ws: how long the acks of printed messages are held to go in one frame "
+        f"(0 to {MAX_ACK_DELAY_S * 1000:.0f}; 0: one ack per message). Longer: fewer billed "
+        f"frames and ack invocations, and after a crash more messages sent again (acked, not "
+        f"printed again)",
+    )
+    parser.add_argument(
         "--state",
         type=Path,
         metavar="FILE",
@@ -534,6 +544,8 @@ def _printer(args: argparse.Namespace) -> Callable[[ReceivedMessage], None]:
 
 def run_subscribe(args: argparse.Namespace) -> int:
     """``shoal subscribe``: each message of the session printed once, then acked."""
+    if not 0 <= args.ack_delay_ms <= MAX_ACK_DELAY_S * 1000:
+        raise UsageError(f"--ack-delay-ms must be 0 to {MAX_ACK_DELAY_S * 1000:.0f}")
     url = url_of(args)
     token = token_of(args)
     principal = principal_of(token.token())
@@ -586,6 +598,7 @@ def _subscribe_ws(
         # a run over either transport never prints what a run over the other printed
         state_scope=url,
         flow=FlowControl(max_messages=SUBSCRIBE_WINDOW),
+        ack_delay_s=args.ack_delay_ms / 1000,
         policy=dataclasses.replace(policy, attempts=1) if not known else policy,
     )
     with client:

@@ -31,13 +31,28 @@ hands out no more messages while the outstanding ones (``auto_ack=False``) hold 
 
 Acks, exactly-once processing. A message counts as processed once the application asks
 ``messages()`` for the next one (or ``consume``'s handler returned, or ``mark_processed``): its
-id is recorded in the state file, then acked. Acks go out in batches (when the client would
-wait for frames, or half a window is pending), and are never waited for: a lost ack means the
-message comes again with ``dup``, and a redelivered id already recorded is acked again without
-being handed to the application. A message handed out but not processed (the handler raised,
-the loop was left) is handed out first by the next ``messages()`` of this client.
+id is recorded in the state file, then acked. Acks are held for ``ack_delay_s`` (300 ms by
+default, as the API's contract says: "a few hundred ms at most") and go out together, up to
+1,000 ids a frame: at the delay (sent by the keep-alive thread when no loop is receiving:
+while a handler runs, or after the loop was left), sooner once half the window
+(``receive_maximum``) waits for its acks or when waiting for frames with the acks held would
+keep the window shut, and when the client closes (before a disconnect, answered: API Gateway
+runs a connection's frames in no set order, and a disconnect that overtook the ack would leave
+it refused). Each ack frame is a billed WebSocket message and an ``ack`` function invocation
+with one state write, whatever its number of ids: at 1 message a second a 300 ms delay still
+sends one frame per message, a delay of seconds one per several. A longer delay is fewer
+frames, and more messages sent again after a crash (those processed in the last delay; they
+are in the state file, so they are acked again and not handed out) or, past the service's ack
+timeout (30 s by default), sent again with ``dup`` while the client runs: hence at most
+``MAX_ACK_DELAY_S``. 0 sends one ack per message, before the next is handed out. Acks are not
+waited for (but before a disconnect): a lost ack means the message comes again with ``dup``,
+and a redelivered id already recorded is acked again without being handed to the application.
+A message handed out but not processed (the handler raised, the loop was left) is handed out
+first by the next ``messages()`` of this client.
 
-Keep-alive: ``shoal.client.wslink``.
+Keep-alive: ``shoal.client.wslink``. The keep-alive thread also sends held acks when their
+delay ends and no loop is receiving (without it, ``WsSettings.keepalive_thread`` false, they
+go with the next ``messages()`` or at ``close``).
 
 Takeover. A newer connect for the client id elsewhere makes the server send ``disconnect``
 with ``session_taken_over`` and close: the client forgets its connection and raises
@@ -50,6 +65,7 @@ Never logged: tokens, payloads.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import random
@@ -104,6 +120,11 @@ DEFAULT_RECEIVE_MAXIMUM = 100
 DEFAULT_SESSION_EXPIRY_S = 3600
 #: how often a loop waiting for frames looks at acks marked from other threads
 ACK_POLL_S = 0.2
+#: how long processed ids are held before their ack frame goes (the API's "a few hundred ms")
+DEFAULT_ACK_DELAY_S = 0.3
+#: the longest ack delay: a third of the service's default ack timeout (30 s), so that a
+#: message processed at once is acked well before the service sends it again with ``dup``
+MAX_ACK_DELAY_S = 10.0
 
 
 class _TakenOver(Exception):
@@ -115,7 +136,9 @@ class ShoalWsClient:
 
     ``token``: a JWT, or where to read one again (``shoal.client.tokens``). ``state_scope``: the
     URL the state file keeps the processed ids under (default ``url``). ``flow`` bounds what
-    the application holds (``receive_maximum`` is its ``max_messages``). ``connector`` opens a
+    the application holds (``receive_maximum`` is its ``max_messages``). ``ack_delay_s``: how
+    long processed ids are held to share one ack frame (0 to ``MAX_ACK_DELAY_S``; see the
+    module's docstring for the trade-off). ``connector`` opens a
     connection (tests give a fake server), ``clock`` gives the time for keep-alives and the
     sleeps between retries, ``rng`` the jitter.
     """
@@ -129,6 +152,7 @@ class ShoalWsClient:
         state: ClientState | str | Path | None = None,
         state_scope: str | None = None,
         flow: FlowControl | None = None,
+        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
         policy: CallRetry | None = None,
         settings: WsSettings | None = None,
         connector: Connector | None = None,
@@ -136,6 +160,9 @@ class ShoalWsClient:
         rng: random.Random | None = None,
     ) -> None:
         self.url = check_ws_url(url)
+        if not 0 <= ack_delay_s <= MAX_ACK_DELAY_S:
+            raise ValueError(f"ack_delay_s must be 0 to {MAX_ACK_DELAY_S:g} s")
+        self.ack_delay_s = ack_delay_s
         if isinstance(token, str):
             token = StaticToken(token)
         self.tokens = token if isinstance(token, TokenKeeper) else TokenKeeper(token)
@@ -166,11 +193,15 @@ class ShoalWsClient:
         self._subscriptions: dict[str, dict[str, Any]] = {}
         # received, not yet handed out, in order; their ids (to drop a second copy)
         self._buffer: deque[ReceivedMessage] = deque()
-        # handed out and not processed yet: id -> payload bytes; the one auto_ack will mark
-        self._outstanding: dict[str, int] = {}
+        # handed out and not processed yet, by id; the one auto_ack will mark
+        self._outstanding: dict[str, ReceivedMessage] = {}
         self._outstanding_changed = threading.Condition(self._lock)
-        # processed (recorded) ids whose ack has not been sent yet
-        self._unacked: list[str] = []
+        # processed (recorded) ids whose ack has not been sent yet, in the order processed,
+        # and when the oldest of them is to be acked (``ack_delay_s`` after it was processed)
+        self._unacked: dict[str, None] = {}
+        self._ack_due_ms: int | None = None
+        # wakes the keep-alive thread: an ack was held (its delay may end before a keep-alive)
+        self._wake = threading.Event()
         # answers to our frames by ref
         self._answers: dict[str, dict[str, Any]] = {}
         self._waiting: set[str] = set()
@@ -200,18 +231,19 @@ class ShoalWsClient:
         return min(self.flow.max_messages, MAX_RECEIVE_MAXIMUM)
 
     def close(self, *, disconnect: bool = False) -> None:
-        """Send pending acks (best effort), optionally disconnect (no will), close, release
-        the state file."""
+        """Send held acks (best effort; before a disconnect, answered), optionally disconnect
+        (no will), close, release the state file."""
         try:
             if self._link is not None:
-                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
-                    self._flush_acks()
+                with contextlib.suppress(ClientError, LinkLost, _TakenOver, _Busy):
+                    self._flush_acks(answered=disconnect)
                 if disconnect:
                     with contextlib.suppress(ClientError, LinkLost, _TakenOver):
                         self.disconnect()
         finally:
             self._closed = True
             self._stop.set()
+            self._wake.set()
             self._drop_link()
             self.state.close()
 
@@ -458,9 +490,9 @@ class ShoalWsClient:
             return
         with self._lock:
             if self.state.was_processed(self.client_id, message.id):
-                # redelivered because its ack was lost: ack again, never hand it out again
-                if message.id not in self._unacked:
-                    self._unacked.append(message.id)
+                # redelivered because its ack was lost or still held (or the client was killed
+                # inside its ack delay): ack again, never hand it out again
+                self._hold_acks([message.id])
                 return
             if message.id in self._outstanding or any(m.id == message.id for m in self._buffer):
                 return  # a second copy (dup) of one held already
@@ -484,11 +516,17 @@ class ShoalWsClient:
         def run() -> None:
             # wakes when the next keep-alive is due (at most 30 s apart, to see a new link):
             # a keep-alive sent late by a fixed wake-up period would need a wider margin
-            # under the 10-minute idle limit, so more of them a month
-            while not self._stop.wait(self._keepalive_wait_s()):
-                # a loss is the receiving loop's to find and handle
-                with contextlib.suppress(LinkLost, OSError, ClientError):
+            # under the 10-minute idle limit, so more of them a month. It wakes too when held
+            # acks are due: a handler that runs long would otherwise hold them past their delay
+            while True:
+                self._wake.wait(self._keepalive_wait_s())
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                # a loss (or a takeover) is the receiving loop's to find and handle
+                with contextlib.suppress(LinkLost, OSError, ClientError, _TakenOver):
                     self._ping_if_due()
+                    self._flush_acks_if_due()
 
         self._keepalive = threading.Thread(target=run, name="shoal-ws-keepalive", daemon=True)
         self._keepalive.start()
@@ -496,8 +534,12 @@ class ShoalWsClient:
     def _keepalive_wait_s(self) -> float:
         link = self._link
         if link is None:
+            # the next connection sends what is held as it opens
             return 30.0
-        due_s = (link.keepalive_due_ms(self.settings) - self.clock.now_ms()) / 1000
+        due_ms = link.keepalive_due_ms(self.settings)
+        if self._ack_due_ms is not None:
+            due_ms = min(due_ms, self._ack_due_ms)
+        due_s = (due_ms - self.clock.now_ms()) / 1000
         return min(max(due_s, 0.05), 30.0)
 
     def _wait_s(self, link: Link) -> float:
@@ -506,6 +548,8 @@ class ShoalWsClient:
         due = [link.keepalive_due_ms(self.settings), link.renew_at_ms]
         if link.ping_sent_ms is not None:
             due.append(link.ping_sent_ms + self.settings.pong_timeout_s * 1000)
+        if self._ack_due_ms is not None:
+            due.append(self._ack_due_ms)
         wait_s = max((min(due) - now) / 1000, 0.0)
         if self._outstanding:
             # acks marked from other threads go out within this
@@ -589,12 +633,14 @@ class ShoalWsClient:
     # -- receiving ----------------------------------------------------------------------
 
     def mark_processed(self, *messages: ReceivedMessage | str) -> None:
-        """Record messages as processed (durably) and queue their acks. Safe from any
-        thread: a receiving loop sends the acks soon."""
+        """Record messages as processed (durably) and hold their acks. Safe from any
+        thread: the acks go at their delay (``ack_delay_s``), or sooner."""
         ids = [m.id if isinstance(m, ReceivedMessage) else m for m in messages]
         with self._outstanding_changed:
+            # recorded (durably) before its ack is held: a crash inside the delay brings the
+            # message again, and it is acked again then, not handed out
             self.state.record_processed(self.client_id, ids)
-            self._unacked.extend(i for i in ids if i not in self._unacked)
+            self._hold_acks(ids)
             for message_id in ids:
                 self._outstanding.pop(message_id, None)
             self._outstanding_changed.notify_all()
@@ -611,19 +657,61 @@ class ShoalWsClient:
         except _TakenOver:
             self._taken_over()
 
-    def _flush_acks(self) -> int:
-        """One ack frame per 1000 processed ids not acked yet (no answer is asked for: a lost
-        ack means the message comes again, acked again then); the ids sent."""
+    def _hold_acks(self, ids: Sequence[str]) -> None:
+        """Hold the acks of processed ``ids`` until their delay ends (the oldest's decides)."""
+        with self._lock:
+            for message_id in ids:
+                self._unacked[message_id] = None
+            if self._unacked and self._ack_due_ms is None:
+                self._ack_due_ms = self.clock.now_ms() + int(self.ack_delay_s * 1000)
+                # the keep-alive thread sends them at the delay if no loop is receiving then
+                self._wake.set()
+
+    def _acks_due(self) -> bool:
+        """Whether the held acks go now: their delay ended, or half the window (or a full
+        frame) waits for them."""
+        with self._lock:
+            if not self._unacked or self._ack_due_ms is None:
+                return False
+            enough = max(1, min(self.receive_maximum // 2, MAX_ACK_IDS))
+            return len(self._unacked) >= enough or self.clock.now_ms() >= self._ack_due_ms
+
+    def _flush_acks_if_due(self) -> int:
+        return self._flush_acks() if self._acks_due() else 0
+
+    def _window_shut(self) -> bool:
+        """Whether the service's window is full as this client sees it: QoS 1/2 deliveries
+        received and not acked yet (held here, handed out, or acks held) fill
+        ``receive_maximum``, so it pushes nothing until an ack comes. Waiting for frames then
+        would wait for the ack delay: the held acks go first."""
+        with self._lock:
+            held = sum(1 for m in self._buffer if m.qos > 0)
+            held += sum(1 for m in self._outstanding.values() if m.qos > 0)
+            return held + len(self._unacked) >= self.receive_maximum
+
+    def _flush_acks(self, *, answered: bool = False) -> int:
+        """Every held ack now, one frame per 1000 ids; the ids sent. No answer is asked for (a
+        lost ack means the message comes again, acked again then), but for the last frame
+        when ``answered``: a disconnect sent next would not overtake it."""
         sent = 0
         while True:
             with self._lock:
                 link = self._link
-                ids = self._unacked[:MAX_ACK_IDS]
-                if link is None or not ids:
+                if link is None or not self._unacked:
                     return sent
-                # no ref: an ack is answered only when asked (one billed message fewer)
-                self._send_on(link, {"action": "ack", "ids": ids})
-                del self._unacked[: len(ids)]
+                ids = list(itertools.islice(self._unacked, MAX_ACK_IDS))
+                last = len(ids) == len(self._unacked)
+                if not (answered and last):
+                    # no ref: an ack is answered only when asked (one billed message fewer)
+                    self._send_on(link, {"action": "ack", "ids": ids})
+                for message_id in ids:
+                    del self._unacked[message_id]
+                if not self._unacked:
+                    self._ack_due_ms = None
+            if answered and last:
+                # not held again if this fails: the ids are processed (the state file), so
+                # their messages, sent again, are acked again then
+                self._ask_on(link, {"action": "ack", "ids": ids})
             sent += len(ids)
 
     def _next_ready(self, flow_bytes: int) -> ReceivedMessage | None:
@@ -634,10 +722,9 @@ class ShoalWsClient:
                 if self.state.was_processed(self.client_id, message.id):
                     # processed meanwhile (a copy handed out earlier): ack again, skip
                     self._buffer.popleft()
-                    if message.id not in self._unacked:
-                        self._unacked.append(message.id)
+                    self._hold_acks([message.id])
                     continue
-                held = sum(self._outstanding.values())
+                held = sum(len(m.payload) for m in self._outstanding.values())
                 if self._outstanding and held + len(message.payload) > flow_bytes:
                     return None
                 return self._buffer.popleft()
@@ -695,7 +782,7 @@ class ShoalWsClient:
                     return  # until_ms came
                 handed += 1
                 with self._lock:
-                    self._outstanding[message.id] = len(message.payload)
+                    self._outstanding[message.id] = message
                 current = message
                 yield message
             if current is not None and auto_ack:
@@ -708,22 +795,21 @@ class ShoalWsClient:
                     # next messages() hands it out first
                     del self._outstanding[current.id]
                     self._buffer.appendleft(current)
-            if self._link is not None:
-                with contextlib.suppress(ClientError, LinkLost, _TakenOver):
-                    self._flush_acks()
+            # what was processed is acked at its delay (the keep-alive thread), or at close
 
     def _wait_for_message(self, until_ms: int | None) -> ReceivedMessage | None:
         """The next message to hand out, receiving frames (and sending acks and pings, and
         renewing the connection before its end) until one is ready or ``until_ms`` came."""
         while True:
             link = self._ensure_link()
+            # held acks whose delay ended (or half a window of them) go first
+            self._flush_acks_if_due()
             message = self._next_ready(self.flow.max_bytes)
             if message is not None:
-                if len(self._unacked) >= max(1, self.receive_maximum // 2):
-                    self._flush_acks()
                 return message
-            # nothing to hand out: what was processed is acked before waiting (opens the window)
-            self._flush_acks()
+            if self._window_shut():
+                # nothing comes until an ack opens the window: send the held ones now
+                self._flush_acks()
             link.check(self.settings, self.clock.now_ms())
             if self.clock.now_ms() >= link.renew_at_ms:
                 # before API Gateway's 2-hour close: a new connection takes the session over

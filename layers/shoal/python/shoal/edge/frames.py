@@ -82,8 +82,15 @@ class PublishFrame(PublishRequest):
 
 
 class AckFrame(AckRequest):
-    """``ack``: the ids processed. Answered ``acked`` only when it carries a ``ref``: an MQTT
-    PUBACK gets no answer (MQTT 5 §3.4), and each answer is a billed message."""
+    """``ack``: the ids processed, up to 1,000, in any order; an id not handed out to this
+    session, or acked already, acks nothing. One write of the session's state a frame,
+    whatever its number of ids. Clients hold their acks for a delay and send those of the
+    delay together (``shoal.client`` and the console: 300 ms by default, 0 to 10 s; sooner
+    when half the window, ``receive_maximum``, waits for its acks): a longer delay is fewer
+    billed frames and ``ack`` invocations, and more messages sent again with ``dup`` after a
+    crash or past the ack timeout (a client that recorded them acks them again without handing
+    them out). Answered ``acked`` only when it carries a ``ref``: an MQTT PUBACK gets no answer
+    (MQTT 5 §3.4), and each answer is a billed message."""
 
     action: Literal["ack"]
     ref: Ref | None = None

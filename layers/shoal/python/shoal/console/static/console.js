@@ -12,6 +12,16 @@ const KEEPALIVE_MS = 4 * 60 * 1000;
 // session moves to a new connection (a renew frame) between one and two times this before
 // (a quarter of the lifetime at most), as shoal.client does
 const RENEW_BEFORE_S = 5 * 60;
+// Acks are held for the delay the page says (300 ms by default, as shoal.client and the API's
+// contract: "a few hundred ms at most") and go out together: each ack frame is a billed
+// message, an ack invocation and a state write, whatever its number of ids. Sooner when half
+// the window waits for its acks or the window is full; as the session closes, at once.
+const DEFAULT_ACK_DELAY_MS = 300;
+const MAX_ACK_DELAY_MS = 10000;
+// ids in one ack frame (the API's limit)
+const MAX_ACK_IDS = 1000;
+// how long a disconnect waits for the answer to the acks sent before it
+const ACK_ANSWER_MS = 5000;
 
 const state = {
   config: { ws_url: "", api_url: "", local_mint: false, max_connection_s: 7200 },
@@ -26,6 +36,13 @@ const state = {
   refs: new Map(),
   nextRef: 1,
   subscriptions: new Map(),
+  // acks held for the delay (id -> its cell), and the timer that sends them
+  heldAcks: new Map(),
+  ackTimer: null,
+  // QoS 1/2 deliveries received on this session's connections and not acked yet: the window
+  // (receive maximum) counts them
+  unacked: new Set(),
+  receiveMaximum: 100,
   received: 0,
   pushDetailLoads: 0,
 };
@@ -356,6 +373,8 @@ function connect(event) {
       const answer = await send(frame);
       answered = true;
       state.clientId = frame.client_id;
+      // what was in flight before comes again (dup) on this connection, to be acked again
+      state.unacked.clear();
       live(ws, url, answer);
       setConnected(true,
         `Connected as ${frame.client_id} (session present: ${answer.session_present}, receive maximum ${answer.receive_maximum})`);
@@ -371,6 +390,7 @@ function connect(event) {
 // the connection holding the live session now: its keepalives, and its renewal before its end
 function live(ws, url, answer) {
   state.channel = answer.channel || "";
+  state.receiveMaximum = Number(answer.receive_maximum) || 100;
   clearInterval(state.keepalive);
   clearTimeout(state.renewal);
   state.keepalive = setInterval(() => {
@@ -427,8 +447,11 @@ function closed(ws, event, answered) {
   clearInterval(state.keepalive);
   clearTimeout(state.renewal);
   state.ws = null;
-  for (const { reject } of state.refs.values()) reject(new ApiError(0, "connection_closed", "the connection closed"));
+  const lost = new ApiError(0, "connection_closed", "the connection closed");
+  for (const { reject } of state.refs.values()) reject(lost);
   state.refs.clear();
+  // held acks are not sent: their messages come again (dup) when the session resumes
+  dropHeldAcks(explain(lost));
   setConnected(false, `Not connected (closed ${event.code}${event.reason ? `: ${event.reason}` : ""})`);
   if (!answered && event.code === 1006 && !$("connection-error").textContent) {
     // the browser tells a page nothing of a refused handshake (401, 403): only 1006
@@ -437,15 +460,23 @@ function closed(ws, event, answered) {
   }
 }
 
-function closeSocket(why) {
+async function closeSocket(why) {
   if (!state.ws) return;
   const ws = state.ws;
   state.ws = null;
   clearInterval(state.keepalive);
   clearTimeout(state.renewal);
-  if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ action: "disconnect" }));
-  ws.close(1000, why);
   setConnected(false, "Not connected");
+  if (ws.readyState === WebSocket.OPEN) {
+    // the held acks first, answered: API Gateway runs a connection's frames in no set order,
+    // and a disconnect that overtook them would leave them refused (their messages would
+    // come again)
+    await ackBeforeClosing(ws);
+    if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ action: "disconnect" }));
+  } else {
+    dropHeldAcks("not acked: the connection closed");
+  }
+  ws.close(1000, why);
 }
 
 function onFrame(data) {
@@ -535,6 +566,7 @@ function addMessage(frame) {
   const body = $("messages").tBodies[0];
   body.prepend(row);
   while (body.rows.length > MAX_ROWS) body.deleteRow(-1);
+  if (frame.qos > 0) state.unacked.add(frame.id);
   if (frame.qos === 0) {
     ackCell.textContent = "not needed";
   } else if ($("auto-ack").checked) {
@@ -544,14 +576,65 @@ function addMessage(frame) {
   }
 }
 
-async function ack(id, cell) {
+function ackDelayMs() {
+  const value = Number($("ack-delay").value);
+  if ($("ack-delay").value === "" || !Number.isFinite(value)) return DEFAULT_ACK_DELAY_MS;
+  return Math.min(Math.max(value, 0), MAX_ACK_DELAY_MS);
+}
+
+// the ack is held for the delay, with those held already
+function ack(id, cell) {
   cell.textContent = "acking…";
-  try {
-    await send({ action: "ack", ids: [id] });
-    cell.textContent = "acked";
-  } catch (exc) {
-    cell.textContent = explain(exc);
+  state.heldAcks.set(id, cell);
+  const half = Math.max(1, Math.floor(state.receiveMaximum / 2));
+  // sooner: half the window waits for its acks, or the window is full (nothing more comes
+  // until an ack does)
+  if (ackDelayMs() === 0 || state.heldAcks.size >= half || state.unacked.size >= state.receiveMaximum) {
+    flushAcks();
+  } else if (state.ackTimer === null) {
+    state.ackTimer = setTimeout(flushAcks, ackDelayMs());
   }
+}
+
+function takeHeldAcks() {
+  clearTimeout(state.ackTimer);
+  state.ackTimer = null;
+  const held = [...state.heldAcks];
+  state.heldAcks.clear();
+  const batches = [];
+  for (let at = 0; at < held.length; at += MAX_ACK_IDS) batches.push(held.slice(at, at + MAX_ACK_IDS));
+  for (const batch of batches) for (const [id] of batch) state.unacked.delete(id);
+  return batches;
+}
+
+// the held acks, one frame per 1000 ids, each answered (a ref): its cells say so
+function flushAcks() {
+  for (const batch of takeHeldAcks()) {
+    send({ action: "ack", ids: batch.map(([id]) => id) }).then(
+      () => { for (const [, cell] of batch) cell.textContent = "acked"; },
+      (exc) => { for (const [, cell] of batch) cell.textContent = explain(exc); });
+  }
+}
+
+// the session is closing: the held acks go now, and their answers are waited for (a few
+// seconds at most: a connection that broke meanwhile answers nothing)
+function ackBeforeClosing(ws) {
+  const answered = takeHeldAcks().map((batch) => {
+    const acked = sendOn(ws, { action: "ack", ids: batch.map(([id]) => id) }).then(
+      () => { for (const [, cell] of batch) cell.textContent = "acked"; },
+      (exc) => { for (const [, cell] of batch) cell.textContent = explain(exc); });
+    const late = new Promise((resolve) => setTimeout(() => {
+      for (const [, cell] of batch) if (cell.textContent === "acking…") cell.textContent = "no answer to the ack";
+      resolve();
+    }, ACK_ANSWER_MS));
+    return Promise.race([acked, late]);
+  });
+  return Promise.all(answered);
+}
+
+function dropHeldAcks(why) {
+  for (const batch of takeHeldAcks()) for (const [, cell] of batch) cell.textContent = why;
+  state.unacked.clear();
 }
 
 // --- publish ------------------------------------------------------------------------------

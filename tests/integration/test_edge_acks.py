@@ -52,7 +52,7 @@ def redelivered(edge: Edge, connection: str) -> list[str]:
     """After the ack timeout, what the sweep sends again (with dup): the texts."""
     before = len(edge.messages(connection))
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
-    edge.pusher.sweep()
+    edge.sweep()
     again = edge.messages(connection)[before:]
     assert all(f["dup"] for f in again)
     return texts(again)
@@ -192,15 +192,15 @@ def test_an_ack_racing_the_redelivery_of_its_id_lands_and_the_id_never_comes_aga
     (first,) = pushed(edge, "c1", 1)
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
     service = edge.service.delivery
-    real_read = service.read_session_with
+    real_read = service.read_sessions
 
     def read_then_sweep(*args: Any) -> Any:
         read = real_read(*args)
-        monkeypatch.setattr(service, "read_session_with", real_read)
-        edge.pusher.sweep()  # sends the delivery again, with dup: a new state version
+        monkeypatch.setattr(service, "read_sessions", real_read)
+        edge.sweep()  # sends the delivery again, with dup: a new state version
         return read
 
-    monkeypatch.setattr(service, "read_session_with", read_then_sweep)
+    monkeypatch.setattr(service, "read_sessions", read_then_sweep)
     # When its ack comes between the sweep's read of the session and its write
     assert ack(edge, "c1", [first["id"]]) == 1
     # Then the copy went out once, with dup, and the ack still landed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -453,6 +454,8 @@ def test_a_fan_out_is_pushed_side_by_side_each_session_in_order(
 
     def recording(connection_id: str, frame: str) -> None:
         threads[connection_id].add(threading.current_thread().name)
+        # a post's round trip: the pushes of one batch wait side by side
+        time.sleep(0.02)
         post(connection_id, frame)
 
     monkeypatch.setattr(edge.api, "post", recording)

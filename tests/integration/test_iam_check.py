@@ -109,12 +109,11 @@ ARCHIVE_LINES = "arn:aws:s3:::shoal-archive-123456789012/messages/<key>"
         # push's ordered drain gate (shoal.push.gate) reads and marks the same records
         ("push", "dynamodb:GetItem", INBOXES),
         ("push", "dynamodb:UpdateItem", INBOXES),
-        # the router's and the reaper's pushes to connected sessions (shoal.edge.push) read the
-        # archive lines inbox items name, and the router's the shared groups' deliveries
-        ("router", "s3:GetObject", ARCHIVE_LINES),
-        ("reaper", "s3:GetObject", ARCHIVE_LINES),
-        ("router", "dynamodb:GetItem", GROUPS),
-        ("router", "dynamodb:Query", GROUPS),
+        # the pushes to connected sessions (shoal.edge.push, the pusher's since the push queue)
+        # read the archive lines inbox items name, and the shared groups' deliveries
+        ("pusher", "s3:GetObject", ARCHIVE_LINES),
+        ("pusher", "dynamodb:GetItem", GROUPS),
+        ("pusher", "dynamodb:Query", GROUPS),
     ],
 )
 def test_the_calls_the_first_whole_run_found_ungranted_are_allowed(

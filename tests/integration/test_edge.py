@@ -659,6 +659,53 @@ def test_qos0_is_pushed_at_most_once(edge: Edge) -> None:
     assert texts(edge.messages("c1")) == ["q0", "q1", "q2", "q3"]
 
 
+def test_qos0_to_a_connected_session_is_posted_and_forgotten_without_state(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QoS 0 delivery to a session the router finds connected is written nowhere: no inbox
+    item, no delivery-state write; posted once, never again (not after the ack timeout, not on
+    a reconnect). MQTT 5 §4.3.1: at most once."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 0}]})
+    session = _session_of(edge, "c1")
+    writes: list[tuple[str, Any]] = []
+    real = Dynamo.call
+
+    def recording(self: Dynamo, operation: str, **request: Any) -> Any:
+        if operation in ("put_item", "update_item", "batch_write_item", "transact_write_items"):
+            writes.append((operation, json.dumps(request, default=str)))
+        return real(self, operation, **request)
+
+    monkeypatch.setattr(Dynamo, "call", recording)
+    for n in range(3):
+        edge.world.publish("a/b", f"q{n}", qos=0)
+    edge.world.route()
+    frames = edge.messages("c1")
+    assert texts(frames) == ["q0", "q1", "q2"]
+    assert {f["qos"] for f in frames} == {0}
+    # no write names the session: neither an inbox item nor its delivery state
+    assert not [w for w in writes if session in w[1]], writes
+    # and nothing brings them again: an ack of them acks nothing, the timeout, a reconnect
+    assert edge.send("c1", {"action": "ack", "ref": "a", "ids": [f["id"] for f in frames]}) is None
+    assert {"action": "acked", "ref": "a", "acked": 0} in edge.api.sent["c1"]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.sweep()
+    edge.connect("c2")
+    assert texts(edge.messages("c1")) == ["q0", "q1", "q2"] and edge.messages("c2") == []
+
+
+def test_qos0_to_an_offline_session_waits_in_its_inbox(edge: Edge) -> None:
+    """An offline session's QoS 0 messages are kept as today (MQTT 5 §4.1 lets a server keep
+    them) and go out on its next connect."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 0}]})
+    edge.dropped("c1")
+    edge.world.publish("a/b", "kept", qos=0)
+    edge.world.route()
+    edge.connect("c2")
+    assert texts(edge.messages("c2")) == ["kept"]
+
+
 # --- publish
 
 

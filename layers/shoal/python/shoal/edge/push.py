@@ -44,7 +44,7 @@ from shoal.core.config import Config
 from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.events import EventBatch
+from shoal.delivery.events import EventBatch, record_answers
 from shoal.delivery.inbox import LineCache, ordinal_of
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
@@ -173,6 +173,8 @@ class _Push:
     #: a record naming the session was received before (an attempt failed or died): what is
     #: in flight for its channel may never have gone, and goes again first
     retried: bool = False
+    #: QoS 0 frames the records carry (written nowhere): posted once, never again
+    direct: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -324,6 +326,11 @@ class PushWorker:
         flight for the channel due: the attempt that failed may have handed it out and died
         before posting it, and the ack timeout is long to wait (the state read before is
         stale then: the get reads its own)."""
+        if push.direct and batch is not None:
+            # the QoS 0 frames' events, appended with the gets' before any frame goes
+            events = batch.recording.new()
+            record_answers(events, "session", push.session_id, push.direct, label=_label(push))
+            batch.add(events, f"qos0/{push.session_id}/{push.direct[0]['message_id']}")
         try:
             if push.retried and push.connection is not None:
                 if self.delivery.unsend(push.session_id, channel=push.connection.channel):
@@ -337,7 +344,18 @@ class PushWorker:
     def _post_and_go_on(self, push: _Push) -> None:
         """Posts what the first get handed out, then gets and posts more while a page came
         full (the rest waits in the inbox) or while another record named the session."""
-        if push.failed is not None or push.connection is None:
+        if push.connection is None:
+            return
+        if push.direct and not push.retried:
+            # QoS 0, written nowhere: posted and forgotten (at most once: a retried chunk may
+            # have posted them already, and a failed post is not tried again)
+            try:
+                self._post(push, push.direct)
+            except (ConnectionGone, PostThrottled, ClientError, BotoCoreError) as exc:
+                logger.info("qos 0 push lost", extra={"error_type": type(exc).__name__})
+                count(metrics.PUSH_FAILED)
+            push.direct = []
+        if push.failed is not None:
             return
         messages = push.handed
         rounds = 0
@@ -470,7 +488,14 @@ def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
             if push.source != work.source:
                 push.source = None
             push.lines.update(work.lines)
+        for session_id, frames in work.direct.items():
+            if session_id in pushes:
+                pushes[session_id].direct.extend(frames)
     return pushes
+
+
+def _label(push: _Push) -> str | None:
+    return push.connection.client_id if push.connection is not None else None
 
 
 def _ordinals(session_id: str, messages: Iterable[Mapping[str, Any]]) -> set[int]:

@@ -25,11 +25,14 @@ worker a read), the source the deliveries were written to (the router's shard: t
 get looks there only), and the archive lines the deliveries name, when they are few (the
 worker then reads nothing back from S3). Never the deliveries' state: the inbox stays the one
 source of truth, and a push that never happens loses nothing (the session's next trigger, a
-reconnect, or the ack timeout's sweep serves what waits).
+reconnect, or the ack timeout's sweep serves what waits). The one exception is QoS 0 for a
+session the router found connected: its deliveries are not written at all but travel here
+whole (``PushWork.direct``), posted and forgotten (MQTT 5 §4.3.1, at most once).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import secrets
@@ -49,7 +52,7 @@ from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.inbox import LineCache
+from shoal.delivery.inbox import InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine
 
 #: the push queue's logical name (``shoal.declarations``)
@@ -79,6 +82,9 @@ class PushWork:
     source: str | None = None
     #: archive lines the deliveries name, as the sender holds them
     lines: LineCache = field(default_factory=dict)
+    #: QoS 0 deliveries not written anywhere, by session: their ``message`` frames as they
+    #: are posted (``qos0_frames``)
+    direct: Mapping[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def body(self) -> str:
         data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
@@ -86,6 +92,20 @@ class PushWork:
             data["src"] = self.source
         if self.lines:
             data["l"] = [[k.key, k.offset, k.length, v] for k, v in self.lines.items()]
+        if self.direct:
+            # a message's frame once, however many of the chunk's sessions get it
+            shared: dict[str, int] = {}
+            frames: list[dict[str, Any]] = []
+            to: dict[str, list[list[Any]]] = {}
+            for session_id, posts in self.direct.items():
+                for frame in posts:
+                    common = {k: v for k, v in frame.items() if k not in ("id", "subscription")}
+                    mark = json.dumps(common, sort_keys=True)
+                    if mark not in shared:
+                        shared[mark] = len(frames)
+                        frames.append(common)
+                    to.setdefault(session_id, []).append([shared[mark], frame["subscription"]])
+            data["q"] = {"m": frames, "to": to}
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -94,11 +114,59 @@ class PushWork:
         data = json.loads(body)
         if not isinstance(data, dict) or data.get("v") != VERSION:
             raise ValueError("not a push work message of this version")
+        direct: dict[str, list[dict[str, Any]]] = {}
+        if data.get("q"):
+            frames = data["q"]["m"]
+            for session_id, posts in data["q"]["to"].items():
+                direct[str(session_id)] = [
+                    {
+                        **frames[n],
+                        "id": qos0_id(str(session_id), frames[n]["message_id"]),
+                        "subscription": str(subscription),
+                    }
+                    for n, subscription in posts
+                ]
         return cls(
             sessions={str(s): (str(c) if c else None) for s, c in data["s"]},
             source=str(data["src"]) if data.get("src") else None,
             lines={ArchiveLine(str(k), int(o), int(n)): v for k, o, n, v in data.get("l") or []},
+            direct=direct,
         )
+
+
+def qos0_id(session_id: str, message_id: str) -> str:
+    """A QoS 0 push's delivery id: the session's and the message's, never an ordinal (a QoS 0
+    push writes no state, and is never acked: an ack of it acks nothing)."""
+    return f"{session_id}.q-{message_id}"
+
+
+def qos0_frames(
+    session_id: str, messages: Sequence[InboxMessage], now_ms: int
+) -> list[dict[str, Any]]:
+    """The ``message`` frames of QoS 0 deliveries posted without state (a get's answers'
+    fields: ``shoal.delivery.service``), expired ones left out."""
+    frames = []
+    for m in messages:
+        if m.expires_at_ms is not None and m.expires_at_ms <= now_ms:
+            continue
+        properties = dict(m.properties)
+        if m.expires_at_ms is not None:
+            properties["message_expiry_s"] = max(0, (m.expires_at_ms - now_ms) // 1000)
+        frames.append(
+            {
+                "id": qos0_id(session_id, m.message_id),
+                "message_id": m.message_id,
+                "topic": m.topic,
+                "payload": base64.b64encode(m.payload).decode("ascii"),
+                "qos": 0,
+                "retain": False,
+                "dup": False,
+                "subscription": m.subscription,
+                "properties": properties,
+                "published_at": m.published_at_ms,
+            }
+        )
+    return frames
 
 
 def lane_of(session_id: str, lanes: int) -> int:
@@ -143,16 +211,21 @@ class PushQueue:
         source: str | None = None,
         lines: LineCache | None = None,
         key: str | None = None,
+        direct: Mapping[str, Sequence[InboxMessage]] | None = None,
+        now_ms: int = 0,
     ) -> int:
         """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
         the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
         router batch's source and range): its messages then carry the same deduplication ids,
-        and the queue keeps one of each. Raises when the queue refused a message past
-        ``SEND_ATTEMPTS`` (the caller's retry sends it again)."""
+        and the queue keeps one of each. ``direct``: QoS 0 deliveries of (some of) the
+        sessions, written nowhere, to be posted and forgotten (as of ``now_ms``). Raises when
+        the queue refused a message past ``SEND_ATTEMPTS`` (the caller's retry sends it
+        again)."""
         pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
         if not pairs:
             return 0
-        entries = list(self._entries(pairs, source, lines or {}, key))
+        frames = {s: qos0_frames(s, m, now_ms) for s, m in (direct or {}).items()}
+        entries = list(self._entries(pairs, source, lines or {}, key, frames))
         calls = list(_calls(entries))
         # a lane split into parts must reach the queue in order: SQS keeps the order of one
         # group's messages within a call, not across calls sent at once
@@ -173,6 +246,7 @@ class PushQueue:
         source: str | None,
         lines: LineCache,
         key: str | None,
+        direct: Mapping[str, list[dict[str, Any]]],
     ) -> Iterator[_Entry]:
         by_lane: dict[int, dict[str, str | None]] = {}
         for session_id, client_id in sorted(pairs.items()):
@@ -180,7 +254,8 @@ class PushQueue:
         carried = lines if _lines_bytes(lines) <= MAX_LINES_BYTES else {}
         salt = key or secrets.token_hex(8)
         for lane, chunk in sorted(by_lane.items()):
-            for part, body in enumerate(_bodies(chunk, source, carried)):
+            posts = {s: direct[s] for s in chunk if direct.get(s)}
+            for part, body in enumerate(_bodies(chunk, source, carried, posts)):
                 dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()
                 yield _Entry(lane, body, dedupe)
 
@@ -211,17 +286,25 @@ def _lines_bytes(lines: LineCache) -> int:
     return sum(len(k.key) + len(json.dumps(v)) + 24 for k, v in lines.items())
 
 
-def _bodies(chunk: Mapping[str, str | None], source: str | None, lines: LineCache) -> Iterator[str]:
-    """A lane's sessions as one body, or as several in order when one would be too large."""
-    work = PushWork(chunk, source, lines)
-    body = work.body()
-    if len(body) <= MAX_BODY_BYTES or len(chunk) == 1:
+def _bodies(
+    chunk: Mapping[str, str | None],
+    source: str | None,
+    lines: LineCache,
+    direct: Mapping[str, list[dict[str, Any]]],
+) -> Iterator[str]:
+    """A lane's sessions as one body, or as several in order when one would be too large
+    (a session's QoS 0 frames larger than a body alone are not sent: at most once)."""
+    body = PushWork(chunk, source, lines, direct).body()
+    if len(body) <= MAX_BODY_BYTES:
         yield body
+        return
+    if len(chunk) == 1:
+        yield PushWork(chunk, source, {}, {}).body()
         return
     items = list(chunk.items())
     half = len(items) // 2
-    yield from _bodies(dict(items[:half]), source, lines)
-    yield from _bodies(dict(items[half:]), source, lines)
+    for part in (dict(items[:half]), dict(items[half:])):
+        yield from _bodies(part, source, lines, {s: direct[s] for s in part if s in direct})
 
 
 def _calls(entries: Sequence[_Entry]) -> Iterator[list[_Entry]]:

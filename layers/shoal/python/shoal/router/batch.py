@@ -34,7 +34,7 @@ from shoal.core import metrics
 from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
-from shoal.delivery.inbox import LineCache
+from shoal.delivery.inbox import InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine, source_id
 from shoal.edge.connections import ConnectionStore
 from shoal.edge.pushwork import PushQueue
@@ -103,7 +103,13 @@ class Router:
         if routed:
             events = self.recording.new()
             report = self.fanout.route_records(
-                batch.stream, batch.shard, routed, events, lines, arrivals=arrivals
+                batch.stream,
+                batch.shard,
+                routed,
+                events,
+                lines,
+                arrivals=arrivals,
+                connected=self._connected if self.queue is not None else None,
             )
             # per batch: the fan-out counted them already
             count(metrics.ROUTED, report.messages)
@@ -122,10 +128,25 @@ class Router:
                     # what the batch wrote, which the pushes need not read back
                     _read(objects, lines),
                     f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}",
+                    report.direct,
                 )
         return dict(response)
 
-    def _hand_off(self, sessions: set[str], source: str, lines: LineCache, key: str) -> None:
+    def _connected(self, sessions: set[str]) -> set[str] | None:
+        """Which of ``sessions`` (given QoS 0 deliveries) are connected: read for a few
+        (one batch read), None for more (their QoS 0 deliveries are then written, as any)."""
+        if self.connections is None or len(sessions) > TARGETS_READ_INLINE:
+            return None
+        return {c.session_id for c in self.connections.targets(sessions)}
+
+    def _hand_off(
+        self,
+        sessions: set[str],
+        source: str,
+        lines: LineCache,
+        key: str,
+        direct: Mapping[str, list[InboxMessage]],
+    ) -> None:
         """The sessions' pushes to the push queue. Of a few sessions (one batch read), only
         the connected ones: most deliveries of an HTTP subscriber's would otherwise cost a
         queue message and an invocation for nothing. Of more, every one, the pusher reading
@@ -137,7 +158,14 @@ class Router:
         if self.connections is not None and len(sessions) <= TARGETS_READ_INLINE:
             targets = {c.session_id: c.client_id for c in self.connections.targets(sessions)}
         if targets:
-            self.queue.hand_off(targets, source=source, lines=lines, key=key)
+            self.queue.hand_off(
+                targets,
+                source=source,
+                lines=lines,
+                key=key,
+                direct={s: m for s, m in direct.items() if s in targets},
+                now_ms=self.fanout.clock.now_ms(),
+            )
 
     def _lag(self, event: dict[str, Any]) -> None:
         """The age of the batch's first record: one shard's records come in order, so the

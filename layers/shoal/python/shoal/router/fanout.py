@@ -30,7 +30,7 @@ session (clients that want no-local publish with their client id as publisher id
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -160,6 +160,38 @@ class RouteReport:
     sessions: set[str] = field(default_factory=set)
     #: (message, subscription) matches left out because the record arrived before the cut
     before_cut: int = 0
+    #: QoS 0 deliveries of sessions connected over the WebSocket API, not written: they are
+    #: posted and forgotten (``shoal.edge.pushwork``), by session
+    direct: dict[str, list[InboxMessage]] = field(default_factory=dict)
+
+
+#: which of some sessions are connected over the WebSocket API (the router's read of the
+#: connections table), or None when it does not ask (too many to read: ``shoal.router.batch``)
+Connected = Callable[[set[str]], set[str] | None]
+
+
+def _split_direct(
+    deliveries: dict[str, list[InboxMessage]],
+    groups: Mapping[str, tuple[str, str]],
+    connected: Connected,
+) -> dict[str, list[InboxMessage]]:
+    """Takes the QoS 0 deliveries of connected sessions out of ``deliveries``; by session."""
+    candidates = {
+        s
+        for s, messages in deliveries.items()
+        if s not in groups and any(m.qos == 0 for m in messages)
+    }
+    live = connected(candidates) if candidates else None
+    direct: dict[str, list[InboxMessage]] = {}
+    for session_id in live or ():
+        messages = deliveries[session_id]
+        direct[session_id] = [m for m in messages if m.qos == 0]
+        kept = [m for m in messages if m.qos != 0]
+        if kept:
+            deliveries[session_id] = kept
+        else:
+            del deliveries[session_id]
+    return direct
 
 
 def message_expiry_ms(message: Message) -> int | None:
@@ -201,17 +233,21 @@ class Fanout:
         lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
         *,
         arrivals: Mapping[str, int] | None = None,
+        connected: Connected | None = None,
     ) -> RouteReport:
         """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
         not Shoal's are skipped here (the archive quarantines them). ``arrivals``: each
-        record's ``ApproximateArrivalTimestamp`` in ms, by sequence number."""
+        record's ``ApproximateArrivalTimestamp`` in ms, by sequence number. ``connected``:
+        see ``route``."""
         decoded: list[tuple[str, list[Message]]] = []
         for sequence_number, data in records:
             try:
                 decoded.append((sequence_number, decode_record(data)))
             except MalformedRecord:
                 continue
-        report = self.route(stream, shard, decoded, events, lines, arrivals=arrivals)
+        report = self.route(
+            stream, shard, decoded, events, lines, arrivals=arrivals, connected=connected
+        )
         if self.drain is not None:
             # after the batch's deliveries are written: everything before its seal is routed
             self.drain.after_batch(stream, shard, records)
@@ -226,8 +262,14 @@ class Fanout:
         lines: Mapping[tuple[int, int], ArchiveLine] | None = None,
         *,
         arrivals: Mapping[str, int] | None = None,
+        connected: Connected | None = None,
     ) -> RouteReport:
-        """``arrivals``: when each record arrived at Kinesis (ms, by sequence number): a
+        """``connected``: which of the sessions given QoS 0 deliveries are connected over the
+        WebSocket API; their QoS 0 deliveries are not written but handed back
+        (``RouteReport.direct``), to be posted and forgotten: at most once, no state (a
+        connection lost before the post loses them, as MQTT's QoS 0 allows, §4.3.1). An
+        offline session's are written, as every QoS, and wait for its next get or connect.
+        ``arrivals``: when each record arrived at Kinesis (ms, by sequence number): a
         subscription gets only the records that arrived after its cut (``Subscription.cut_ms``);
         a record of unknown arrival reaches every matching subscription, as before cuts.
         ``events``: the invocation's recorder; gets a ``routed`` event per delivery (the
@@ -299,6 +341,8 @@ class Fanout:
             return report
         if events is not None:
             record_routed(events, deliveries, streams)
+        if connected is not None:
+            report.direct = _split_direct(deliveries, streams, connected)
         if self.groups is not None:
             for target, (key, incarnation) in sorted(streams.items()):
                 if target in deliveries:
@@ -325,7 +369,7 @@ class Fanout:
             for item in pack(session_id, source, messages, end, expires, stream=label)
         ]
         self.inbox.put(items)
-        report.sessions = set()
+        report.sessions = set(report.direct)
         for session_id, written in deliveries.items():
             if written:
                 report.sessions |= members.get(session_id, {session_id})

@@ -332,7 +332,8 @@ def test_who_may_send_to_and_take_from_the_push_queue(deployed: Synth) -> None:
                 assert {"sqs:DeleteMessage", "sqs:ChangeMessageVisibility"} <= actions
     # Then whoever has deliveries for connected sessions hands their pushes over, and only
     # the pusher takes them
-    assert senders == {"router", "edge", "messages", "subscriptions", "reaper"}
+    # (the pusher too: the members its gets hand group lanes to get pushes of their own)
+    assert senders == {"router", "edge", "messages", "subscriptions", "reaper", "pusher"}
     assert takers == {"pusher"}
 
 

@@ -11,21 +11,23 @@ import base64
 import json
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
 import pytest
 import shoal.edge.push as push_module
+from botocore.exceptions import ClientError
 from shoal.aws.dynamo import Dynamo
+from shoal.core.clock import Clock
 from shoal.core.config import get_config
 from shoal.core.errors import ServerBusy
 from shoal.declarations import PUSHER_MAPPING
 from shoal.delivery.model import STATE
 from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
-from shoal.edge.push import ConnectionGone, Connections, PushSweep, PushWorker, SweepReport
+from shoal.edge.push import Connections, PushSweep, PushWorker, SweepReport
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
@@ -47,25 +49,52 @@ _MODELS = {m.model_fields["action"].default: m for m in SERVICE_FRAMES}
 
 
 class RecordingConnections(Connections):
-    """``@connections`` as a port: frames posted per connection, closed and gone ones."""
+    """``@connections`` as a port: frames posted per connection, closed and gone ones. Its
+    SDK client is a recording stand-in (``_Management``), so ``Connections.post``'s own retry
+    of throttled posts runs; ``throttle`` (when set) says whether a post is refused as
+    throttled, 429 ``LimitExceededException``."""
 
-    def __init__(self) -> None:
-        super().__init__(client=None)
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(client=_Management(self), clock=clock)
         self.sent: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.closed: list[str] = []
         self.gone: set[str] = set()
+        self.throttle: Callable[[str, dict[str, Any]], bool] | None = None
+        #: posts refused as throttled, by connection
+        self.refused: Counter[str] = Counter()
 
-    def post(self, connection_id: str, frame: str) -> None:
-        if connection_id in self.gone:
-            raise ConnectionGone(connection_id)
-        data = json.loads(frame)
+
+class _Management:
+    """The management API's calls as API Gateway answers them, recorded on ``owner``."""
+
+    def __init__(self, owner: RecordingConnections) -> None:
+        self.owner = owner
+
+    def post_to_connection(self, ConnectionId: str, Data: bytes) -> None:
+        owner = self.owner
+        if ConnectionId in owner.gone:
+            raise _error("GoneException", 410)
+        data = json.loads(Data)
+        if owner.throttle is not None and owner.throttle(ConnectionId, data):
+            owner.refused[ConnectionId] += 1
+            raise _error("LimitExceededException", 429)
         # every frame the service sends fits its schema
         _MODELS[data["action"]].model_validate(data)
-        self.sent[connection_id].append(data)
+        owner.sent[ConnectionId].append(data)
 
-    def close(self, connection_id: str) -> None:
-        self.closed.append(connection_id)
-        self.gone.add(connection_id)
+    def delete_connection(self, ConnectionId: str) -> None:
+        if ConnectionId in self.owner.gone:
+            raise _error("GoneException", 410)
+        self.owner.closed.append(ConnectionId)
+        self.owner.gone.add(ConnectionId)
+
+
+def _error(code: str, status: int) -> ClientError:
+    answer: Any = {
+        "Error": {"Code": code, "Message": code},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(answer, "PostToConnection")
 
 
 class Edge:
@@ -76,7 +105,7 @@ class Edge:
     def __init__(self, world: World, monkeypatch: pytest.MonkeyPatch) -> None:
         self.world = world
         config = get_config()
-        self.api = RecordingConnections()
+        self.api = RecordingConnections(world.clock)
         self.connections = ConnectionStore(
             Dynamo(world.session.client("dynamodb")), config.table("connections"), world.clock
         )
@@ -616,12 +645,13 @@ def test_an_ack_that_opens_a_full_window_pushes_what_waits(
     assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
 
 
-def test_a_retried_chunk_sends_again_what_an_earlier_attempt_handed_out(
+def test_a_pusher_that_dies_before_posting_leaves_what_it_handed_out_timed(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pusher that died after its get wrote the state and before it posted (its chunk comes
-    back after the visibility timeout): the retry sends what the dead attempt handed out,
-    with ``dup``, in order, rather than leave it to the ack timeout."""
+    """A pusher that died after its get wrote the state and before it posted: its chunk comes
+    back (its visibility timeout run out) and finds nothing new; what the dead attempt handed
+    out was armed before any post, so the sweep sends it after its ack timeout, with ``dup``,
+    in order, once."""
     edge.connect("c1", receive_maximum=5)
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     real_post = edge.worker._post
@@ -640,6 +670,9 @@ def test_a_retried_chunk_sends_again_what_an_earlier_attempt_handed_out(
     for n in range(2):
         edge.world.publish("a/b", f"m{n}")
     edge.world.route()
+    assert edge.messages("c1") == []
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    assert edge.sweep().pushed == 1
     frames = edge.messages("c1")
     assert texts(frames) == ["m0", "m1"]
     assert [f["dup"] for f in frames] == [True, True]

@@ -546,7 +546,9 @@ DEPLOYMENT = Deployment(
             description="WebSocket pushes: a chunk of connected sessions' deliveries posted",
             sources=(EventSource(queue="push", mapping=PUSHER_MAPPING),),
             grants=(
-                Grant("queue", "push", "read"),
+                # it takes its work from the push queue, and hands the members its gets hand
+                # group lanes to back to it (their own pushes)
+                Grant("queue", "push", "read_write"),
                 # a push is a get for the connection's channel (shoal.delivery): the session's
                 # head, its delivery state and inbox, its group streams (a member's lanes)
                 Grant("table", "sessions", "read"),

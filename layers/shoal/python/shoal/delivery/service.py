@@ -675,30 +675,45 @@ class DeliveryService:
             events.add("acked", "session", session_id, delivery_id=delivery_id(session_id, ordinal))
         events.flush(f"ack/{session_id}/{state.version}/{done[0]}")
 
-    def unsend(
-        self, session_id: str, ordinals: set[int] | None = None, *, channel: Channel | None = None
-    ) -> bool:
-        """Deliveries handed out that may never have gone (a push whose posts were refused as
-        throttled: ``ordinals``; a push retried after an attempt that died: every delivery in
-        flight for ``channel``) are due again at once, so the next get or push sends them
-        again, first and in order, with ``dup`` (their runs' other deliveries with them: a
-        copy too many is allowed, a message out of order is not). Whether a run changed."""
+    def unsend(self, session_id: str, ordinals: set[int]) -> bool:
+        """The deliveries ``ordinals`` were handed out and never went (a push whose posts were
+        refused as throttled past their tries, or whose delivery events could not be
+        appended): they are due again at once, so the next get or push sends them again,
+        first and in order, with ``dup``. They are the tail of what one push handed out, so
+        of each run they are its last ordinals: a run is cut there (read back, as a
+        redelivery reads it) and only its tail made due; what went stays timed. Whether a run
+        changed."""
         for attempt in range(ATTEMPTS):
             state = self.inbox.state(session_id)
             expected = state.version
-            runs = [
-                r
-                for r in state.runs
-                if r.sent_at_ms != 0
-                and (
-                    (ordinals is not None and any(r.first <= o < r.end for o in ordinals))
-                    or (channel is not None and r.channel == channel)
+            changed = False
+            for run in list(state.runs):
+                tail = [o for o in range(run.first, run.end) if o in ordinals]
+                if not tail or run.sent_at_ms == 0:
+                    continue
+                changed = True
+                cut = tail[0] - run.first
+                if cut == 0:
+                    run.sent_at_ms = 0
+                    continue
+                found = self._read_run(session_id, run)
+                if found is None:
+                    run.sent_at_ms = 0  # its items are gone: nothing to cut, all due
+                    continue
+                state.runs.remove(run)
+                state.runs.append(replace(run, count=cut, upto=found[cut - 1].message.position))
+                state.runs.append(
+                    replace(
+                        run,
+                        first=run.first + cut,
+                        count=run.count - cut,
+                        after=found[cut - 1].message.position,
+                        start_item=found[cut].item.key,
+                        sent_at_ms=0,
+                    )
                 )
-            ]
-            if not runs:
+            if not changed:
                 return False
-            for run in runs:
-                run.sent_at_ms = 0
             state.version = expected + 1
             expires = self.clock.now_ms() // 1000 + self.settings.retention_s
             if self.inbox.write_state(session_id, state, expected, expires):

@@ -170,11 +170,10 @@ class _Push:
     failed: Exception | None = None
     #: ordinals handed out and not posted (made due again when the push failed)
     unposted: set[int] = field(default_factory=set)
-    #: a record naming the session was received before (an attempt failed or died): what is
-    #: in flight for its channel may never have gone, and goes again first
-    retried: bool = False
     #: QoS 0 frames the records carry (written nowhere): posted once, never again
     direct: list[dict[str, Any]] = field(default_factory=list)
+    #: the due index was armed by this push
+    armed: bool = False
 
 
 @dataclass
@@ -223,12 +222,7 @@ class PushWorker:
                 logger.error("unreadable push work dropped", extra={"id": record.get("messageId")})
                 count(metrics.PUSH_FAILED)
                 works.append(None)
-        retried = {
-            n
-            for n, record in enumerate(records)
-            if int((record.get("attributes") or {}).get("ApproximateReceiveCount", 1)) > 1
-        }
-        failed = self.work(works, retried)
+        failed = self.work(works)
         returned = _fifo_failures(records, failed)
         if returned:
             self._delay(records, returned)
@@ -262,14 +256,11 @@ class PushWorker:
 
     # -- the work
 
-    def work(self, works: list[PushWork | None], retried: set[int] | None = None) -> set[int]:
+    def work(self, works: list[PushWork | None]) -> set[int]:
         """Pushes the sessions of ``works`` (the batch's records, in order); the indexes of
-        the records whose push failed (to be returned to the queue). ``retried``: records
-        received before (``ApproximateReceiveCount`` over 1)."""
+        the records whose push failed (to be returned to the queue)."""
         report = self.last = WorkReport()
         pushes = _plan(works)
-        for push in pushes.values():
-            push.retried = bool(retried and retried.intersection(push.records))
         report.sessions = len(pushes)
         if not pushes:
             return set()
@@ -306,6 +297,11 @@ class PushWorker:
                     if push.failed is None and push.handed:
                         push.failed = exc
                         push.unposted = _ordinals(push.session_id, push.handed)
+        # the due index before any frame: a worker that dies while posting leaves what it
+        # handed out timed, so the sweep sends it again after its ack timeout
+        for push in pushes:
+            if any(m["qos"] > 0 for m in push.handed):
+                self._arm(push)
         self._each(self._post_and_go_on, pushes)
         for push in pushes:
             self._settle(push)
@@ -322,21 +318,13 @@ class PushWorker:
                 done.result()
 
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
-        """A push's first get, its events to ``batch``. A retried push first makes what is in
-        flight for the channel due: the attempt that failed may have handed it out and died
-        before posting it, and the ack timeout is long to wait (the state read before is
-        stale then: the get reads its own)."""
+        """A push's first get, its events to ``batch``."""
         if push.direct and batch is not None:
             # the QoS 0 frames' events, appended with the gets' before any frame goes
             events = batch.recording.new()
             record_answers(events, "session", push.session_id, push.direct, label=_label(push))
             batch.add(events, f"qos0/{push.session_id}/{push.direct[0]['message_id']}")
         try:
-            if push.retried and push.connection is not None:
-                if self.delivery.unsend(push.session_id, channel=push.connection.channel):
-                    push.read = None
-                # everywhere: what an earlier attempt handed out may be in any source
-                push.source = None
             push.handed = self._get(push, push.source, push.read, batch)
         except (ShoalError, ClientError, BotoCoreError) as exc:
             self._stopped(push, exc)
@@ -346,9 +334,9 @@ class PushWorker:
         full (the rest waits in the inbox) or while another record named the session."""
         if push.connection is None:
             return
-        if push.direct and not push.retried:
-            # QoS 0, written nowhere: posted and forgotten (at most once: a retried chunk may
-            # have posted them already, and a failed post is not tried again)
+        if push.direct:
+            # QoS 0, written nowhere: posted and forgotten (at most once: a failed post is not
+            # tried again)
             try:
                 self._post(push, push.direct)
             except (ConnectionGone, PostThrottled, ClientError, BotoCoreError) as exc:
@@ -394,23 +382,34 @@ class PushWorker:
             push.acked_later = push.acked_later or message["qos"] > 0
         count(metrics.PUSHED, len(messages))
 
-    def _settle(self, push: _Push) -> None:
-        """After a push: the due index armed for what waits for an ack (unless armed already:
-        the sweep goes on from deadline to deadline), or what a failed push handed out and
-        did not post made due again for the chunk's retry."""
+    def _arm(self, push: _Push) -> None:
+        """The due index armed for what waits for an ack, unless armed already (the sweep
+        goes on from deadline to deadline); whichever connection the session's item names
+        now: a renewal may have moved it, and the same channel's deliveries are in flight
+        there. Best effort: a lost arm leaves them to the next push or a reconnect."""
         connection = push.connection
-        if connection is None:
+        if connection is None or push.armed or connection.due_at_ms is not None:
             return
         try:
-            if push.unposted:
-                self.delivery.unsend(push.session_id, push.unposted)
-            if push.acked_later and connection.due_at_ms is None:
-                # whichever connection the session's item names now: a renewal may have moved
-                # it meanwhile, and the same channel's deliveries are then in flight there
-                self.connections.arm_session(push.session_id, self._due())
+            self.connections.arm_session(push.session_id, self._due())
+            push.armed = True
+        except (ClientError, BotoCoreError) as exc:
+            logger.info("push arm failed", extra={"error_type": type(exc).__name__})
+
+    def _settle(self, push: _Push) -> None:
+        """After a push: what a failed push handed out and did not post made due again for
+        the chunk's retry; the due index armed if a later round handed QoS 1/2 out."""
+        if push.connection is None:
+            return
+        if push.acked_later:
+            self._arm(push)
+        if not push.unposted:
+            return
+        try:
+            self.delivery.unsend(push.session_id, push.unposted)
         except (ShoalError, ClientError, BotoCoreError) as exc:
-            logger.warning("push settle failed", extra={"error_type": type(exc).__name__})
-            if push.unposted and push.failed is None:
+            logger.warning("push unsend failed", extra={"error_type": type(exc).__name__})
+            if push.failed is None:
                 push.failed = exc
 
     def _stopped(self, push: _Push, exc: Exception) -> None:

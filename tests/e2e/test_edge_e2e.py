@@ -442,13 +442,15 @@ IDLE_SCENARIO_TIMEOUT_S = 900.0
 # 1,000 handshakes, connects and subscribes are 3,000 local function runs: over pytest-timeout's
 # 300 s on CI's starved machine
 @pytest.mark.timeout(1200)
-def test_a_thousand_idle_subscribed_sessions_run_no_function(
+def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_one_publish_once(
     edge_dev: DevServer, token: str
 ) -> None:
     """1,000 connected, subscribed sessions held idle, each keeping alive with ``ping``
     frames: no function runs for them (the reaper's timer runs, per schedule, not per
-    connection). Last in the module: it kills the server at the end, so that 1,000
-    ``$disconnect`` invocations do not follow it."""
+    connection). Then one publish to a filter all of them share reaches every one exactly
+    once, through the push queue's lanes; ten of them take their sessions over from a new
+    connection while it fans out, and get it once there. Last in the module: it kills the
+    server at the end, so that 1,000 ``$disconnect`` invocations do not follow it."""
     timings: dict[str, float] = {}
 
     ready: list[int] = []
@@ -465,14 +467,16 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function(
                     if attempt == 2:
                         raise
                     await asyncio.sleep(1.0)
-            await client.connect(f"{CLIENTS}idle-{index}")
-            await client.subscribe(f"e2e-idle/{index}")
+            await client.connect(f"{CLIENTS}idle-{index}", clean_start=False, session_expiry_s=600)
+            await client.subscribe(f"e2e-idle/{index}", "e2e-all/#")
             ready.append(index)
             if len(ready) % 100 == 0:
                 print(f"{len(ready)} sessions ready after {time.monotonic() - began:.1f} s")
             return client
 
-    async def scenario() -> tuple[dict[str, int], dict[str, int], list[dict[str, Any]], list[str]]:
+    async def scenario() -> tuple[
+        dict[str, int], dict[str, int], list[dict[str, Any]], list[str], dict[int, list[Any]]
+    ]:
         gate = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
         started = time.monotonic()
         clients = await asyncio.gather(*(one(i, gate) for i in range(IDLE_SESSIONS)))
@@ -492,14 +496,45 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function(
         for index in picked:
             await publisher.publish(f"e2e-idle/{index}", f"to {index}")
         delivered = [await clients[i].next_message() for i in picked]
-        violations = [v for c in clients for v in c.violations]
+        # the fan-out: one publish every session's second filter matches; ten sessions are
+        # taken over from new connections while it goes out
+        movers = list(range(7, IDLE_SESSIONS, IDLE_SESSIONS // 10))
+        fresh = {i: await open_client(edge_dev, token) for i in movers}
+        began_fan_out = time.monotonic()
+        await publisher.publish("e2e-all/now", "to all")
+        await asyncio.gather(
+            *(
+                fresh[i].connect(f"{CLIENTS}idle-{i}", clean_start=False, session_expiry_s=600)
+                for i in movers
+            )
+        )
+        holders = {i: fresh.get(i, clients[i]) for i in range(IDLE_SESSIONS)}
+
+        async def first_copy(i: int) -> float:
+            while True:
+                got = await holders[i].messages.get()
+                if text_of(got.frame) == "to all":
+                    return got.at - began_fan_out
+
+        arrivals = await asyncio.wait_for(
+            asyncio.gather(*(first_copy(i) for i in range(IDLE_SESSIONS))), 300
+        )
+        timings["fan_out_first_s"], timings["fan_out_last_s"] = min(arrivals), max(arrivals)
+        # no second copy anywhere, once everything settled
+        await asyncio.sleep(2.0)
+        again = {
+            i: [text_of(r.frame) for r in holders[i].frames if r.frame.get("action") == "message"]
+            for i in range(IDLE_SESSIONS)
+        }
+        copies = {i: texts.count("to all") for i, texts in again.items()}
+        violations = [v for c in [*clients, *fresh.values()] for v in c.violations]
         edge_dev.kill()
-        for client in [*clients, publisher]:
+        for client in [*clients, *fresh.values(), publisher]:
             client.abort()
-        return before, after, delivered, violations
+        return before, after, delivered, violations, {i: [copies[i]] for i in copies}
 
     started = began = time.monotonic()
-    before, after, delivered, violations = run(scenario(), IDLE_SCENARIO_TIMEOUT_S)
+    before, after, delivered, violations, copies = run(scenario(), IDLE_SCENARIO_TIMEOUT_S)
     timings["total_s"] = time.monotonic() - started
     print(f"1,000 idle sessions: {timings}")
     assert violations == []
@@ -511,3 +546,6 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function(
     }
     assert ran == {}, f"functions ran for idle connections: {ran}"
     assert [text_of(m) for m in delivered] == ["to 0", "to 500", "to 999"]
+    # every session got the fan-out's message exactly once, the taken-over ones on their
+    # new connection
+    assert {i: c for i, c in copies.items() if c != [1]} == {}

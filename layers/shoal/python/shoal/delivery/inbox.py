@@ -568,6 +568,13 @@ class InboxStore:
         raw = self.dynamo.get(self.table, self.state_key(session_id))
         return DeliveryState.from_record(raw) if raw else DeliveryState()
 
+    def states(self, session_ids: Iterable[str]) -> dict[str, DeliveryState]:
+        """The sessions' delivery states in batch reads (100 a call), by session id; a
+        session without one has none here."""
+        keys = [self.state_key(s) for s in sorted(set(session_ids))]
+        rows = self.dynamo.batch_get(self.table, keys) if keys else []
+        return {str(r["inbox"]): DeliveryState.from_record(r) for r in rows}
+
     def in_flight(self, session_id: str) -> int:
         """QoS 1/2 deliveries handed out and not acknowledged (``GET /v1/sessions/{id}``)."""
         return self.state(session_id).in_flight()

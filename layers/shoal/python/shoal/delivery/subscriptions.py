@@ -234,6 +234,20 @@ class _Sent:
     sids: tuple[str, ...]
 
 
+@dataclass
+class SubscribeSent:
+    """What a subscribe gave its session to be delivered."""
+
+    #: retained messages written to the session's inbox
+    retained: int = 0
+    #: shared groups joined (a member may be granted streams with deliveries waiting)
+    shared: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.retained > 0 or self.shared
+
+
 class SubscriptionService:
     """Subscribe and unsubscribe for a live channel, and retained messages on subscribe."""
 
@@ -267,9 +281,13 @@ class SubscriptionService:
         request: SubscribeRequest,
         *,
         kept_by: KeptBy | None = None,
+        sent: SubscribeSent | None = None,
     ) -> dict[str, Any]:
         """``kept_by``: the connection over the WebSocket API the subscribe came on, which
-        keeps the session's members of the groups it joins live (``shoal.groups``)."""
+        keeps the session's members of the groups it joins live (``shoal.groups``).
+        ``sent``: told what the subscribe gave the session to be delivered (retained
+        messages written to its inbox, shared groups joined): a WebSocket subscribe pushes
+        only then."""
         # read before anything else: any publish that returned before this call was made
         # arrived at Kinesis before this instant (give or take the clocks' skew)
         began = self.clock.now_ms()
@@ -314,7 +332,9 @@ class SubscriptionService:
                 why = filter_problem(request.subscriptions[0].filter)
                 raise InvalidFilter(why or "no filter of the request is a valid topic filter")
             return {"granted": granted}
-        made = self._commit_subscribe(who, client_id, head, accepted, cut, kept_by=kept_by)
+        made = self._commit_subscribe(
+            who, client_id, head, accepted, cut, kept_by=kept_by, sent=sent
+        )
         if cut in made:
             self._wait_out(cut)
         return {"granted": granted}
@@ -355,6 +375,7 @@ class SubscriptionService:
         cut: int,
         *,
         kept_by: KeptBy | None = None,
+        sent: SubscribeSent | None = None,
     ) -> set[int | None]:
         """Commits the subscriptions; answers the cuts they were written with."""
         session_id = head.session_id or ""
@@ -387,6 +408,9 @@ class SubscriptionService:
                 if joining is not None and plan is not None:
                     # a member that joined is granted its streams now, not at its next call
                     joining.after(plan)
+                if sent is not None:
+                    sent.retained = len(retained)
+                    sent.shared = bool(shared)
                 return {a.cut_ms for a in accepted.values()}
             self._after_conflict(who, client_id, channel_of(head), reasons, attempt)
         raise ServerBusy("subscriptions of this session are contended; retry")

@@ -5,9 +5,13 @@ Two items per connected session (``shoal.aws.tables.ConnectionModel``):
 - ``conn#<connection id>``: the client id, principal, channel and session the connection holds,
   read by every frame (API Gateway names the connection, not the session);
 - ``session#<session id>``: the connection its deliveries are pushed to, its in-flight
-  window, whether its connection is *ready* (the connect's or renewal's answer went out), and
-  its place in the *due index* (when pushed deliveries pass their ack timeout), read by
-  whoever hands its pushes to the push queue (``shoal.edge.pushwork``) and by the pusher.
+  window, and whether its connection is *ready* (the connect's or renewal's answer went
+  out), read by whoever hands its pushes to the push queue (``shoal.edge.pushwork``) and by
+  the pusher;
+
+and the *due lists* (``due#<id>``, in the sparse ``due`` index): the sessions a push handed
+deliveries to that wait for an ack, one item a push, each swept when their ack timeout
+passes (``shoal.edge.push.PushSweep``).
 
 One pusher at a time per session is the push queue's doing (a session's pushes go through one
 message group, ``shoal.edge.pushwork``), not a lease in this table. What remains here is
@@ -20,6 +24,7 @@ over meanwhile.
 
 from __future__ import annotations
 
+import secrets
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,11 +40,13 @@ from shoal.core.config import Config
 
 CONNECTION = "conn#"
 SESSION = "session#"
+#: a due list: sessions whose pushed deliveries come due together (``arm_sessions``)
+DUE = "due#"
 #: API Gateway closes every connection within two hours; an item left by a lost $disconnect
 #: is removed by TTL a little after
 MAX_CONNECTION_S = 7200
 TTL_MARGIN_S = 3600
-#: the due index's partitions (a stable hash of the session id spreads its writes)
+#: the due index's partitions (a stable hash of the item's key spreads its writes)
 DUE_SHARDS = 8
 
 
@@ -247,35 +254,40 @@ class ConnectionStore:
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 
-    def arm(self, connection: Connection, due_at_ms: int, *, earliest: bool = True) -> bool:
-        """The session is swept at ``due_at_ms``; with ``earliest``, or earlier if it is due
-        earlier already. False when the item names another connection or is gone."""
-        e = Expression()
-        _arm(e, connection.session_id, due_at_ms, earliest=earliest)
-        return self.dynamo.conditional(
-            "update_item",
+    def arm_sessions(self, session_ids: Iterable[str], due_at_ms: int) -> bool:
+        """The sessions are swept at ``due_at_ms``: one *due list* item names them all
+        (``due#<id>``, in the ``due`` index), one write however many sessions a push handed
+        deliveries to. A session may sit in several lists (each push arms its own): the sweep
+        reads each session's state, so a copy too many costs a read, never a push. False
+        when there was nothing to arm."""
+        sessions = sorted(set(session_ids))
+        if not sessions:
+            return False
+        key = DUE + secrets.token_hex(8)
+        self.dynamo.call(
+            "put_item",
             TableName=self.table,
-            Key=_key(SESSION + connection.session_id),
-            **e.params(f"{e.n('connection_id')} = {e.v(connection.connection_id)}"),
+            Item=_item(
+                {
+                    "key": key,
+                    "due_shard": str(due_shard(key)),
+                    "due_at_ms": due_at_ms,
+                    "sessions": sessions,
+                    "expires_at": self._expires(),
+                }
+            ),
         )
+        return True
 
     def arm_session(self, session_id: str, due_at_ms: int) -> bool:
-        """As ``arm`` (the earliest wins), whichever connection the session's item names now:
-        a pusher whose connection was gone after a renewal moved the session on still had its
-        deliveries handed out. False when the item is gone (then a reconnect sends everything
-        in flight again)."""
-        e = Expression()
-        _arm(e, session_id, due_at_ms)
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + session_id),
-            **e.params(f"attribute_exists({e.n('connection_id')})"),
-        )
+        """``arm_sessions`` of one session (a push whose connection was gone after a renewal
+        moved the session on still had its deliveries handed out)."""
+        return self.arm_sessions([session_id], due_at_ms)
 
     def due(self, shard: int, now_ms: int, limit: int) -> list[tuple[str, int]]:
-        """(session id, due at) of the sessions in ``shard`` that are due (the index, never a
-        scan), earliest first."""
+        """(key, due at) of the due lists in ``shard`` that are due (the index, never a
+        scan), earliest first; a key is a list's (``due#``) or, armed before the lists, a
+        session's item (``session#``)."""
         found: list[tuple[str, int]] = []
         e = Expression()
         condition = f"{e.n('due_shard')} = {e.v(str(shard))} AND {e.n('due_at_ms')} <= "
@@ -288,39 +300,44 @@ class ConnectionStore:
         }
         while len(found) < limit:
             page = self.dynamo.call("query", **request)
-            found += [
-                (i["key"]["S"][len(SESSION) :], int(i["due_at_ms"]["N"]))
-                for i in page.get("Items", [])
-            ]
+            found += [(i["key"]["S"], int(i["due_at_ms"]["N"])) for i in page.get("Items", [])]
             if "LastEvaluatedKey" not in page:
                 break
             request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
         return found[:limit]
 
-    def disarm(self, session_id: str, due_at_ms: int) -> bool:
-        """Takes the session off the index, unless it was armed again meanwhile; False then
-        (or when it is gone): another sweep has it."""
-        e = Expression()
-        e.remove("due_shard", "due_at_ms")
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=_key(SESSION + session_id),
-            **e.params(f"{e.n('due_at_ms')} = {e.v(due_at_ms)}"),
-        )
+    def take_due(self, key: str, due_at_ms: int) -> list[str]:
+        """Takes a due entry off the index, first (a sweep that dies later loses only the
+        timer: the next push or reconnect hands the deliveries out again); the sessions it
+        named. Nothing when another sweep took it, or it was armed again meanwhile."""
+        if key.startswith(SESSION):
+            e = Expression()
+            e.remove("due_shard", "due_at_ms")
+            taken = self.dynamo.conditional(
+                "update_item",
+                TableName=self.table,
+                Key=_key(key),
+                **e.params(f"{e.n('due_at_ms')} = {e.v(due_at_ms)}"),
+            )
+            return [key[len(SESSION) :]] if taken else []
+        try:
+            raw = self.dynamo.call(
+                "delete_item",
+                TableName=self.table,
+                Key=_key(key),
+                ConditionExpression="attribute_exists(#s)",
+                ExpressionAttributeNames={"#s": "sessions"},
+                ReturnValues="ALL_OLD",
+            )
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                return []
+            raise
+        return [str(s) for s in from_item(raw.get("Attributes") or {}).get("sessions") or []]
 
 
-def due_shard(session_id: str) -> int:
-    return zlib.crc32(session_id.encode()) % DUE_SHARDS
-
-
-def _arm(e: Expression, session_id: str, due_at_ms: int, *, earliest: bool = True) -> None:
-    if earliest:
-        # the one armed first wins: a sweep then pushes what is due and arms the next
-        e.set_raw("due_at_ms", f"if_not_exists({e.n('due_at_ms')}, {e.v(due_at_ms)})")
-    else:
-        e.set("due_at_ms", due_at_ms)
-    e.set("due_shard", str(due_shard(session_id)))
+def due_shard(key: str) -> int:
+    return zlib.crc32(key.encode()) % DUE_SHARDS
 
 
 def _key(key: str) -> dict[str, Any]:

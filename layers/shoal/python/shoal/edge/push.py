@@ -298,11 +298,12 @@ class PushWorker:
                         push.failed = exc
                         push.unposted = _ordinals(push.session_id, push.handed)
         # the due index before any frame: a worker that dies while posting leaves what it
-        # handed out timed, so the sweep sends it again after its ack timeout
-        for push in pushes:
-            if any(m["qos"] > 0 for m in push.handed):
-                self._arm(push)
+        # handed out timed, so the sweep sends it again after its ack timeout (one due list
+        # for the batch's sessions, one write)
+        self._arm([p for p in pushes if any(m["qos"] > 0 for m in p.handed)])
         self._each(self._post_and_go_on, pushes)
+        # a later round's QoS 1/2 of a session not armed yet
+        self._arm([p for p in pushes if p.acked_later and not p.armed])
         for push in pushes:
             self._settle(push)
 
@@ -382,28 +383,25 @@ class PushWorker:
             push.acked_later = push.acked_later or message["qos"] > 0
         count(metrics.PUSHED, len(messages))
 
-    def _arm(self, push: _Push) -> None:
-        """The due index armed for what waits for an ack, unless armed already (the sweep
-        goes on from deadline to deadline); whichever connection the session's item names
-        now: a renewal may have moved it, and the same channel's deliveries are in flight
-        there. Best effort: a lost arm leaves them to the next push or a reconnect."""
-        connection = push.connection
-        if connection is None or push.armed or connection.due_at_ms is not None:
+    def _arm(self, pushes: list[_Push]) -> None:
+        """The due index armed for what waits for an ack: one list of the sessions (the sweep
+        goes on from deadline to deadline). Best effort: a lost arm leaves them to the next
+        push or a reconnect."""
+        sessions = [p for p in pushes if p.connection is not None and not p.armed]
+        if not sessions:
             return
         try:
-            self.connections.arm_session(push.session_id, self._due())
-            push.armed = True
+            self.connections.arm_sessions((p.session_id for p in sessions), self._due())
         except (ClientError, BotoCoreError) as exc:
             logger.info("push arm failed", extra={"error_type": type(exc).__name__})
+            return
+        for push in sessions:
+            push.armed = True
 
     def _settle(self, push: _Push) -> None:
         """After a push: what a failed push handed out and did not post made due again for
-        the chunk's retry; the due index armed if a later round handed QoS 1/2 out."""
-        if push.connection is None:
-            return
-        if push.acked_later:
-            self._arm(push)
-        if not push.unposted:
+        the chunk's retry."""
+        if push.connection is None or not push.unposted:
             return
         try:
             self.delivery.unsend(push.session_id, push.unposted)
@@ -551,29 +549,35 @@ class PushSweep:
         report = SweepReport()
         now = self.clock.now_ms()
         timeout_ms = int(self.delivery.settings.ack_timeout_s * 1000)
-        due: set[str] = set()
+        swept: set[str] = set()
         for shard in range(DUE_SHARDS):
-            for session_id, due_at_ms in self.connections.due(shard, now, limit_per_shard):
-                # taken off first, so a sweep that dies later loses only the timer (the next
-                # push or reconnect hands the deliveries out again)
-                if not self.connections.disarm(session_id, due_at_ms):
-                    continue
-                report.swept += 1
-                # most sessions acked in time: one read of the delivery state says so
-                runs = self.delivery.inbox.state(session_id).runs
-                if not runs:
-                    continue
-                following = min(r.sent_at_ms for r in runs) + timeout_ms
-                connection = self.connections.target(session_id)
-                if connection is None:
-                    continue
-                if following <= now:
-                    due.add(session_id)
-                    # its push sends them again now: their next deadline is a timeout away
-                    following = now + timeout_ms
-                if self.connections.arm(connection, following, earliest=False):
-                    report.armed += 1
+            for key, due_at_ms in self.connections.due(shard, now, limit_per_shard):
+                swept.update(self.connections.take_due(key, due_at_ms))
+        report.swept = len(swept)
+        if not swept:
+            return report
+        # most sessions acked in time: one batch read of their states says so
+        due: set[str] = set()
+        later: dict[str, int] = {}
+        for session_id, state in self.delivery.inbox.states(swept).items():
+            if not state.runs:
+                continue
+            following = min(r.sent_at_ms for r in state.runs) + timeout_ms
+            if following <= now:
+                due.add(session_id)
+            else:
+                later[session_id] = following
+        targets = {c.session_id for c in self.connections.targets(due | set(later))}
+        due &= targets
         if due:
             self.queue.hand_off(due)
             report.pushed = len(due)
+            # their pushes send them again now: their next deadline is a timeout away
+            self.connections.arm_sessions(due, now + timeout_ms)
+            report.armed += len(due)
+        waiting = {s: t for s, t in later.items() if s in targets}
+        if waiting:
+            # one list for the rest, at the earliest of their deadlines
+            self.connections.arm_sessions(waiting, min(waiting.values()))
+            report.armed += len(waiting)
         return report

@@ -34,7 +34,7 @@ from shoal.core.errors import (
 )
 from shoal.core.observability import logger
 from shoal.delivery.service import DeliveryService
-from shoal.delivery.subscriptions import SubscriptionService
+from shoal.delivery.subscriptions import SubscribeSent, SubscriptionService
 from shoal.edge.connections import MAX_CONNECTION_S, Connection, ConnectionStore
 from shoal.edge.frames import (
     AckedFrame,
@@ -194,11 +194,18 @@ class EdgeService:
             raise NotConnected("send connect first: this connection holds no session")
         if isinstance(frame, SubscribeFrame):
             # the groups it joins count the member live while this connection lives
+            sent = SubscribeSent()
             answer = self.subscriptions.subscribe(
-                who, connection.client_id, connection.channel, frame, kept_by=_kept_by(connection)
+                who,
+                connection.client_id,
+                connection.channel,
+                frame,
+                kept_by=_kept_by(connection),
+                sent=sent,
             )
+            # retained messages, or a group's streams, follow the SUBACK; nothing else does
             return self._post_then_push(
-                connection, encode(SubscribedFrame(ref=frame.ref, **answer))
+                connection, encode(SubscribedFrame(ref=frame.ref, **answer)), push=sent.any
             )
         if isinstance(frame, UnsubscribeFrame):
             answer = self.subscriptions.unsubscribe(

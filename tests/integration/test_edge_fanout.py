@@ -198,3 +198,34 @@ def metrics_count(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(push_module, "count", counting)
     return pushed
+
+
+def test_a_chunk_carries_the_archive_lines_of_its_own_sessions(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of many clients' own messages (a backend publishing to each its command): their
+    archive lines together are over what a queue message carries, but each chunk carries
+    only its sessions' lines, so no push reads the archive back."""
+    payloads = edge.world.delivery.payloads
+    assert payloads is not None
+    reads: list[str] = []
+    real = payloads.s3.get_object
+
+    def counting(**request: Any) -> Any:
+        reads.append(request["Key"])
+        return real(**request)
+
+    monkeypatch.setattr(payloads.s3, "get_object", counting)
+    clients = 40
+    for k in range(clients):
+        edge.connect(f"c{k}", client_id=f"alice-{k}")
+        edge.send(f"c{k}", {"action": "subscribe", "subscriptions": [{"filter": f"own/{k}"}]})
+    # 40 messages of 2 KB in one batch: 80 KB of lines, over a message's 64 KB of them
+    edge.world.publish_batch(
+        [{"topic": f"own/{k}", "text": f"{k}:" + "x" * 2048} for k in range(clients)]
+    )
+    edge.world.route()
+    for k in range(clients):
+        [frame] = edge.messages(f"c{k}")
+        assert texts([frame])[0].startswith(f"{k}:")
+    assert reads == []

@@ -213,6 +213,7 @@ class PushQueue:
         key: str | None = None,
         direct: Mapping[str, Sequence[InboxMessage]] | None = None,
         now_ms: int = 0,
+        named: Mapping[str, set[ArchiveLine]] | None = None,
     ) -> int:
         """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
         the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
@@ -220,12 +221,17 @@ class PushQueue:
         and the queue keeps one of each. ``direct``: QoS 0 deliveries of (some of) the
         sessions, written nowhere, to be posted and forgotten (as of ``now_ms``). Raises when
         the queue refused a message past ``SEND_ATTEMPTS`` (the caller's retry sends it
-        again)."""
+        again). ``named``: the lines of ``lines`` each session's deliveries name: a message
+        carries those of its own sessions only (all of ``lines`` without it)."""
         pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
         if not pairs:
             return 0
         frames = {s: qos0_frames(s, m, now_ms) for s, m in (direct or {}).items()}
-        entries = list(self._entries(pairs, source, lines or {}, key, frames))
+        entries = list(
+            self._entries(
+                pairs, source=source, lines=lines or {}, key=key, direct=frames, named=named
+            )
+        )
         calls = list(_calls(entries))
         # a lane split into parts must reach the queue in order: SQS keeps the order of one
         # group's messages within a call, not across calls sent at once
@@ -243,17 +249,24 @@ class PushQueue:
     def _entries(
         self,
         pairs: Mapping[str, str | None],
+        *,
         source: str | None,
         lines: LineCache,
         key: str | None,
         direct: Mapping[str, list[dict[str, Any]]],
+        named: Mapping[str, set[ArchiveLine]] | None,
     ) -> Iterator[_Entry]:
         by_lane: dict[int, dict[str, str | None]] = {}
         for session_id, client_id in sorted(pairs.items()):
             by_lane.setdefault(lane_of(session_id, self.lanes), {})[session_id] = client_id
-        carried = lines if _lines_bytes(lines) <= MAX_LINES_BYTES else {}
         salt = key or secrets.token_hex(8)
         for lane, chunk in sorted(by_lane.items()):
+            wanted = (
+                {line for s in chunk for line in named.get(s, ())} if named is not None else lines
+            )
+            carried = {line: lines[line] for line in wanted if line in lines}
+            if _lines_bytes(carried) > MAX_LINES_BYTES:
+                carried = {}
             posts = {s: direct[s] for s in chunk if direct.get(s)}
             for part, body in enumerate(_bodies(chunk, source, carried, posts)):
                 dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()

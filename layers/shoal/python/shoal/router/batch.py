@@ -124,11 +124,12 @@ class Router:
                 # (the deliveries wait in the inboxes for the next push or a reconnect)
                 self._hand_off(
                     report.sessions,
-                    source_id(batch.stream, batch.shard),
+                    source=source_id(batch.stream, batch.shard),
                     # what the batch wrote, which the pushes need not read back
-                    _read(objects, lines),
-                    f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}",
-                    report.direct,
+                    lines=_read(objects, lines),
+                    key=f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}",
+                    direct=report.direct,
+                    named=report.lines,
                 )
         return dict(response)
 
@@ -142,10 +143,12 @@ class Router:
     def _hand_off(
         self,
         sessions: set[str],
+        *,
         source: str,
         lines: LineCache,
         key: str,
         direct: Mapping[str, list[InboxMessage]],
+        named: Mapping[str, set[ArchiveLine]],
     ) -> None:
         """The sessions' pushes to the push queue. Of a few sessions (one batch read), only
         the connected ones: most deliveries of an HTTP subscriber's would otherwise cost a
@@ -165,6 +168,7 @@ class Router:
                 key=key,
                 direct={s: m for s, m in direct.items() if s in targets},
                 now_ms=self.fanout.clock.now_ms(),
+                named=named,
             )
 
     def _lag(self, event: dict[str, Any]) -> None:

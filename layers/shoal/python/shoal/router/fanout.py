@@ -163,6 +163,9 @@ class RouteReport:
     #: QoS 0 deliveries of sessions connected over the WebSocket API, not written: they are
     #: posted and forgotten (``shoal.edge.pushwork``), by session
     direct: dict[str, list[InboxMessage]] = field(default_factory=dict)
+    #: the archive lines each session's written deliveries name (what its push fills them
+    #: from, carried with it: ``shoal.edge.pushwork``)
+    lines: dict[str, set[ArchiveLine]] = field(default_factory=dict)
 
 
 #: which of some sessions are connected over the WebSocket API (the router's read of the
@@ -373,6 +376,9 @@ class Fanout:
         for session_id, written in deliveries.items():
             if written:
                 report.sessions |= members.get(session_id, {session_id})
+                referenced = {m.line for m in written if m.line is not None}
+                if referenced:
+                    report.lines[session_id] = referenced
         report.items = len(items)
         report.deliveries = sum(len(m) for m in deliveries.values())
         return report

@@ -20,6 +20,7 @@ from bench import (
     connections,
     cost,
     delivery,
+    fanout,
     filter_index,
     fleet,
     frontdoor,
@@ -46,6 +47,7 @@ BENCHMARKS = {
     "fleet": fleet,
     "client": client,
     "connections": connections,
+    "fanout": fanout,
     "grow": grow,
 }
 

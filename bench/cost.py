@@ -196,17 +196,30 @@ SQS_REQUEST = Price(
 class ReadUnits:
     """DynamoDB read units of one client's calls, from the items they return: per 4 KB,
     rounded up per item (GetItem, BatchGetItem) or per call (Query, Scan), at least one a
-    call, all as strongly consistent reads (an eventually consistent one costs half)."""
+    call; an eventually consistent read (``ConsistentRead`` false or absent) costs half."""
 
     def __init__(self) -> None:
         self.units = 0.0
         self.by_operation: dict[str, float] = {}
 
     def attach(self, client: Any) -> None:
+        client.meta.events.register("before-parameter-build.dynamodb.*", self._note)
         client.meta.events.register("after-call.dynamodb.*", self._record)
 
-    def _record(self, parsed: dict[str, Any], model: Any, **_: Any) -> None:
+    @staticmethod
+    def _note(params: dict[str, Any], model: Any, context: dict[str, Any], **_: Any) -> None:
+        # the request's consistency, for the after-call event (both get the call's context)
+        consistent = params.get("ConsistentRead")
+        if model.name == "BatchGetItem":
+            consistent = all(t.get("ConsistentRead") for t in params["RequestItems"].values())
+        context["shoal_consistent"] = bool(consistent)
+
+    def _record(
+        self, parsed: dict[str, Any], model: Any, context: dict[str, Any] | None = None, **_: Any
+    ) -> None:
         name = model.name
+        transactional = name == "TransactGetItems"
+        half = not transactional and not (context or {}).get("shoal_consistent", True)
         units = 0.0
         if name == "GetItem":
             item = parsed.get("Item")
@@ -221,6 +234,8 @@ class ReadUnits:
             for response in parsed.get("Responses", []):
                 item = response.get("Item")
                 units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+        if half:
+            units /= 2
         if units:
             self.units += units
             self.by_operation[name] = self.by_operation.get(name, 0.0) + units

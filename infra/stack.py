@@ -35,8 +35,9 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as sns_subscriptions
 from aws_cdk import custom_resources
 from constructs import Construct, Node
+from shoal.aws.kinesis import ROUTER_CONSUMER
 from shoal.aws.tables import TableDef
-from shoal.core.config import DEFAULT_RETENTION_S
+from shoal.core.config import DEFAULT_RETENTION_S, FAN_OUT_ENV, FAN_OUT_MAPPINGS, parse_fan_out
 from shoal.declarations import (
     DEFAULT_ROUTE,
     DEPLOYMENT,
@@ -153,6 +154,9 @@ class Settings:
     #: keep the Kinesis streams and event source mappings made at run time when the stack is
     #: deleted (infra/lifecycle.py); by default they go with it, every shard being billed
     retain_streams: bool = False
+    #: the mappings made at run time that read through an enhanced fan-out consumer
+    #: (``-c enhancedFanOut=router``; docs/operations.md, "Latency"): off by default
+    enhanced_fan_out: frozenset[str] = frozenset()
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -182,7 +186,23 @@ class Settings:
             stream_prefix=get("streamPrefix"),
             alarm_email=get("alarmEmail"),
             retain_streams=_flag(get("retainStreams"), default=False),
+            enhanced_fan_out=_fan_out(get("enhancedFanOut")),
         )
+
+
+def _fan_out(value: Any) -> frozenset[str]:
+    # `-c enhancedFanOut=router` (a string; a list in cdk.json); "none" or "false": off
+    names = value if isinstance(value, list) else str(value or "").split(",")
+    listed = {str(n).strip() for n in names} - {"", "none", "false", "off"}
+    try:
+        return parse_fan_out(",".join(sorted(listed)))
+    except ValueError as exc:
+        raise MissingContextError(f"enhancedFanOut: {exc}") from None
+
+
+def _fan_out_environment(mappings: frozenset[str]) -> dict[str, str]:
+    """What the functions read the enhanced fan-out option from (``shoal.core.config``)."""
+    return {FAN_OUT_ENV: ",".join(sorted(mappings))} if mappings else {}
 
 
 def _flag(value: Any, *, default: bool) -> bool:
@@ -252,6 +272,7 @@ class ShoalStack(cdk.Stack):
                 streams={logical: stream.ref for logical, stream in self.streams.items()},
             ),
             **self.websocket.environment(),
+            **_fan_out_environment(self.settings.enhanced_fan_out),
             **deployment.extra_env,
         }
         self.functions = {
@@ -550,10 +571,39 @@ class ShoalStack(cdk.Stack):
                     why,
                     StringLike=invokes_target,
                 )
+        elif grant.kind == "stream_consumers":
+            self._grant_consumers(fdef, grant, allow)
         elif grant.kind == "connections":
             self.websocket.grant_connections(fdef, fn, grant)
         else:  # pragma: no cover - the Literal type names every kind
             raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
+
+    def _grant_consumers(self, fdef: FunctionDef, grant: Grant, allow: Any) -> None:
+        """The enhanced fan-out consumers of mapping ``grant.name`` (``router``) on the storage
+        streams: only while the stack's option names that mapping. Listing and registering act
+        on the stream (a consumer is found by name in the listing); deregistering on the
+        consumer, whose ARN ends in its name and creation time (``consumer/router:1700000000``).
+        Lambda's pollers of a consumer use the reading function's stream read set."""
+        if grant.name not in FAN_OUT_MAPPINGS:
+            raise ValueError(
+                f"function {fdef.name} is granted stream_consumers {grant.name!r}, which no "
+                f"option makes (known: {sorted(FAN_OUT_MAPPINGS)})"
+            )
+        if grant.name not in self.settings.enhanced_fan_out:
+            return
+        stream = self.format_arn(
+            service="kinesis", resource="stream", resource_name=f"{self.stream_prefix}-*"
+        )
+        consumer = f"{stream}/consumer/{ROUTER_CONSUMER}:*"
+        why = (
+            f"{RUNTIME_STREAMS}: the {grant.name} consumer of each (enhanced fan-out option), "
+            "by its name; its ARN ends in its creation time"
+        )
+        if grant.access in ("read", "read_write"):
+            allow(["kinesis:ListStreamConsumers"], [stream], why)
+        if grant.access in ("write", "read_write"):
+            allow(["kinesis:RegisterStreamConsumer"], [stream], why)
+            allow(["kinesis:DeregisterStreamConsumer"], [consumer], why)
 
     @staticmethod
     def _declared(resources: Mapping[str, Any], fdef: FunctionDef, grant: Grant) -> Any:

@@ -110,15 +110,15 @@ class _ScanStart:
     ``source``: the source of the partition's first item (consumed), as a scan of this get
     found it. A poll again then starts at that source's cursor and skips the query that would
     find the same item again (up to 64 KB: up to 16 read units); one query of a key range
-    that ends before that source's items (nothing in it, as a rule: 1 read unit) tells
-    whether a source that sorts before it got an item during the wait (a new storage topic or
-    shard, or a topic of the session's that had sent it nothing yet: issue 48).
+    that ends before that source's items (nothing in it, as a rule: the least a query costs)
+    tells whether a source that sorts before it got an item during the wait (a new storage
+    topic or shard, or a topic of the session's that had sent it nothing yet: issue 48).
 
     ``idle``: the get found nothing so far, so its polls are re-reads of an idle inbox. Each
     first looks eventually consistent (half the read units: an idle 20 s poll costs what it
     cost with one strongly consistent query a poll) and reads consistently, to hand out, only
-    when the look found something. A look that misses a write not yet replicated (DynamoDB's
-    replicas agree within about a second) sees it at the next poll."""
+    when the look found something. A look that misses a write not yet replicated (DynamoDB
+    promises only that a read repeated "after a short time" sees it) sees it at a later poll."""
 
     source: str | None = None
     idle: bool = False

@@ -118,7 +118,8 @@ PRICES: dict[str, Price] = {
     "dynamodb_rru": Price(
         0.125,
         1e6,
-        "DynamoDB on-demand read request unit (4 KB strongly consistent; counted as such)",
+        "DynamoDB on-demand read request unit (4 KB strongly consistent; an eventually "
+        "consistent read counts half)",
         "https://aws.amazon.com/dynamodb/pricing/on-demand/; figure: as for write units",
     ),
     "kinesis_put_units": Price(
@@ -204,17 +205,30 @@ SQS_REQUEST = Price(
 class ReadUnits:
     """DynamoDB read units of one client's calls, from the items they return: per 4 KB,
     rounded up per item (GetItem, BatchGetItem) or per call (Query, Scan), at least one a
-    call, all as strongly consistent reads (an eventually consistent one costs half)."""
+    call; an eventually consistent read (``ConsistentRead`` false or absent) costs half."""
 
     def __init__(self) -> None:
         self.units = 0.0
         self.by_operation: dict[str, float] = {}
 
     def attach(self, client: Any) -> None:
+        client.meta.events.register("before-parameter-build.dynamodb.*", self._note)
         client.meta.events.register("after-call.dynamodb.*", self._record)
 
-    def _record(self, parsed: dict[str, Any], model: Any, **_: Any) -> None:
+    @staticmethod
+    def _note(params: dict[str, Any], model: Any, context: dict[str, Any], **_: Any) -> None:
+        # the request's consistency, for the after-call event (both get the call's context)
+        consistent = params.get("ConsistentRead")
+        if model.name == "BatchGetItem":
+            consistent = all(t.get("ConsistentRead") for t in params["RequestItems"].values())
+        context["shoal_consistent"] = bool(consistent)
+
+    def _record(
+        self, parsed: dict[str, Any], model: Any, context: dict[str, Any] | None = None, **_: Any
+    ) -> None:
         name = model.name
+        transactional = name == "TransactGetItems"
+        half = not transactional and not (context or {}).get("shoal_consistent", True)
         units = 0.0
         if name == "GetItem":
             item = parsed.get("Item")
@@ -229,6 +243,8 @@ class ReadUnits:
             for response in parsed.get("Responses", []):
                 item = response.get("Item")
                 units += 2 * (max(1, math.ceil(item_size(item) / 4096)) if item else 1)
+        if half:
+            units /= 2
         if units:
             self.units += units
             self.by_operation[name] = self.by_operation.get(name, 0.0) + units
@@ -895,6 +911,199 @@ def report(figures: dict[str, Any]) -> str:
         ]
     lines.append("")
     return "\n".join(lines)
+
+
+# --- enhanced fan-out: the router's consumer option (issue 48) ------------------------------
+
+#: the option's two meters, provisioned mode, us-east-1, as issue 48 quotes the pricing page
+#: (not in the stored copies: check before quoting); this date is when they were written here
+FAN_OUT_PRICED_ON = "2026-12-04"
+FAN_OUT_SHARD_HOUR = Price(
+    0.015,
+    1,
+    "Kinesis enhanced fan-out consumer-shard-hour (each registered consumer, each shard)",
+    "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab, enhanced "
+    "fan-out); figure as issue 48 gives it, not in the stored copies",
+)
+FAN_OUT_GB = Price(
+    0.013,
+    1,
+    "Kinesis enhanced fan-out data retrieval, per GB read through a consumer (GB = 2^30 bytes)",
+    "https://aws.amazon.com/kinesis/data-streams/pricing/ (provisioned tab, enhanced "
+    "fan-out); figure as issue 48 gives it, not in the stored copies",
+)
+#: a message's bytes in its storage stream (what the router's consumer reads): the batched
+#: scenario's count, 256-byte payloads batched 100 a call over 10 ordering keys (399.6 bytes
+#: a message, bench/results.json "cost")
+FAN_OUT_MESSAGE_BYTES = 400
+#: messages a second per shard the price table shows
+FAN_OUT_RATES = (1, 10, 100, 1_000)
+#: what a tenth of the batched goal is (``GOAL``): where the option's price stops mattering
+FAN_OUT_PAYS_PER_MILLION = GOAL / 10
+
+
+def fan_out_month(
+    messages_per_s: float, shards: int = 1, message_bytes: int = FAN_OUT_MESSAGE_BYTES
+) -> dict[str, float]:
+    """The option's price for one storage stream a month (30 days): the router's consumer on
+    each shard, and every byte it reads; per million messages published to the stream."""
+    hours = shards * MONTH_S / 3600
+    read_gb = messages_per_s * MONTH_S * message_bytes / 2**30
+    consumer = FAN_OUT_SHARD_HOUR.cost(hours)
+    data = FAN_OUT_GB.cost(read_gb)
+    millions = messages_per_s * MONTH_S / 1e6
+    return {
+        "consumer_shard_hours": consumer,
+        "data_retrieval": data,
+        "total": consumer + data,
+        "per_million_messages": (consumer + data) / millions if millions else math.inf,
+    }
+
+
+def fan_out_pays_from_per_s(message_bytes: int = FAN_OUT_MESSAGE_BYTES) -> int:
+    """Messages a second per shard from which the option adds at most
+    ``FAN_OUT_PAYS_PER_MILLION`` per million messages (its shard-hours spread thin enough)."""
+    data = FAN_OUT_GB.cost(1e6 * message_bytes / 2**30)
+    hourly = FAN_OUT_SHARD_HOUR.cost(1)
+    # hourly / (rate * 3600 / 1e6) + data <= target
+    return math.ceil(hourly * 1e6 / 3600 / (FAN_OUT_PAYS_PER_MILLION - data))
+
+
+def fan_out_report() -> str:
+    """The option's price: per shard, per rate, and from which rate it costs little."""
+    rows = []
+    for rate in FAN_OUT_RATES:
+        month = fan_out_month(rate)
+        rows.append(
+            f"| {rate:,} | {month['consumer_shard_hours']:.2f} | {month['data_retrieval']:.2f} "
+            f"| {month['total']:.2f} | {month['per_million_messages']:.4f} |"
+        )
+    per_shard = fan_out_month(0)["consumer_shard_hours"]
+    return "\n".join(
+        [
+            "### The enhanced fan-out option's price",
+            "",
+            f"{FAN_OUT_SHARD_HOUR.unit}: ${FAN_OUT_SHARD_HOUR.dollars}; {FAN_OUT_GB.unit}: "
+            f"${FAN_OUT_GB.dollars} ({REGION}, written {FAN_OUT_PRICED_ON}; sources in "
+            f"`bench/cost.py`). One consumer per storage stream (the router's), on each of its "
+            f"shards: **${per_shard:.2f} a shard a month** (30 days), read or idle, plus the "
+            f"bytes read, about {FAN_OUT_MESSAGE_BYTES} a 256-byte message (the batched "
+            "scenario's records). A month of one shard:",
+            "",
+            "| messages/s on the shard | consumer-shard-hours $ | data read $ | total $ "
+            "| $ per million messages |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            "1,000 messages a second fit one shard at half its write limit (batched: about 100 "
+            f"records and 400 KB a second), so they cost the last row: "
+            f"${fan_out_month(1_000)['total']:.2f} a month. Per message the option costs "
+            f"${FAN_OUT_PAYS_PER_MILLION:.2f} per million (a tenth of the batched goal) or less "
+            f"from {fan_out_pays_from_per_s():,} messages a second per shard; below that its "
+            "shard-hours dominate, and on a quiet shard they are the whole price. It pays "
+            "where the half second a message waits for Lambda's poll matters (a broker's "
+            "users expect tens of milliseconds), and where a shard has more readers than its "
+            "shared 2 MB/s serves (the router and push subscriptions' taps share it; a consumer "
+            "has 2 MB/s of its own).",
+            "",
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class LatencyStep:
+    """One step of a published message's way to a client deployed, with the AWS figure it
+    uses (None: AWS documents none) and where the figure is from."""
+
+    step: str
+    standard: str
+    fan_out: str
+    figure: str
+    source: str
+
+
+#: publish to client deployed, step by step; ms as AWS documents them (a step without an AWS
+#: figure says so: the stack's metrics measure it)
+DEPLOYED_LATENCY: tuple[LatencyStep, ...] = (
+    LatencyStep(
+        "the put: HTTP API, publish function, PutRecord",
+        "-",
+        "-",
+        "no AWS figure; a record is readable as soon as it is written",
+        "Kinesis Developer Guide, Improve low-latency processing",
+    ),
+    LatencyStep(
+        "the mapping's wait for the record, then Lambda invokes the router",
+        "500 mean, 1,000 max",
+        "70 mean",
+        "Lambda polls each shard at a base rate of once per second (standard iterator); "
+        "records reach an enhanced fan-out consumer in typically an average of 70 ms",
+        "Lambda Developer Guide, How Lambda processes records from Kinesis; Kinesis "
+        "Developer Guide, consumers with enhanced fan-out",
+    ),
+    LatencyStep(
+        "the router's writes: the batch's archive object, then the inbox items",
+        "tens + single digits",
+        "tens + single digits",
+        "S3: median latencies of small requests (under 512 KB) often in the tens of ms; "
+        "DynamoDB: single-digit ms a call (BatchWriteItem, 4 in flight)",
+        "S3 whitepaper, Optimizing Amazon S3 performance (timeouts and retries); DynamoDB "
+        "Developer Guide, What is DynamoDB",
+    ),
+    LatencyStep(
+        "push: heads and states (one BatchGetItem), lease, inbox query, state write",
+        "4 x single digits",
+        "4 x single digits",
+        "DynamoDB: single-digit ms a call",
+        "DynamoDB Developer Guide, What is DynamoDB",
+    ),
+    LatencyStep(
+        "push: the wave's delivery events (PutRecords), then the post (@connections)",
+        "-",
+        "-",
+        "no AWS figure for either",
+        "-",
+    ),
+    LatencyStep(
+        "long poll instead of push: the waiting get's re-read, then its answer",
+        "500 mean, 1,000 max",
+        "500 mean, 1,000 max",
+        "Shoal's schedule (0.1 s, then 1.5 times longer, at most 1 s; after 3 s of waiting a "
+        "second apart); its look is eventually consistent, which AWS bounds by no figure "
+        "(a read repeated after a short time sees the write)",
+        "shoal.delivery.service; DynamoDB Developer Guide, read consistency",
+    ),
+)
+
+
+def latency_report() -> str:
+    """The deployed publish-to-client latency, step by step, for both mapping kinds."""
+    rows = [
+        f"| {s.step} | {s.standard} | {s.fan_out} | {s.figure} | {s.source} |"
+        for s in DEPLOYED_LATENCY
+    ]
+    return "\n".join(
+        [
+            "### Publish to client deployed, step by step",
+            "",
+            "Milliseconds as AWS documents them (`bench/cost.py`, `DEPLOYED_LATENCY`); a step "
+            "without an AWS figure is marked -, and the stack's metrics measure it (the "
+            "functions' Duration, RouterLag). Push is every step but the last; the long poll "
+            "replaces the push steps by the last.",
+            "",
+            "| step | standard mapping (ms) | enhanced fan-out (ms) | figure used | source |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            "From the documented figures, push takes about 0.5 s on average (1 s at worst) with "
+            "a standard mapping and about 0.1 s with enhanced fan-out, plus the steps AWS gives "
+            "no figure for (the put, Lambda's invocations, the event log, the post: the "
+            "functions' Duration and the dashboard's RouterLag measure them on a stack). The "
+            "long poll adds its re-read: about 0.5 s on average once it has waited a few "
+            "seconds, at most 1 s plus the eventually consistent look's lag.",
+            "",
+        ]
+    )
 
 
 # --- the fleet: clients held for a month, long-poll against WebSocket push against IoT Core ---

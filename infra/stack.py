@@ -36,8 +36,9 @@ from aws_cdk import aws_sns_subscriptions as sns_subscriptions
 from aws_cdk import aws_sqs as sqs
 from aws_cdk import custom_resources
 from constructs import Construct, Node
+from shoal.aws.kinesis import ROUTER_CONSUMER
 from shoal.aws.tables import TableDef
-from shoal.core.config import DEFAULT_RETENTION_S
+from shoal.core.config import DEFAULT_RETENTION_S, FAN_OUT_ENV, FAN_OUT_MAPPINGS, parse_fan_out
 from shoal.declarations import (
     DEFAULT_ROUTE,
     DEPLOYMENT,
@@ -165,6 +166,9 @@ class Settings:
     retain_streams: bool = False
     #: the push queue mapping's maximum concurrency: the pusher's workers at most
     push_concurrency: int = DEFAULT_PUSH_CONCURRENCY
+    #: the mappings made at run time that read through an enhanced fan-out consumer
+    #: (``-c enhancedFanOut=router``; docs/operations.md, "Latency"): off by default
+    enhanced_fan_out: frozenset[str] = frozenset()
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -195,6 +199,7 @@ class Settings:
             alarm_email=get("alarmEmail"),
             retain_streams=_flag(get("retainStreams"), default=False),
             push_concurrency=_push_concurrency(get("pushConcurrency")),
+            enhanced_fan_out=_fan_out(get("enhancedFanOut")),
         )
 
 
@@ -206,6 +211,21 @@ def _push_concurrency(value: Any) -> int:
     if not 2 <= number <= 1000:
         raise MissingContextError(f"pushConcurrency must be 2 to 1000, got {number}")
     return number
+
+
+def _fan_out(value: Any) -> frozenset[str]:
+    # `-c enhancedFanOut=router` (a string; a list in cdk.json); "none" or "false": off
+    names = value if isinstance(value, list) else str(value or "").split(",")
+    listed = {str(n).strip() for n in names} - {"", "none", "false", "off"}
+    try:
+        return parse_fan_out(",".join(sorted(listed)))
+    except ValueError as exc:
+        raise MissingContextError(f"enhancedFanOut: {exc}") from None
+
+
+def _fan_out_environment(mappings: frozenset[str]) -> dict[str, str]:
+    """What the functions read the enhanced fan-out option from (``shoal.core.config``)."""
+    return {FAN_OUT_ENV: ",".join(sorted(mappings))} if mappings else {}
 
 
 def _flag(value: Any, *, default: bool) -> bool:
@@ -278,6 +298,7 @@ class ShoalStack(cdk.Stack):
                 queues={logical: queue.queue_url for logical, queue in self.queues.items()},
             ),
             **self.websocket.environment(),
+            **_fan_out_environment(self.settings.enhanced_fan_out),
             **deployment.extra_env,
         }
         self.functions = {
@@ -623,6 +644,8 @@ class ShoalStack(cdk.Stack):
                     why,
                     StringLike=invokes_target,
                 )
+        elif grant.kind == "stream_consumers":
+            self._grant_consumers(fdef, grant, allow)
         elif grant.kind == "connections":
             self.websocket.grant_connections(fdef, fn, grant)
         elif grant.kind == "queue":
@@ -634,6 +657,33 @@ class ShoalStack(cdk.Stack):
                 queue.grant_send_messages(fn)
         else:  # pragma: no cover - the Literal type names every kind
             raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
+
+    def _grant_consumers(self, fdef: FunctionDef, grant: Grant, allow: Any) -> None:
+        """The enhanced fan-out consumers of mapping ``grant.name`` (``router``) on the storage
+        streams: only while the stack's option names that mapping. Listing and registering act
+        on the stream (a consumer is found by name in the listing); deregistering on the
+        consumer, whose ARN ends in its name and creation time (``consumer/router:1700000000``).
+        Lambda's pollers of a consumer use the reading function's stream read set."""
+        if grant.name not in FAN_OUT_MAPPINGS:
+            raise ValueError(
+                f"function {fdef.name} is granted stream_consumers {grant.name!r}, which no "
+                f"option makes (known: {sorted(FAN_OUT_MAPPINGS)})"
+            )
+        if grant.name not in self.settings.enhanced_fan_out:
+            return
+        stream = self.format_arn(
+            service="kinesis", resource="stream", resource_name=f"{self.stream_prefix}-*"
+        )
+        consumer = f"{stream}/consumer/{ROUTER_CONSUMER}:*"
+        why = (
+            f"{RUNTIME_STREAMS}: the {grant.name} consumer of each (enhanced fan-out option), "
+            "by its name; its ARN ends in its creation time"
+        )
+        if grant.access in ("read", "read_write"):
+            allow(["kinesis:ListStreamConsumers"], [stream], why)
+        if grant.access in ("write", "read_write"):
+            allow(["kinesis:RegisterStreamConsumer"], [stream], why)
+            allow(["kinesis:DeregisterStreamConsumer"], [consumer], why)
 
     @staticmethod
     def _declared(resources: Mapping[str, Any], fdef: FunctionDef, grant: Grant) -> Any:

@@ -35,8 +35,17 @@ _POLLED = (
     "unrecorded (docs/operations.md); other holders get it with the stream read set"
 )
 _FAN_OUT = (
-    "enhanced fan-out, in the stream read set (infra/stack.py STREAM_READ): no mapping of "
-    "Shoal's reads through a consumer yet"
+    "enhanced fan-out, in the stream read set (infra/stack.py STREAM_READ): Lambda's pollers "
+    "of a consumer (the router's, with the enhanced fan-out option) use the reading function's "
+    "role; locally the runtime's pollers read, unrecorded. The makers of a consumer find it by "
+    "listing (the stream_consumers grant), and only the teardown lists them otherwise"
+)
+_CONSUMERS = (
+    "the stream_consumers grant gives register and deregister together (with the enhanced "
+    "fan-out option, which the IAM check's roles have on); the teardown runs only as the "
+    "stack's custom resource at deletion, which no suite deploys (its logic is tested without "
+    "the handler), and the bootstrap deregisters only after a failed make, which the suites "
+    "fail through the admin API (the same code, shoal.composite)"
 )
 _WRITE_SET = "the stream write set gives both PutRecord and PutRecords; each writer calls one"
 _MANAGE = (
@@ -94,6 +103,9 @@ UNUSED_GRANTS: dict[tuple[str, str], Unused] = {
         ("*", f"kinesis:{action}"): Unused(_FAN_OUT)
         for action in ("DescribeStreamConsumer", "ListStreamConsumers", "SubscribeToShard")
     },
+    ("teardown", "kinesis:RegisterStreamConsumer"): Unused(_CONSUMERS),
+    ("teardown", "kinesis:DeregisterStreamConsumer"): Unused(_CONSUMERS),
+    ("bootstrap", "kinesis:DeregisterStreamConsumer"): Unused(_CONSUMERS),
     ("*", "kinesis:PutRecord"): Unused(_WRITE_SET),
     ("*", "kinesis:PutRecords"): Unused(_WRITE_SET),
     **{("*", f"kinesis:{action}"): Unused(_MANAGE) for action in ("CreateStream", "DeleteStream")},

@@ -5,9 +5,9 @@ exceptions are where IAM's actions are not the API's operations: S3 (``HeadObjec
 ``s3:GetObject``, listing is ``s3:ListBucket`` on the bucket, multipart uploads are
 ``s3:PutObject``), DynamoDB's transactions (one ``PutItem``/``UpdateItem``/``DeleteItem``/
 ``ConditionCheckItem``/``GetItem`` per table of the transaction) and batches (the batch action
-on each table), SQS's batches (the single action), and API Gateway's management API (``execute-api:ManageConnections``). Actions
-that name no resource (``kinesis:ListStreams``, ``lambda:CreateEventSourceMapping``) are
-requests on ``*``. From the AWS Service Authorization Reference of each service.
+on each table), SQS's batches (the single action), and API Gateway's management API
+(``execute-api:ManageConnections``). Actions that name no resource (``kinesis:ListStreams``,
+``lambda:CreateEventSourceMapping``) are requests on ``*``. From the AWS Service Authorization Reference of each service.
 """
 
 from __future__ import annotations

@@ -108,11 +108,18 @@ def deployed_roles(cache_dir: Path = CACHE_DIR) -> Roles:
     return roles
 
 
+#: the stack's options that add grants, all on: the suites run the code of each option (the
+#: enhanced fan-out's consumers, issue 48), and its calls must be allowed. The roles of a stack
+#: without an option are these less that option's grants (tests/infra checks both)
+OPTIONS = {"enhancedFanOut": "router"}
+
+
 def synthesized_roles(deployment: Deployment) -> Roles:
-    """Synthesize ``deployment`` (the infra tests' context) and resolve each function's role."""
+    """Synthesize ``deployment`` (the infra tests' context, every option on: ``OPTIONS``) and
+    resolve each function's role."""
     from tests.infra.stacks import context, synth
 
-    built = synth(deployment, context())
+    built = synth(deployment, context(**OPTIONS))
     stack = built.stack
     names = LocalNames.for_deployment(deployment)
 

@@ -1,7 +1,8 @@
 """Synthesized templates, built once per session: a synth costs seconds.
 
 ``deployed`` is the stack of the real declarations; ``variant`` is the test-only ``VARIANT``
-deployment, synthesized with -c defaultPartitions=4 -c retainData=false -c retainStreams=true.
+deployment, synthesized with -c defaultPartitions=4 -c retainData=false -c retainStreams=true;
+``fan_out`` the real declarations with the enhanced fan-out option on.
 """
 
 from __future__ import annotations
@@ -28,3 +29,9 @@ def variant(tmp_path_factory: pytest.TempPathFactory) -> Synth:
         context(defaultPartitions="4", retainData="false", retainStreams="true"),
         functions_dir=functions_dir,
     )
+
+
+@pytest.fixture(scope="session")
+def fan_out() -> Synth:
+    """The real declarations' stack with -c enhancedFanOut=router (issue 48)."""
+    return synth(DEPLOYMENT, context(enhancedFanOut="router"))

@@ -20,6 +20,7 @@ import boto3
 import pytest
 from shoal.core.clock import ManualClock
 from shoal.local.checkpoints import FileCheckpoints, Position
+from shoal.local.esm.config import FAN_OUT_FEED_S
 from shoal.local.esm.invocation import lane_of
 from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.provision import LAMBDA_ROLE, LocalNames
@@ -836,3 +837,61 @@ def test_background_lanes_of_one_shard_run_concurrently(
     # Then both invocations were in the handler at once (the barrier never broke)
     assert not barrier.broken
     assert sorted(handler.batches) == [["a"], ["b"]]
+
+
+# --- enhanced fan-out -------------------------------------------------------------------------
+
+
+def consumer_of(session: boto3.Session, stream_arn: str, name: str = "router") -> str:
+    kinesis = session.client("kinesis")
+    return str(
+        kinesis.register_stream_consumer(StreamARN=stream_arn, ConsumerName=name)["Consumer"][
+            "ConsumerARN"
+        ]
+    )
+
+
+def test_a_mapping_on_a_consumer_reads_its_stream_with_its_own_settings(
+    session: boto3.Session, clock: ManualClock, tmp_path: Path
+) -> None:
+    # Given a mapping whose source is an enhanced fan-out consumer of the stream
+    stream_arn = make_stream(session)
+    create_mapping(session, consumer_of(session, stream_arn), BatchSize=2)
+    put(session, ["1", "2", "3"])
+    handler = Recorder()
+    esm = emulator(session, handler, clock, checkpoints=FileCheckpoints(tmp_path))
+
+    # When it runs
+    esm.drain()
+
+    # Then it delivers the stream's records in order, in batches of its own size, with the
+    # stream's ARN as the event source (as Lambda sends a consumer's records)
+    assert handler.batches == [["1", "2"], ["3"]]
+    assert {r["eventSourceARN"] for e in handler.events for r in e["Records"]} == {stream_arn}
+
+    # And a restart resumes from its checkpoint on the consumer: nothing twice, nothing lost
+    put(session, ["4"])
+    again = Recorder()
+    emulator(session, again, clock, checkpoints=FileCheckpoints(tmp_path)).drain()
+    assert again.batches == [["4"]]
+
+
+def test_a_shard_of_a_consumer_is_read_again_within_the_feeds_70_ms(
+    session: boto3.Session, clock: ManualClock
+) -> None:
+    # Given a mapping on a stream and one on a consumer of another stream
+    standard = create_mapping(session, make_stream(session))
+    other = make_stream(session, name="esm-fan-out")
+    fed = create_mapping(session, consumer_of(session, other))
+    esm = emulator(session, Recorder(), clock)
+
+    # Then an idle shard of the consumer's mapping waits 70 ms for records (Kinesis pushes a
+    # consumer's records about 70 ms after they arrive), the stream's the poll interval
+    on_consumer, on_stream = esm.config(fed), esm.config(standard)
+    assert on_consumer is not None and on_stream is not None
+    assert esm.idle_wait_s(on_consumer) == FAN_OUT_FEED_S == 0.07
+    assert esm.idle_wait_s(on_stream) == esm.poll_interval_s == 0.5
+    # And the consumer's mapping keeps every other setting of its own
+    assert on_consumer.fan_out and not on_stream.fan_out
+    assert on_consumer.stream_arn.endswith(":stream/esm-fan-out")
+    assert (on_consumer.batch_size, on_consumer.starting_position.kind) == (10, "TRIM_HORIZON")

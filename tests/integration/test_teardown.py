@@ -138,11 +138,19 @@ def test_delete_removes_every_runtime_stream_and_mapping_once(
     answer = delete(aws)
     # Then every stream the stack made and every mapping are gone, and nothing else
     assert answer["PhysicalResourceId"] == PHYSICAL_ID
-    assert answer["Data"] == {"MappingsDeleted": count, "StreamsDeleted": len(made)}
+    assert answer["Data"] == {
+        "MappingsDeleted": count,
+        "ConsumersDeregistered": 0,
+        "StreamsDeleted": len(made),
+    }
     assert mappings(aws) == []
     assert streams(aws) == kept()
     # And a second delete (the tables still name every stream) finds them gone: no error
-    assert delete(aws)["Data"] == {"MappingsDeleted": 0, "StreamsDeleted": 0}
+    assert delete(aws)["Data"] == {
+        "MappingsDeleted": 0,
+        "ConsumersDeregistered": 0,
+        "StreamsDeleted": 0,
+    }
     assert streams(aws) == kept()
 
 
@@ -161,7 +169,11 @@ def test_a_delete_after_a_partial_first_pass_finishes_the_job(
     # When CloudFormation's delete is repeated (a fresh container)
     answer = delete(aws)
     # Then the rest goes, found again from the tables
-    assert answer["Data"] == {"MappingsDeleted": 0, "StreamsDeleted": len(left)}
+    assert answer["Data"] == {
+        "MappingsDeleted": 0,
+        "ConsumersDeregistered": 0,
+        "StreamsDeleted": len(left),
+    }
     assert streams(aws) == kept()
 
 

@@ -43,11 +43,21 @@ class Grant:
     """What a function may do to one resource: a table, a bucket, a stream the stack owns
     (``stream``), the storage streams (``streams``: every topic's, made at run time), or the
     WebSocket API's connections (``connections``: ``execute-api:ManageConnections`` on its
-    ``@connections`` API, to push frames to connected clients and close them), or a queue the
-    stack owns (``queue``: write sends to it, read consumes it as a mapping's function)."""
+    ``@connections`` API, to push frames to connected clients and close them), a mapping's
+    enhanced fan-out consumers of the storage streams (``stream_consumers``, named by the
+    mapping: list to read, register and deregister to write; given only when the stack's
+    option names that mapping, ``enhancedFanOut``), or a queue the stack owns (``queue``:
+    write sends to it, read consumes it as a mapping's function)."""
 
     kind: Literal[
-        "table", "bucket", "stream", "streams", "event_source_mappings", "connections", "queue"
+        "table",
+        "bucket",
+        "stream",
+        "streams",
+        "event_source_mappings",
+        "connections",
+        "stream_consumers",
+        "queue",
     ]
     name: str
     access: Access
@@ -308,6 +318,8 @@ DEPLOYMENT = Deployment(
                 Grant("streams", "storage", "read_write"),
                 # the router's mapping on each new stream; listing makes creation idempotent
                 Grant("event_source_mappings", "router", "read_write"),
+                # with the enhanced fan-out option, the router's consumer of each new stream
+                Grant("stream_consumers", "router", "read_write"),
                 # a new storage topic joins the push taps of the topic's push subscriptions
                 Grant("table", "push_subscriptions", "read_write"),
                 Grant("event_source_mappings", "push", "read_write"),
@@ -377,6 +389,7 @@ DEPLOYMENT = Deployment(
                 Grant("table", "topics", "read_write"),
                 Grant("streams", "storage", "read_write"),
                 Grant("event_source_mappings", "router", "read_write"),
+                Grant("stream_consumers", "router", "read_write"),
             ),
             timeout_s=300,
         ),
@@ -392,6 +405,8 @@ DEPLOYMENT = Deployment(
                 # the mappings made at run time invoke these two (shoal.teardown.MAPPED_FUNCTIONS)
                 Grant("event_source_mappings", "router", "read_write"),
                 Grant("event_source_mappings", "push", "read_write"),
+                # the router's enhanced fan-out consumers, when the option made them
+                Grant("stream_consumers", "router", "read_write"),
             ),
             timeout_s=300,
         ),

@@ -15,11 +15,16 @@ name (another deployment may share the prefix):
 * the push subscriptions table: each subscription's RQ and DLQ streams, and each push tap's
   storage stream;
 * the event source mappings of the functions that runtime mappings invoke
-  (``MAPPED_FUNCTIONS``), and the streams they read.
+  (``MAPPED_FUNCTIONS``), and the streams they read;
+* the router's enhanced fan-out consumers (``shoal.aws.kinesis.ROUTER_CONSUMER``): those its
+  mappings read, and, with the option on, every one registered on the streams above (a make
+  that crashed before its mapping). With the option off the role may not list consumers; the
+  stream's deletion (``EnforceConsumerDeletion``) removes any left from a time it was on.
 
-Mappings go first (a mapping on a deleted stream only fails), then streams. Every step treats
-"already gone" as done and nothing is written to the tables, so a Delete that stopped halfway
-(a timeout, a throttled call) is finished by the next one: the tables still name everything.
+Mappings go first (a mapping on a deleted stream only fails), then consumers, then streams.
+Every step treats "already gone" as done and nothing is written to the tables, so a Delete that
+stopped halfway (a timeout, a throttled call) is finished by the next one: the tables still name
+everything.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from botocore.exceptions import ClientError
 from shoal.aws import clients, tables
 from shoal.aws.clients import error_code
 from shoal.aws.dynamo import Dynamo
+from shoal.aws.kinesis import ROUTER_CONSUMER
 from shoal.composite.model import CompositeTopic
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -78,12 +84,15 @@ class Inventory:
 
     streams: frozenset[str]
     mappings: frozenset[str]
+    #: consumer ARNs
+    consumers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class Outcome:
     mappings_deleted: int
     streams_deleted: int
+    consumers_deregistered: int = 0
 
 
 def truthy(value: Any) -> bool:
@@ -140,17 +149,48 @@ class Teardown:
                 sub = PushSubscription.from_record(record)
                 streams |= {sub.queue(q, self.config.stream_prefix).stream for q in (RQ, DLQ)}
         mappings: set[str] = set()
+        consumers: set[str] = set()
         for function in MAPPED_FUNCTIONS:
             for mapping in self._mappings(function):
-                stream = _stream_of(str(mapping.get("EventSourceArn", "")))
+                source = str(mapping.get("EventSourceArn", ""))
+                stream = _stream_of(source)
                 if stream is not None and stream.startswith(self.prefix):
                     mappings.add(str(mapping["UUID"]))
                     streams.add(stream)
+                    if _consumer_of(source) == ROUTER_CONSUMER:
+                        consumers.add(source)
         # only streams in the stack's own namespace (its IAM allows no other anyway)
+        owned = frozenset(s for s in streams if s.startswith(self.prefix))
+        if "router" in self.config.enhanced_fan_out:
+            consumers |= self._router_consumers(owned)
         return Inventory(
-            streams=frozenset(s for s in streams if s.startswith(self.prefix)),
-            mappings=frozenset(mappings),
+            streams=owned, mappings=frozenset(mappings), consumers=frozenset(consumers)
         )
+
+    def _router_consumers(self, streams: Iterable[str]) -> set[str]:
+        """The router's consumers registered on ``streams``, with or without a mapping."""
+        found: set[str] = set()
+        for stream in sorted(streams):
+            try:
+                arn = self.kinesis.describe_stream_summary(StreamName=stream)[
+                    "StreamDescriptionSummary"
+                ]["StreamARN"]
+                kwargs: dict[str, Any] = {"StreamARN": arn}
+                while True:
+                    response = self.kinesis.list_stream_consumers(**kwargs)
+                    found |= {
+                        c["ConsumerARN"]
+                        for c in response.get("Consumers", [])
+                        if c["ConsumerName"] == ROUTER_CONSUMER
+                    }
+                    if not response.get("NextToken"):
+                        break
+                    kwargs = {"StreamARN": arn, "NextToken": response["NextToken"]}
+            except ClientError as exc:
+                if error_code(exc) in _GONE:
+                    continue  # the stream went first: its consumers went with it
+                raise
+        return found
 
     def _scan(self, logical: str) -> list[dict[str, Any]]:
         if logical not in self.config.tables:
@@ -186,14 +226,17 @@ class Teardown:
         found = self.inventory()
         deadline = self.clock.now_ms() + int(self.budget_s * 1000)
         mappings = self._until_done(sorted(found.mappings), self._delete_mapping, deadline)
+        consumers = self._until_done(sorted(found.consumers), self._deregister_consumer, deadline)
         streams = self._until_done(
             sorted(found.streams), self._delete_stream, deadline, pace_s=STREAM_DELETE_PACE_S
         )
         logger.info(
             "runtime resources removed",
-            extra={"mappings": mappings, "streams": streams},
+            extra={"mappings": mappings, "consumers": consumers, "streams": streams},
         )
-        return Outcome(mappings_deleted=mappings, streams_deleted=streams)
+        return Outcome(
+            mappings_deleted=mappings, streams_deleted=streams, consumers_deregistered=consumers
+        )
 
     def _until_done(
         self,
@@ -250,11 +293,24 @@ class Teardown:
             raise
         return True
 
+    def _deregister_consumer(self, consumer_arn: str) -> bool | None:
+        """True: deregistered; False: gone already; None: busy (throttled), try again."""
+        try:
+            self.kinesis.deregister_stream_consumer(ConsumerARN=consumer_arn)
+        except ClientError as exc:
+            if error_code(exc) in _GONE:
+                return False
+            if error_code(exc) in _BUSY:
+                return None
+            raise
+        return True
+
     def _delete_stream(self, stream: str) -> bool | None:
         """True: deleted (or being deleted); False: gone already; None: busy, try again."""
         try:
-            # consumers (enhanced fan-out) would make the delete fail; Shoal registers none,
-            # but a stream left to an operator might have one
+            # consumers (enhanced fan-out) would make the delete fail: the router's were
+            # deregistered above when the option is on, and one left from a time it was on,
+            # or an operator's, goes with the stream
             self.kinesis.delete_stream(StreamName=stream, EnforceConsumerDeletion=True)
         except ClientError as exc:
             if error_code(exc) in _GONE:
@@ -277,6 +333,13 @@ class Teardown:
                 return None
             raise
         return str(summary["StreamDescriptionSummary"]["StreamStatus"])
+
+
+def _consumer_of(arn: str) -> str | None:
+    """The consumer name of a consumer ARN (``...:stream/N/consumer/NAME:CREATED``); None for
+    a stream's ARN."""
+    _, marker, rest = arn.partition("/consumer/")
+    return rest.split(":", 1)[0] if marker else None
 
 
 def _stream_of(arn: str) -> str | None:
@@ -325,6 +388,7 @@ def on_event(
     return answer | {
         "Data": {
             "MappingsDeleted": outcome.mappings_deleted,
+            "ConsumersDeregistered": outcome.consumers_deregistered,
             "StreamsDeleted": outcome.streams_deleted,
         }
     }

@@ -94,6 +94,11 @@ ARCHIVER_MAPPING: dict[str, Any] = {
     **NEVER_SKIP,
 }
 
+#: the router's enhanced fan-out consumer of a storage stream (the option
+#: ``SHOAL_ENHANCED_FAN_OUT=router``: docs/operations.md, "Latency"): one per stream, by this name
+#: (names are per stream; the grants name it: ``stream/<prefix>-*/consumer/router:*``)
+ROUTER_CONSUMER = "router"
+
 KINESIS_THROTTLED = frozenset(
     {
         "ProvisionedThroughputExceededException",
@@ -269,6 +274,76 @@ class Streams:
             if not response.get("NextMarker"):
                 return uuids
             kwargs["Marker"] = response["NextMarker"]
+
+    def drop_router_mappings(self, source_arn: str, function_name: str) -> int:
+        """Delete ``function_name``'s mappings on ``source_arn`` (a stream or a consumer);
+        how many there were."""
+        uuids = self._mappings(source_arn, function_name)
+        for uuid in uuids:
+            try:
+                self.awslambda.delete_event_source_mapping(UUID=uuid)
+            except ClientError as exc:
+                if error_code(exc) != "ResourceNotFoundException":
+                    raise
+        return len(uuids)
+
+    # -- enhanced fan-out consumers --------------------------------------------------------
+
+    def ensure_consumer(self, stream_arn: str, name: str, *, wait_s: float = 20.0) -> str:
+        """The ARN of the stream's consumer ``name``, registered unless it is, once it is
+        ACTIVE: a consumer still CREATING cannot be read. Idempotent: Kinesis keeps one
+        consumer of a name per stream, so racing makers converge on it. A consumer not ACTIVE
+        within ``wait_s`` is ServerBusy (repeating the request finds it further on)."""
+        deadline = self.clock.now_ms() + int(wait_s * 1000)
+        while True:
+            found = self._consumer(stream_arn, name)
+            if found is None:
+                try:
+                    self.kinesis.register_stream_consumer(StreamARN=stream_arn, ConsumerName=name)
+                    continue
+                except ClientError as exc:
+                    # ResourceInUse: a racing maker registered it; LimitExceeded: Kinesis
+                    # registers five consumers at once per account, five calls a second
+                    if error_code(exc) not in ("ResourceInUseException", *KINESIS_THROTTLED):
+                        raise
+                status = "refused"
+            else:
+                arn, status = found
+                if status == "ACTIVE":
+                    return arn
+            # CREATING, or DELETING (a failed make's, before this one registers it again)
+            if self.clock.now_ms() >= deadline:
+                raise ServerBusy(f"the {name} consumer of {stream_arn} is {status}; retry")
+            self.clock.sleep(1.0)
+
+    def _consumer(self, stream_arn: str, name: str) -> tuple[str, str] | None:
+        """(ARN, status) of the stream's consumer ``name``; None when there is none. Listed,
+        not described by name: the listing acts on the stream, which the grants name (a
+        consumer's ARN is known only once it exists)."""
+        kwargs: dict[str, Any] = {"StreamARN": stream_arn}
+        while True:
+            response = self.kinesis.list_stream_consumers(**kwargs)
+            for consumer in response.get("Consumers", []):
+                if consumer["ConsumerName"] == name:
+                    return consumer["ConsumerARN"], consumer["ConsumerStatus"]
+            if not response.get("NextToken"):
+                return None
+            kwargs = {"StreamARN": stream_arn, "NextToken": response["NextToken"]}
+
+    def release_consumer(self, consumer_arn: str, function_name: str) -> bool:
+        """Deregister a consumer that no mapping of ``function_name`` reads (a failed make's:
+        a consumer is billed by the shard-hour whether read or not); True if it was. A consumer
+        a mapping reads is kept: a racing make of the same storage topic may have got further."""
+        if self._mappings(consumer_arn, function_name):
+            return False
+        try:
+            self.kinesis.deregister_stream_consumer(ConsumerARN=consumer_arn)
+        except ClientError as exc:
+            if error_code(exc) == "ResourceNotFoundException":
+                return False
+            raise
+        logger.info("consumer of a failed make deregistered", extra={"consumer": consumer_arn})
+        return True
 
     # -- records ---------------------------------------------------------------------------
 

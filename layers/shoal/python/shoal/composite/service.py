@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from shoal.aws.kinesis import Streams, even_starting_keys
+from shoal.aws.kinesis import ROUTER_CONSUMER, Streams, even_starting_keys
 from shoal.composite.model import (
     DEFAULT_TOPIC,
     EFFECTIVE_DELAY_MS,
@@ -231,7 +231,7 @@ class TopicService:
             info = self.streams.ensure_stream(
                 pending.stream, pending.partitions, wait_s=self.stream_wait_s
             )
-            self.streams.ensure_router_mapping(info.arn, self.router_function)
+            self._map_router(info.arn)
             # push subscriptions of the topic read the new stream before it is part of it
             self.hooks.storage_topic_added(topic, pending)
             even = list(info.starting_keys) == even_starting_keys(pending.partitions)
@@ -256,6 +256,29 @@ class TopicService:
                 effective_at_ms=effective,
             )
         raise ServerBusy(f"topic {name} is changing; retry")
+
+    def _map_router(self, stream_arn: str) -> None:
+        """The router's mapping of a new storage stream: on the stream (Lambda polls each shard
+        about once a second), or with the enhanced fan-out option on the router's consumer of
+        it (records pushed within about 70 ms; docs/operations.md, "Latency"). The option
+        applies to storage streams made while it is on; a stream keeps the mapping it was
+        made with, through grows and switches, until the teardown."""
+        if "router" not in self.config.enhanced_fan_out:
+            self.streams.ensure_router_mapping(stream_arn, self.router_function)
+            return
+        consumer = self.streams.ensure_consumer(
+            stream_arn, ROUTER_CONSUMER, wait_s=self.stream_wait_s
+        )
+        try:
+            self.streams.ensure_router_mapping(consumer, self.router_function)
+        except Exception:
+            # a failed make leaves no consumer behind (billed by the shard-hour, read or not);
+            # repeating the request registers it again
+            self.streams.release_consumer(consumer, self.router_function)
+            raise
+        # a mapping on the stream itself (an attempt made while the option was off) would route
+        # every shard twice; the stream is not part of the topic yet, so it holds no record
+        self.streams.drop_router_mappings(stream_arn, self.router_function)
 
     def _wait_until(self, ms: int) -> None:
         remaining = ms - self.clock.now_ms()

@@ -36,6 +36,10 @@ DEFAULT_LEASE_TIMEOUT_S = 6.0
 DEFAULT_WRITE_CONCURRENCY = 4
 #: a shared group's work spreads over at least this many members (``shoal.groups.streams``)
 DEFAULT_GROUP_PARALLELISM = 8
+#: the mappings that may read their streams through an enhanced fan-out consumer (a stack
+#: option, ``SHOAL_ENHANCED_FAN_OUT``: docs/operations.md, "Latency"); only the router's so far
+FAN_OUT_ENV = "SHOAL_ENHANCED_FAN_OUT"
+FAN_OUT_MAPPINGS = frozenset({"router"})
 #: Lambda's and Kinesis' clocks are both kept by the Amazon Time Sync Service (well under a
 #: millisecond apart); a hundred times that margin costs a new subscription 200 ms at most
 DEFAULT_STREAM_SKEW_MS = 100
@@ -171,6 +175,9 @@ class Config(BaseModel):
     jwt_issuer: str = ""
     jwt_audiences: tuple[str, ...] = ()
     jwks_url: str = ""
+    #: the mappings made at run time that read through an enhanced fan-out consumer of their
+    #: storage stream (``FAN_OUT_MAPPINGS``); empty: every mapping polls its shards
+    enhanced_fan_out: frozenset[str] = frozenset()
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -205,6 +212,7 @@ class Config(BaseModel):
                 a.strip() for a in env.get("SHOAL_JWT_AUDIENCE", "").split(",") if a.strip()
             ),
             jwks_url=env.get("SHOAL_JWKS_URL", ""),
+            enhanced_fan_out=parse_fan_out(env.get(FAN_OUT_ENV, "")),
         )
 
 
@@ -240,6 +248,19 @@ def parse_faults(raw: str) -> dict[str, float]:
             raise ValueError(f"SHOAL_FAULTS: {part!r} is not <function>=<probability 0..1>")
         faults[name] = number
     return faults
+
+
+def parse_fan_out(raw: str) -> frozenset[str]:
+    """``router`` -> {"router"}: the mappings that read through a consumer; an unknown name is
+    an error at start, not an option silently off."""
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - FAN_OUT_MAPPINGS)
+    if unknown:
+        raise ValueError(
+            f"{FAN_OUT_ENV}: {', '.join(unknown)} cannot read through a consumer "
+            f"(known: {', '.join(sorted(FAN_OUT_MAPPINGS))})"
+        )
+    return names
 
 
 @cache

@@ -497,18 +497,37 @@ class InboxStore:
     def put_transaction_part(self, item: InboxItem) -> dict[str, Any]:
         return {"Put": {"TableName": self.table, "Item": item.wire()}}
 
-    def after(self, session_id: str, key: str, *, inclusive: bool, limit: int) -> list[InboxItem]:
-        """Up to ``limit`` items of the session from ``key`` on, in key order."""
+    def after(
+        self, session_id: str, key: str, *, inclusive: bool, limit: int, consistent: bool = True
+    ) -> list[InboxItem]:
+        """Up to ``limit`` items of the session from ``key`` on, in key order. ``consistent``
+        False: an eventually consistent read, at half the read units (a long poll's look,
+        ``shoal.delivery.service``)."""
         operator = ">=" if inclusive else ">"
         rows = self.dynamo.query(
             self.table,
             KeyConditionExpression=f"#p = :p AND #k {operator} :k",
             ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
             ExpressionAttributeValues=to_item({":p": session_id, ":k": key}),
-            ConsistentRead=True,
+            ConsistentRead=consistent,
             Limit=limit,
         )
         return [InboxItem.from_record(r) for r in rows]
+
+    def first_before(self, session_id: str, key: str, *, consistent: bool = True) -> str | None:
+        """The key of the session's first item if it sorts before ``key`` (None: there is
+        none). Only the key is returned; the read is billed by the item's size all the same."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND #k BETWEEN :a AND :b",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            # after the state item (``#state`` sorts before every item key)
+            ExpressionAttributeValues=to_item({":p": session_id, ":a": STATE + "\x00", ":b": key}),
+            ProjectionExpression="#k",
+            ConsistentRead=consistent,
+            Limit=1,
+        )
+        return str(rows[0]["position"]) if rows else None
 
     def between(self, session_id: str, first: str, last: str) -> list[InboxItem]:
         """The session's items with keys from ``first`` to ``last``, inclusive."""

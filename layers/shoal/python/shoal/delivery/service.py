@@ -21,7 +21,9 @@ Every write of the state is conditional on its version, so racing gets and acks 
 serialize; every call checks first that its channel is the live one. Positions make delivery
 idempotent a second time over: a cursor only moves forward, so a delivery written twice (under
 another key) is still handed out once. A long poll reads the inbox after 0.1 s, then 1.5 times
-later each time (at most every second), so a 20 s wait costs about 25 reads, not 200.
+later each time (at most every second), so a 20 s wait costs about 25 reads, not 200. Each
+re-read looks at every source (``_ScanStart``), eventually consistent at half the price, and
+reads consistently only what it hands out.
 
 Order: within one source (a storage shard) deliveries are written and handed out in position
 order, so messages of one ordering key arrive in publish order. Sources are read one after the
@@ -103,15 +105,23 @@ class _Plan:
 
 @dataclass
 class _ScanStart:
-    """Where a get's scans start, kept across the idle polls of one get: the source of the
-    partition's first item (consumed), as its first scan found it. A poll again then starts
-    at that source's cursor and skips the query that would find the same item again (one of
-    the three queries of an idle poll with two sources; that first item is a consumed one, up
-    to 64 KB: up to 16 read units). What it misses: a source that sorts before that one and
-    got its first item during this get's wait (a new storage topic or shard); the next get
-    starts from the partition's first item again and finds it."""
+    """Where a get's scans start, kept across the idle polls of one get.
+
+    ``source``: the source of the partition's first item (consumed), as a scan of this get
+    found it. A poll again then starts at that source's cursor and skips the query that would
+    find the same item again (up to 64 KB: up to 16 read units); one query of a key range
+    that ends before that source's items (nothing in it, as a rule: the least a query costs)
+    tells whether a source that sorts before it got an item during the wait (a new storage
+    topic or shard, or a topic of the session's that had sent it nothing yet: issue 48).
+
+    ``idle``: the get found nothing so far, so its polls are re-reads of an idle inbox. Each
+    first looks eventually consistent (half the read units: an idle 20 s poll costs what it
+    cost with one strongly consistent query a poll) and reads consistently, to hand out, only
+    when the look found something. A look that misses a write not yet replicated (DynamoDB
+    promises only that a read repeated "after a short time" sees it) sees it at a later poll."""
 
     source: str | None = None
+    idle: bool = False
 
 
 #: items a scan's query asks for after its first, at most and at least: as many as fit one read
@@ -296,6 +306,7 @@ class DeliveryService:
             self.clock.sleep(min(interval, left_ms / 1000))
             interval = min(interval * 1.5, MAX_POLL_INTERVAL_S)
             waited = True
+            start.idle = True
 
     def _plan(
         self,
@@ -535,6 +546,24 @@ class DeliveryService:
         only: str | None = None,
         start: _ScanStart | None = None,
     ) -> Iterator[_Found]:
+        """The session's messages after each source's cursor, source by source, in order
+        (``_walk``). An idle poll's scan (``_ScanStart.idle``) looks first, eventually
+        consistent, and walks consistently only if the look found a message."""
+        if only is None and start is not None and start.idle:
+            look = self._walk(session_id, state, None, start, consistent=False)
+            if next(look, None) is None:
+                return
+        yield from self._walk(session_id, state, only, start)
+
+    def _walk(
+        self,
+        session_id: str,
+        state: DeliveryState,
+        only: str | None = None,
+        start: _ScanStart | None = None,
+        *,
+        consistent: bool = True,
+    ) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order.
 
         Consumed items stay until TTL, so when the scan runs into a source's consumed items it
@@ -546,17 +575,26 @@ class DeliveryService:
         """
         lower, inclusive = STATE, False
         limit = 1
-        # the partition's first item, looked for only when no earlier scan of the get found it
-        first = start if start is not None and start.source is None and only is None else None
         if only is not None:
             # one source (``only``): straight to its cursor, or the item it is partway through
             lower, inclusive = _resume(state, only)
             limit = MIN_SCAN_PAGE
         elif start is not None and start.source is not None:
-            lower, inclusive = _resume(state, start.source)
-            limit = MIN_SCAN_PAGE
+            earlier = self.inbox.first_before(
+                session_id, item_key(start.source, ""), consistent=consistent
+            )
+            if earlier is None:
+                lower, inclusive = _resume(state, start.source)
+                limit = MIN_SCAN_PAGE
+            else:
+                # a source that sorts before it has items now: from the partition's first again
+                start.source = None
+        # the partition's first item, looked for only when no earlier scan of the get found it
+        first = start if start is not None and start.source is None and only is None else None
         for _ in range(MAX_QUERIES_PER_GET):
-            items = self.inbox.after(session_id, lower, inclusive=inclusive, limit=limit)
+            items = self.inbox.after(
+                session_id, lower, inclusive=inclusive, limit=limit, consistent=consistent
+            )
             if first is not None:
                 if items and not any(
                     m.position > state.cursors.get(items[0].source, "") for m in items[0].messages

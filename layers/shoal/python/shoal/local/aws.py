@@ -35,6 +35,7 @@ from urllib.parse import parse_qs
 
 import boto3
 
+from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_dynamodb import (
     cache_action_names,
@@ -252,6 +253,7 @@ def adapt_moto() -> None:
     parse_update_expressions_once()
     traverse_with_fixed_maps()
     lex_conditions_once()
+    keep_consumers_as_kinesis_does()
 
 
 def detach_moto_lambda_triggers() -> None:

@@ -32,8 +32,14 @@ partial batch response with Kinesis", "Retain discarded batch records"):
   in a ``CheckpointStore``; records after the checkpoint may be delivered again after a
   restart (at least once, as Lambda).
 
-Not emulated: FilterCriteria, TumblingWindowInSeconds, enhanced fan-out consumers, throttling
-and Lambda's backoff between retries (a failed batch is retried on the next round).
+- A mapping on an enhanced fan-out consumer (its EventSourceArn a consumer's ARN) reads the
+  consumer's stream, each shard within 70 ms of a record's arrival (``FAN_OUT_FEED_S``; Kinesis
+  documents an average of 70 ms, Lambda polls a standard mapping's shard about once a second);
+  every other setting acts as on the stream. Not emulated: the consumer's own 2 MB/s per shard
+  (nothing is throttled here), and SubscribeToShard itself (a shard is read with GetRecords).
+
+Not emulated: FilterCriteria, TumblingWindowInSeconds, throttling and Lambda's backoff between
+retries (a failed batch is retried on the next round).
 
 ``seek`` moves a mapping to TRIM_HORIZON, LATEST or a time. Lambda has no such call (deployed,
 the same effect needs a new mapping); push subscriptions' seek uses it locally.

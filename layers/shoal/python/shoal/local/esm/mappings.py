@@ -17,6 +17,7 @@ from shoal.core.clock import Clock
 from shoal.core.observability import logger
 from shoal.local.checkpoints import CheckpointStore, MemoryCheckpoints, Position
 from shoal.local.esm.config import (
+    FAN_OUT_FEED_S,
     STARTING_POSITIONS,
     MappingConfig,
     moto_starting_timestamp,
@@ -69,6 +70,7 @@ class EventSourceMappings:
         region: str | None = None,
         endpoint_url: str | None = None,
         poll_interval_s: float = 0.5,
+        fan_out_feed_s: float = FAN_OUT_FEED_S,
         sync_interval_s: float = 1.0,
         max_workers: int = 16,
         join_timeout_s: float = 10.0,
@@ -86,6 +88,8 @@ class EventSourceMappings:
         self._lock = threading.RLock()
         self._mappings: dict[str, MappingState] = {}
         self.poll_interval_s = poll_interval_s
+        #: an idle shard's wait when its mapping reads through a consumer (enhanced fan-out)
+        self.fan_out_feed_s = fan_out_feed_s
         self.sync_interval_s = sync_interval_s
         self._max_workers = max_workers
         self._join_timeout_s = join_timeout_s
@@ -608,7 +612,18 @@ class EventSourceMappings:
                 )
                 moved = False
             if not moved:
-                stop.wait(self.poll_interval_s)
+                stop.wait(self.idle_wait_s(mapping.config))
+
+    def config(self, mapping_uuid: str) -> MappingConfig | None:
+        """The mapping as the last sync read it (None: not known)."""
+        with self._lock:
+            mapping = self._mappings.get(mapping_uuid)
+        return mapping.config if mapping is not None else None
+
+    def idle_wait_s(self, config: MappingConfig) -> float:
+        """How long a shard with nothing to do waits before it reads again: the poll interval,
+        or on a consumer the enhanced fan-out feed's (its other settings are the mapping's)."""
+        return self.fan_out_feed_s if config.fan_out else self.poll_interval_s
 
 
 def caught_up(session: boto3.Session, checkpoints: CheckpointStore, function_name: str) -> bool:

@@ -7,7 +7,8 @@ exceptions are where IAM's actions are not the API's operations: S3 (``HeadObjec
 ``ConditionCheckItem``/``GetItem`` per table of the transaction) and batches (the batch action
 on each table), SQS's batches (the single action), and API Gateway's management API
 (``execute-api:ManageConnections``). Actions that name no resource (``kinesis:ListStreams``,
-``lambda:CreateEventSourceMapping``) are requests on ``*``. From the AWS Service Authorization Reference of each service.
+``lambda:CreateEventSourceMapping``) are requests on ``*``. From the AWS Service
+Authorization Reference of each service.
 """
 
 from __future__ import annotations

@@ -260,9 +260,7 @@ def _queues(synthesized: Synth) -> dict[str, dict[str, Any]]:
 
 def _queue_id(synthesized: Synth, name: str) -> str:
     [logical] = [
-        k
-        for k in synthesized.of_type("AWS::SQS::Queue")
-        if re.fullmatch(f"{name}[0-9A-F]{{8}}", k)
+        k for k in synthesized.of_type("AWS::SQS::Queue") if re.fullmatch(f"{name}[0-9A-F]{{8}}", k)
     ]
     return logical
 

@@ -442,15 +442,18 @@ IDLE_SCENARIO_TIMEOUT_S = 900.0
 # 1,000 handshakes, connects and subscribes are 3,000 local function runs: over pytest-timeout's
 # 300 s on CI's starved machine
 @pytest.mark.timeout(1200)
-def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_one_publish_once(
+def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_a_fan_out_once(
     edge_dev: DevServer, token: str
 ) -> None:
     """1,000 connected, subscribed sessions held idle, each keeping alive with ``ping``
     frames: no function runs for them (the reaper's timer runs, per schedule, not per
     connection). Then one publish to a filter all of them share reaches every one exactly
     once, through the push queue's lanes; ten of them take their sessions over from a new
-    connection while it fans out, and get it once there. Last in the module: it kills the
-    server at the end, so that 1,000 ``$disconnect`` invocations do not follow it."""
+    connection while it fans out, and get it once there. Each acks it; a second publish fans
+    out and ``shoal dev`` is killed -9 once its first frame is out: restarted, every session
+    resumes on a new connection and gets the second message once there, and the acked first
+    never again. Last in the module: it kills the server at the end, so that 1,000
+    ``$disconnect`` invocations do not follow it."""
     timings: dict[str, float] = {}
 
     ready: list[int] = []
@@ -528,10 +531,72 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_one_publis
         }
         copies = {i: texts.count("to all") for i, texts in again.items()}
         violations = [v for c in [*clients, *fresh.values()] for v in c.violations]
+        # every session acks it: an acked id never comes again, a restart included
+        first_ids: dict[int, str] = {}
+        for i in range(IDLE_SESSIONS):
+            [frame] = [r.frame for r in holders[i].frames if text_of(r.frame) == "to all"]
+            first_ids[i] = frame["id"]
+
+        async def ack(i: int, gate: asyncio.Semaphore) -> None:
+            async with gate:
+                await holders[i].ack(first_ids[i])
+
+        gate = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
+        await asyncio.gather(*(ack(i, gate) for i in range(IDLE_SESSIONS)))
+        # a second fan-out, cut by kill -9 once its first frames are out
+        await publisher.publish("e2e-all/now", "to all, killed")
+        await holders[0].next_message(300)
         edge_dev.kill()
         for client in [*clients, *fresh.values(), publisher]:
             client.abort()
-        return before, after, delivered, violations, {i: [copies[i]] for i in copies}
+        # after the restart every session resumes on a new connection: the second message
+        # reaches each once there (again with dup if it went out before the kill), acked
+        # at once; the first, acked, never comes again
+        killed_at = time.monotonic()
+        await asyncio.to_thread(edge_dev.start)
+        resumed: dict[int, WsClient] = {}
+
+        async def resume(i: int, gate: asyncio.Semaphore) -> None:
+            async with gate:
+                client = await open_client(edge_dev, token)
+                resumed[i] = client
+                answer = await client.connect(
+                    f"{CLIENTS}idle-{i}", clean_start=False, session_expiry_s=600
+                )
+                assert answer["session_present"] is True, answer
+                while True:
+                    got = (await client.messages.get()).frame
+                    if text_of(got) == "to all, killed":
+                        await client.ack(got["id"])
+                        return
+
+        await asyncio.wait_for(
+            asyncio.gather(*(resume(i, gate) for i in range(IDLE_SESSIONS))), 600
+        )
+        timings["resumed_all_s"] = time.monotonic() - killed_at
+        await asyncio.sleep(2.0)
+        after_kill = {
+            i: [r.frame for r in c.frames if r.frame.get("action") == "message"]
+            for i, c in resumed.items()
+        }
+        violations += [v for c in resumed.values() for v in c.violations]
+        for client in resumed.values():
+            client.abort()
+        edge_dev.kill()
+        return (
+            before,
+            after,
+            delivered,
+            violations,
+            {
+                i: [
+                    copies[i],
+                    [text_of(f) for f in after_kill[i]],
+                    first_ids[i] in {f["id"] for f in after_kill[i]},
+                ]
+                for i in copies
+            },
+        )
 
     started = began = time.monotonic()
     before, after, delivered, violations, copies = run(scenario(), IDLE_SCENARIO_TIMEOUT_S)
@@ -547,5 +612,11 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_one_publis
     assert ran == {}, f"functions ran for idle connections: {ran}"
     assert [text_of(m) for m in delivered] == ["to 0", "to 500", "to 999"]
     # every session got the fan-out's message exactly once, the taken-over ones on their
-    # new connection
-    assert {i: c for i, c in copies.items() if c != [1]} == {}
+    # new connection; after the kill -9 in the middle of the second fan-out, every session got
+    # the second message once on its new connection, and the acked first never again
+    wrong = {
+        i: c
+        for i, c in copies.items()
+        if c[0] != 1 or c[1] != ["to all, killed"] or c[2] is not False
+    }
+    assert wrong == {}

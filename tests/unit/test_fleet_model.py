@@ -43,6 +43,8 @@ def model() -> dict[str, Any]:
                 lambda_s=0.02,
                 aws_calls=20,
             ),
+            # an ack frame: its function's request, the state's write, the frame in
+            "ack": _unit("ack frame", lambda_requests=1, dynamodb_wru=1, ws_in=1, lambda_s=0.01),
             "reconnect": _unit(
                 "reconnect", lambda_requests=4, dynamodb_wru=16, ws_in=1, ws_out=1, lambda_s=0.1
             ),
@@ -91,9 +93,10 @@ def test_a_message_a_minute_adds_deliveries_and_fewer_empty_polls(model: dict) -
     assert model["1 a minute"]["empty_polls_per_client_month"] == pytest.approx(2 * deliveries)
     push = _row(model, "1 a minute", "WebSocket push")
     idle = _row(model, "idle", "WebSocket push")
-    # three frames a delivery (message, ack, acked) on top of the idle client's
+    # the delivery's three frames (ws_in 1, ws_out 2) and an ack frame a delivery (one a
+    # minute is never within the client's ack delay of another)
     added = push["lines"]["ws_messages"] - idle["lines"]["ws_messages"]
-    assert added == pytest.approx(3 * deliveries / 1e6)
+    assert added == pytest.approx((3 + 1) * deliveries / 1e6)
     iot = _row(model, "1 a minute", "IoT Core")
     assert iot["lines"]["iot_messages"] == pytest.approx(3 * deliveries / 1e6)
     assert iot["lines"]["iot_connection_minutes"] == pytest.approx(deliveries * 0.08 / 1e6)
@@ -104,10 +107,34 @@ def test_push_concurrency_is_lambda_seconds_a_second(model: dict) -> None:
     row = _row(model, "1 a second", "WebSocket push")
     delivery_s = 0.02 + 20 * cost.CALL_RTT_S
     reconnect_s = 0.1
-    expected = cost.FLEET * (1.0 * delivery_s + reconnect_s / (7200 - 180))
+    # at 1 a second the default delay (300 ms) takes one id an ack frame
+    ack_s = 0.01
+    expected = cost.FLEET * (1.0 * delivery_s + 1.0 * ack_s + reconnect_s / (7200 - 180))
     assert row["lambda_concurrency"] == pytest.approx(expected)
     # the delivery's GB-s: its counted time's, plus a round trip a call at its mean memory
     deliveries = 30 * 86400
     gb_s = 0.01 + 0.5 * 20 * cost.CALL_RTT_S
     assert row["lines"]["lambda_gb_s"] == pytest.approx(deliveries * gb_s * 0.0000133334, rel=1e-3)
     assert not math.isnan(row["per_client_month"])
+
+
+@pytest.mark.parametrize(
+    ("rate", "delay", "frames"),
+    [(1.0, 0.3, 1.0), (1.0, 2.0, 1 / 3), (10.0, 0.3, 1 / 4), (1 / 60, 2.0, 1.0), (0.0, 2.0, 1.0)],
+)
+def test_acks_per_delivery_follow_the_clients_delay(
+    rate: float, delay: float, frames: float
+) -> None:
+    # one frame takes the ids processed within the delay after the first it holds
+    assert cost.acks_per_delivery(rate, delay) == pytest.approx(frames)
+
+
+def test_acks_held_longer_cost_fewer_frames_and_writes_at_one_a_second(model: dict) -> None:
+    held = _row(model, "1 a second", "WebSocket push, acks held 2 s")
+    default = _row(model, "1 a second", "WebSocket push")
+    deliveries = 30 * 86400
+    # three ids an ack frame instead of one: two thirds of the acks' frames and writes saved
+    saved = default["lines"]["ws_messages"] - held["lines"]["ws_messages"]
+    assert saved == pytest.approx(deliveries * (1 - 1 / 3) / 1e6)
+    saved_wru = default["lines"]["dynamodb_wru"] - held["lines"]["dynamodb_wru"]
+    assert saved_wru == pytest.approx(deliveries * (1 - 1 / 3) * 0.625 / 1e6)

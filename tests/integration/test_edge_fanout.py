@@ -229,3 +229,36 @@ def test_a_chunk_carries_the_archive_lines_of_its_own_sessions(
         [frame] = edge.messages(f"c{k}")
         assert texts([frame])[0].startswith(f"{k}:")
     assert reads == []
+
+
+def test_a_large_fan_out_hands_each_part_over_as_it_is_written(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fan-out to many sessions is written in parts, and each part's pushes are handed
+    over once its items are written, not after the last part: the pushers post the first
+    parts while the router writes the next. Every session still gets the message once."""
+    import shoal.router.fanout as fanout_module
+
+    # Given parts of 10 sessions (2,000 deployed) and 40 connected subscribers
+    monkeypatch.setattr(fanout_module, "PIPELINE_SESSIONS", 10)
+    connections = subscribed(edge, 40)
+    steps: list[str] = []
+    inbox = router_app.router().fanout.inbox
+    put, hand_off = inbox.put, edge.queue.hand_off
+
+    def putting(items: Any) -> None:
+        steps.append("write")
+        put(items)
+
+    def handing(sessions: Any, **kwargs: Any) -> int:
+        steps.append("hand off")
+        return hand_off(sessions, **kwargs)
+
+    monkeypatch.setattr(inbox, "put", putting)
+    monkeypatch.setattr(edge.queue, "hand_off", handing)
+    # When one message is published and routed
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    # Then four parts went, each written then handed over, and every session got it once
+    assert steps == ["write", "hand off"] * 4, steps
+    assert [texts(edge.messages(c)) for c in connections] == [["m0"]] * 40

@@ -39,7 +39,7 @@ from shoal.delivery.model import ArchiveLine, source_id
 from shoal.edge.connections import ConnectionStore
 from shoal.edge.pushwork import PushQueue
 from shoal.router.archive import ArchiveWriter
-from shoal.router.fanout import Fanout
+from shoal.router.fanout import Fanout, WrittenPart
 
 #: a batch reaching at most this many sessions reads which are connected (one batch read)
 TARGETS_READ_INLINE = 100
@@ -102,6 +102,9 @@ class Router:
         fault.at("before_inbox")
         if routed:
             events = self.recording.new()
+            source = source_id(batch.stream, batch.shard)
+            key = f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}"
+            carried = _read(objects, lines) if self.queue is not None else {}
             report = self.fanout.route_records(
                 batch.stream,
                 batch.shard,
@@ -110,6 +113,8 @@ class Router:
                 lines,
                 arrivals=arrivals,
                 connected=self._connected if self.queue is not None else None,
+                # a large fan-out's pushes go part by part, as each part is written
+                written_part=self._part_handed(source, carried, key),
             )
             # per batch: the fan-out counted them already
             count(metrics.ROUTED, report.messages)
@@ -118,20 +123,31 @@ class Router:
             fault.at("before_events")
             events.flush(f"router/{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}")
             fault.at("after_events")
-            if self.queue is not None and report.sessions:
+            if self.queue is not None and report.sessions and not report.handed_parts:
                 # after every write of the batch: a hand-off that fails fails the batch (its
                 # retry writes nothing twice and hands off again); a crash here loses nothing
                 # (the deliveries wait in the inboxes for the next push or a reconnect)
                 self._hand_off(
                     report.sessions,
-                    source=source_id(batch.stream, batch.shard),
+                    source=source,
                     # what the batch wrote, which the pushes need not read back
-                    lines=_read(objects, lines),
-                    key=f"{batch.stream}/{batch.shard}/{routed[0][0]}-{routed[-1][0]}",
+                    lines=carried,
+                    key=key,
                     direct=report.direct,
                     named=report.lines,
                 )
         return dict(response)
+
+    def _part_handed(self, source: str, lines: LineCache, key: str) -> WrittenPart | None:
+        """Hands a written part's pushes over (``Fanout.route``'s ``written_part``)."""
+        queue = self.queue
+        if queue is None:
+            return None
+
+        def hand_off(part: int, targets: set[str]) -> None:
+            queue.hand_off(targets, source=source, lines=lines, key=f"{key}#{part}")
+
+        return hand_off
 
     def _connected(self, sessions: set[str]) -> set[str] | None:
         """Which of ``sessions`` (given QoS 0 deliveries) are connected: read for a few

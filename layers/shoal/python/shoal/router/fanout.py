@@ -166,6 +166,29 @@ class RouteReport:
     #: the archive lines each session's written deliveries name (what its push fills them
     #: from, carried with it: ``shoal.edge.pushwork``)
     lines: dict[str, set[ArchiveLine]] = field(default_factory=dict)
+    #: parts of a large fan-out whose pushes were handed over as each part was written
+    #: (``Fanout.route``'s ``written_part``); 0: none, the caller hands them all over
+    handed_parts: int = 0
+
+
+#: a large fan-out's part written: its number, and the sessions to push
+WrittenPart = Callable[[int, set[str]], None]
+#: a fan-out is written in parts of at least this many sessions, each part's pushes handed
+#: over as it is written (a part is a few hundred ``BatchWriteItem`` calls at most)
+PIPELINE_SESSIONS = 2_000
+#: and in this many parts at most
+MAX_PARTS = 16
+
+
+def _parts(deliveries: dict[str, list[InboxMessage]]) -> list[dict[str, list[InboxMessage]]]:
+    """The deliveries in parts by session (each session's in one part), in a stable order."""
+    count = min(MAX_PARTS, len(deliveries) // PIPELINE_SESSIONS)
+    if count <= 1:
+        return [deliveries]
+    parts: list[dict[str, list[InboxMessage]]] = [{} for _ in range(count)]
+    for n, session_id in enumerate(sorted(deliveries)):
+        parts[n * count // len(deliveries)][session_id] = deliveries[session_id]
+    return parts
 
 
 #: which of some sessions are connected over the WebSocket API (the router's read of the
@@ -237,6 +260,7 @@ class Fanout:
         *,
         arrivals: Mapping[str, int] | None = None,
         connected: Connected | None = None,
+        written_part: WrittenPart | None = None,
     ) -> RouteReport:
         """Kinesis records ``(sequence number, data)`` of one shard, in order; records that are
         not Shoal's are skipped here (the archive quarantines them). ``arrivals``: each
@@ -249,7 +273,14 @@ class Fanout:
             except MalformedRecord:
                 continue
         report = self.route(
-            stream, shard, decoded, events, lines, arrivals=arrivals, connected=connected
+            stream,
+            shard,
+            decoded,
+            events,
+            lines,
+            arrivals=arrivals,
+            connected=connected,
+            written_part=written_part,
         )
         if self.drain is not None:
             # after the batch's deliveries are written: everything before its seal is routed
@@ -266,9 +297,14 @@ class Fanout:
         *,
         arrivals: Mapping[str, int] | None = None,
         connected: Connected | None = None,
+        written_part: WrittenPart | None = None,
     ) -> RouteReport:
-        """``connected``: which of the sessions given QoS 0 deliveries are connected over the
-        WebSocket API; their QoS 0 deliveries are not written but handed back
+        """``written_part``: called for each part of a large fan-out once its items are
+        written (``PIPELINE_SESSIONS`` sessions a part at least), with the push targets of
+        the part: their pushes start while the next part is written, instead of after the
+        last (``RouteReport.handed_parts``). ``connected``: which of the sessions given
+        QoS 0 deliveries are connected over the WebSocket API; their QoS 0 deliveries are not
+        written but handed back
         (``RouteReport.direct``), to be posted and forgotten: at most once, no state (a
         connection lost before the post loses them, as MQTT's QoS 0 allows, §4.3.1). An
         offline session's are written, as every QoS, and wait for its next get or connect.
@@ -365,13 +401,6 @@ class Fanout:
             self.inbox.advance_ledger(source, last)
         expires = now // 1000 + self.settings.retention_s
         label = self.drain.label(stream) if self.drain is not None else None
-        items = [
-            item
-            for session_id, messages in deliveries.items()
-            if messages
-            for item in pack(session_id, source, messages, end, expires, stream=label)
-        ]
-        self.inbox.put(items)
         report.sessions = set(report.direct)
         for session_id, written in deliveries.items():
             if written:
@@ -379,7 +408,24 @@ class Fanout:
                 referenced = {m.line for m in written if m.line is not None}
                 if referenced:
                     report.lines[session_id] = referenced
-        report.items = len(items)
+        parts = _parts(deliveries) if written_part is not None else [deliveries]
+        for n, part in enumerate(parts):
+            items = [
+                item
+                for session_id, messages in part.items()
+                if messages
+                for item in pack(session_id, source, messages, end, expires, stream=label)
+            ]
+            self.inbox.put(items)
+            report.items += len(items)
+            if written_part is not None and len(parts) > 1:
+                # this part's pushes go while the next part is written
+                targets: set[str] = set()
+                for session_id, written in part.items():
+                    if written:
+                        targets |= members.get(session_id, {session_id})
+                written_part(n, targets)
+                report.handed_parts += 1
         report.deliveries = sum(len(m) for m in deliveries.values())
         return report
 

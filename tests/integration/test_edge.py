@@ -567,12 +567,11 @@ def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
 ) -> None:
     """A session's inbox keeps consumed items until TTL, so a get walks from the partition's
     first item and jumps to each source's cursor (a query each). The router's push knows the
-    source it just wrote to: its first round reads from that source's cursor, one query."""
+    source it just wrote to: its get reads from that source's cursor, one query; and when the
+    router container wrote the session's previous delivery of the source too (and everything
+    of the source since), the push hands out the items it carries without reading at all."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    edge.world.publish("a/b", "m0")
-    edge.world.route()
-    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
     inbox = edge.world.delivery.inbox
     queries: list[str] = []
     real = inbox.after
@@ -582,9 +581,53 @@ def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
         return real(session_id, key, **kw)
 
     monkeypatch.setattr(inbox, "after", counting)
+    # the first message of the source: the router knows nothing of the session before it
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert len(queries) == 1, queries
+    edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
+    # the next: the push takes what the router wrote, no query
     edge.world.publish("a/b", "m1")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert len(queries) == 1, queries
+
+
+def test_a_push_reads_its_items_back_when_the_router_container_may_not_know_them(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The items a router push carries are taken without a read only when the session's
+    cursor stands where they follow. Where it does not (a delivery waited behind a full
+    window, or another container wrote the source meanwhile), the push reads from the
+    cursor, and the key's order holds."""
+    edge.connect("c1", receive_maximum=1)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    for n in range(2):
+        edge.world.publish("a/b", f"m{n}", ordering_key="k")
+        edge.world.route()
+    # m1 waits behind the full window; m2's push carries m2's item, after m1's position
+    edge.world.publish("a/b", "m2", ordering_key="k")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    for _ in range(2):
+        edge.send("c1", {"action": "ack", "ids": [edge.messages("c1")[-1]["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
+    # another container wrote the source (the router's memory of it forgotten): read again
+    router_app.router().fanout._written.clear()
+    edge.send("c1", {"action": "ack", "ids": [edge.messages("c1")[-1]["id"]]})
+    inbox = edge.world.delivery.inbox
+    queries: list[str] = []
+    real = inbox.after
+
+    def counting(session_id: str, key: str, **kw: Any) -> Any:
+        queries.append(key)
+        return real(session_id, key, **kw)
+
+    monkeypatch.setattr(inbox, "after", counting)
+    edge.world.publish("a/b", "m3", ordering_key="k")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2", "m3"]
     assert len(queries) == 1, queries
 
 

@@ -153,11 +153,11 @@ def test_a_session_whose_get_is_throttled_returns_its_chunk_alone(
     get = edge.worker._get
     refusals = {"n": 0}
 
-    def getting(push: Any, *args: Any) -> Any:
+    def getting(push: Any, *args: Any, **kwargs: Any) -> Any:
         if push.session_id == throttled.session_id and refusals["n"] == 0:
             refusals["n"] += 1
             raise ClientError({"Error": {"Code": "ThrottlingException"}}, "PutItem")
-        return get(push, *args)
+        return get(push, *args, **kwargs)
 
     monkeypatch.setattr(edge.worker, "_get", getting)
     answers: list[dict[str, Any]] = []

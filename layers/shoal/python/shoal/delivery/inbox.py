@@ -20,6 +20,7 @@ items, and those of a router without an archive, hold their messages.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ class InboxItem:
             out["st"] = {"S": self.stream}
         return out
 
+    def bytes(self) -> bytes:
+        """The deliveries as stored (``b``)."""
+        return self.encoded if self.encoded is not None else codec.encode(self.messages)
+
     @classmethod
     def from_record(cls, raw: Mapping[str, Any]) -> InboxItem:
         packed = raw.get("b")
@@ -104,6 +109,48 @@ class InboxItem:
             stream=str(raw["st"]) if raw.get("st") else None,
             stored_bytes=size
             + sum(len(str(raw.get(k) or "")) for k in ("inbox", "position", "l", "st")),
+        )
+
+
+@dataclass(frozen=True)
+class Given:
+    """Items of one source the router just wrote for a session, and the position of the
+    session's delivery before them (its last in that source, as the router wrote it): a get
+    whose cursor stands exactly there, between items, has nothing else in the source to hand
+    out first, and takes these without reading them back (``DeliveryService.get``)."""
+
+    source: str
+    after: str
+    items: tuple[InboxItem, ...]
+
+    def data(self) -> list[Any]:
+        return [
+            self.after,
+            [
+                [i.key, i.covered, i.expires_at, i.stream, base64.b64encode(i.bytes()).decode()]
+                for i in self.items
+            ],
+        ]
+
+    @classmethod
+    def from_data(cls, session_id: str, source: str, data: Sequence[Any]) -> Given:
+        after, items = data
+        return cls(
+            source,
+            str(after),
+            tuple(
+                InboxItem.from_record(
+                    {
+                        "inbox": session_id,
+                        "position": key,
+                        "l": covered,
+                        "b": base64.b64decode(encoded),
+                        "expires_at": expires,
+                        **({"st": stream} if stream else {}),
+                    }
+                )
+                for key, covered, expires, stream, encoded in items
+            ),
         )
 
 

@@ -51,6 +51,7 @@ from shoal.delivery.events import EventBatch, Recording, record_answers
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import (
     DeliveryState,
+    Given,
     InboxItem,
     InboxMessage,
     InboxStore,
@@ -227,6 +228,7 @@ class DeliveryService:
         source: str | None = None,
         known: SessionRead | None = None,
         events: EventBatch | None = None,
+        given: Given | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -237,7 +239,9 @@ class DeliveryService:
         waits in other sources is left to the next get without it. ``known``: the session's
         head and state as the caller read them (``read_sessions``), not read again. ``events``:
         where the get's delivery events go instead of their own append (the caller appends
-        them, before the deliveries go out)."""
+        them, before the deliveries go out). ``given``: the items the caller wrote of ``source``
+        for this session (the router's, carried by its push), handed out without being read
+        back when the session's cursor stands where they follow (``Given``)."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -275,6 +279,7 @@ class DeliveryService:
                     window=window or self.settings.window,
                     source=source,
                     start=start,
+                    given=given,
                 )
                 if not plan.changed:
                     break
@@ -321,6 +326,7 @@ class DeliveryService:
         window: int,
         source: str | None = None,
         start: _ScanStart | None = None,
+        given: Given | None = None,
     ) -> _Plan:
         plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
@@ -338,6 +344,7 @@ class DeliveryService:
                 now=now,
                 source=source,
                 start=start,
+                given=given,
             )
         return plan
 
@@ -421,10 +428,11 @@ class DeliveryService:
         now: int,
         source: str | None = None,
         start: _ScanStart | None = None,
+        given: Given | None = None,
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
-        scan = self._scan(session_id, state, source, start)
+        scan = self._scan(session_id, state, source, start, given)
         scanned = 0
         recording = self.events is not None and self.events.enabled
         while True:
@@ -545,6 +553,7 @@ class DeliveryService:
         state: DeliveryState,
         only: str | None = None,
         start: _ScanStart | None = None,
+        given: Given | None = None,
     ) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order
         (``_walk``). An idle poll's scan (``_ScanStart.idle``) looks first, eventually
@@ -553,7 +562,7 @@ class DeliveryService:
             look = self._walk(session_id, state, None, start, consistent=False)
             if next(look, None) is None:
                 return
-        yield from self._walk(session_id, state, only, start)
+        yield from self._walk(session_id, state, only, start, given=given)
 
     def _walk(
         self,
@@ -563,6 +572,7 @@ class DeliveryService:
         start: _ScanStart | None = None,
         *,
         consistent: bool = True,
+        given: Given | None = None,
     ) -> Iterator[_Found]:
         """The session's messages after each source's cursor, source by source, in order.
 
@@ -571,7 +581,10 @@ class DeliveryService:
         query asks for one item: the partition's first items are mostly consumed ones, up to
         64 KB each, and a query is billed for every item it reads, so reading ten of them to
         learn where to jump cost up to 160 read units a get. ``start``: where an earlier scan
-        of the same get found the partition's first item (``_ScanStart``).
+        of the same get found the partition's first item (``_ScanStart``). ``given``: items of
+        ``only`` its caller wrote and holds, taken instead of a query when the cursor stands
+        right before them: the session's last delivery of the source is the one they follow,
+        and none of its items is partway (``Given``).
         """
         lower, inclusive = STATE, False
         limit = 1
@@ -591,10 +604,24 @@ class DeliveryService:
                 start.source = None
         # the partition's first item, looked for only when no earlier scan of the get found it
         first = start if start is not None and start.source is None and only is None else None
+        held_items: list[InboxItem] | None = None
+        if (
+            given is not None
+            and only == given.source
+            and given.items
+            and state.cursors.get(only, "") == given.after
+            and only not in state.partial
+        ):
+            held_items = list(given.items)
+            # then nothing more: what follows them is the next trigger's
+            limit = len(held_items) + 1
         for _ in range(MAX_QUERIES_PER_GET):
-            items = self.inbox.after(
-                session_id, lower, inclusive=inclusive, limit=limit, consistent=consistent
-            )
+            if held_items is not None:
+                items, held_items = held_items, None
+            else:
+                items = self.inbox.after(
+                    session_id, lower, inclusive=inclusive, limit=limit, consistent=consistent
+                )
             if first is not None:
                 if items and not any(
                     m.position > state.cursors.get(items[0].source, "") for m in items[0].messages

@@ -45,7 +45,7 @@ from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch, record_answers
-from shoal.delivery.inbox import LineCache, ordinal_of
+from shoal.delivery.inbox import Given, LineCache, ordinal_of
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
 from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
@@ -174,6 +174,8 @@ class _Push:
     direct: list[dict[str, Any]] = field(default_factory=list)
     #: the due index was armed by this push
     armed: bool = False
+    #: the items its first get may take without reading them back (``Given``)
+    given: Given | None = None
 
 
 @dataclass
@@ -326,7 +328,7 @@ class PushWorker:
             record_answers(events, "session", push.session_id, push.direct, label=_label(push))
             batch.add(events, f"qos0/{push.session_id}/{push.direct[0]['message_id']}")
         try:
-            push.handed = self._get(push, push.source, push.read, batch)
+            push.handed = self._get(push, push.source, push.read, batch, given=push.given)
         except (ShoalError, ClientError, BotoCoreError) as exc:
             self._stopped(push, exc)
 
@@ -450,6 +452,8 @@ class PushWorker:
         source: str | None,
         read: SessionRead | None,
         events: EventBatch | None,
+        *,
+        given: Given | None = None,
     ) -> list[dict[str, Any]]:
         connection = push.connection
         assert connection is not None
@@ -464,6 +468,7 @@ class PushWorker:
             source=source,
             known=read,
             events=events,
+            given=given,
         )["messages"]
         return messages
 
@@ -488,6 +493,11 @@ def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
         for session_id, frames in work.direct.items():
             if session_id in pushes:
                 pushes[session_id].direct.extend(frames)
+        for session_id, given in work.given.items():
+            push = pushes.get(session_id)
+            # only a push of one record: two records of one session follow each other
+            if push is not None and push.records == [n]:
+                push.given = given
     return pushes
 
 

@@ -52,7 +52,7 @@ from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.inbox import InboxMessage, LineCache
+from shoal.delivery.inbox import Given, InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine
 
 #: the push queue's logical name (``shoal.declarations``)
@@ -85,6 +85,9 @@ class PushWork:
     #: QoS 0 deliveries not written anywhere, by session: their ``message`` frames as they
     #: are posted (``qos0_frames``)
     direct: Mapping[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: items of ``source`` the sender wrote for (some of) the sessions, handed out without a
+    #: read when the session's cursor stands where they follow (``shoal.delivery.Given``)
+    given: Mapping[str, Given] = field(default_factory=dict)
 
     def body(self) -> str:
         data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
@@ -106,6 +109,8 @@ class PushWork:
                         frames.append(common)
                     to.setdefault(session_id, []).append([shared[mark], frame["subscription"]])
             data["q"] = {"m": frames, "to": to}
+        if self.given:
+            data["g"] = {session_id: g.data() for session_id, g in self.given.items()}
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -126,11 +131,17 @@ class PushWork:
                     }
                     for n, subscription in posts
                 ]
+        source = str(data["src"]) if data.get("src") else None
         return cls(
             sessions={str(s): (str(c) if c else None) for s, c in data["s"]},
-            source=str(data["src"]) if data.get("src") else None,
+            source=source,
             lines={ArchiveLine(str(k), int(o), int(n)): v for k, o, n, v in data.get("l") or []},
             direct=direct,
+            given={
+                str(s): Given.from_data(str(s), source, g)
+                for s, g in (data.get("g") or {}).items()
+                if source is not None
+            },
         )
 
 
@@ -214,6 +225,7 @@ class PushQueue:
         direct: Mapping[str, Sequence[InboxMessage]] | None = None,
         now_ms: int = 0,
         named: Mapping[str, set[ArchiveLine]] | None = None,
+        given: Mapping[str, Given] | None = None,
     ) -> int:
         """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
         the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
@@ -222,14 +234,21 @@ class PushQueue:
         sessions, written nowhere, to be posted and forgotten (as of ``now_ms``). Raises when
         the queue refused a message past ``SEND_ATTEMPTS`` (the caller's retry sends it
         again). ``named``: the lines of ``lines`` each session's deliveries name: a message
-        carries those of its own sessions only (all of ``lines`` without it)."""
+        carries those of its own sessions only (all of ``lines`` without it). ``given``: the
+        items just written for some of the sessions, carried to their pushes (``Given``)."""
         pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
         if not pairs:
             return 0
         frames = {s: qos0_frames(s, m, now_ms) for s, m in (direct or {}).items()}
         entries = list(
             self._entries(
-                pairs, source=source, lines=lines or {}, key=key, direct=frames, named=named
+                pairs,
+                source=source,
+                lines=lines or {},
+                key=key,
+                direct=frames,
+                named=named,
+                given=given or {},
             )
         )
         calls = list(_calls(entries))
@@ -255,6 +274,7 @@ class PushQueue:
         key: str | None,
         direct: Mapping[str, list[dict[str, Any]]],
         named: Mapping[str, set[ArchiveLine]] | None,
+        given: Mapping[str, Given],
     ) -> Iterator[_Entry]:
         by_lane: dict[int, dict[str, str | None]] = {}
         for session_id, client_id in sorted(pairs.items()):
@@ -268,7 +288,8 @@ class PushQueue:
             if _lines_bytes(carried) > MAX_LINES_BYTES:
                 carried = {}
             posts = {s: direct[s] for s in chunk if direct.get(s)}
-            for part, body in enumerate(_bodies(chunk, source, carried, posts)):
+            items = {s: given[s] for s in chunk if s in given}
+            for part, body in enumerate(_bodies(chunk, source, carried, posts, items)):
                 dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()
                 yield _Entry(lane, body, dedupe)
 
@@ -304,20 +325,28 @@ def _bodies(
     source: str | None,
     lines: LineCache,
     direct: Mapping[str, list[dict[str, Any]]],
+    given: Mapping[str, Given],
 ) -> Iterator[str]:
-    """A lane's sessions as one body, or as several in order when one would be too large
-    (a session's QoS 0 frames larger than a body alone are not sent: at most once)."""
-    body = PushWork(chunk, source, lines, direct).body()
+    """A lane's sessions as one body, or as several in order when one would be too large (a
+    session too large alone goes without its QoS 0 frames, at most once, and its items,
+    which its push then reads)."""
+    body = PushWork(chunk, source, lines, direct, given).body()
     if len(body) <= MAX_BODY_BYTES:
         yield body
         return
     if len(chunk) == 1:
-        yield PushWork(chunk, source, {}, {}).body()
+        yield PushWork(chunk, source, {}, {}, {}).body()
         return
     items = list(chunk.items())
     half = len(items) // 2
     for part in (dict(items[:half]), dict(items[half:])):
-        yield from _bodies(part, source, lines, {s: direct[s] for s in part if s in direct})
+        yield from _bodies(
+            part,
+            source,
+            lines,
+            {s: direct[s] for s in part if s in direct},
+            {s: given[s] for s in part if s in given},
+        )
 
 
 def _calls(entries: Sequence[_Entry]) -> Iterator[list[_Entry]]:

@@ -34,7 +34,7 @@ from shoal.core import metrics
 from shoal.core.faults import ROUTER_STEPS, Faults
 from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
-from shoal.delivery.inbox import InboxMessage, LineCache
+from shoal.delivery.inbox import Given, InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine, source_id
 from shoal.edge.connections import ConnectionStore
 from shoal.edge.pushwork import PushQueue
@@ -135,6 +135,7 @@ class Router:
                     key=key,
                     direct=report.direct,
                     named=report.lines,
+                    given=report.given,
                 )
         return dict(response)
 
@@ -144,8 +145,8 @@ class Router:
         if queue is None:
             return None
 
-        def hand_off(part: int, targets: set[str]) -> None:
-            queue.hand_off(targets, source=source, lines=lines, key=f"{key}#{part}")
+        def hand_off(part: int, targets: set[str], given: Mapping[str, Given]) -> None:
+            queue.hand_off(targets, source=source, lines=lines, key=f"{key}#{part}", given=given)
 
         return hand_off
 
@@ -165,6 +166,7 @@ class Router:
         key: str,
         direct: Mapping[str, list[InboxMessage]],
         named: Mapping[str, set[ArchiveLine]],
+        given: Mapping[str, Given],
     ) -> None:
         """The sessions' pushes to the push queue. Of a few sessions (one batch read), only
         the connected ones: most deliveries of an HTTP subscriber's would otherwise cost a
@@ -185,6 +187,7 @@ class Router:
                 direct={s: m for s, m in direct.items() if s in targets},
                 now_ms=self.fanout.clock.now_ms(),
                 named=named,
+                given=given,
             )
 
     def _lag(self, event: dict[str, Any]) -> None:

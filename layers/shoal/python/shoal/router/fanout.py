@@ -39,7 +39,7 @@ from shoal.core.config import DeliverySettings
 from shoal.core.errors import InvalidFilter
 from shoal.core.observability import logger
 from shoal.delivery.events import DeliveryEvents, record_routed
-from shoal.delivery.inbox import InboxMessage, InboxStore, PayloadStore, pack
+from shoal.delivery.inbox import Given, InboxItem, InboxMessage, InboxStore, PayloadStore, pack
 from shoal.delivery.model import (
     MAX_INLINE_PAYLOAD,
     WILDCARD_BUCKET,
@@ -166,13 +166,32 @@ class RouteReport:
     #: the archive lines each session's written deliveries name (what its push fills them
     #: from, carried with it: ``shoal.edge.pushwork``)
     lines: dict[str, set[ArchiveLine]] = field(default_factory=dict)
+    #: for sessions whose previous delivery of this source the router knows (it wrote it, and
+    #: wrote everything of the source since: ``_Written``): that delivery's position and the
+    #: items just written, so the session's push hands them out without reading them back
+    given: dict[str, Given] = field(default_factory=dict)
     #: parts of a large fan-out whose pushes were handed over as each part was written
     #: (``Fanout.route``'s ``written_part``); 0: none, the caller hands them all over
     handed_parts: int = 0
 
 
-#: a large fan-out's part written: its number, and the sessions to push
-WrittenPart = Callable[[int, set[str]], None]
+#: a large fan-out's part written: its number, the sessions to push, and the items given them
+WrittenPart = Callable[[int, set[str], Mapping[str, Given]], None]
+#: sessions whose last position of a source one router container remembers, at most
+MAX_REMEMBERED = 200_000
+
+
+@dataclass
+class _Written:
+    """What this container wrote of one source: the end of its last batch (the ledger's value
+    after it) and each session's last written position. Valid for a batch only while the
+    ledger still holds that end: then no other container wrote the source since, and a
+    session's last position here is its last item's in the inbox."""
+
+    end: str
+    last: dict[str, str] = field(default_factory=dict)
+
+
 #: a fan-out is written in parts of at least this many sessions, each part's pushes handed
 #: over as it is written (a part is a few hundred ``BatchWriteItem`` calls at most)
 PIPELINE_SESSIONS = 2_000
@@ -249,6 +268,8 @@ class Fanout:
         #: the ordered drain (``shoal.drain``): labels items of later storage topics, marks a
         #: shard drained once its seal is routed; None does neither
         self.drain = drain
+        #: by source: what this container wrote of it (``_Written``)
+        self._written: dict[str, _Written] = {}
 
     def route_records(
         self,
@@ -399,6 +420,14 @@ class Fanout:
                 deliveries[session_id] = kept
         if not ledger or ledger < last:
             self.inbox.advance_ledger(source, last)
+        known = self._written.get(source)
+        if known is None or report.retried or ledger != known.end:
+            # another container wrote the source since, or this batch may have been written
+            # before: nothing is known of what the sessions' inboxes hold
+            known = self._written[source] = _Written(last)
+            remembered = False
+        else:
+            remembered = True
         expires = now // 1000 + self.settings.retention_s
         label = self.drain.label(stream) if self.drain is not None else None
         report.sessions = set(report.direct)
@@ -410,22 +439,34 @@ class Fanout:
                     report.lines[session_id] = referenced
         parts = _parts(deliveries) if written_part is not None else [deliveries]
         for n, part in enumerate(parts):
-            items = [
-                item
-                for session_id, messages in part.items()
-                if messages
-                for item in pack(session_id, source, messages, end, expires, stream=label)
-            ]
+            items: list[InboxItem] = []
+            given: dict[str, Given] = {}
+            for session_id, kept in part.items():
+                if not kept:
+                    continue
+                packed = pack(session_id, source, kept, end, expires, stream=label)
+                items += packed
+                after = known.last.get(session_id) if remembered else None
+                if after is not None and session_id not in streams:
+                    given[session_id] = Given(source, after, tuple(packed))
             self.inbox.put(items)
             report.items += len(items)
+            report.given |= given
             if written_part is not None and len(parts) > 1:
                 # this part's pushes go while the next part is written
                 targets: set[str] = set()
                 for session_id, written in part.items():
                     if written:
                         targets |= members.get(session_id, {session_id})
-                written_part(n, targets)
+                written_part(n, targets, given)
                 report.handed_parts += 1
+        # what this container wrote of the source, for its next batch
+        if len(known.last) > MAX_REMEMBERED:
+            known.last.clear()
+        known.end = max(known.end, last)
+        for session_id, kept in deliveries.items():
+            if kept and session_id not in streams:
+                known.last[session_id] = kept[-1].position
         report.deliveries = sum(len(m) for m in deliveries.values())
         return report
 

@@ -1,0 +1,174 @@
+"""The push queue's messages (``shoal.edge.pushwork``) and Lambda's SQS mapping as ``shoal dev``
+emulates it (``shoal.local.esm.queues``): pure parts, no account."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from shoal.core.clock import ManualClock
+from shoal.core.errors import ServerBusy
+from shoal.delivery.inbox import Given, pack
+from shoal.delivery.model import ArchiveLine, InboxMessage
+from shoal.edge.pushwork import MAX_BODY_BYTES, PushQueue, PushWork, group_id, lane_of, qos0_id
+from shoal.local.esm.queues import QueueMapping, done_messages, sqs_event
+
+
+def _message(position: str, *, qos: int = 1, payload: bytes = b"x") -> InboxMessage:
+    return InboxMessage(
+        position=position,
+        message_id=f"m-{position}",
+        topic="a/b",
+        payload=payload,
+        qos=qos,
+        subscription="a/#",
+        sid="s1",
+        published_at_ms=1,
+        line=ArchiveLine("messages/k", 10, 20),
+    )
+
+
+def test_a_work_message_reads_back_as_it_was_written() -> None:
+    line = ArchiveLine("messages/k", 10, 20)
+    [item] = pack("s1", "src", [_message("0001-00")], "0001-00", 99)
+    work = PushWork(
+        {"s1": "c1", "s2": None},
+        "src",
+        {line: {"payload": "eA=="}},
+        {"s2": [{"id": qos0_id("s2", "m9"), "message_id": "m9", "subscription": "a/#", "x": 1}]},
+        {"s1": Given("src", "0000-00", (item,))},
+    )
+    back = PushWork.parse(work.body())
+    assert back.sessions == {"s1": "c1", "s2": None}
+    assert back.source == "src"
+    assert back.lines == {line: {"payload": "eA=="}}
+    assert back.direct == work.direct
+    [given] = back.given.values()
+    assert (given.source, given.after) == ("src", "0000-00")
+    assert [i.key for i in given.items] == [item.key]
+    assert given.items[0].messages[0].position == "0001-00"
+
+
+@pytest.mark.parametrize("body", ['{"v": 2, "s": []}', "[]", "not json"])
+def test_a_body_of_another_version_is_refused(body: str) -> None:
+    with pytest.raises(ValueError):
+        PushWork.parse(body)
+
+
+def test_a_sessions_lane_is_stable_and_spreads() -> None:
+    lanes = {lane_of(f"session-{n}", 64) for n in range(2000)}
+    assert lanes == set(range(64))
+    # the same lane in any process: not Python's salted hash
+    assert lane_of("session-1", 64) == 46  # crc32 % 64, whatever the process
+    assert group_id(7) == "lane-7"
+
+
+class _Sqs:
+    """SendMessageBatch as SQS answers it, refusing the entries ``fail`` names once."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.calls: list[list[dict[str, Any]]] = []
+        self.fail = set(fail or ())
+
+    def send_message_batch(self, QueueUrl: str, Entries: list[dict[str, Any]]) -> Any:
+        self.calls.append(Entries)
+        failed = [{"Id": e["Id"]} for e in Entries if e["Id"] in self.fail]
+        self.fail -= {f["Id"] for f in failed}
+        return {"Failed": failed} if failed else {}
+
+
+def test_a_hand_off_is_a_message_a_lane_ten_a_call_and_deduplicated_by_its_key() -> None:
+    sqs = _Sqs()
+    queue = PushQueue(sqs, "url", 64, ManualClock(0))
+    sessions = [f"session-{n}" for n in range(1000)]
+    assert queue.hand_off(sessions, source="src", key="batch-1") == 64
+    sent = [e for call in sqs.calls for e in call]
+    assert len(sqs.calls) == 7 and all(len(call) <= 10 for call in sqs.calls)
+    assert {e["MessageGroupId"] for e in sent} == {group_id(n) for n in range(64)}
+    # a lane's chunk names exactly that lane's sessions
+    for entry in sent:
+        lane = int(entry["MessageGroupId"].split("-")[1])
+        named = PushWork.parse(entry["MessageBody"]).sessions
+        assert {lane_of(s, 64) for s in named} == {lane}
+    # the same hand-off again (a retried router batch): the same deduplication ids
+    again = _Sqs()
+    PushQueue(again, "url", 64, ManualClock(0)).hand_off(sessions, source="src", key="batch-1")
+    ids = [e["MessageDeduplicationId"] for call in again.calls for e in call]
+    assert ids == [e["MessageDeduplicationId"] for e in sent]
+
+
+def test_a_refused_entry_is_sent_again_and_a_queue_that_keeps_refusing_fails_the_hand_off() -> None:
+    sqs = _Sqs(fail={"0"})
+    PushQueue(sqs, "url", 4, ManualClock(0)).hand_off(["a"])
+    assert [len(c) for c in sqs.calls] == [1, 1]
+
+    class Refusing(_Sqs):
+        def send_message_batch(self, QueueUrl: str, Entries: Any) -> Any:
+            return {"Failed": [{"Id": e["Id"]} for e in Entries]}
+
+    with pytest.raises(ServerBusy):
+        PushQueue(Refusing(), "url", 4, ManualClock(0)).hand_off(["a"])
+
+
+def test_a_lane_too_large_for_a_message_is_split_in_order() -> None:
+    sqs = _Sqs()
+    queue = PushQueue(sqs, "url", 1, ManualClock(0))
+    sessions = {f"session-{n:06d}-" + "x" * 100: f"client-{n}" for n in range(4000)}
+    assert queue.hand_off(sessions) > 1
+    bodies = [e["MessageBody"] for call in sqs.calls for e in call]
+    assert all(len(b) <= MAX_BODY_BYTES for b in bodies)
+    # every session once, in the order the parts were sent (one group: SQS keeps it)
+    named = [s for b in bodies for s in PushWork.parse(b).sessions]
+    assert named == sorted(sessions)
+
+
+def _mapping(report: bool = True) -> QueueMapping:
+    return QueueMapping(
+        "u", "arn:aws:lambda:r:1:function:f", "arn:aws:sqs:r:1:q", 10, 2, report, True
+    )
+
+
+@pytest.mark.parametrize(
+    ("response", "done"),
+    [
+        (None, {"a", "b"}),
+        ({}, {"a", "b"}),
+        ({"batchItemFailures": []}, {"a", "b"}),
+        ({"batchItemFailures": [{"itemIdentifier": "b"}]}, {"a"}),
+        # a message not of the batch, or no list: the whole batch failed
+        ({"batchItemFailures": [{"itemIdentifier": "z"}]}, set()),
+        ({"batchItemFailures": "b"}, set()),
+        ("not an object", set()),
+    ],
+)
+def test_lambdas_partial_batch_answer(response: Any, done: set[str]) -> None:
+    assert done_messages(response, ["a", "b"], report_item_failures=True) == done
+
+
+def test_without_partial_answers_any_answer_finishes_the_batch() -> None:
+    assert done_messages({"batchItemFailures": [{"itemIdentifier": "a"}]}, ["a"], False) == {"a"}
+
+
+def test_a_mapping_of_a_queue_reads_as_lambda_lists_it() -> None:
+    raw = {
+        "UUID": "u1",
+        "FunctionArn": "arn:aws:lambda:us-east-1:1:function:shoal-pusher",
+        "EventSourceArn": "arn:aws:sqs:us-east-1:123456789012:shoal-push.fifo",
+        "BatchSize": 10,
+        "FunctionResponseTypes": ["ReportBatchItemFailures"],
+        "ScalingConfig": {"MaximumConcurrency": 5},
+        "State": "Enabled",
+    }
+    mapping = QueueMapping.from_api(raw, default_concurrency=8)
+    assert mapping is not None
+    assert mapping.queue_url == "https://sqs.us-east-1.amazonaws.com/123456789012/shoal-push.fifo"
+    assert (mapping.function_name, mapping.concurrency) == ("shoal-pusher", 5)
+    assert mapping.report_item_failures and mapping.enabled
+    # a stream's mapping is not a queue's
+    stream = {**raw, "EventSourceArn": "arn:aws:kinesis:us-east-1:1:stream/s"}
+    assert QueueMapping.from_api(stream, 8) is None
+    event = sqs_event(mapping, [{"MessageId": "m", "ReceiptHandle": "r", "Body": "{}"}])
+    [record] = event["Records"]
+    assert (record["eventSource"], record["body"], record["messageId"]) == ("aws:sqs", "{}", "m")
+    assert json.loads(record["body"]) == {}

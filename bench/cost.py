@@ -43,7 +43,7 @@ from typing import Any
 import boto3
 from shoal.aws import clients
 from shoal.aws.kinesis import ARCHIVER_MAPPING, PUSH_MAPPING, ROUTER_MAPPING
-from shoal.client.ws import DEFAULT_ACK_DELAY_S
+from shoal.client.acks import DEFAULT_ACK_DELAY_S
 from shoal.client.wslink import WsSettings
 from shoal.core.config import get_config
 from shoal.declarations import DEPLOYMENT

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from shoal.cli.common import UsageError, note, policy_of, token_of, url_of
 from shoal.cli.dev import DEFAULT_STATE_DIR
+from shoal.client.acks import DEFAULT_ACK_DELAY_S, MAX_ACK_DELAY_S
 from shoal.client.batch import PublisherClosed
 from shoal.client.errors import ApiError, ClientError, Unavailable
 from shoal.client.http import ShoalClient
@@ -44,7 +45,7 @@ from shoal.client.support import (
     principal_of,
 )
 from shoal.client.tokens import TokenKeeper
-from shoal.client.ws import DEFAULT_ACK_DELAY_S, MAX_ACK_DELAY_S, ShoalWsClient
+from shoal.client.ws import ShoalWsClient
 from shoal.client.wslink import check_ws_url
 
 CLIENT_DIR = DEFAULT_STATE_DIR / "client"

@@ -31,24 +31,10 @@ hands out no more messages while the outstanding ones (``auto_ack=False``) hold 
 
 Acks, exactly-once processing. A message counts as processed once the application asks
 ``messages()`` for the next one (or ``consume``'s handler returned, or ``mark_processed``): its
-id is recorded in the state file, then acked. Acks are held for ``ack_delay_s`` (300 ms by
-default, as the API's contract says: "a few hundred ms at most") and go out together, up to
-1,000 ids a frame: at the delay (sent by the keep-alive thread when no loop is receiving:
-while a handler runs, or after the loop was left), sooner once half the window
-(``receive_maximum``) waits for its acks or when waiting for frames with the acks held would
-keep the window shut, and when the client closes (before a disconnect, answered: API Gateway
-runs a connection's frames in no set order, and a disconnect that overtook the ack would leave
-it refused). Each ack frame is a billed WebSocket message and an ``ack`` function invocation
-with one state write, whatever its number of ids: at 1 message a second a 300 ms delay still
-sends one frame per message, a delay of seconds one per several. A longer delay is fewer
-frames, and more messages sent again after a crash (those processed in the last delay; they
-are in the state file, so they are acked again and not handed out) or, past the service's ack
-timeout (30 s by default), sent again with ``dup`` while the client runs: hence at most
-``MAX_ACK_DELAY_S``. 0 sends one ack per message, before the next is handed out. Acks are not
-waited for (but before a disconnect): a lost ack means the message comes again with ``dup``,
-and a redelivered id already recorded is acked again without being handed to the application.
-A message handed out but not processed (the handler raised, the loop was left) is handed out
-first by the next ``messages()`` of this client.
+id is recorded in the state file, then its ack is held and sent with others
+(``shoal.client.acks``: the delay, when acks go sooner, and the trade-off). A message handed
+out but not processed (the handler raised, the loop was left) is handed out first by the next
+``messages()`` of this client.
 
 Keep-alive: ``shoal.client.wslink``. The keep-alive thread also sends held acks when their
 delay ends and no loop is receiving (without it, ``WsSettings.keepalive_thread`` false, they
@@ -65,18 +51,22 @@ Never logged: tokens, payloads.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import random
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from shoal import __version__
+from shoal.client.acks import (
+    ACK_POLL_S,
+    DEFAULT_ACK_DELAY_S,
+    HeldAcks,
+)
 from shoal.client.errors import (
     ApiError,
     ClientError,
@@ -89,7 +79,6 @@ from shoal.client.support import (
     CallRetry,
     Connection,
     FlowControl,
-    Outages,
     ReceivedMessage,
     principal_of,
 )
@@ -106,32 +95,20 @@ from shoal.client.wslink import (
     handshake_error,
     websockets_connector,
 )
+from shoal.client.wsloop import ReceivingLoop, _Busy, _TakenOver
 from shoal.core.clock import Clock, SystemClock
 
 logger = logging.getLogger("shoal.client")
 
-#: ids per ack frame (the API's limit, as for ``POST .../acks``)
-MAX_ACK_IDS = 1000
 #: MQTT 5 §3.1.2.11.3: Receive Maximum is at most 65,535
 MAX_RECEIVE_MAXIMUM = 65_535
 #: the receive maximum when no ``FlowControl`` is given (the server caps it at its own window)
 DEFAULT_RECEIVE_MAXIMUM = 100
 #: how long a session outlives its connection unless told (as ``ShoalClient.connect``)
 DEFAULT_SESSION_EXPIRY_S = 3600
-#: how often a loop waiting for frames looks at acks marked from other threads
-ACK_POLL_S = 0.2
-#: how long processed ids are held before their ack frame goes (the API's "a few hundred ms")
-DEFAULT_ACK_DELAY_S = 0.3
-#: the longest ack delay: a third of the service's default ack timeout (30 s), so that a
-#: message processed at once is acked well before the service sends it again with ``dup``
-MAX_ACK_DELAY_S = 10.0
 
 
-class _TakenOver(Exception):
-    """The server's ``disconnect`` with ``session_taken_over`` came on the live connection."""
-
-
-class ShoalWsClient:
+class ShoalWsClient(ReceivingLoop):
     """One principal's session (``client_id``) over the WebSocket API at ``url`` (ws://, wss://).
 
     ``token``: a JWT, or where to read one again (``shoal.client.tokens``). ``state_scope``: the
@@ -160,9 +137,6 @@ class ShoalWsClient:
         rng: random.Random | None = None,
     ) -> None:
         self.url = check_ws_url(url)
-        if not 0 <= ack_delay_s <= MAX_ACK_DELAY_S:
-            raise ValueError(f"ack_delay_s must be 0 to {MAX_ACK_DELAY_S:g} s")
-        self.ack_delay_s = ack_delay_s
         if isinstance(token, str):
             token = StaticToken(token)
         self.tokens = token if isinstance(token, TokenKeeper) else TokenKeeper(token)
@@ -178,6 +152,8 @@ class ShoalWsClient:
         self.settings = settings or WsSettings()
         self.connector = connector or websockets_connector
         self.clock = clock or SystemClock()
+        # processed (recorded) ids whose ack has not been sent yet (``shoal.client.acks``)
+        self._acks = HeldAcks(ack_delay_s, self.clock)
         self.rng = rng or random.Random()
         #: connections opened (handshakes that succeeded): tests and the CLI's notes read it
         self.connections_opened = 0
@@ -196,10 +172,6 @@ class ShoalWsClient:
         # handed out and not processed yet, by id; the one auto_ack will mark
         self._outstanding: dict[str, ReceivedMessage] = {}
         self._outstanding_changed = threading.Condition(self._lock)
-        # processed (recorded) ids whose ack has not been sent yet, in the order processed,
-        # and when the oldest of them is to be acked (``ack_delay_s`` after it was processed)
-        self._unacked: dict[str, None] = {}
-        self._ack_due_ms: int | None = None
         # wakes the keep-alive thread: an ack was held (its delay may end before a keep-alive)
         self._wake = threading.Event()
         # answers to our frames by ref
@@ -537,8 +509,8 @@ class ShoalWsClient:
             # the next connection sends what is held as it opens
             return 30.0
         due_ms = link.keepalive_due_ms(self.settings)
-        if self._ack_due_ms is not None:
-            due_ms = min(due_ms, self._ack_due_ms)
+        if self._acks.due_ms is not None:
+            due_ms = min(due_ms, self._acks.due_ms)
         due_s = (due_ms - self.clock.now_ms()) / 1000
         return min(max(due_s, 0.05), 30.0)
 
@@ -548,8 +520,8 @@ class ShoalWsClient:
         due = [link.keepalive_due_ms(self.settings), link.renew_at_ms]
         if link.ping_sent_ms is not None:
             due.append(link.ping_sent_ms + self.settings.pong_timeout_s * 1000)
-        if self._ack_due_ms is not None:
-            due.append(self._ack_due_ms)
+        if self._acks.due_ms is not None:
+            due.append(self._acks.due_ms)
         wait_s = max((min(due) - now) / 1000, 0.0)
         if self._outstanding:
             # acks marked from other threads go out within this
@@ -657,24 +629,19 @@ class ShoalWsClient:
         except _TakenOver:
             self._taken_over()
 
+    @property
+    def ack_delay_s(self) -> float:
+        return self._acks.delay_s
+
     def _hold_acks(self, ids: Sequence[str]) -> None:
-        """Hold the acks of processed ``ids`` until their delay ends (the oldest's decides)."""
         with self._lock:
-            for message_id in ids:
-                self._unacked[message_id] = None
-            if self._unacked and self._ack_due_ms is None:
-                self._ack_due_ms = self.clock.now_ms() + int(self.ack_delay_s * 1000)
+            if self._acks.hold(ids):
                 # the keep-alive thread sends them at the delay if no loop is receiving then
                 self._wake.set()
 
     def _acks_due(self) -> bool:
-        """Whether the held acks go now: their delay ended, or half the window (or a full
-        frame) waits for them."""
         with self._lock:
-            if not self._unacked or self._ack_due_ms is None:
-                return False
-            enough = max(1, min(self.receive_maximum // 2, MAX_ACK_IDS))
-            return len(self._unacked) >= enough or self.clock.now_ms() >= self._ack_due_ms
+            return self._acks.due(self.receive_maximum)
 
     def _flush_acks_if_due(self) -> int:
         return self._flush_acks() if self._acks_due() else 0
@@ -687,7 +654,7 @@ class ShoalWsClient:
         with self._lock:
             held = sum(1 for m in self._buffer if m.qos > 0)
             held += sum(1 for m in self._outstanding.values() if m.qos > 0)
-            return held + len(self._unacked) >= self.receive_maximum
+            return held + len(self._acks) >= self.receive_maximum
 
     def _flush_acks(self, *, answered: bool = False) -> int:
         """Every held ack now, one frame per 1000 ids; the ids sent. No answer is asked for (a
@@ -697,17 +664,13 @@ class ShoalWsClient:
         while True:
             with self._lock:
                 link = self._link
-                if link is None or not self._unacked:
+                if link is None or not self._acks:
                     return sent
-                ids = list(itertools.islice(self._unacked, MAX_ACK_IDS))
-                last = len(ids) == len(self._unacked)
+                ids, last = self._acks.next_frame()
                 if not (answered and last):
                     # no ref: an ack is answered only when asked (one billed message fewer)
                     self._send_on(link, {"action": "ack", "ids": ids})
-                for message_id in ids:
-                    del self._unacked[message_id]
-                if not self._unacked:
-                    self._ack_due_ms = None
+                self._acks.sent(ids)
             if answered and last:
                 # not held again if this fails: the ids are processed (the state file), so
                 # their messages, sent again, are acked again then
@@ -729,73 +692,6 @@ class ShoalWsClient:
                     return None
                 return self._buffer.popleft()
         return None
-
-    def messages(
-        self,
-        *,
-        count: int | None = None,
-        auto_ack: bool = True,
-        until_ms: int | None = None,
-        outages: Outages | None = None,
-        on_outage: Callable[[str], None] | None = None,
-    ) -> Generator[ReceivedMessage, None, None]:
-        """Messages in order, each once, as they are pushed.
-
-        With ``auto_ack`` (the default), asking for the next one marks the previous processed
-        (recorded in the state file, then acked). Without it, a message stays outstanding until
-        ``mark_processed`` (from any thread) or ``ack``. ``until_ms`` (the client clock's time)
-        ends the iteration then, whatever ``count`` says. A lost connection is ridden out as
-        ``outages`` says (default: for ever), each outage told once as it starts and once as it
-        ends to ``on_outage`` (default: the ``shoal.client`` logger). Raises
-        ``SessionTakenOver`` when a newer connect took the session, and what is permanent
-        (a refused token without a renewal, 403).
-        """
-        outages = outages or Outages()
-        say = on_outage or logger.warning
-        handed = 0
-        current: ReceivedMessage | None = None
-        try:
-            while count is None or handed < count:
-                if current is not None and auto_ack:
-                    self.mark_processed(current)
-                current = None
-                if until_ms is not None and until_ms - self.clock.now_ms() <= 0:
-                    return
-                try:
-                    message = self._wait_for_message(until_ms)
-                except (LinkLost, _Busy) as exc:
-                    if not outages.forever:
-                        self._drop_link()
-                        raise Unavailable(0, "no_answer", str(exc), {}) from exc
-                    if not self._ride_out(str(exc), outages, say, until_ms):
-                        return
-                    continue
-                except Unavailable:
-                    if not outages.forever:
-                        raise
-                    if not self._ride_out("no connection", outages, say, until_ms):
-                        return
-                    continue
-                except _TakenOver:
-                    self._taken_over()
-                if message is None:
-                    return  # until_ms came
-                handed += 1
-                with self._lock:
-                    self._outstanding[message.id] = message
-                current = message
-                yield message
-            if current is not None and auto_ack:
-                self.mark_processed(current)
-                current = None
-        finally:
-            with self._lock:
-                if auto_ack and current is not None and current.id in self._outstanding:
-                    # handed out, not processed (the handler raised, the loop was left): the
-                    # next messages() hands it out first
-                    del self._outstanding[current.id]
-                    self._buffer.appendleft(current)
-            # what was processed is acked at its delay (the keep-alive thread), or at close
 
     def _wait_for_message(self, until_ms: int | None) -> ReceivedMessage | None:
         """The next message to hand out, receiving frames (and sending acks and pings, and
@@ -823,60 +719,3 @@ class ShoalWsClient:
                     return None
                 wait_s = min(wait_s, left_s)
             self._receive_on(link, wait_s)
-
-    def _ride_out(
-        self, lost: str, outages: Outages, say: Callable[[str], None], until_ms: int | None
-    ) -> bool:
-        """Wait out a lost connection and open a new one; False if ``until_ms`` came first.
-        Raises only what is permanent (``ApiError`` but ``Unavailable``; a takeover)."""
-        self._drop_link()
-        say(
-            f"lost {self.url} ({lost}); trying again, at most every {outages.max_s:g} s, "
-            "until it answers"
-        )
-        for _ in outages.pauses(self.clock, self.rng, until_ms):
-            try:
-                self._reconnect()
-            except (LinkLost, _Busy):
-                self._drop_link()
-                continue
-            except _TakenOver:
-                self._taken_over()
-            link = self._link
-            assert link is not None and link.connection is not None
-            how = (
-                "the session was resumed"
-                if link.connection.session_present
-                else "the session had ended: a new one, subscribed again"
-            )
-            say(f"{self.url} answers again; {how}")
-            return True
-        return False
-
-    def consume(
-        self,
-        handler: Callable[[ReceivedMessage], Any],
-        *,
-        count: int | None = None,
-        until_ms: int | None = None,
-        on_outage: Callable[[str], None] | None = None,
-    ) -> int:
-        """Call ``handler`` with each message; a message is processed (recorded, acked) only
-        once the handler returned. A handler that raises ends the loop with its exception;
-        that message is not acked, and is handed out first by the next ``messages()`` or
-        ``consume`` (or comes again from the server). The number handled."""
-        handled = 0
-        # auto_ack: a message is marked processed when the loop asks for the next, which is
-        # after the handler returned
-        for message in self.messages(count=count, until_ms=until_ms, on_outage=on_outage):
-            handler(message)
-            handled += 1
-        return handled
-
-
-class _Busy(Exception):
-    """A frame answered 429 or 5xx (or API Gateway's internal error): try again later."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(str(error))
-        self.error = error

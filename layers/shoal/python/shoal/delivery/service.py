@@ -22,8 +22,8 @@ serialize; every call checks first that its channel is the live one. Positions m
 idempotent a second time over: a cursor only moves forward, so a delivery written twice (under
 another key) is still handed out once. A long poll reads the inbox after 0.1 s, then 1.5 times
 later each time (at most every second), so a 20 s wait costs about 25 reads, not 200. Each
-re-read looks at every source (``_ScanStart``), eventually consistent at half the price, and
-reads consistently only what it hands out.
+re-read looks at every source (``shoal.delivery.scan``), eventually consistent at half the
+price, and reads consistently only what it hands out.
 
 Order: within one source (a storage shard) deliveries are written and handed out in position
 order, so messages of one ordering key arrive in publish order. Sources are read one after the
@@ -35,8 +35,7 @@ holds across storage topics too.
 from __future__ import annotations
 
 import base64
-import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,7 +51,6 @@ from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import (
     DeliveryState,
     Given,
-    InboxItem,
     InboxMessage,
     InboxStore,
     LineCache,
@@ -65,32 +63,20 @@ from shoal.delivery.model import (
     ATTEMPTS,
     MAX_GET,
     MAX_POLL_INTERVAL_S,
-    MAX_QUERIES_PER_GET,
     MAX_SCAN_PER_GET,
     MAX_WAIT_MS,
     POLL_INTERVAL_S,
     RETAINED_SOURCE,
-    STATE,
     AckRequest,
-    item_key,
     retained_mark,
 )
 from shoal.delivery.ports import SharedGroups
+from shoal.delivery.scan import Found, InboxScan, ScanStart
 from shoal.delivery.subscriptions import channel_of
 from shoal.sessions.model import Channel, Head
 from shoal.sessions.registry import SessionRegistry
 
 # --- get and ack ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Found:
-    """A message the scan found: where it is, and the item it is in."""
-
-    source: str
-    item: InboxItem
-    message: InboxMessage
-    last_in_item: bool
 
 
 @dataclass
@@ -102,36 +88,6 @@ class _Plan:
     changed: bool = False
     #: new deliveries done without going out, and why (delivery events: ``dropped``)
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
-
-
-@dataclass
-class _ScanStart:
-    """Where a get's scans start, kept across the idle polls of one get.
-
-    ``source``: the source of the partition's first item (consumed), as a scan of this get
-    found it. A poll again then starts at that source's cursor and skips the query that would
-    find the same item again (up to 64 KB: up to 16 read units); one query of a key range
-    that ends before that source's items (nothing in it, as a rule: the least a query costs)
-    tells whether a source that sorts before it got an item during the wait (a new storage
-    topic or shard, or a topic of the session's that had sent it nothing yet: issue 48).
-
-    ``idle``: the get found nothing so far, so its polls are re-reads of an idle inbox. Each
-    first looks eventually consistent (half the read units: an idle 20 s poll costs what it
-    cost with one strongly consistent query a poll) and reads consistently, to hand out, only
-    when the look found something. A look that misses a write not yet replicated (DynamoDB
-    promises only that a read repeated "after a short time" sees it) sees it at a later poll."""
-
-    source: str | None = None
-    idle: bool = False
-
-
-#: items a scan's query asks for after its first, at most and at least: as many as fit one read
-#: unit (``READ_UNIT``) by the size of the items the previous query read
-#: (``DeliveryService._scan``)
-SCAN_PAGE = 16
-MIN_SCAN_PAGE = 2
-#: DynamoDB bills a query per 4 KB it reads (strongly consistent), however many items
-READ_UNIT = 4096
 
 
 @dataclass(frozen=True)
@@ -168,9 +124,16 @@ class DeliveryService:
         self.groups = groups
         #: delivery events (``shoal.delivery.events``); None records nothing
         self.events = events
-        #: holds items of a later storage topic until the earlier ones are drained and handed
-        #: out (``shoal.drain``); None hands out every source as it comes
-        self.drain = drain
+        self.scans = InboxScan(inbox, drain)
+
+    @property
+    def drain(self) -> SessionGate | None:
+        """What holds a later storage topic's items back (``InboxScan.drain``)."""
+        return self.scans.drain
+
+    @drain.setter
+    def drain(self, gate: SessionGate | None) -> None:
+        self.scans.drain = gate
 
     # -- get
 
@@ -178,42 +141,24 @@ class DeliveryService:
         """The heads and delivery states of ``sessions`` (client id, session id), strongly
         consistent, in one batch read for up to 50 sessions (not two reads each), by session
         id: what a router's push to the sessions a batch wrote to starts from."""
-        return self._read_sessions(sorted(set(sessions)))[0]
+        return self._read_sessions(sorted(set(sessions)))
 
-    def read_session_with(
-        self, client_id: str, session_id: str, table: str, key: Mapping[str, Any]
-    ) -> tuple[SessionRead, dict[str, Any] | None]:
-        """``read_sessions`` of one session, and the item at ``key`` of another ``table`` in
-        the same call (None: there is none): an ack frame's head, state and push mark."""
-        reads, others = self._read_sessions([(client_id, session_id)], (table, key))
-        return reads[session_id], others[0] if others else None
-
-    def _read_sessions(
-        self,
-        pairs: list[tuple[str, str]],
-        other: tuple[str, Mapping[str, Any]] | None = None,
-    ) -> tuple[dict[str, SessionRead], list[dict[str, Any]]]:
+    def _read_sessions(self, pairs: list[tuple[str, str]]) -> dict[str, SessionRead]:
         if not pairs:
-            return {}, []
+            return {}
         repository = self.registry.repository
         keys: list[tuple[str, Mapping[str, Any]]] = [
             (repository.table, repository.head_key(c)) for c, _ in pairs
         ]
         keys += [(self.inbox.table, self.inbox.state_key(s)) for _, s in pairs]
-        if other is not None:
-            keys.append(other)
         heads: dict[str, Head] = {}
         states: dict[str, DeliveryState] = {}
-        others: list[dict[str, Any]] = []
         for table, row in self.inbox.dynamo.batch_get_tables(keys, consistent=True):
             if table == self.inbox.table:
                 states[str(row["inbox"])] = DeliveryState.from_record(row)
             elif table == repository.table:
                 heads[str(row["client_id"])] = repository.head_of(row)
-            else:
-                others.append(row)
-        reads = {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
-        return reads, others
+        return {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
 
     def get(
         self,
@@ -260,7 +205,7 @@ class DeliveryService:
         state: DeliveryState | None = known.state if known is not None else None
         # a copy: the get adds the lines it reads, and callers share theirs between threads
         read: LineCache = dict(lines or {})
-        start = _ScanStart()
+        start = ScanStart()
         while True:
             out: list[dict[str, Any]] = []
             for attempt in range(ATTEMPTS):
@@ -325,7 +270,7 @@ class DeliveryService:
         lines: LineCache,
         window: int,
         source: str | None = None,
-        start: _ScanStart | None = None,
+        start: ScanStart | None = None,
         given: Given | None = None,
     ) -> _Plan:
         plan = _Plan(state, lines)
@@ -359,7 +304,7 @@ class DeliveryService:
             due = run.channel != channel or run.sent_at_ms + timeout_ms <= now
             if not due:
                 continue
-            found = self._read_run(session_id, run)
+            found = self.scans.read_run(session_id, run)
             if found is None:
                 # its deliveries are gone (retention ran out): nothing left to redeliver
                 logger.warning("in-flight deliveries expired before their ack")
@@ -404,18 +349,6 @@ class DeliveryService:
             )
             return
 
-    def _read_run(self, session_id: str, run: SessionRun) -> list[_Found] | None:
-        """The run's messages in order, exactly as many as it has ordinals (else None)."""
-        items = self.inbox.between(session_id, run.start_item, item_key(run.source, run.upto))
-        found: dict[str, _Found] = {}
-        for item in items:
-            for n, m in enumerate(item.messages):
-                # a position is one message; the first item holding it is the one handed out
-                if run.after < m.position <= run.upto and m.position not in found:
-                    found[m.position] = _Found(run.source, item, m, n == len(item.messages) - 1)
-        ordered = sorted(found.values(), key=lambda f: f.message.position)
-        return ordered if len(ordered) == run.count else None
-
     def _deliver_new(
         self,
         *,
@@ -427,19 +360,19 @@ class DeliveryService:
         window_left: int,
         now: int,
         source: str | None = None,
-        start: _ScanStart | None = None,
+        start: ScanStart | None = None,
         given: Given | None = None,
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
-        scan = self._scan(session_id, state, source, start, given)
+        scan = self.scans.scan(session_id, state, source, start, given)
         scanned = 0
         recording = self.events is not None and self.events.enabled
         while True:
             # this round's messages to hand out, (ordinal, found): a retained mark may still
             # consume one, which its message id tells once its archive line is read
-            chosen: list[tuple[int, _Found]] = []
-            unwanted: list[tuple[_Found, str]] = []
+            chosen: list[tuple[int, Found]] = []
+            unwanted: list[tuple[Found, str]] = []
             while (
                 len(plan.out) + len(chosen) < wanted
                 and window_left > 0
@@ -496,7 +429,7 @@ class DeliveryService:
         self,
         state: DeliveryState,
         new_runs: dict[str, SessionRun],
-        found: _Found,
+        found: Found,
         channel: Channel,
         now: int,
     ) -> int:
@@ -537,7 +470,7 @@ class DeliveryService:
             raise RuntimeError("deliveries by reference need the archive bucket")
         return self.payloads.fill(messages, plan.lines)
 
-    def _wanted(self, head: Head, found: _Found, now: int) -> bool:
+    def _wanted(self, head: Head, found: Found, now: int) -> bool:
         """Whether a new delivery goes out: not expired, and its subscription still stands."""
         message = found.message
         if message.expires_at_ms is not None and message.expires_at_ms <= now:
@@ -546,134 +479,6 @@ class DeliveryService:
             return False
         option = head.subscriptions.get(message.subscription)
         return option is not None and option.get("sid") == message.sid
-
-    def _scan(
-        self,
-        session_id: str,
-        state: DeliveryState,
-        only: str | None = None,
-        start: _ScanStart | None = None,
-        given: Given | None = None,
-    ) -> Iterator[_Found]:
-        """The session's messages after each source's cursor, source by source, in order
-        (``_walk``). An idle poll's scan (``_ScanStart.idle``) looks first, eventually
-        consistent, and walks consistently only if the look found a message."""
-        if only is None and start is not None and start.idle:
-            look = self._walk(session_id, state, None, start, consistent=False)
-            if next(look, None) is None:
-                return
-        yield from self._walk(session_id, state, only, start, given=given)
-
-    def _walk(
-        self,
-        session_id: str,
-        state: DeliveryState,
-        only: str | None = None,
-        start: _ScanStart | None = None,
-        *,
-        consistent: bool = True,
-        given: Given | None = None,
-    ) -> Iterator[_Found]:
-        """The session's messages after each source's cursor, source by source, in order.
-
-        Consumed items stay until TTL, so when the scan runs into a source's consumed items it
-        jumps to that source's cursor (one query per source with old items, no more). The first
-        query asks for one item: the partition's first items are mostly consumed ones, up to
-        64 KB each, and a query is billed for every item it reads, so reading ten of them to
-        learn where to jump cost up to 160 read units a get. ``start``: where an earlier scan
-        of the same get found the partition's first item (``_ScanStart``). ``given``: items of
-        ``only`` its caller wrote and holds, taken instead of a query when the cursor stands
-        right before them: the session's last delivery of the source is the one they follow,
-        and none of its items is partway (``Given``).
-        """
-        lower, inclusive = STATE, False
-        limit = 1
-        if only is not None:
-            # one source (``only``): straight to its cursor, or the item it is partway through
-            lower, inclusive = _resume(state, only)
-            limit = MIN_SCAN_PAGE
-        elif start is not None and start.source is not None:
-            earlier = self.inbox.first_before(
-                session_id, item_key(start.source, ""), consistent=consistent
-            )
-            if earlier is None:
-                lower, inclusive = _resume(state, start.source)
-                limit = MIN_SCAN_PAGE
-            else:
-                # a source that sorts before it has items now: from the partition's first again
-                start.source = None
-        # the partition's first item, looked for only when no earlier scan of the get found it
-        first = start if start is not None and start.source is None and only is None else None
-        held_items: list[InboxItem] | None = None
-        if (
-            given is not None
-            and only == given.source
-            and given.items
-            and state.cursors.get(only, "") == given.after
-            and only not in state.partial
-        ):
-            held_items = list(given.items)
-            # then nothing more: what follows them is the next trigger's
-            limit = len(held_items) + 1
-        for _ in range(MAX_QUERIES_PER_GET):
-            if held_items is not None:
-                items, held_items = held_items, None
-            else:
-                items = self.inbox.after(
-                    session_id, lower, inclusive=inclusive, limit=limit, consistent=consistent
-                )
-            if first is not None:
-                if items and not any(
-                    m.position > state.cursors.get(items[0].source, "") for m in items[0].messages
-                ):
-                    # consumed: later polls of this get start at its source's cursor
-                    first.source = items[0].source
-                first = None
-            if only is not None:
-                # past the source's items: what other sources hold is not this scan's
-                items = list(itertools.takewhile(lambda i: i.source == only, items))
-                if not items:
-                    return
-            # as many items as one read unit holds, by the largest just read: small items by
-            # reference (``MAX_REF_ITEM_BYTES``) four a query, 64 KB ones two
-            biggest = max((i.stored_bytes for i in items), default=0)
-            page, limit = limit, max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
-            if not items:
-                return
-            jumped = False
-            held: str | None = None
-            for item in items:
-                source = item.source
-                cursor = state.cursors.get(source, "")
-                fresh = [m for m in item.messages if m.position > cursor]
-                held = None
-                if (
-                    fresh
-                    and self.drain is not None
-                    and not self.drain.admits(session_id, state, item)
-                ):
-                    # a later storage topic waits for the earlier ones (``shoal.drain``)
-                    held = source
-                    continue
-                if not fresh:
-                    partial = state.partial.get(source)
-                    if partial and partial > item.key:
-                        lower, inclusive = partial, True
-                    else:
-                        lower, inclusive = item_key(source, cursor), False
-                    if (lower, inclusive) <= (item.key, True):
-                        lower, inclusive = item.key, False
-                    jumped = True
-                    break
-                for n, message in enumerate(fresh):
-                    yield _Found(source, item, message, n == len(fresh) - 1)
-            if not jumped:
-                if len(items) < page:
-                    return
-                lower, inclusive = items[-1].key, False
-                if held is not None:
-                    # past the held source's other items in one step, not page by page
-                    lower = item_key(held, "~")
 
     def _answer(
         self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int
@@ -761,7 +566,7 @@ class DeliveryService:
                 if cut == 0:
                     run.sent_at_ms = 0
                     continue
-                found = self._read_run(session_id, run)
+                found = self.scans.read_run(session_id, run)
                 if found is None:
                     run.sent_at_ms = 0  # its items are gone: nothing to cut, all due
                     continue
@@ -862,18 +667,9 @@ def _sids(head: Head) -> list[str]:
     return [str(o["sid"]) for o in head.subscriptions.values() if o.get("sid")]
 
 
-def _drop_reason(found: _Found, now: int) -> str:
+def _drop_reason(found: Found, now: int) -> str:
     message = found.message
     expired = message.expires_at_ms is not None and message.expires_at_ms <= now
     if expired or (found.item.expires_at and found.item.expires_at * 1000 <= now):
         return "expired"
     return "unsubscribed"
-
-
-def _resume(state: DeliveryState, source: str) -> tuple[str, bool]:
-    """Where a scan of ``source`` goes on: the item it is partway through, or after its
-    cursor (a query's lower bound, and whether it is inclusive)."""
-    partial = state.partial.get(source)
-    if partial:
-        return partial, True
-    return item_key(source, state.cursors.get(source, "")), False

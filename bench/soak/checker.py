@@ -246,6 +246,8 @@ class Interval:
     #: when it stopped being owed anything: an unsubscribe invoked, a session lost
     end: float | None = None
     end_record: Record | None = None
+    #: when it was certainly gone: its unsubscribe answered
+    gone: float | None = None
 
 
 @dataclass
@@ -431,6 +433,11 @@ class Model:
                 held = self._open(client, str(name))
                 if held is not None:
                     held.end, held.end_record = float(record["t"]), record
+        elif phase == "ok":
+            for name in record.get("filters") or []:
+                intervals = self.intervals.get((client, str(name)))
+                if intervals and intervals[-1].end is not None and intervals[-1].gone is None:
+                    intervals[-1].gone = float(record["t"])
 
     def _open(self, client: str, name: str) -> Interval | None:
         intervals = self.intervals.get((client, name))
@@ -925,9 +932,9 @@ def _in_gap(intervals: list[Interval], publish: Publish) -> bool:
     answered = publish.first_ok
     assert answered is not None
     for before, after in itertools.pairwise(intervals):
-        if before.end is None or before.end_record is None:
+        if before.gone is None:
             continue
-        if publish.first_invoke > before.end and answered < float(after.invoke["t"]):
+        if publish.first_invoke > before.gone and answered < float(after.invoke["t"]):
             return True
     return False
 

@@ -507,6 +507,26 @@ def test_a_message_answered_before_the_subscribe_must_not_reach_it() -> None:
     ]
 
 
+def test_a_message_published_between_an_unsubscribe_and_a_resubscribe_must_not_arrive() -> None:
+    # Given carol subscribed, unsubscribed (answered), a message published and answered, and
+    # carol subscribed again, then getting that message
+    run = clean_run()
+    run.connect("carol", "c1")
+    run.subscribe("carol", "news/#")
+    run.unsubscribe("carol", "news/#")
+    run.publish("gap", "news/2")
+    run.subscribe("carol", "news/#")
+    run.consume("carol", "gap", sub="news/#", conn="c1")
+
+    # When the history is checked
+    report = run.check()
+
+    # Then it reached a subscription made after it
+    assert violations(report, "subscription_start") == [
+        "carol got gap under news/#, published while it was not subscribed"
+    ]
+
+
 def test_the_retained_copy_a_subscribe_asks_for_is_allowed_but_must_be_the_newest() -> None:
     # Given two retained messages on one topic, the second replacing the first, then a
     # subscribe that gets the first as its retained copy

@@ -1050,14 +1050,14 @@ def _wills(model: Model, report: Report, grace_s: float) -> None:
                 connection.invoke,
                 *[d.record for d in seen],
             )
-        last_moment = (case.close_latest or model.end) + case.delay_s + grace_s
-        if any(
-            down_at >= float(connection.invoke["t"]) and down_at <= last_moment
-            for down_at, _ in downs
-        ):
+        if _disturbed(model, case, downs):
             decided["disturbed"] += 1
             continue
-        verdict, why, evidence = _will_verdict(model, case, grace_s)
+        # a kill after the close defers the will's publication, as MQTT lets a failed server
+        # do (§3.1.2.5): the time the server was down is added to its grace
+        after = case.close_latest or model.end
+        downtime = sum(up - max(down, after) for down, up in downs if up > after)
+        verdict, why, evidence = _will_verdict(model, case, grace_s + downtime)
         decided[verdict] += 1
         if verdict == "forbidden" and seen:
             report.add(
@@ -1095,6 +1095,19 @@ def _wills(model: Model, report: Report, grace_s: float) -> None:
     for name, n in decided.items():
         report.counts[f"wills_{name}"] = n
     report.counts["wills_observed"] = len(observed)
+
+
+def _disturbed(model: Model, case: WillCase, downs: list[tuple[float, float]]) -> bool:
+    """Whether a kill of the server may have cut the connection before its own end (then the
+    server closed it, at a moment no record shows). A normal DISCONNECT answered is decisive
+    whatever came before: only a live channel can be disconnected."""
+    if case.ending == "clean":
+        return False
+    opened = float(case.connection.invoke["t"])
+    cut = case.close_latest
+    if cut is None:
+        cut = float(case.end_record["t"]) if case.end_record is not None else model.end
+    return any(opened <= down <= cut for down, _ in downs)
 
 
 def _will_case(

@@ -685,7 +685,8 @@ def test_a_silent_http_channel_gets_its_will_after_its_keepalive() -> None:
 
 
 def test_a_will_cut_by_a_server_kill_is_judged_only_on_at_most_once() -> None:
-    # Given a dropped connection whose server was killed meanwhile, and no will ever seen
+    # Given a dropped connection whose server was killed before it could see the close, and no
+    # will ever seen
     run = will_run()
     run.rec("lost", client="dev", conn="d9", how="dropped")
     run.rec("fault", kind="server_kill")
@@ -699,6 +700,25 @@ def test_a_will_cut_by_a_server_kill_is_judged_only_on_at_most_once() -> None:
     # Then MQTT lets a failed server publish it later or not: nothing to say
     assert report.ok, report.render()
     assert report.counts["wills_disturbed"] == 1
+
+
+def test_a_will_due_before_a_kill_is_still_owed_after_the_restart() -> None:
+    # Given a connection dropped, the server killed 10 s later (after it saw the close) and up
+    # again 30 s after that, and no will seen for two minutes more
+    run = will_run()
+    run.rec("lost", client="dev", conn="d9", how="dropped")
+    run.tick(10)
+    run.rec("fault", kind="server_kill")
+    run.tick(30)
+    run.rec("fault", kind="server_up")
+    run.tick(120)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then the will was owed all the same: a failed server may defer it, not drop it
+    assert len(violations(report, "will")) == 1
+    assert report.counts["wills_required"] == 1
 
 
 # -- push subscriptions -----------------------------------------------------------------------

@@ -32,7 +32,9 @@ The properties (``/work/shared/API.md`` is the contract; docs/design.md says how
 - ``order``: per ordering key (within its composite topic), the first deliveries of messages to
   one subscription of one session follow publish order (DESIGN.md property 3); for a shared
   subscription that is per member, the holder of the key's lane. Publish order: a publish
-  answered before another was invoked, and one publisher's accepted sequence numbers.
+  answered before another was invoked, and one publisher's accepted sequence numbers. A
+  message first seen with ``dup`` was handed out before, unseen (a long poll's answer lost, a
+  push to a connection that dropped): where it stood is unknown, so it is left out.
 - ``qos2_member``: a QoS 2 message of a shared group goes to one member only
   ([MQTT-4.8.2-4/5]; API.md "it never goes to another member").
 - ``subscription_start``: a message whose publish was answered before a subscription was made
@@ -855,6 +857,10 @@ def _order(model: Model, report: Report) -> None:
             if (delivery.sub, mk) in seen:
                 continue
             seen.add((delivery.sub, mk))
+            if delivery.record.get("dup"):
+                # first seen as a redelivery: it was handed out before, at a moment the client
+                # never saw (a lost answer, a push to a dropped connection)
+                continue
             by_sub[delivery.sub].append((model.publishes[mk], delivery.record))
         for sub, sequence in by_sub.items():
             for earlier, earlier_record, later, later_record in _order_violations(model, sequence):

@@ -38,6 +38,8 @@ from shoal.client.wslink import Link, Socket
 
 from bench.soak.history import History
 
+#: the soak topics' areas (``soak/a{n}/...``)
+AREAS = 8
 #: the WebSocket clients' window (receive maximum)
 WINDOW = 50
 #: an HTTP will client's keep-alive: the reaper (every 2 s under the soak) expires its channel
@@ -162,7 +164,9 @@ class RecordingHttpClient(ShoalClient):
             self._record_failure(kind, body, common, exc, phase="info")
             raise
         except ApiError as exc:
-            self._record_failure(kind, body, common, exc, phase="fail")
+            # a 4xx refused it (nothing done); a 5xx may have come after it was done
+            refused = exc.status < 500 and exc.status != 429
+            self._record_failure(kind, body, common, exc, phase="fail" if refused else "info")
             if isinstance(exc, SessionTakenOver) and self.conn is not None:
                 self.history.record("lost", client=self.client_id, conn=self.conn, how="ended")
             raise
@@ -197,6 +201,8 @@ class RecordingHttpClient(ShoalClient):
                     phase="ok",
                     message_id=result["message_id"],
                     duplicate=bool(result.get("duplicate")),
+                    storage_topic=result.get("storage_topic"),
+                    partition=result.get("partition"),
                     **common,
                     **fields,
                 )
@@ -226,7 +232,7 @@ class RecordingHttpClient(ShoalClient):
                 [error] * len(messages) if phase == "fail" else [],
             )
         elif kind != "get" and (kind != "heartbeat" or self.record_heartbeats):
-            self.history.record(kind, phase="fail", status=exc.status, code=exc.code, **common)
+            self.history.record(kind, phase=phase, status=exc.status, code=exc.code, **common)
 
     def _record_answer(
         self, kind: str, body: Any, answer: Any, common: dict[str, Any], invoked: float
@@ -376,9 +382,15 @@ class RecordingWsClient(ShoalWsClient):
         self.history.record(str(action), phase="invoke", **common, **fields)
         try:
             answer = super()._ask_on(link, frame)
+        except ApiError as exc:
+            # refused (a 4xx): not done; a 5xx or 429 (``_Busy`` holds one): done or not
+            phase = "fail" if exc.status < 500 and exc.status != 429 else "info"
+            self.history.record(str(action), phase=phase, code=exc.code, **common, **fields)
+            raise
         except Exception as exc:
-            code = getattr(exc, "code", type(exc).__name__)
-            self.history.record(str(action), phase="fail", code=code, **common, **fields)
+            # no answer (the connection lost, the answer late): done or not, nobody knows
+            error = type(exc).__name__
+            self.history.record(str(action), phase="info", error=error, **common, **fields)
             raise
         if action in {"connect", "renew"}:
             self.conn = common["conn"]
@@ -405,6 +417,18 @@ class RecordingWsClient(ShoalWsClient):
                 return
             code = (frame.get("error") or {}).get("code") if isinstance(frame, dict) else None
             self.history.record("ack", phase="fail", code=code, n=len(ids), **common)
+        elif frame.get("action") in (None, "error"):
+            # a frame refused or failed without naming ours: API Gateway's "Internal server
+            # error", a throttle; which frame it was is not said (never its text: it is ours)
+            error = frame["error"] if isinstance(frame.get("error"), dict) else {}
+            self.history.record(
+                "frame_error",
+                client=self.client_id,
+                conn=self._rx_conn,
+                status=frame.get("status"),
+                code=error.get("code"),
+                message=str(frame.get("message"))[:80] if frame.get("message") else None,
+            )
         super()._handle(frame)
 
     def _received(self, frame: dict[str, Any]) -> None:
@@ -673,7 +697,7 @@ class Topics:
 
     def pick(self, rng: random.Random, n: int) -> tuple[str, str | None]:
         if self.family == "soak":
-            area = rng.randrange(4)
+            area = rng.randrange(AREAS)
             topic, key = f"soak/a{area}/t{n % 3}", f"k{rng.randrange(6)}"
         elif self.family == "jobs":
             topic, key = f"jobs/{n % 5}", f"j{rng.randrange(6)}"

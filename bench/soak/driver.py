@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak import checker as soak_checker
-from bench.soak.clients import WILL_KEEPALIVE_S, payload_keys
+from bench.soak.clients import AREAS, WILL_KEEPALIVE_S, payload_keys
 from bench.soak.endpoint import PushEndpoint
 from bench.soak.history import History, history_file, read_history
 from bench.soak.server import (
@@ -62,6 +62,10 @@ SHORT_TOKEN_TTL_S = 60
 ROTATE_EVERY_S = 40.0
 #: clients per worker process
 PER_WORKER = 8
+#: messages a second over all publishers, whatever the client count: at 5 a second and 100
+#: clients (about 60 deliveries a second) shoal dev on 2 shared cores fell behind on the
+#: WebSocket acks and sessions stalled at a full window (docs/operations.md, "Soak")
+DEFAULT_RATE = 2.0
 
 
 @dataclass
@@ -69,7 +73,7 @@ class Settings:
     minutes: float = 5.0
     clients: int = 40
     seed: int = 1
-    #: messages a second over all publishers (default: from the client count)
+    #: messages a second over all publishers (``DEFAULT_RATE`` unless told)
     rate: float | None = None
     kills: int | None = None
     drops: int | None = None
@@ -105,7 +109,7 @@ class Outcome:
 
 def plan(settings: Settings) -> list[dict[str, Any]]:
     """Every client of the run, as its worker gets it (client id, role and options)."""
-    rate = settings.rate if settings.rate is not None else max(2.0, settings.clients / 20)
+    rate = settings.rate if settings.rate is not None else DEFAULT_RATE
     specs: list[dict[str, Any]] = []
 
     def add(kind: str, **spec: Any) -> None:
@@ -122,7 +126,9 @@ def plan(settings: Settings) -> list[dict[str, Any]]:
     publisher("work", 0.1, keyed=True, qos=2)
     publisher("hooks", 0.15, keyed=True)
     publisher("retained", 0.05, keyed=False, retain=True)
-    add("observer", role="subscriber", transport="ws", filters=[_filter("wills/#")])
+    # wills are seen by a long-polling observer: its acks are answered whatever the load on
+    # the WebSocket API (a second one over WebSocket comes with more clients)
+    add("observer", role="subscriber", transport="http", filters=[_filter("wills/#")])
     for group, family, qos in (("ga", "jobs", 1), ("gb", "work", 2)):
         for transport in ("ws", "http"):
             add(
@@ -143,6 +149,9 @@ def plan(settings: Settings) -> list[dict[str, Any]]:
     if extra:
         add("short", role="subscriber", transport="ws", token="short", filters=[_filter("soak/#")])
         extra -= 1
+    if extra:
+        add("observer", role="subscriber", transport="ws", filters=[_filter("wills/#")])
+        extra -= 1
     for n in range(extra):
         roll = rng.random()
         transport = "ws" if n % 5 < 3 else "http"
@@ -159,7 +168,7 @@ def plan(settings: Settings) -> list[dict[str, Any]]:
         elif roll < 0.23:
             add("prober", role="prober", transport=transport, filters=[_filter("retained/#")])
         else:
-            area = f"soak/a{n % 4}/#" if n % 7 else "soak/#"
+            area = f"soak/a{n % AREAS}/#" if n % 20 else "soak/#"
             add("sub", role="subscriber", transport=transport, filters=[_filter(area)])
     return specs
 

@@ -711,9 +711,11 @@ def _after_ack(delivery: Delivery, acked_at: float, model: Model, ack_race_s: fl
 
 def _duplicates_after_ack(model: Model, report: Report, ack_race_s: float) -> None:
     races = 0
-    member_of: dict[str, set[str]] = defaultdict(set)
+    # each group's deliveries by message, over its members
+    in_group: dict[tuple[str, str], list[Delivery]] = defaultdict(list)
     for name, intervals in _groups(model).items():
-        member_of[name] = {i.client for i in intervals}
+        for delivery in _group_deliveries(model, name, {i.client for i in intervals}):
+            in_group[(name, str(delivery.mk))].append(delivery)
     for client, deliveries in model.deliveries.items():
         by_id: dict[str, list[Delivery]] = defaultdict(list)
         by_message: dict[tuple[str, str], list[Delivery]] = defaultdict(list)
@@ -744,22 +746,21 @@ def _duplicates_after_ack(model: Model, report: Report, ack_race_s: float) -> No
             for d in named:
                 if not _shared(d.sub) or d.mk is None:
                     continue
-                for other in member_of.get(d.sub, set()) - {client}:
-                    for delivery in model.deliveries.get(other, []):
-                        if delivery.sub != d.sub or delivery.mk != d.mk:
-                            continue
-                        when = _after_ack(delivery, acked_at, model, ack_race_s)
-                        if when == "race":
-                            races += 1
-                        elif when == "after":
-                            report.add(
-                                "duplicate_after_ack",
-                                f"{other} got {delivery.mk} of {d.sub} after {client}'s ack of "
-                                "it was answered",
-                                ack.invoke,
-                                ack.answer,
-                                delivery.record,
-                            )
+                for delivery in in_group.get((d.sub, d.mk), []):
+                    if delivery.client == client:
+                        continue
+                    when = _after_ack(delivery, acked_at, model, ack_race_s)
+                    if when == "race":
+                        races += 1
+                    elif when == "after":
+                        report.add(
+                            "duplicate_after_ack",
+                            f"{delivery.client} got {delivery.mk} of {d.sub} after {client}'s "
+                            "ack of it was answered",
+                            ack.invoke,
+                            ack.answer,
+                            delivery.record,
+                        )
     report.counts["ack_races"] = races
 
 

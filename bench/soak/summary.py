@@ -164,6 +164,9 @@ def summarize(
         (float(r["t"]) for r in records if r["op"] == "phase" and r["name"] == "traffic_end"),
         float(records[-1]["t"]),
     )
+    drained = next(
+        (r.get("after_s") for r in records if r["op"] == "phase" and r["name"] == "drained"), None
+    )
     samples = [r for r in records if r["op"] == "sample"]
     faults = [r for r in records if r["op"] == "fault"]
     faults += [
@@ -184,6 +187,7 @@ def summarize(
         "minutes": settings.minutes,
         "clients": settings.clients,
         "traffic_end_s": round(traffic_end - start, 1),
+        "drain_s": drained,
         "seed": settings.seed,
         "throttle": start_record.get("throttle") if start_record else None,
         "verdict": "PASS" if report.ok else "FAIL",
@@ -348,7 +352,9 @@ def markdown(figures: dict[str, Any], report: Report) -> str:
         f"# Soak: {figures['minutes']:g} minutes, {figures['clients']} clients, seed "
         f"{figures['seed']}: {figures['verdict']}",
         "",
-        f"Throttle: {figures['throttle'] or 'none'}. Violations: {violations}.",
+        f"Throttle: {figures['throttle'] or 'none'}. Traffic {figures['traffic_end_s']} s, then "
+        f"a drain of {figures['drain_s']} s (until nothing owed was missing, or its limit). "
+        f"Violations: {violations}.",
         "",
         "Counts: " + ", ".join(f"{k} {v}" for k, v in figures["counts"].items()) + ".",
         "",

@@ -122,6 +122,8 @@ def plan(settings: Settings) -> list[dict[str, Any]]:
     publisher("soak", 0.2, keyed=True)
     publisher("soak", 0.2, keyed=True, batch=5)
     publisher("soak", 0.1, keyed=False)
+    # at most once: never redelivered, never twice (the checker's qos0_twice)
+    publisher("soak", 0.05, keyed=True, qos=0)
     publisher("jobs", 0.15, keyed=True, batch=5)
     publisher("work", 0.1, keyed=True, qos=2)
     publisher("hooks", 0.15, keyed=True)

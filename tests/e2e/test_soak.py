@@ -20,7 +20,7 @@ def test_a_minute_of_mixed_traffic_and_faults_keeps_every_promise(tmp_path: Path
     # connections dropped without a close, a client process killed and started again
     settings = Settings(
         minutes=1,
-        clients=18,
+        clients=19,
         seed=47,
         kills=1,
         drops=3,

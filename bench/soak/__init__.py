@@ -55,16 +55,23 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     outcome = run_soak(settings)
     figures = dict(outcome.figures)
     figures["command"] = " ".join(["python -m bench soak", *(argv or [])])
-    figures["out"] = str(outcome.out)
+    # the run's folder as the checkout names it (the results file travels with the code)
+    figures["out"] = _relative(outcome.out)
     label = f"{settings.minutes:g}m-{settings.clients}c"
     if figures.get("png"):
         plots = HERE / "plots"
         plots.mkdir(exist_ok=True)
         shutil.copyfile(figures["png"], plots / f"{label}.png")
+        figures["png"] = _relative(Path(figures["png"]))
         figures["plot"] = f"soak/plots/{label}.png"
     runs = dict(_previous_runs())
     runs[label] = figures
     return {"runs": runs}
+
+
+def _relative(path: Path) -> str:
+    root = HERE.parents[1]
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def _previous_runs() -> dict[str, Any]:

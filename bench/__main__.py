@@ -2,7 +2,8 @@
 
 ``python -m bench`` runs every benchmark; ``python -m bench groups push`` runs only those named
 and keeps the figures of the others from the previous results file (a full run takes long,
-mostly the audit's generated archives).
+mostly the audit's generated archives). Options after the names (``python -m bench soak
+--minutes 30``) go to the one benchmark named, whose ``run`` takes them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bench import (
     publish,
     push,
     sessions,
+    soak,
     wspush,
 )
 
@@ -49,14 +51,24 @@ BENCHMARKS = {
     "connections": connections,
     "fanout": fanout,
     "grow": grow,
+    # not part of a plain `python -m bench`: minutes of its own (python -m bench soak)
+    "soak": soak,
 }
+#: run only when named
+ON_REQUEST = frozenset({"soak"})
 
 
 def main(argv: list[str] | None = None) -> int:
-    wanted = list(sys.argv[1:] if argv is None else argv) or list(BENCHMARKS)
+    given = list(sys.argv[1:] if argv is None else argv)
+    cut = next((i for i, a in enumerate(given) if a.startswith("-")), len(given))
+    wanted, options = given[:cut], given[cut:]
+    wanted = wanted or [name for name in BENCHMARKS if name not in ON_REQUEST]
     unknown = sorted(set(wanted) - set(BENCHMARKS))
     if unknown:
         print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+        return 2
+    if options and len(wanted) != 1:
+        print("options go to one benchmark: name exactly one before them")
         return 2
     previous: dict[str, Any] = {}
     if (HERE / "results.json").exists():
@@ -72,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, module in BENCHMARKS.items():
         if name in wanted:
             print(f"running {name} ...", file=sys.stderr)
-            results["benchmarks"][name] = module.run()
+            results["benchmarks"][name] = module.run(options) if options else module.run()
         elif name in previous:
             results["benchmarks"][name] = previous[name]
     # the other benchmarks' figures as they are now, not as they were at the start: a run of

@@ -3,6 +3,8 @@ partition; attribute values are written into responses directly."""
 
 from __future__ import annotations
 
+import gc
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 from boto3.dynamodb.conditions import Key
 from moto import mock_aws
 from moto.core.serialize import BaseJSONSerializer
-from moto.dynamodb.models.dynamo_type import Item
+from moto.dynamodb.models.dynamo_type import DynamoType, Item
 from moto.dynamodb.models.table import Table
 from shoal.local.aws import adapt_moto
 from shoal.local.moto_dynamodb import _attribute_value_json, _NotAnAttributeValue
@@ -373,3 +375,22 @@ def test_a_condition_is_lexed_once_and_each_call_gets_its_own_names_and_values(
     items = {i["k"]: i for i in table.query(KeyConditionExpression=Key("p").eq("a"))["Items"]}
     assert (items[1]["until"], items[5]["until"]) == (1, 5)
     assert "until" not in items[3]
+
+
+def test_an_item_nothing_holds_any_more_is_let_go(table: Any) -> None:
+    # Given an item put and then overwritten, and a query's answer read and dropped: of the
+    # Item objects moto made for them, only the table's current one is referenced
+    marker = f"let-go-{uuid.uuid4().hex}"
+    table.put_item(Item={"p": marker, "k": 1, "v": "first"})
+    table.put_item(Item={"p": marker, "k": 1, "v": "second"})
+    table.query(KeyConditionExpression=Key("p").eq(marker))
+
+    # When the garbage is collected
+    gc.collect()
+
+    # Then only that one is alive (soak, issue 47: moto kept every model object it ever made
+    # for its dashboard, and shoal dev grew by ~30 MB a minute)
+    alive = [
+        o for o in gc.get_objects() if type(o) is Item and o.hash_key == DynamoType({"S": marker})
+    ]
+    assert [o.attrs["v"].value for o in alive] == ["second"]

@@ -1,0 +1,282 @@
+"""The soak's ``shoal dev``: one process on a persistent state directory, killed with -9 and
+started again on the same state and ports; its tokens; and what ``/proc`` says of it.
+
+The same start and wait as ``tests/e2e/conftest.py``'s ``DevServer`` (the bench cannot import
+the tests' fixtures), with the soak's options: the reaper every ``REAPER_S`` seconds (wills
+and keep-alives are judged against it) and ``SHOAL_DEV_THROTTLE`` passed through when set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+#: a restart replays the whole journal (about 2.6 ms a request here, 40-70 requests a second
+#: under the soak): minutes after a long run, and the soak records it rather than give up
+START_TIMEOUT_S = 3600.0
+STOP_TIMEOUT_S = 30.0
+#: the reaper's period under the soak (deployed: a minute; keep-alives and wills wait on it)
+REAPER_S = 2
+#: the runtime's throttle (issue 47: the lead's fault injection of ``@connections`` posts and
+#: DynamoDB calls); passed through as it is, never interpreted here
+THROTTLE_ENV = "SHOAL_DEV_THROTTLE"
+#: prctl(2)'s option: the signal a child gets when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+#: loaded here, in the parent: a child between fork and exec only calls into it
+LIBC = _libc()
+
+
+def die_with_parent() -> None:
+    """In a child before it runs: killed when the soak's process dies (Linux's
+    PR_SET_PDEATHSIG), so a driver killed mid-run leaves no server or client behind."""
+    if LIBC is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def shoal_command() -> list[str]:
+    script = Path(sys.executable).with_name("shoal")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("AWS_ENDPOINT_URL")]:
+        del env[key]
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("POWERTOOLS_LOG_LEVEL", "WARNING")
+    env |= dict(extra or {})
+    return env
+
+
+class DevProcess:
+    """``shoal dev`` on ``state_dir``: started, killed, started again on the same ports."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        default_partitions: int = 2,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.default_partitions = default_partitions
+        self.env = dict(env or {})
+        self.log_path = log_path or state_dir.parent / "shoal-dev.log"
+        self.port = 0
+        self.aws_port = 0
+        self.ws_port = 0
+        self.url = ""
+        self.ws_url = ""
+        self.issuer = ""
+        self.process: subprocess.Popen[bytes] | None = None
+        #: seconds each start took until healthy, and the journal's replay time it printed
+        self.starts: list[dict[str, float]] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> float:
+        """Start and wait until healthy; the seconds it took."""
+        args = [
+            *shoal_command(),
+            "dev",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--aws-port",
+            str(self.aws_port),
+            "--ws-port",
+            str(self.ws_port),
+            "--state-dir",
+            str(self.state_dir),
+            "--default-partitions",
+            str(self.default_partitions),
+            "--schedule",
+            f"reaper={REAPER_S}",
+            "--log-level",
+            "WARNING",
+        ]
+        began = time.monotonic()
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=child_environment(self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch it meanwhile
+            )
+        self._wait_until_ready()
+        took = time.monotonic() - began
+        self.starts.append({"start_s": round(took, 2), **self._replay(offset)})
+        return took
+
+    def _replay(self, offset: int) -> dict[str, float]:
+        try:
+            with self.log_path.open("rb") as handle:
+                handle.seek(offset)
+                text = handle.read().decode(errors="replace")
+        except OSError:
+            return {}
+        found = re.search(r"journal:\s+(\d+) requests replayed in ([\d.]+) s", text)
+        if found is None:
+            return {}
+        return {"replayed": float(found.group(1)), "replay_s": float(found.group(2))}
+
+    def _wait_until_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        runtime_file = self.state_dir / "runtime.json"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"shoal dev exited with {self.process.returncode}")
+            info = _read_json(runtime_file)
+            if info and info.get("pid") == self.process.pid:
+                self.url, self.issuer = info["url"], info["issuer"]
+                self.port = int(self.url.rsplit(":", 1)[1])
+                self.aws_port = int(str(info["aws_url"]).rsplit(":", 1)[1])
+                self.ws_url = info["ws_url"]
+                self.ws_port = int(self.ws_url.rsplit(":", 1)[1])
+                if self.healthy():
+                    return
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"shoal dev did not become healthy in {START_TIMEOUT_S} s")
+
+    def healthy(self) -> bool:
+        try:
+            status, _ = request(self.url, "GET", "/v1/health", timeout=5)
+        except OSError:
+            return False
+        return status == 200
+
+    def kill(self) -> None:
+        """kill -9: no shutdown code runs."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def mint(self, sub: str, *, ttl_s: int, admin: bool = False) -> str:
+        """A token signed with the state directory's key (as ``shoal token``), in-process: the
+        soak mints many (every rotation of a short-lived token) and a CLI start costs seconds."""
+        from shoal.local.authorizer import IssuerSettings, SigningKey, mint_token
+
+        settings = IssuerSettings.load(self.state_dir)
+        assert settings is not None, "shoal dev has not started on this state directory"
+        return mint_token(
+            SigningKey.load_or_create(self.state_dir),
+            issuer=settings.issuer,
+            audience=settings.audience,
+            sub=sub,
+            admin=admin,
+            clients=None if admin else [f"{sub}-*"],
+            publish=() if admin else ["#"],
+            subscribe=() if admin else ["#"],
+            ttl_s=ttl_s,
+        )
+
+
+def request(
+    url: str,
+    method: str,
+    path: str,
+    *,
+    token: str | None = None,
+    body: Any = None,
+    timeout: float = 30,
+) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    # loopback http only: the URL is shoal dev's own
+    call = urllib.request.Request(url + path, data=data, method=method, headers=headers)  # noqa: S310
+    try:
+        with urllib.request.urlopen(call, timeout=timeout) as response:  # noqa: S310
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+# -- what /proc says ----------------------------------------------------------------------------
+
+
+def process_tree(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        found.append(p)
+        try:
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        pending.extend(int(c) for c in children)
+    return found
+
+
+def resources(pid: int) -> dict[str, int] | None:
+    """Resident memory (KB), open files and threads of ``pid`` and its descendants; None once
+    it is gone."""
+    rss = fds = threads = 0
+    seen = False
+    for p in process_tree(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text().splitlines()
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            continue
+        seen = True
+        for line in status:
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1])
+            elif line.startswith("Threads:"):
+                threads += int(line.split()[1])
+    return {"rss_kb": rss, "fds": fds, "threads": threads} if seen else None

@@ -33,7 +33,7 @@ from shoal.client.http import ShoalClient
 from shoal.client.publishing import Publishing
 from shoal.client.support import CallRetry, FlowControl, Outages
 from shoal.client.tokens import FileToken
-from shoal.client.ws import MAX_ACK_IDS, ShoalWsClient
+from shoal.client.ws import ShoalWsClient
 from shoal.client.wslink import Link, Socket
 
 from bench.soak.history import History
@@ -437,15 +437,15 @@ class RecordingWsClient(ShoalWsClient):
         )
         super()._received(frame)
 
-    def _flush_acks(self) -> int:
+    def _flush_acks(self, *, answered: bool = False) -> int:
         """The library's, with a ``ref`` on each ack frame (its answer says what counted)."""
         sent = 0
         while True:
             with self._lock:
                 link = self._link
-                ids = self._unacked[:MAX_ACK_IDS]
-                if link is None or not ids:
+                if link is None or not self._acks:
                     return sent
+                ids, last = self._acks.next_frame()
                 ref = uuid.uuid4().hex[:12]
                 self.history.record(
                     "ack",
@@ -457,8 +457,14 @@ class RecordingWsClient(ShoalWsClient):
                 )
                 self._ack_refs[ref] = list(ids)
                 self._send_on(link, {"action": "ack", "ids": ids, "ref": ref})
-                del self._unacked[: len(ids)]
+                self._acks.sent(ids)
             sent += len(ids)
+            if answered and last:
+                # as the library does: a disconnect sent next must not overtake the last ack
+                deadline = time.monotonic() + SETTLE_S
+                with contextlib.suppress(Exception):
+                    while ref in self._ack_refs and time.monotonic() < deadline:
+                        self._receive_on(link, 0.2)
 
     def settle(self, timeout_s: float = SETTLE_S) -> None:
         """Send the acks pending and wait (at most ``timeout_s``) for their answers."""

@@ -4,6 +4,7 @@ invocation whose work does not grow with its connected subscribers."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 from collections import Counter
@@ -262,3 +263,70 @@ def test_a_large_fan_out_hands_each_part_over_as_it_is_written(
     # Then four parts went, each written then handed over, and every session got it once
     assert steps == ["write", "hand off"] * 4, steps
     assert [texts(edge.messages(c)) for c in connections] == [["m0"]] * 40
+
+
+def test_qos0_frames_carried_whole_keep_their_place_among_written_deliveries(edge: Edge) -> None:
+    """The router writes a connected session's QoS 1 deliveries and carries its QoS 0 ones
+    whole in the push (written nowhere): the push posts each QoS 0 frame where its message
+    stands in the source among what its get hands out, so the ordering key's order holds
+    across QoS levels (design property 3)."""
+    subscribed(edge, 1)
+    for n, qos in enumerate((1, 0, 1, 0)):
+        edge.world.publish("a/b", f"m{n}", ordering_key="k", qos=qos)
+    edge.world.route()
+    frames = edge.messages("c0")
+    assert texts(frames) == ["m0", "m1", "m2", "m3"]
+    assert [f["qos"] for f in frames] == [1, 0, 1, 0]
+
+
+def test_a_qos0_frame_a_later_delivery_overtook_is_dropped_not_posted_out_of_order(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push handed over before a router batch (an ack's, a sweep's) runs after the next
+    batch was written and hands that batch's QoS 1 delivery out first; the QoS 0 frame the
+    first batch carries is then behind it. Posted, it would break the key's order: it is
+    dropped (QoS 0 is at most once, MQTT 5 §4.3.1) and its event says why."""
+    subscribed(edge, 1)
+    found = edge.connections.connection("c0")
+    assert found is not None
+    # Given a push of the session waiting in its lane, then two batches handed over behind it
+    pushes = edge.push
+    edge.push = lambda: 0  # type: ignore[method-assign]
+    edge.queue.hand_off([found.session_id])
+    edge.world.publish("a/b", "m0", ordering_key="k", qos=0)
+    edge.world.route()
+    edge.world.publish("a/b", "m1", ordering_key="k", qos=1)
+    edge.world.route()
+    edge.push = pushes  # type: ignore[method-assign]
+    # When the pusher takes the lane in order, a record a batch (the three in one batch would
+    # be one push, which orders them itself)
+    monkeypatch.setattr(edge, "mapping", dataclasses.replace(edge.mapping, batch_size=1))
+    frames = edge.messages("c0")
+    # Then m1 went out (by the first push, from the inbox) and m0 never after it
+    assert texts(frames) == ["m1"]
+    assert edge.worker.last.frames == 0  # the batch's own push posted nothing
+
+
+def test_a_returned_chunk_posts_its_qos0_frames_once(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk whose QoS 1 post was throttled past its tries comes back from the queue; the
+    QoS 0 frame it carries went out the first time and is not posted again (at most once),
+    while the QoS 1 delivery is sent again, after it."""
+    subscribed(edge, 1)
+    refused = {"n": 0}
+
+    def throttle(_connection: str, frame: dict[str, Any]) -> bool:
+        if frame["action"] == "message" and frame["qos"] == 1 and refused["n"] < 6:
+            refused["n"] += 1
+            return True
+        return False
+
+    edge.api.throttle = throttle
+    monkeypatch.setattr(push_module, "backoff_s", lambda *_: 0.0)
+    edge.world.publish("a/b", "m0", ordering_key="k", qos=0)
+    edge.world.publish("a/b", "m1", ordering_key="k", qos=1)
+    edge.world.route()
+    frames = edge.messages("c0")
+    assert refused["n"] == 6
+    assert texts(frames) == ["m0", "m1"]

@@ -88,6 +88,8 @@ class _Plan:
     changed: bool = False
     #: new deliveries done without going out, and why (delivery events: ``dropped``)
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
+    #: where each delivery of ``out`` is, by id: (source, position)
+    positions: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class DeliveryService:
         known: SessionRead | None = None,
         events: EventBatch | None = None,
         given: Given | None = None,
+        positions: dict[str, tuple[str, str]] | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -186,7 +189,9 @@ class DeliveryService:
         where the get's delivery events go instead of their own append (the caller appends
         them, before the deliveries go out). ``given``: the items the caller wrote of ``source``
         for this session (the router's, carried by its push), handed out without being read
-        back when the session's cursor stands where they follow (``Given``)."""
+        back when the session's cursor stands where they follow (``Given``). ``positions``:
+        filled with the source and position of each delivery handed out from the inbox, by id
+        (a push orders the QoS 0 frames it carries among them)."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -236,6 +241,8 @@ class DeliveryService:
                 expires = now // 1000 + self.settings.retention_s
                 if self.inbox.write_state(session_id, plan.state, expected, expires):
                     out = plan.out
+                    if positions is not None:
+                        positions.update(plan.positions)
                     self._record_get(session_id, client_id, plan, events)
                     break
                 state = None
@@ -320,7 +327,9 @@ class DeliveryService:
                     # its archive line is gone: nothing left to send again
                     state.acked.add(run.first + n)
                     continue
-                plan.out.append(self._answer(session_id, run.first + n, message, True, now))
+                self._give(
+                    plan, session_id, run.first + n, message, dup=True, now=now, source=run.source
+                )
             plan.changed = True
             if len(taken) == len(pending):
                 run.sent_at_ms, run.channel = now, channel
@@ -418,7 +427,9 @@ class DeliveryService:
                     if found.message.qos:
                         window_left += 1
                     continue
-                plan.out.append(self._answer(session_id, ordinal, message, False, now))
+                self._give(
+                    plan, session_id, ordinal, message, dup=False, now=now, source=found.source
+                )
                 if message.qos == 0:
                     state.acked.add(ordinal)  # at most once: done as it goes out
             if not consumed:
@@ -479,6 +490,22 @@ class DeliveryService:
             return False
         option = head.subscriptions.get(message.subscription)
         return option is not None and option.get("sid") == message.sid
+
+    def _give(
+        self,
+        plan: _Plan,
+        session_id: str,
+        ordinal: int,
+        message: InboxMessage,
+        *,
+        dup: bool,
+        now: int,
+        source: str,
+    ) -> None:
+        """``message`` handed out as ordinal ``ordinal``: its answer, and where it is."""
+        answer = self._answer(session_id, ordinal, message, dup, now)
+        plan.out.append(answer)
+        plan.positions[answer["id"]] = (source, message.position)
 
     def _answer(
         self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -148,6 +148,22 @@ class Connections:
         self.close(connection_id)
 
 
+@dataclass(frozen=True)
+class _Qos0:
+    """A QoS 0 frame a record carries (written nowhere), and where its message is: the
+    record's source and the message's position in it."""
+
+    frame: dict[str, Any]
+    source: str | None
+    position: str | None
+
+    def before(self, at: tuple[str, str] | None) -> bool:
+        """Whether it goes before a delivery at ``at`` (of the same source, later)."""
+        if at is None or self.position is None or self.source != at[0]:
+            return False
+        return self.position < at[1]
+
+
 @dataclass
 class _Push:
     """One session's push in a batch."""
@@ -170,8 +186,13 @@ class _Push:
     failed: Exception | None = None
     #: ordinals handed out and not posted (made due again when the push failed)
     unposted: set[int] = field(default_factory=set)
-    #: QoS 0 frames the records carry (written nowhere): posted once, never again
-    direct: list[dict[str, Any]] = field(default_factory=list)
+    #: QoS 0 frames the records carry (written nowhere): posted once, never again, in order
+    #: among the deliveries handed out (``positions``)
+    direct: list[_Qos0] = field(default_factory=list)
+    #: the QoS 0 frames posted
+    posted_direct: int = 0
+    #: where each delivery the gets handed out is in its source, by id
+    positions: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: the due index was armed by this push
     armed: bool = False
     #: the items its first get may take without reading them back (``Given``)
@@ -218,7 +239,12 @@ class PushWorker:
         works: list[PushWork | None] = []
         for record in records:
             try:
-                works.append(PushWork.parse(str(record.get("body") or "")))
+                work = PushWork.parse(str(record.get("body") or ""))
+                if _received(record) > 1 and work.direct:
+                    # a record back from a failed push: its QoS 0 frames may have gone out
+                    # then, and QoS 0 is at most once (MQTT 5 §4.3.1): not posted again
+                    work = replace(work, direct={})
+                works.append(work)
             except (ValueError, KeyError, TypeError):
                 # a body no worker can read would only come back: dropped, and counted
                 logger.error("unreadable push work dropped", extra={"id": record.get("messageId")})
@@ -239,7 +265,7 @@ class PushWorker:
             return
         entries = []
         for n in returned:
-            received = int((records[n].get("attributes") or {}).get("ApproximateReceiveCount", 1))
+            received = _received(records[n])
             delay = round(backoff_s(received, 1.0, MAX_RETRY_DELAY_S))
             entries.append(
                 {
@@ -279,7 +305,7 @@ class PushWorker:
                 push.read = reads.get(push.session_id)
             self._push(ready)
         failed = {n for push in ready if push.failed is not None for n in push.records}
-        report.frames = sum(p.posted for p in ready)
+        report.frames = sum(p.posted + p.posted_direct for p in ready)
         report.failed_records = len(failed)
         # the members these gets handed group streams to: their own pushes
         self.hand_offs.flush()
@@ -322,11 +348,26 @@ class PushWorker:
 
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
         """A push's first get, its events to ``batch``."""
-        if push.direct and batch is not None:
+        overtaken = self._overtaken(push)
+        if (push.direct or overtaken) and batch is not None:
             # the QoS 0 frames' events, appended with the gets' before any frame goes
             events = batch.recording.new()
-            record_answers(events, "session", push.session_id, push.direct, label=_label(push))
-            batch.add(events, f"qos0/{push.session_id}/{push.direct[0]['message_id']}")
+            frames = [q.frame for q in push.direct]
+            record_answers(events, "session", push.session_id, frames, label=_label(push))
+            for frame in overtaken:
+                events.add(
+                    "dropped",
+                    "session",
+                    push.session_id,
+                    message_id=frame["message_id"],
+                    topic=frame["topic"],
+                    published_at=frame["published_at"],
+                    qos=0,
+                    reason="overtaken",
+                    label=_label(push),
+                )
+            first = (frames or overtaken)[0]["message_id"]
+            batch.add(events, f"qos0/{push.session_id}/{first}")
         try:
             push.handed = self._get(push, push.source, push.read, batch, given=push.given)
         except (ShoalError, ClientError, BotoCoreError) as exc:
@@ -337,16 +378,8 @@ class PushWorker:
         full (the rest waits in the inbox) or while another record named the session."""
         if push.connection is None:
             return
-        if push.direct:
-            # QoS 0, written nowhere: posted and forgotten (at most once: a failed post is not
-            # tried again)
-            try:
-                self._post(push, push.direct)
-            except (ConnectionGone, PostThrottled, ClientError, BotoCoreError) as exc:
-                logger.info("qos 0 push lost", extra={"error_type": type(exc).__name__})
-                count(metrics.PUSH_FAILED)
-            push.direct = []
         if push.failed is not None:
+            # the QoS 0 frames too: posted before what the retry sends, they could overtake it
             return
         messages = push.handed
         rounds = 0
@@ -355,13 +388,15 @@ class PushWorker:
         try:
             while True:
                 before = push.posted
-                self._post(push, messages)
+                self._post_in_order(push, messages)
                 rounds += 1
                 more = len(messages) == MAX_GET or (rounds == 1 and len(push.records) > 1)
                 if not more or rounds >= MAX_ROUNDS:
-                    return
+                    break
                 # a second get looks in every source: what else waits, wherever it is
                 messages = self._get(push, None, None, None)
+            # the QoS 0 frames after everything handed out: their messages are the latest
+            self._post_direct(push, len(push.direct))
         except ConnectionGone:
             count(metrics.PUSH_FAILED)
             # no more pushes to it; its own item stays for its $disconnect, which loses the
@@ -376,6 +411,55 @@ class PushWorker:
             push.unposted = _ordinals(push.session_id, messages[push.posted - before :])
         except (ShoalError, ClientError, BotoCoreError) as exc:
             self._stopped(push, exc)
+
+    def _overtaken(self, push: _Push) -> list[dict[str, Any]]:
+        """Takes out of ``push.direct`` the QoS 0 frames a later delivery of their source went
+        out before (the session's cursor there is past them: an earlier push handed it out
+        from the inbox); the frames taken. Posted now they would break the order of their
+        ordering key; QoS 0 is at most once (MQTT 5 §4.3.1), so they are dropped."""
+        if not push.direct or push.read is None:
+            return []
+        cursors = push.read.state.cursors
+        kept: list[_Qos0] = []
+        late: list[dict[str, Any]] = []
+        for q in push.direct:
+            cursor = cursors.get(q.source or "")
+            if cursor is not None and q.position is not None and q.position < cursor:
+                late.append(q.frame)
+            else:
+                kept.append(q)
+        push.direct = kept
+        return late
+
+    def _post_in_order(self, push: _Push, messages: list[dict[str, Any]]) -> None:
+        """Posts ``messages``, each after the QoS 0 frames whose messages come before it in
+        its source."""
+        for message in messages:
+            at = push.positions.get(str(message.get("id")))
+            ahead = 0
+            while ahead < len(push.direct) and push.direct[ahead].before(at):
+                ahead += 1
+            self._post_direct(push, ahead)
+            self._post(push, [message])
+
+    def _post_direct(self, push: _Push, n: int) -> None:
+        """Posts the first ``n`` QoS 0 frames: written nowhere, posted and forgotten (at most
+        once: a failed post is not tried again)."""
+        if n <= 0:
+            return
+        frames, push.direct = push.direct[:n], push.direct[n:]
+        assert push.connection is not None
+        posted = 0
+        for q in frames:
+            try:
+                self.api.post(push.connection.connection_id, encode(MessageFrame(**q.frame)))
+            except (PostThrottled, ClientError, BotoCoreError) as exc:
+                logger.info("qos 0 push lost", extra={"error_type": type(exc).__name__})
+                count(metrics.PUSH_FAILED)
+                continue
+            posted += 1
+        push.posted_direct += posted
+        count(metrics.PUSHED, posted)
 
     def _post(self, push: _Push, messages: list[dict[str, Any]]) -> None:
         assert push.connection is not None
@@ -469,6 +553,7 @@ class PushWorker:
             known=read,
             events=events,
             given=given,
+            positions=push.positions,
         )["messages"]
         return messages
 
@@ -492,13 +577,25 @@ def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
             push.lines.update(work.lines)
         for session_id, frames in work.direct.items():
             if session_id in pushes:
-                pushes[session_id].direct.extend(frames)
+                pushes[session_id].direct.extend(
+                    _Qos0(
+                        {k: v for k, v in f.items() if k != "position"},
+                        work.source,
+                        f.get("position"),
+                    )
+                    for f in frames
+                )
         for session_id, given in work.given.items():
             push = pushes.get(session_id)
             # only a push of one record: two records of one session follow each other
             if push is not None and push.records == [n]:
                 push.given = given
     return pushes
+
+
+def _received(record: Mapping[str, Any]) -> int:
+    """How many times the queue gave ``record`` out (1: the first)."""
+    return int((record.get("attributes") or {}).get("ApproximateReceiveCount", 1))
 
 
 def _label(push: _Push) -> str | None:

@@ -27,7 +27,10 @@ worker then reads nothing back from S3). Never the deliveries' state: the inbox 
 source of truth, and a push that never happens loses nothing (the session's next trigger, a
 reconnect, or the ack timeout's sweep serves what waits). The one exception is QoS 0 for a
 session the router found connected: its deliveries are not written at all but travel here
-whole (``PushWork.direct``), posted and forgotten (MQTT 5 §4.3.1, at most once).
+whole (``PushWork.direct``), posted and forgotten (MQTT 5 §4.3.1, at most once). Each frame
+carries its message's position in the source, so the worker posts it in order among what its
+get hands out from the inbox, and drops it when a later delivery of that source went out
+before it (the order per ordering key holds across QoS levels; the frame is at most once).
 """
 
 from __future__ import annotations
@@ -155,7 +158,8 @@ def qos0_frames(
     session_id: str, messages: Sequence[InboxMessage], now_ms: int
 ) -> list[dict[str, Any]]:
     """The ``message`` frames of QoS 0 deliveries posted without state (a get's answers'
-    fields: ``shoal.delivery.service``), expired ones left out."""
+    fields: ``shoal.delivery.service``, and the message's ``position`` in its source, which
+    the worker takes off before posting), expired ones left out."""
     frames = []
     for m in messages:
         if m.expires_at_ms is not None and m.expires_at_ms <= now_ms:
@@ -175,6 +179,7 @@ def qos0_frames(
                 "subscription": m.subscription,
                 "properties": properties,
                 "published_at": m.published_at_ms,
+                "position": m.position,
             }
         )
     return frames

@@ -430,6 +430,10 @@ DEPLOYMENT = Deployment(
                 # an ended session's held QoS 2 group deliveries are dropped, each recorded
                 # with its reason ([MQTT-4.8.2-5]; seen by the IAM check, 2026-11-29)
                 Grant("stream", "events", "write"),
+                # a connect that takes a WebSocket connection's channel over releases the
+                # members it kept: the members handed their lanes are pushed
+                # (``wiring.HandOvers``; the pusher skips those not connected)
+                Grant("queue", "push", "write"),
             ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
@@ -486,6 +490,9 @@ DEPLOYMENT = Deployment(
                 # the members a rebalance handed group lanes to: their pushes go to the push
                 # queue (``wiring.HandOvers``; the pusher skips those not connected)
                 Grant("queue", "push", "write"),
+                # a share subscribed over HTTP on a channel a WebSocket connection holds is
+                # kept live by that connection (``shoal.edge.connections.ConnectionKeeps``)
+                Grant("table", "connections", "read"),
             ),
         ),
         FunctionDef(

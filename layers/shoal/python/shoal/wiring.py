@@ -194,6 +194,8 @@ def subscription_service(config: Config, clock: Clock | None = None) -> Subscrip
         ),
         clock=clock,
         groups=groups,
+        # a share subscribed over HTTP on a WebSocket connection's channel is kept by it
+        connections=ConnectionStore(dynamo, config.table(tables.CONNECTIONS), clock),
     )
 
 

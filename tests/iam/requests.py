@@ -32,7 +32,7 @@ UNNAMED = {
     "dynamodb": {"ListTables", "DescribeLimits", "DescribeEndpoints"},
     "s3": {"ListBuckets"},
     "sts": {"GetCallerIdentity"},
-    "cloudwatch": {"PutMetricData"},
+    "cloudwatch": {"PutMetricData", "GetMetricData"},
 }
 S3_OBJECT_ACTIONS = {
     "HeadObject": "GetObject",

@@ -344,6 +344,34 @@ class Observability:
                     [self._throttles(t, GRAPH_PERIOD) for t in stack.tables],
                 ),
             ],
+            # the reaper's census (shoal.census): what is connected, and what waits in DLQs
+            [
+                graph(
+                    "Census: WebSocket connections, connected sessions, shared groups (max)",
+                    [
+                        service_metric(gauge, "reaper", statistic="Maximum")
+                        for gauge in (
+                            names.CONNECTIONS,
+                            names.SESSIONS_CONNECTED,
+                            names.SHARED_GROUPS,
+                        )
+                    ]
+                    if "reaper" in self.declared
+                    else [],
+                ),
+                graph(
+                    "Census: dead letters by push subscription (max)",
+                    [
+                        search(
+                            f"{{{names.NAMESPACE},{names.DIMENSION},"
+                            f"{names.SUBSCRIPTION_DIMENSION}}} "
+                            f'MetricName="{names.DEAD_LETTERS}"',
+                            "Maximum",
+                            names.DEAD_LETTERS,
+                        )
+                    ],
+                ),
+            ],
             # dead letters and retries: per subscription streams, found by name
             [
                 graph(

@@ -15,6 +15,7 @@ from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_cloudwatch_actions as cloudwatch_actions
 from aws_cdk import aws_sns as sns
 from shoal.core import metrics as names
+from shoal.overview import DELIVERERS, PUBLISHERS
 from shoal.push.model import MAX_BACKOFF_S
 
 from infra.parts import StackParts, pascal
@@ -246,10 +247,13 @@ class Observability:
                     "Messages per minute",
                     self._present(
                         [
-                            (names.PUBLISHED, "publish"),
+                            # every function that publishes (HTTP, WebSocket frames, wills)
+                            # and delivers (gets, WebSocket pushes, push subscriptions), as
+                            # the console's Overview sums them (shoal.overview)
+                            *((names.PUBLISHED, s) for s in PUBLISHERS),
                             (names.ROUTED, "router"),
                             (names.DELIVERIES, "router"),
-                            (names.DELIVERED, "messages"),
+                            *((names.DELIVERED, s) for s in DELIVERERS),
                             (names.ACKED, "messages"),
                         ]
                     ),

@@ -398,14 +398,19 @@ function drawChart(chart, view) {
       svg("text", { x: left - 6, y: at + 4, class: "tick", "text-anchor": "end", text: number(value) }));
   }
   drawing.append(svg("line", { x1: left, x2: left, y1: top, y2: top + plotH, class: "axis" }));
-  // the time axis: five labelled instants
+  // the time axis: labelled instants on round minutes or hours (of the local time)
   const longRange = t1 - t0 > 6 * 3600 * 1000;
-  for (let i = 0; i <= 4; i++) {
-    const t = t0 + ((t1 - t0) * i) / 4;
-    const at = left + (plotW * i) / 4;
+  const at = (t) => left + ((t - t0) / (t1 - t0)) * plotW;
+  const offset = new Date(t0).getTimezoneOffset() * 60 * 1000;
+  const every = [1, 2, 5, 10, 15, 30, 60, 120, 180, 240, 360].map((m) => m * 60 * 1000)
+    .find((ms) => (t1 - t0) / ms <= 6);
+  let first = true;
+  for (let t = Math.ceil((t0 - offset) / every) * every + offset; t <= t1; t += every) {
+    const px = at(t);
     drawing.append(
-      svg("line", { x1: at, x2: at, y1: top + plotH, y2: top + plotH + 4, class: "axis" }),
-      svg("text", { x: at, y: top + plotH + 16, class: "tick", "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle", text: clock(t, longRange && i === 0) }));
+      svg("line", { x1: px, x2: px, y1: top + plotH, y2: top + plotH + 4, class: "axis" }),
+      svg("text", { x: px, y: top + plotH + 16, class: "tick", "text-anchor": "middle", text: clock(t, longRange && first) }));
+    first = false;
   }
   drawing.append(
     svg("text", { x: left + plotW / 2, y: height - 6, class: "axis-title", "text-anchor": "middle", text: `time (${utcOffset()}), ${period}` }),

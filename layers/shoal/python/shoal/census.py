@@ -33,6 +33,16 @@ from shoal.sessions.model import HEAD
 MAX_SUBSCRIPTIONS = 50
 
 
+def census_due(now_ms: int, every_s: int) -> bool:
+    """Whether the reaper's run at ``now_ms`` counts: every run for ``every_s`` of a minute or
+    less, else the runs of every ``every_s // 60``-th minute (the reaper runs once a minute,
+    so one run of each such minute); never for 0."""
+    if every_s <= 0:
+        return False
+    minutes = every_s // 60
+    return minutes <= 1 or (now_ms // 60_000) % minutes == 0
+
+
 @dataclass
 class CensusReport:
     connections: int = 0

@@ -415,19 +415,23 @@ function drawChart(chart, view) {
   drawing.append(
     svg("text", { x: left + plotW / 2, y: height - 6, class: "axis-title", "text-anchor": "middle", text: `time (${utcOffset()}), ${period}` }),
     svg("text", { x: 14, y: top + plotH / 2, class: "axis-title", "text-anchor": "middle", transform: `rotate(-90 14 ${top + plotH / 2})`, text: unit.axis }));
-  // the lines: a gap where a level or a lag has no data; a lone point is a dot
+  // the lines: a lag without data is a gap (no batch ran); a level (a count of things, from
+  // the census) is joined across the periods between two censuses; a lone point is a dot
+  const joinGaps = chart.unit === "count";
   chart.series.forEach((series, n) => {
     const values = scaled[n];
     let d = "";
     const dots = [];
+    let seen = false;
     values.forEach((v, i) => {
       if (v === null) return;
       const px = x(stamps[i]).toFixed(1);
       const py = y(v).toFixed(1);
-      const joined = i > 0 && values[i - 1] !== null;
+      const joined = joinGaps ? seen : i > 0 && values[i - 1] !== null;
       d += `${joined ? "L" : "M"}${px} ${py} `;
-      const alone = !joined && (i === values.length - 1 || values[i + 1] === null);
-      if (alone) dots.push(svg("circle", { cx: px, cy: py, r: 3 }));
+      const next = joinGaps ? values.slice(i + 1).some((w) => w !== null) : values[i + 1] !== null && i < values.length - 1;
+      if (!joined && !next) dots.push(svg("circle", { cx: px, cy: py, r: 3 }));
+      seen = true;
     });
     const points = values.filter((v) => v !== null).length;
     drawing.append(svg("g", { class: `series s${n % 6}`, "data-series": series.id, "data-points": points },

@@ -10,8 +10,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal import wiring
-from shoal.census import Census, census_due
-from shoal.core.clock import SystemClock
+from shoal.census import Census
 from shoal.core.config import get_config
 from shoal.core.observability import logger, observed
 from shoal.drain import Sealer
@@ -60,8 +59,9 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     if any(report.values()):
         logger.info("reaped", extra=report)
     try:
-        if census_due(SystemClock().now_ms(), get_config().census_every_s):
-            report |= census().run().as_dict()
+        counted = census().run_if_due(get_config().census_every_s)
+        if counted is not None:
+            report |= counted.as_dict()
     except Exception as exc:
         # the figures wait for the next run; the reaper's work is done
         logger.warning("census failed", extra={"error_type": type(exc).__name__})

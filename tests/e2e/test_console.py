@@ -1063,9 +1063,9 @@ def test_the_main_views_have_no_critical_accessibility_violations(
 @pytest.fixture(scope="module")
 def overview_dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
     """A ``shoal dev`` for the Overview's tests alone (its figures are the whole account's),
-    the reaper's census every two seconds."""
+    the reaper and its census every two seconds."""
     with dev_servers(tmp_path_factory.mktemp("overview-dev")) as start:
-        yield start(extra_args=["--schedule", "reaper=2"])
+        yield start(extra_args=["--schedule", "reaper=2"], env={"SHOAL_CENSUS_EVERY_S": "2"})
 
 
 def metrics_view(dev: DevServer, admin: str, range_name: str = "15m") -> dict[str, Any]:

@@ -33,14 +33,22 @@ from shoal.sessions.model import HEAD
 MAX_SUBSCRIPTIONS = 50
 
 
-def census_due(now_ms: int, every_s: int) -> bool:
-    """Whether the reaper's run at ``now_ms`` counts: every run for ``every_s`` of a minute or
-    less, else the runs of every ``every_s // 60``-th minute (the reaper runs once a minute,
-    so one run of each such minute); never for 0."""
+#: a census is due this much before ``every_s`` has passed since the last one: the reaper's
+#: schedule wanders by a few seconds from run to run
+DUE_SLACK_S = 5.0
+
+
+def census_due(now_ms: int, last_ms: int | None, every_s: int) -> bool:
+    """Whether a reaper run at ``now_ms`` counts, the last census of this container having
+    been at ``last_ms`` (None: none yet): once ``every_s`` has passed, give or take the
+    schedule's wander; never for 0. Deployed, with the reaper once a minute and the default
+    60 s, each run counts; under ``shoal dev``, whose reaper may run every second, the census
+    still counts once a minute."""
     if every_s <= 0:
         return False
-    minutes = every_s // 60
-    return minutes <= 1 or (now_ms // 60_000) % minutes == 0
+    if last_ms is None:
+        return True
+    return now_ms - last_ms >= (every_s - min(DUE_SLACK_S, every_s / 2)) * 1000
 
 
 @dataclass
@@ -67,7 +75,11 @@ class Census:
         config: Config,
         subscriptions: PushSubscriptionStore,
         key_states: KeyStore,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock = clock or SystemClock()
+        #: when this container last counted (a census is per run, not per container)
+        self.last_ms: int | None = None
         self.dynamo = dynamo
         self.connections_table = config.table(tables.CONNECTIONS)
         self.sessions_table = config.table(tables.SESSIONS)
@@ -77,12 +89,23 @@ class Census:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> Census:
+        clock = clock or SystemClock()
         return cls(
             Dynamo.from_config(config),
             config,
-            PushSubscriptionStore.from_config(config, clock or SystemClock()),
+            PushSubscriptionStore.from_config(config, clock),
             KeyStore.from_config(config),
+            clock,
         )
+
+    def run_if_due(self, every_s: int) -> CensusReport | None:
+        """``run``, when ``every_s`` (``SHOAL_CENSUS_EVERY_S``) has passed since this
+        container's last census; None when it has not."""
+        now = self.clock.now_ms()
+        if not census_due(now, self.last_ms, every_s):
+            return None
+        self.last_ms = now
+        return self.run()
 
     def run(self) -> CensusReport:
         """Counts, and reports each count as a gauge of this invocation."""

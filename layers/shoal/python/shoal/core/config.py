@@ -179,9 +179,9 @@ class Config(BaseModel):
     #: storage stream (``FAN_OUT_MAPPINGS``); empty: every mapping polls its shards
     enhanced_fan_out: frozenset[str] = frozenset()
     #: how often the reaper's census counts connections, sessions, groups and dead letters
-    #: (``shoal.census``; ``SHOAL_CENSUS_EVERY_S``): each of its runs (every minute) by
-    #: default, a whole number of minutes for fewer (each census reads the connections,
-    #: sessions and groups tables whole: docs/operations.md, "The census"), 0 for none
+    #: (``shoal.census``; ``SHOAL_CENSUS_EVERY_S``): every minute by default (each reaper run
+    #: deployed), longer for fewer reads (each census reads the connections, sessions and
+    #: groups tables whole: docs/operations.md, "The census"), 0 for none
     census_every_s: int = Field(default=60, ge=0)
 
     def table(self, logical: str) -> str:

@@ -247,6 +247,10 @@ function defaultClientId(claims) {
 function signOut() {
   closeSocket("signed out");
   stopOverviewTimer();
+  // a load still on its way is drawn nowhere
+  state.overviewLoads += 1;
+  clearOverview();
+  say("overview-error", "");
   sessionStorage.removeItem(TOKEN_KEY);
   state.token = null;
   state.claims = null;
@@ -462,6 +466,14 @@ function overviewRange() {
   return checked ? checked.value : "1h";
 }
 
+// what an admin's view showed goes with a sign-out or a refusal: the next token may not see it
+function clearOverview() {
+  $("overview-charts").replaceChildren();
+  $("overview-figures").replaceChildren();
+  $("overview-functions").tBodies[0].replaceChildren();
+  say("overview-updated", "");
+}
+
 function stopOverviewTimer() {
   clearTimeout(state.overviewTimer);
   state.overviewTimer = null;
@@ -514,7 +526,7 @@ async function loadOverview(announce) {
     say("overview-error", explain(exc));
     // a refusal stays a refusal: no more tries until the user asks
     if (!(exc instanceof ApiError && exc.status === 403)) scheduleOverview();
-    else charts.replaceChildren();
+    else clearOverview();
   } finally {
     if (load === state.overviewLoads) charts.removeAttribute("aria-busy");
   }

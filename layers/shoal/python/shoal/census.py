@@ -28,8 +28,9 @@ from shoal.groups.records import LEADER
 from shoal.push.store import KeyStore, PushSubscriptionStore
 from shoal.sessions.model import HEAD
 
-#: push subscriptions whose dead letters one run counts (a query each): the most the Overview
-#: draws (``shoal.overview.MAX_SUBSCRIPTIONS``)
+#: push subscriptions whose dead letters one run counts (a query each), the first by name: the
+#: most the Overview draws (``shoal.overview.MAX_SUBSCRIPTIONS``), and a bound on the custom
+#: metrics the subscription dimension makes
 MAX_SUBSCRIPTIONS = 50
 
 
@@ -139,8 +140,18 @@ class Census:
         return self.dynamo.count(self.groups_table, **_filter(e, kept))
 
     def _dead_letters(self) -> dict[str, int]:
-        subs, _ = self.subscriptions.page(MAX_SUBSCRIPTIONS)
-        return {s.name: sum(b.dlq_depth for b in self.key_states.blocked(s.name)) for s in subs}
+        # the first by name, as the Overview draws them (``shoal.overview``)
+        names: list[str] = []
+        after: str | None = None
+        while True:
+            page, after = self.subscriptions.page(100, after)
+            names += [s.name for s in page]
+            if after is None:
+                break
+        return {
+            name: sum(b.dlq_depth for b in self.key_states.blocked(name))
+            for name in sorted(names)[:MAX_SUBSCRIPTIONS]
+        }
 
 
 def _filter(e: Expression, kept: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_cloudwatch_actions as cloudwatch_actions
 from aws_cdk import aws_sns as sns
 from shoal.core import metrics as names
+from shoal.overview import DELIVERERS, PUBLISHERS
 from shoal.push.model import MAX_BACKOFF_S
 
 from infra.parts import StackParts, pascal
@@ -246,10 +247,13 @@ class Observability:
                     "Messages per minute",
                     self._present(
                         [
-                            (names.PUBLISHED, "publish"),
+                            # every function that publishes (HTTP, WebSocket frames, wills)
+                            # and delivers (gets, WebSocket pushes, push subscriptions), as
+                            # the console's Overview sums them (shoal.overview)
+                            *((names.PUBLISHED, s) for s in PUBLISHERS),
                             (names.ROUTED, "router"),
                             (names.DELIVERIES, "router"),
-                            (names.DELIVERED, "messages"),
+                            *((names.DELIVERED, s) for s in DELIVERERS),
                             (names.ACKED, "messages"),
                         ]
                     ),
@@ -342,6 +346,34 @@ class Observability:
                 graph(
                     "DynamoDB throttled requests",
                     [self._throttles(t, GRAPH_PERIOD) for t in stack.tables],
+                ),
+            ],
+            # the reaper's census (shoal.census): what is connected, and what waits in DLQs
+            [
+                graph(
+                    "Census: WebSocket connections, connected sessions, shared groups (max)",
+                    [
+                        service_metric(gauge, "reaper", statistic="Maximum")
+                        for gauge in (
+                            names.CONNECTIONS,
+                            names.SESSIONS_CONNECTED,
+                            names.SHARED_GROUPS,
+                        )
+                    ]
+                    if "reaper" in self.declared
+                    else [],
+                ),
+                graph(
+                    "Census: dead letters by push subscription (max)",
+                    [
+                        search(
+                            f"{{{names.NAMESPACE},{names.DIMENSION},"
+                            f"{names.SUBSCRIPTION_DIMENSION}}} "
+                            f'MetricName="{names.DEAD_LETTERS}"',
+                            "Maximum",
+                            names.DEAD_LETTERS,
+                        )
+                    ],
                 ),
             ],
             # dead letters and retries: per subscription streams, found by name

@@ -655,6 +655,16 @@ class ShoalStack(cdk.Stack):
                 queue.grant_consume_messages(fn)
             if writes:
                 queue.grant_send_messages(fn)
+        elif grant.kind == "metrics":
+            if writes:
+                raise ValueError(f"function {fdef.name}: metrics are granted read only")
+            # GetMetricData names no resource (the Service Authorization Reference: no
+            # resource types, no condition keys), so the statement is this one action on "*"
+            allow(
+                ["cloudwatch:GetMetricData"],
+                ["*"],
+                "cloudwatch:GetMetricData supports no resource-level permissions",
+            )
         else:  # pragma: no cover - the Literal type names every kind
             raise ValueError(f"function {fdef.name}: unknown grant kind {grant.kind!r}")
 

@@ -1,5 +1,6 @@
-"""Composite topics (admin): create, list, get, add a storage topic, switch produce; and a view
-of one shared group (its members, lanes and their holders)."""
+"""Composite topics (admin): create, list, get, add a storage topic, switch produce; a view of
+one shared group (its members, lanes and their holders); and the console's Overview, the
+stack's metrics for the last 15 minutes, hour or day (``shoal.overview``)."""
 
 from typing import Any
 from urllib.parse import unquote
@@ -10,6 +11,7 @@ from shoal.groups.admin import GroupView
 from shoal.http.body import NoBody, parse_body
 from shoal.http.caller import admin_only
 from shoal.http.resolver import json_response, lambda_handler, make_resolver, query_values
+from shoal.overview import Overview
 from shoal.wiring import PerConfig, topic_service
 
 app = make_resolver()
@@ -17,6 +19,7 @@ app = make_resolver()
 app.use(middlewares=[admin_only])
 service = PerConfig(topic_service)
 groups = PerConfig(GroupView.from_config)
+overview = PerConfig(Overview.from_config)
 
 
 @app.post("/v1/topics")
@@ -51,6 +54,11 @@ def switch_produce(name: str) -> dict[str, Any]:
 def get_group(share: str) -> dict[str, Any]:
     # API Gateway matches routes on the raw path: the share name arrives percent-encoded
     return groups().describe(unquote(share), *query_values(app, "filter"))
+
+
+@app.get("/v1/metrics")
+def get_metrics() -> dict[str, Any]:
+    return overview().view(*query_values(app, "range"))
 
 
 handler = lambda_handler(app)

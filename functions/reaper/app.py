@@ -1,6 +1,7 @@
 """The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry, the
 WebSocket sessions whose pushed deliveries passed their ack timeout (``shoal.edge.push``), and
-the seals of storage topics a SwitchProduce left behind (``shoal.drain``)."""
+the seals of storage topics a SwitchProduce left behind (``shoal.drain``); last, the census of
+connections, sessions, groups and dead letters (``shoal.census``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal import wiring
+from shoal.census import Census
 from shoal.core.config import get_config
 from shoal.core.observability import logger, observed
 from shoal.drain import Sealer
@@ -38,6 +40,11 @@ def sweep() -> PushSweep | None:
     return wiring.push_sweep(get_config())
 
 
+@cache
+def census() -> Census:
+    return wiring.census(get_config())
+
+
 @observed
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report = reaper().run().as_dict()
@@ -51,4 +58,11 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report["storage_topics_sealed"] = sealer().run()
     if any(report.values()):
         logger.info("reaped", extra=report)
+    try:
+        counted = census().run_if_due(get_config().census_every_s)
+        if counted is not None:
+            report |= counted.as_dict()
+    except Exception as exc:
+        # the figures wait for the next run; the reaper's work is done
+        logger.warning("census failed", extra={"error_type": type(exc).__name__})
     return report

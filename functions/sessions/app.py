@@ -14,8 +14,12 @@ from shoal.http.caller import has_channel, owner_first, session_call, session_vi
 from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.sessions.model import ConnectRequest
 from shoal.sessions.registry import SessionRegistry
+from shoal.wiring import PerConfig
 
 app = make_resolver()
+# a connect that takes a WebSocket connection's channel over releases the group members it
+# kept: their lanes go to other members, maybe idle WebSocket ones, pushed when it ends
+hand_overs = PerConfig(wiring.hand_overs)
 
 
 @cache
@@ -30,7 +34,8 @@ def connect(client_id: str) -> dict[str, Any]:
         request = parse_body(app, ConnectRequest)
     # default version: the gateway's request time, so that retries of one connect keep it
     requested_at = app.current_event.request_context.time_epoch
-    return registry().connect(call.who, call.client_id, request, requested_at).as_dict()
+    with hand_overs().watching(registry().groups):
+        return registry().connect(call.who, call.client_id, request, requested_at).as_dict()
 
 
 @app.delete("/v1/sessions/<client_id>")

@@ -263,6 +263,14 @@ DevFactory = Callable[..., DevServer]
 
 
 @contextmanager
+def dev_servers(directory: Path) -> Iterator[DevFactory]:
+    """Starts ``shoal dev`` processes under ``directory``; all are stopped when it ends (for a
+    fixture of a module's own, with options ``own_dev`` does not take)."""
+    with _servers(directory) as start:
+        yield start
+
+
+@contextmanager
 def _servers(directory: Path) -> Iterator[DevFactory]:
     servers: list[DevServer] = []
 

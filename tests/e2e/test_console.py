@@ -2,14 +2,17 @@
 by Playwright against ``shared_dev``: sign in, the live view over the WebSocket API, publish,
 the admin views, and axe-core's accessibility check.
 
-Screenshots of the live, topics and groups views go to ``build/console/`` (git-ignored), for a
-person to look at. Names of this module's own: topics under ``sensors/cons-`` and ``console/``,
-client ids ``cons-*``, the composite topics ``consorders`` and ``consswitch*``, the push
-subscriptions ``consdlq*``, the shared groups ``$share/consgrp/console/...``.
+Screenshots of the overview (light and dark), live, topics and groups views go to
+``build/console/`` (git-ignored), for a person to look at. The Overview's tests count what the
+whole account did, so they run on a ``shoal dev`` of their own (``overview_dev``). Names of
+this module's own: topics under ``sensors/cons-`` and ``console/``, client ids ``cons-*``, the
+composite topics ``consorders`` and ``consswitch*``, the push subscriptions ``consdlq*``, the
+shared groups ``$share/consgrp/console/...``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,7 +41,8 @@ from playwright.sync_api import (
 )
 from shoal.local.authorizer import SigningKey, mint_token
 
-from tests.e2e.conftest import ROOT, DevServer, connection_ids, shoal_command
+from tests.e2e.conftest import ROOT, DevServer, connection_ids, dev_servers, shoal_command
+from tests.e2e.wsclient import WsClient
 
 pytestmark = pytest.mark.e2e
 
@@ -96,6 +101,8 @@ def sign_in(page: Page, jwt: str) -> None:
 
 
 def connect(page: Page) -> None:
+    # an admin's first page is the Overview: the live session is on the Live view
+    view(page, "Live")
     page.get_by_role("button", name="Connect", exact=True).click()
     expect(page.locator("#connection")).to_have_text(re.compile("^Connected as"), timeout=WAIT_MS)
 
@@ -145,7 +152,13 @@ def test_shoal_dev_prints_the_consoles_url_and_serves_it_beside_the_http_api(
     status, config = shared_dev.request("GET", "/console/config.json")
     assert (status, config) == (
         200,
-        {"ws_url": shared_dev.ws_url, "api_url": "", "local_mint": True, "max_connection_s": 7200},
+        {
+            "ws_url": shared_dev.ws_url,
+            "api_url": "",
+            "local_mint": True,
+            "max_connection_s": 7200,
+            "overview_refresh_s": 5,
+        },
     )
     # any other path under it gets the API's coded 404, as deployed (the $default route)
     status, body = shared_dev.request("GET", "/console/nothing.js")
@@ -1028,7 +1041,7 @@ def test_the_main_views_have_no_critical_accessibility_violations(
         publish(shared_dev, "sensors/cons-a11y/t", text="1")
         expect(page.locator("#messages tbody tr")).not_to_have_count(0, timeout=WAIT_MS)
         found["live"] = _critical_violations(page)
-        for name in ("Publish", "Topics", "Sessions", "Groups", "Push subscriptions"):
+        for name in ("Overview", "Publish", "Topics", "Sessions", "Groups", "Push subscriptions"):
             view(page, name)
             page.wait_for_load_state("networkidle")
             found[name] = _critical_violations(page)
@@ -1042,3 +1055,226 @@ def test_the_main_views_have_no_critical_accessibility_violations(
     finally:
         context.close()
     assert {name: v for name, v in found.items() if v} == {}
+
+
+# --- the Overview (admin): the stack's metrics, on a shoal dev of its own ---------------------
+
+
+@pytest.fixture(scope="module")
+def overview_dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    """A ``shoal dev`` for the Overview's tests alone (its figures are the whole account's),
+    the reaper and its census every two seconds."""
+    with dev_servers(tmp_path_factory.mktemp("overview-dev")) as start:
+        yield start(extra_args=["--schedule", "reaper=2"], env={"SHOAL_CENSUS_EVERY_S": "2"})
+
+
+def metrics_view(dev: DevServer, admin: str, range_name: str = "15m") -> dict[str, Any]:
+    status, view = dev.request("GET", f"/v1/metrics?range={range_name}", token=admin)
+    assert status == 200, view
+    answer: dict[str, Any] = view
+    return answer
+
+
+def series(view: dict[str, Any], chart: str, name: str) -> dict[str, Any]:
+    [found] = [
+        s for c in view["charts"] if c["id"] == chart for s in c["series"] if s["id"] == name
+    ]
+    return found
+
+
+def wait_for_view(dev: DevServer, admin: str, done: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The metrics view once ``done(view)`` holds (the functions' documents are put every two
+    seconds, the census runs every two)."""
+    deadline = time.monotonic() + timeout_s
+    view = metrics_view(dev, admin)
+    while not done(view) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        view = metrics_view(dev, admin)
+    return view
+
+
+def test_the_metrics_route_over_shoal_dev_counts_what_was_made(overview_dev: DevServer) -> None:
+    """Under ``shoal dev`` the route's figures are the functions' own EMF documents: what a
+    test publishes, delivers (a get, a WebSocket push) and pushes, exactly."""
+    dev = overview_dev
+    admin = token(dev, "ov-ops", admin=True)
+    before = metrics_view(dev, admin)
+    counted = {
+        name: series(before, chart, name)["total"]
+        for chart, name in (
+            ("messages", "published"),
+            ("messages", "delivered"),
+            ("pushes", "pushes"),
+        )
+    }
+    n = 4
+    publisher = token(dev, "ov-pub", publish=["ovr/#"])
+    reader = token(dev, "ov-http", subscribe=["ovr/#"])
+    pushed_to = token(dev, "ov-ws", subscribe=["ovr/#"])
+
+    async def scenario() -> dict[str, Any]:
+        # Given a session connected over HTTP and one over the WebSocket API, both on ovr/#
+        client = await WsClient.open(dev.ws_url, pushed_to)
+        try:
+            await client.connect("ov-ws", clean_start=True)
+            await client.subscribe("ovr/#", qos=1)
+            status, connected = await asyncio.to_thread(
+                dev.request,
+                "PUT",
+                "/v1/sessions/ov-http",
+                token=reader,
+                json={"clean_start": True, "keepalive_s": 600},
+            )
+            assert status == 200, connected
+            channel = {"Shoal-Channel": connected["channel"]}
+            status, _ = await asyncio.to_thread(
+                dev.request,
+                "POST",
+                "/v1/sessions/ov-http/subscriptions",
+                token=reader,
+                headers=channel,
+                json={"subscriptions": [{"filter": "ovr/#", "qos": 1}]},
+            )
+            assert status == 200
+            # When N messages are published over HTTP
+            for i in range(n):
+                status, _ = await asyncio.to_thread(
+                    dev.request,
+                    "POST",
+                    "/v1/messages",
+                    token=publisher,
+                    json={"topic": f"ovr/{i}", "text": f"m{i}"},
+                )
+                assert status == 201
+            # and each session takes them: pushed and acked, got and acked
+            for _ in range(n):
+                message = await client.next_message()
+                await client.ack(message["id"])
+            got: list[dict[str, Any]] = []
+            while len(got) < n:
+                status, page_ = await asyncio.to_thread(
+                    dev.request,
+                    "GET",
+                    "/v1/sessions/ov-http/messages?max=10&wait_ms=5000",
+                    token=reader,
+                    headers=channel,
+                )
+                assert status == 200
+                got += page_["messages"]
+            status, _ = await asyncio.to_thread(
+                dev.request,
+                "POST",
+                "/v1/sessions/ov-http/acks",
+                token=reader,
+                headers=channel,
+                json={"ids": [m["id"] for m in got]},
+            )
+            assert status == 200 and len(got) == n
+
+            def made(view: dict[str, Any]) -> bool:
+                return (
+                    series(view, "messages", "published")["total"] == counted["published"] + n
+                    and series(view, "messages", "delivered")["total"]
+                    == counted["delivered"] + 2 * n
+                    and series(view, "pushes", "pushes")["total"] == counted["pushes"] + n
+                    and series(view, "connections", "connections")["latest"] == 1
+                    and series(view, "connections", "sessions")["latest"] == 2
+                )
+
+            # Then the route counts them, while both sessions are connected
+            return await asyncio.to_thread(wait_for_view, dev, admin, made)
+        finally:
+            await client.close()
+
+    # on a thread of its own: Playwright's sync API holds an event loop on this one
+    with ThreadPoolExecutor(1) as pool:
+        view = pool.submit(lambda: asyncio.run(asyncio.wait_for(scenario(), 180))).result()
+    assert series(view, "messages", "published")["total"] == counted["published"] + n
+    # delivered: the get's first hand-outs and the pushes' (a push is a get for its session)
+    assert series(view, "messages", "delivered")["total"] == counted["delivered"] + 2 * n
+    assert series(view, "pushes", "pushes")["total"] == counted["pushes"] + n
+    assert series(view, "pushes", "push_failures")["total"] == 0
+    # the census: one WebSocket connection, two connected sessions
+    assert series(view, "connections", "connections")["latest"] == 1
+    assert series(view, "connections", "sessions")["latest"] == 2
+    assert view["source"] == "cloudwatch"
+
+
+def test_the_overview_after_an_admin_signs_in_draws_the_traffic_it_made(
+    browser: Browser, overview_dev: DevServer, refusing: RefusingEndpoint
+) -> None:
+    dev = overview_dev
+    admin = token(dev, "ov-admin", admin=True, clients=["ov-admin*"], subscribe=["ovb/#"])
+    # Given a push subscription whose endpoint refuses a key (a dead letter to count)
+    dead = push_subscription(dev, admin, refusing)
+    refusing.refusing.add("doomed")
+    published_before = series(metrics_view(dev, admin), "messages", "published")["total"]
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{dev.url}/console/")
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        # When an admin signs in: the Overview is the first page, its heading focused
+        sign_in(page, admin)
+        expect(page.locator("#overview")).to_be_visible()
+        expect(page.locator("#overview-title")).to_be_focused()
+        # and the page holds a live session subscribed to ovb/# (pushes, a connection)
+        connect(page)
+        subscribe(page, "ovb/#")
+        view(page, "Overview")
+        page.get_by_label("Last 15 minutes").check()
+        # When N messages are published, and one more the push subscription refuses
+        n = 6
+        for i in range(n):
+            publish(dev, f"ovb/{i}", text=f"reading {i}")
+        publish(dev, f"{dead}/x", text="refused", ordering_key="doomed")
+        # Then, refreshing by itself, the Overview counts them, in words beside its chart
+        messages = page.locator("[data-chart=messages]")
+        expect(messages.locator("li[data-series=published] .total")).to_have_text(
+            str(int(published_before) + n + 1), timeout=60_000
+        )
+        expect(messages.locator("g[data-series=published]")).not_to_have_attribute(
+            "data-points", "0"
+        )
+        # each chart with data from this traffic: pushes to the page, its connection and
+        # session (the census), the router's lag drawn, the refused message's dead letter
+        pushes = page.locator("[data-chart=pushes] li[data-series=pushes] .total")
+        expect(pushes).not_to_have_text("0", timeout=60_000)
+        connections = page.locator("[data-chart=connections] g[data-series=connections]")
+        expect(connections).not_to_have_attribute("data-points", "0", timeout=60_000)
+        expect(page.locator("#figure-connections")).not_to_have_text("0")
+        lag = page.locator("[data-chart=router_lag] g[data-series=router_lag]")
+        expect(lag).not_to_have_attribute("data-points", "0", timeout=60_000)
+        assert (lag.locator("path").get_attribute("d") or "") or lag.locator("circle").count()
+        letters = page.locator(f"[data-chart=dead_letters] li[data-series='dead_letters:{dead}']")
+        expect(letters.locator(".latest")).to_contain_text("latest 1", timeout=60_000)
+        # the axes say their units and the time
+        expect(messages.locator("svg .axis-title").first).to_contain_text("time (UTC")
+        expect(messages.locator("svg .axis-title").last).to_have_text("per second")
+        expect(page.locator("#figure-push-subscriptions")).to_have_text("1")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "overview.png"), full_page=True)
+        page.emulate_media(color_scheme="dark")
+        page.screenshot(path=str(SCREENSHOTS / "overview-dark.png"), full_page=True)
+        # a sign-out takes the figures with it: the next token of this tab may not see them
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.locator("#overview figure.chart")).to_have_count(0)
+        expect(page.locator("#overview-figures dd")).to_have_count(0)
+    finally:
+        context.close()
+    assert errors == [], errors
+
+
+def test_a_non_admin_is_told_why_the_overview_is_refused(page: Page, shared_dev: DevServer) -> None:
+    # Given a user without the admin claim: the live view is its first page
+    sign_in(page, token(shared_dev, "cons-plain", publish=["#"]))
+    expect(page.locator("#live")).to_be_visible()
+    # When it opens the Overview
+    view(page, "Overview")
+    # Then it is told why it is refused, and nothing is drawn
+    error = page.locator("#overview-error")
+    expect(error).to_contain_text("forbidden (403)", timeout=WAIT_MS)
+    expect(error).to_contain_text("needs an admin token")
+    expect(page.locator("#overview figure.chart")).to_have_count(0)

@@ -6,7 +6,8 @@ exceptions are where IAM's actions are not the API's operations: S3 (``HeadObjec
 ``s3:PutObject``), DynamoDB's transactions (one ``PutItem``/``UpdateItem``/``DeleteItem``/
 ``ConditionCheckItem``/``GetItem`` per table of the transaction) and batches (the batch action
 on each table), SQS's batches (the single action), and API Gateway's management API
-(``execute-api:ManageConnections``). Actions that name no resource (``kinesis:ListStreams``,
+(``execute-api:ManageConnections``), and CloudWatch (signed as ``monitoring``, authorized as
+``cloudwatch:``). Actions that name no resource (``kinesis:ListStreams``,
 ``lambda:CreateEventSourceMapping``) are requests on ``*``. From the AWS Service
 Authorization Reference of each service.
 """
@@ -32,7 +33,7 @@ UNNAMED = {
     "dynamodb": {"ListTables", "DescribeLimits", "DescribeEndpoints"},
     "s3": {"ListBuckets"},
     "sts": {"GetCallerIdentity"},
-    "cloudwatch": {"PutMetricData"},
+    "cloudwatch": {"PutMetricData", "GetMetricData"},
 }
 S3_OBJECT_ACTIONS = {
     "HeadObject": "GetObject",
@@ -222,7 +223,17 @@ def _sqs(call: Call) -> list[Request]:
     return [Request(action, call.arn("sqs", name))]
 
 
+def _cloudwatch(call: Call) -> list[Request]:
+    # CloudWatch signs as ``monitoring`` but its IAM actions are ``cloudwatch:``; the metric
+    # calls name no resource (GetMetricData, PutMetricData: the Service Authorization Reference)
+    action = f"cloudwatch:{call.operation}"
+    if call.operation in UNNAMED["cloudwatch"]:
+        return [Request(action, "*")]
+    return [Request(action, call.arn("cloudwatch", "*"))]
+
+
 _MAPPERS = {
+    "monitoring": _cloudwatch,
     "sqs": _sqs,
     "dynamodb": _dynamodb,
     "kinesis": _kinesis,

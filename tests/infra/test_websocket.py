@@ -330,8 +330,17 @@ def test_who_may_send_to_and_take_from_the_push_queue(deployed: Synth) -> None:
                 assert {"sqs:DeleteMessage", "sqs:ChangeMessageVisibility"} <= actions
     # Then whoever has deliveries for connected sessions hands their pushes over, and only
     # the pusher takes them
-    # (the pusher too: the members its gets hand group lanes to get pushes of their own)
-    assert senders == {"router", "edge", "messages", "subscriptions", "reaper", "pusher"}
+    # (the pusher too: the members its gets hand group lanes to get pushes of their own; the
+    # sessions function: a connect that takes a WebSocket channel over hands its lanes on)
+    assert senders == {
+        "router",
+        "edge",
+        "messages",
+        "subscriptions",
+        "reaper",
+        "pusher",
+        "sessions",
+    }
     assert takers == {"pusher"}
 
 

@@ -39,6 +39,7 @@ from shoal.sessions.repository import SessionRepository
 
 import functions.messages.app as messages_app
 import functions.router.app as router_app
+import functions.sessions.app as sessions_app
 import functions.subscriptions.app as subscriptions_app
 from tests.helpers import load_event
 from tests.integration.test_delivery_support import World
@@ -1188,6 +1189,10 @@ def group_edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     watcher = HandOffs(edge.queue)
     monkeypatch.setattr(messages_app, "hand_overs", lambda: watcher)
     monkeypatch.setattr(subscriptions_app, "hand_overs", lambda: watcher)
+    monkeypatch.setattr(sessions_app, "hand_overs", lambda: watcher)
+    # an HTTP subscribe finds the connection that holds its channel, as
+    # ``wiring.subscription_service`` wires it
+    world.subscriptions.connections = edge.connections
     yield edge
 
 
@@ -1422,10 +1427,8 @@ def test_an_idle_websocket_member_is_live_while_its_connection_lives(group_edge:
 def test_a_takeover_keeps_the_member_live_by_the_newer_connection(group_edge: Edge) -> None:
     """A connect over the WebSocket API that resumes the session takes it over: the newer
     connection keeps the member live from then, and the older one's $disconnect releases
-    nothing. When an HTTP connect takes it over instead, the older connection's $disconnect
-    releases the member at once: from then it is live as an HTTP member is, by renewing."""
+    nothing."""
     edge = group_edge
-    world = edge.world
     _two_members(edge)
     lanes = _member(edge, "alice-1")
     edge.connect("c3", client_id="alice-1")
@@ -1433,10 +1436,66 @@ def test_a_takeover_keeps_the_member_live_by_the_newer_connection(group_edge: Ed
     edge.dropped("c1")
     _idle(edge)
     assert _member(edge, "alice-1") == lanes
-    # an HTTP connect takes the session over; API Gateway closes the connection later
+
+
+def test_an_http_takeover_releases_the_member_its_connection_kept_at_once(
+    group_edge: Edge,
+) -> None:
+    """An HTTP connect that resumes the session takes it over from the WebSocket connection,
+    which API Gateway may hold open (refused) for a long while: the member that connection
+    kept is released by the connect, not at the connection's $disconnect. Its lanes, with
+    what it had in flight, go to the other member, pushed to it when the connect ends; from
+    then the HTTP channel's member is live as any HTTP member is, by renewing."""
+    edge = group_edge
+    world = edge.world
+    # Given two idle WebSocket members sharing the lanes, each with deliveries in flight
+    _two_members(edge)
+    _idle(edge)
+    for key in KEYS:
+        world.publish("a/b", f"m-{key}", ordering_key=key)
+    world.route()
+    held = texts(edge.messages("c1"))
+    assert held and texts(edge.messages("c2"))
+    # When an HTTP connect takes alice-1's session over, c1 still open (no $disconnect)
     world.connect("alice-1", clean_start=False, session_expiry_s=3600)
+    # Then at once (no time passed, no lease ran out) alice-2 holds every lane
+    assert _member(edge, "alice-1") == (False, [])
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+    # and was pushed what alice-1 had in flight, by the connect
+    assert set(held) <= set(texts(edge.messages("c2")))
+    # c1's $disconnect, when it comes, changes nothing
+    edge.dropped("c1")
+    assert _member(edge, "alice-2") == (True, _all_lanes(edge))
+
+
+def test_a_share_subscribed_over_http_on_a_websocket_channel_is_kept_by_its_connection(
+    group_edge: Edge,
+) -> None:
+    """A client connected over the WebSocket API subscribes a share over the HTTP API, naming
+    its connection's channel: the connection keeps that member live from the subscribe, as
+    if the subscribe had come over it (no connect or renewal needed), and its $disconnect
+    releases it."""
+    edge = group_edge
+    world = edge.world
+    # Given alice-2, a member over the WebSocket API, and alice-1 connected over it too
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [SHARE]})
+    channel = edge.connect("c1", client_id="alice-1")["channel"]
+    # When alice-1 subscribes the share over HTTP on c1's channel
+    assert world.subscribe("alice-1", channel, SHARE) == [1]
+    for key in KEYS:
+        world.publish("a/b", f"first-{key}", ordering_key=key)
+    world.route()
+    for connection in ("c1", "c2"):
+        ids = [f["id"] for f in edge.messages(connection)]
+        edge.send(connection, {"action": "ack", "ids": ids})
+    lanes = _member(edge, "alice-1")
+    assert lanes[0] and lanes[1]
+    # Then idle past three lease timeouts, running nothing, it is live with its lanes
+    _idle(edge)
     assert _member(edge, "alice-1") == lanes
-    edge.dropped("c3")
+    # and its connection's $disconnect releases it at once
+    edge.dropped("c1")
     assert _member(edge, "alice-1") == (False, [])
     assert _member(edge, "alice-2") == (True, _all_lanes(edge))
 

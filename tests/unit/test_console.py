@@ -50,6 +50,7 @@ def test_config_names_the_stacks_websocket_api_and_no_mint() -> None:
         "api_url": "",
         "local_mint": False,
         "max_connection_s": 7200.0,
+        "overview_refresh_s": 60.0,
     }
 
 

@@ -94,6 +94,8 @@ def test_calls_become_the_requests_iam_authorizes() -> None:
         ("dynamodb:Query", f"{TABLE}/index/due")
     ]
     assert requests("kinesis", "ListStreams") == [("kinesis:ListStreams", "*")]
+    # CloudWatch signs its calls as "monitoring"; IAM names its actions "cloudwatch:"
+    assert requests("monitoring", "GetMetricData") == [("cloudwatch:GetMetricData", "*")]
     assert requests("kinesis", "PutRecords", StreamName="shoal-default-0") == [
         ("kinesis:PutRecords", "arn:aws:kinesis:us-east-1:123456789012:stream/shoal-default-0")
     ]

@@ -14,10 +14,12 @@ from shoal.core.observability import (
     InvocationMetrics,
     carried,
     count,
+    gauge,
     invocation,
     lag,
     observed,
     service_scope,
+    set_emf_writer,
 )
 from shoal.declarations import DEPLOYMENT, function_environment
 from shoal.local.provision import LocalNames
@@ -113,3 +115,55 @@ def test_each_function_is_its_own_service_deployed_and_under_shoal_dev(
     functions = Functions(DEPLOYMENT, LocalNames.for_deployment())
     assert functions.invoke_def(DEPLOYMENT.function("router"), {}) == "router"
     assert functions.invoke_def(DEPLOYMENT.function("messages"), {}) == "messages"
+
+
+def test_gauges_go_in_a_document_of_their_own_per_extra_dimension(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given an invocation that counts, and reports levels with and without a subscription
+    @observed
+    def handler(event: dict[str, Any], context: Any) -> None:
+        count(metrics.PUBLISHED, 3)
+        gauge(metrics.CONNECTIONS, 4)
+        gauge(metrics.CONNECTIONS, 5)  # a level: the last report stands
+        gauge(metrics.DEAD_LETTERS, 2, subscription="orders")
+        gauge(metrics.DEAD_LETTERS, 0, subscription="audit")
+
+    # When it ends
+    with service_scope("reaper"):
+        handler({}, FakeContext())
+    documents = lines(capsys.readouterr().out)
+    # Then the counts and plain levels share one document; each subscription has its own
+    plain, *extra = documents
+    assert plain["service"] == "reaper" and "subscription" not in plain
+    assert plain[metrics.PUBLISHED] == [3.0] and plain[metrics.CONNECTIONS] == [5.0]
+    by_subscription = {d["subscription"]: d[metrics.DEAD_LETTERS] for d in extra}
+    assert by_subscription == {"orders": [2.0], "audit": [0.0]}
+    for document in extra:
+        [directive] = document["_aws"]["CloudWatchMetrics"]
+        assert sorted(directive["Dimensions"][0]) == ["service", "subscription"]
+        assert document["service"] == "reaper"
+
+
+def test_an_emf_writer_takes_each_document_instead_of_stdout_when_metrics_are_disabled(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given shoal dev's settings: metrics disabled, a writer set (its CloudWatch)
+    monkeypatch.setenv("POWERTOOLS_METRICS_DISABLED", "true")
+    taken: list[dict[str, Any]] = []
+    set_emf_writer(taken.append)
+    try:
+
+        @observed
+        def handler(event: dict[str, Any], context: Any) -> None:
+            count(metrics.PUBLISHED, 1)
+
+        # When an invocation ends
+        with service_scope("publish"):
+            handler({}, FakeContext())
+    finally:
+        set_emf_writer(None)
+    # Then the writer has its document, and stdout has no EMF line
+    assert [d[metrics.PUBLISHED] for d in taken] == [[1.0]]
+    assert taken[0]["service"] == "publish"
+    assert lines(capsys.readouterr().out) == []

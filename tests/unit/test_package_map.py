@@ -37,6 +37,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     },
     "push": {"core", "topics", "aws", "records", "composite", "drain", "delivery"},
     "teardown": {"core", "aws", "composite", "push"},
+    #: the reaper's count of connections, sessions, groups and dead letters (gauges)
+    "census": {"core", "aws", "sessions", "groups", "edge", "push"},
+    #: the console's Overview: the stack's metrics from CloudWatch, and the current figures
+    "overview": {"core", "aws", "declarations", "composite", "push"},
     "wiring": {
         "core",
         "topics",
@@ -53,6 +57,8 @@ MAY_IMPORT: dict[str, set[str]] = {
         "push",
         "teardown",
         "edge",
+        "census",
+        "overview",
     },
     #: the console's static page (HTML, CSS, JavaScript) and how to send it
     "console": set(),

@@ -93,6 +93,7 @@ def test_config_names_the_websocket_api_and_the_mint(console: DevConsole) -> Non
         "api_url": "",
         "local_mint": True,
         "max_connection_s": 7200.0,
+        "overview_refresh_s": 5.0,
     }
 
 

@@ -394,3 +394,96 @@ def test_an_item_nothing_holds_any_more_is_let_go(table: Any) -> None:
         o for o in gc.get_objects() if type(o) is Item and o.hash_key == DynamoType({"S": marker})
     ]
     assert [o.attrs["v"].value for o in alive] == ["second"]
+
+
+def test_metric_queries_put_each_datapoint_in_its_period_as_moto_did() -> None:
+    """``GetMetricData``'s metric queries answer as moto's own loop over periods answered,
+    for random datapoints (single values and statistic sets, units, dimensions, namespaces)."""
+    import datetime as dt
+    import random
+
+    from moto.cloudwatch.models import CloudWatchBackend
+    from shoal.local.moto_cloudwatch import bucket_metric_queries
+
+    bucket_metric_queries()
+    bucketed = CloudWatchBackend.get_metric_data
+    original = bucketed._moto
+    assert not getattr(original, "_bucketed", False)
+    rng = random.Random(7)
+    start = dt.datetime(2026, 12, 4, 20, 0, tzinfo=dt.UTC)
+    with mock_aws():
+        cloudwatch = boto3.client("cloudwatch", region_name="us-east-1")
+        data: list[dict[str, Any]] = []
+        for _ in range(400):
+            dims = [{"Name": "service", "Value": rng.choice(["publish", "edge", "reaper"])}]
+            if rng.random() < 0.3:
+                dims.append({"Name": "subscription", "Value": rng.choice(["a", "b"])})
+            datum: dict[str, Any] = {
+                "MetricName": rng.choice(["MessagesPublished", "RouterLag"]),
+                "Dimensions": dims,
+                "Timestamp": start + dt.timedelta(seconds=rng.randrange(0, 4 * 3600)),
+                "Unit": rng.choice(["Count", "Milliseconds"]),
+            }
+            if rng.random() < 0.5:
+                datum["Value"] = rng.randrange(0, 50)
+            else:
+                low = rng.randrange(0, 10)
+                datum["StatisticValues"] = {
+                    "SampleCount": 3,
+                    "Sum": low * 3 + 4,
+                    "Minimum": low,
+                    "Maximum": low + 4,
+                }
+            data.append(datum)
+        for at in range(0, len(data), 20):
+            cloudwatch.put_metric_data(Namespace="Shoal", MetricData=data[at : at + 20])
+        backend = next(iter(next(iter(_cloudwatch_backends().values())).values()))
+        queries = [
+            {
+                "Id": f"q{n}",
+                "MetricStat": {
+                    "Metric": {
+                        "Namespace": namespace,
+                        "MetricName": name,
+                        "Dimensions": dims,
+                    },
+                    "Period": period,
+                    "Stat": stat,
+                    **({"Unit": unit} if unit else {}),
+                },
+                "ReturnData": n % 5 != 0,
+            }
+            for n, (namespace, name, dims, period, stat, unit) in enumerate(
+                (
+                    rng.choice(["Shoal", "Other"]),
+                    rng.choice(["MessagesPublished", "RouterLag"]),
+                    rng.choice(
+                        [
+                            [],
+                            [{"Name": "service", "Value": "publish"}],
+                            [
+                                {"Name": "service", "Value": "edge"},
+                                {"Name": "subscription", "Value": "a"},
+                            ],
+                        ]
+                    ),
+                    rng.choice([60, 300, 3600]),
+                    rng.choice(["Sum", "Maximum", "Minimum", "Average", "SampleCount"]),
+                    rng.choice([None, "Count"]),
+                )
+                for _ in range(60)
+            )
+        ]
+        # the backend holds times as moto's responses parse them: naive, in UTC
+        begin = start.replace(tzinfo=None)
+        for end in (begin + dt.timedelta(hours=4), begin + dt.timedelta(minutes=90)):
+            for scan_by in ("TimestampAscending", "TimestampDescending"):
+                expected = original(backend, queries, begin, end, scan_by)
+                assert bucketed(backend, queries, begin, end, scan_by) == expected
+                assert any(r["values"] for r in expected)
+
+
+def _cloudwatch_backends() -> Any:
+    from moto.cloudwatch.models import cloudwatch_backends
+
+    return cloudwatch_backends

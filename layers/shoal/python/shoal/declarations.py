@@ -46,8 +46,9 @@ class Grant:
     ``@connections`` API, to push frames to connected clients and close them), a mapping's
     enhanced fan-out consumers of the storage streams (``stream_consumers``, named by the
     mapping: list to read, register and deregister to write; given only when the stack's
-    option names that mapping, ``enhancedFanOut``), or a queue the stack owns (``queue``:
-    write sends to it, read consumes it as a mapping's function)."""
+    option names that mapping, ``enhancedFanOut``), a queue the stack owns (``queue``:
+    write sends to it, read consumes it as a mapping's function), or the account's CloudWatch
+    metrics (``metrics``, read only: ``cloudwatch:GetMetricData``, which names no resource)."""
 
     kind: Literal[
         "table",
@@ -58,6 +59,7 @@ class Grant:
         "connections",
         "stream_consumers",
         "queue",
+        "metrics",
     ]
     name: str
     access: Access
@@ -301,7 +303,7 @@ DEPLOYMENT = Deployment(
             name="admin",
             description=(
                 "Composite topics: create, list, get, add a storage topic, switch produce; "
-                "a shared group's members and lanes"
+                "a shared group's members and lanes; the console's Overview (metrics)"
             ),
             routes=(
                 Route("POST", "/v1/topics"),
@@ -310,6 +312,7 @@ DEPLOYMENT = Deployment(
                 Route("POST", "/v1/topics/{name}/storage-topics"),
                 Route("POST", "/v1/topics/{name}/switch-produce"),
                 Route("GET", "/v1/groups/{share}"),
+                Route("GET", "/v1/metrics"),
             ),
             grants=(
                 Grant("table", "topics", "read_write"),
@@ -330,6 +333,9 @@ DEPLOYMENT = Deployment(
                 # its members' session heads (connected or not); it writes neither
                 Grant("table", "groups", "read"),
                 Grant("table", "sessions", "read"),
+                # the Overview (shoal.overview): one GetMetricData a view, the stack's own
+                # metrics; it counts the topics and push subscriptions (granted above)
+                Grant("metrics", "cloudwatch", "read"),
             ),
         ),
         FunctionDef(
@@ -430,13 +436,19 @@ DEPLOYMENT = Deployment(
                 # an ended session's held QoS 2 group deliveries are dropped, each recorded
                 # with its reason ([MQTT-4.8.2-5]; seen by the IAM check, 2026-11-29)
                 Grant("stream", "events", "write"),
+                # a connect that takes a WebSocket connection's channel over releases the
+                # members it kept: the members handed their lanes are pushed
+                # (``wiring.HandOvers``; the pusher skips those not connected)
+                Grant("queue", "push", "write"),
             ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
         ),
         FunctionDef(
             name="reaper",
-            description="Scheduled: keepalive expiry, wills after their delay, session expiry",
+            description=(
+                "Scheduled: keepalive expiry, wills after their delay, session expiry; the census"
+            ),
             grants=(
                 # the due index and the registry's conditional writes
                 Grant("table", "sessions", "read_write"),
@@ -461,6 +473,10 @@ DEPLOYMENT = Deployment(
                 # an expired session's held QoS 2 group deliveries are dropped, each recorded
                 # with its reason ([MQTT-4.8.2-5])
                 Grant("stream", "events", "write"),
+                # the census (shoal.census) scans the connections, sessions and groups tables
+                # (granted above) and reads each push subscription's dead letters
+                Grant("table", "push_subscriptions", "read"),
+                Grant("table", "push_groups", "read"),
             ),
             schedule_s=60,
             timeout_s=120,
@@ -486,6 +502,9 @@ DEPLOYMENT = Deployment(
                 # the members a rebalance handed group lanes to: their pushes go to the push
                 # queue (``wiring.HandOvers``; the pusher skips those not connected)
                 Grant("queue", "push", "write"),
+                # a share subscribed over HTTP on a channel a WebSocket connection holds is
+                # kept live by that connection (``shoal.edge.connections.ConnectionKeeps``)
+                Grant("table", "connections", "read"),
             ),
         ),
         FunctionDef(

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo
 from shoal.aws.kinesis import Streams
+from shoal.census import Census
 from shoal.composite.directory import TopicDirectory
 from shoal.composite.model import CompositeTopic
 from shoal.composite.service import TopicService
@@ -194,6 +195,8 @@ def subscription_service(config: Config, clock: Clock | None = None) -> Subscrip
         ),
         clock=clock,
         groups=groups,
+        # a share subscribed over HTTP on a WebSocket connection's channel is kept by it
+        connections=ConnectionStore(dynamo, config.table(tables.CONNECTIONS), clock),
     )
 
 
@@ -314,6 +317,11 @@ def reaper(config: Config, clock: Clock | None = None, hand_offs: HandOffs | Non
         # a dead channel's shared groups advance (its expired leases go to live members)
         on_channel_expired=groups.channel_expired,
     )
+
+
+def census(config: Config, clock: Clock | None = None) -> Census:
+    """The reaper's count of connections, sessions, groups and dead letters (``shoal.census``)."""
+    return Census.from_config(config, clock)
 
 
 def sealer(config: Config, clock: Clock | None = None) -> Sealer:

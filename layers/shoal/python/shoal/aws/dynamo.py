@@ -234,6 +234,17 @@ class Dynamo:
                 return out
             request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
+    def count(self, table: str, **request: Any) -> int:
+        """The items a scan's filter keeps, counted over every page (``Select=COUNT``: no item
+        comes back, but each one read is charged, filter or not)."""
+        total = 0
+        while True:
+            page = self.call("scan", TableName=table, Select="COUNT", **request)
+            total += int(page.get("Count", 0))
+            if "LastEvaluatedKey" not in page:
+                return total
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
     def batch_get(
         self, table: str, keys: Sequence[Mapping[str, Any]], *, consistent: bool = True
     ) -> list[dict[str, Any]]:

@@ -25,6 +25,9 @@ INDEX = "index.html"
 CONFIG = "config.json"
 #: API Gateway closes every WebSocket connection at 2 hours (a quota it does not raise)
 MAX_CONNECTION_S = 7200.0
+#: how often the Overview asks for its figures again while it is shown: deployed, each time is
+#: a CloudWatch GetMetricData (billed by the metrics it names) of one-minute data
+OVERVIEW_REFRESH_S = 60.0
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -79,6 +82,7 @@ def serve(
     api_url: str = "",
     local_mint: bool = False,
     max_connection_s: float = MAX_CONNECTION_S,
+    overview_refresh_s: float = OVERVIEW_REFRESH_S,
 ) -> Served | None:
     """The answer to ``method path`` when it asks for one of the console's files (or
     ``/console``, redirected to the page), else None."""
@@ -96,6 +100,7 @@ def serve(
             api_url=api_url,
             local_mint=local_mint,
             max_connection_s=max_connection_s,
+            overview_refresh_s=overview_refresh_s,
         )
     else:
         found = asset(name)
@@ -121,15 +126,18 @@ def config_asset(
     api_url: str = "",
     local_mint: bool = False,
     max_connection_s: float = MAX_CONNECTION_S,
+    overview_refresh_s: float = OVERVIEW_REFRESH_S,
 ) -> Asset:
     """``config.json``: what the page cannot know by itself. ``api_url`` empty: the HTTP API is
     the page's own origin. ``max_connection_s``: when the WebSocket API closes a connection,
-    which the page's live session renews before (``shoal dev`` may be told a shorter one)."""
+    which the page's live session renews before (``shoal dev`` may be told a shorter one).
+    ``overview_refresh_s``: how often the Overview refreshes while shown."""
     config: dict[str, Any] = {
         "ws_url": ws_url,
         "api_url": api_url,
         "local_mint": local_mint,
         "max_connection_s": max_connection_s,
+        "overview_refresh_s": overview_refresh_s,
     }
     return Asset(CONTENT_TYPES[".json"], json.dumps(config).encode())
 

@@ -178,6 +178,11 @@ class Config(BaseModel):
     #: the mappings made at run time that read through an enhanced fan-out consumer of their
     #: storage stream (``FAN_OUT_MAPPINGS``); empty: every mapping polls its shards
     enhanced_fan_out: frozenset[str] = frozenset()
+    #: how often the reaper's census counts connections, sessions, groups and dead letters
+    #: (``shoal.census``; ``SHOAL_CENSUS_EVERY_S``): every minute by default (each reaper run
+    #: deployed), longer for fewer reads (each census reads the connections, sessions and
+    #: groups tables whole: docs/operations.md, "The census"), 0 for none
+    census_every_s: int = Field(default=60, ge=0)
 
     def table(self, logical: str) -> str:
         return self.tables[logical]
@@ -213,6 +218,7 @@ class Config(BaseModel):
             ),
             jwks_url=env.get("SHOAL_JWKS_URL", ""),
             enhanced_fan_out=parse_fan_out(env.get(FAN_OUT_ENV, "")),
+            census_every_s=int(env.get("SHOAL_CENSUS_EVERY_S", "60")),
         )
 
 

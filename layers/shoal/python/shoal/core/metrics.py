@@ -2,8 +2,9 @@
 and the stack's dashboard and alarms read the same names.
 
 Every metric is in the ``Shoal`` namespace with one dimension, ``service``: the function's
-name (a handful of values). Never a client id, a topic name or a group name as a dimension:
-each distinct value is a billed custom metric, and a client id would make them unbounded.
+name (a handful of values); ``DEAD_LETTERS`` has a push subscription's name besides. Never a
+client id, a topic name or a group name as a dimension: each distinct value is a billed custom
+metric, and a client id would make them unbounded.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ ROUTER_LAG: Final = "RouterLag"
 PUSH_LAG: Final = "PushLag"
 ARCHIVER_LAG: Final = "ArchiverLag"
 
+# Levels (Unit.Count) the reaper's census reports each run (``shoal.census``), graphed with
+# the Maximum statistic: WebSocket connections that hold a session, sessions whose channel is
+# connected (HTTP or WebSocket), shared groups, and each push subscription's dead letters.
+CONNECTIONS: Final = "WebSocketConnections"
+SESSIONS_CONNECTED: Final = "SessionsConnected"
+SHARED_GROUPS: Final = "SharedGroups"
+DEAD_LETTERS: Final = "DeadLetters"
+#: the one extra dimension a metric may have: ``DEAD_LETTERS``' push subscription. Bounded (an
+#: admin makes each subscription), unlike a client id or a topic name
+SUBSCRIPTION_DIMENSION: Final = "subscription"
+
 COUNTS: Final = (
     PUBLISHED,
     ROUTED,
@@ -58,3 +70,4 @@ COUNTS: Final = (
     ARCHIVED_EVENTS,
 )
 LAGS: Final = (ROUTER_LAG, PUSH_LAG, ARCHIVER_LAG)
+GAUGES: Final = (CONNECTIONS, SESSIONS_CONNECTED, SHARED_GROUPS, DEAD_LETTERS)

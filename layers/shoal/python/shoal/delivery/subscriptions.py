@@ -94,7 +94,7 @@ from shoal.delivery.ports import MembershipPlan, SharedGroups
 from shoal.delivery.retained import RetainedReader
 from shoal.records import Retained
 from shoal.sessions.model import Channel, Head
-from shoal.sessions.ports import KeptBy
+from shoal.sessions.ports import ConnectionKeeps, KeptBy
 from shoal.sessions.registry import SessionRegistry
 from shoal.topics.filters import (
     MULTI_LEVEL,
@@ -261,6 +261,7 @@ class SubscriptionService:
         *,
         clock: Clock | None = None,
         groups: SharedGroups | None = None,
+        connections: ConnectionKeeps | None = None,
     ) -> None:
         self.registry = registry
         self.subscriptions = subscriptions
@@ -270,6 +271,9 @@ class SubscriptionService:
         self.clock = clock or SystemClock()
         #: shared subscriptions join and leave their groups (``shoal.groups``)
         self.groups = groups
+        #: the WebSocket connection that holds a channel, if one does: it keeps the members a
+        #: subscribe over HTTP joins as it keeps those a subscribe over it joins
+        self.connections = connections
 
     # -- subscribe
 
@@ -387,6 +391,10 @@ class SubscriptionService:
         }
         # the join of a shared subscription's group is read again on every attempt
         joining = self.groups if shared else None
+        if joining is not None and kept_by is None and self.connections is not None:
+            # over HTTP, on a channel a WebSocket connection may hold: an idle connection runs
+            # nothing that would renew the member's lease, so the connection keeps it live
+            kept_by = self.connections.kept_by(session_id, channel_of(head))
         incarnations: Mapping[str, str] = {}
         retained = self._retained(accepted)
         for attempt in range(ATTEMPTS):

@@ -37,6 +37,7 @@ from shoal.aws.clients import error_code
 from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, from_item, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
+from shoal.sessions.ports import KeptBy
 
 CONNECTION = "conn#"
 SESSION = "session#"
@@ -66,6 +67,13 @@ class Connection:
     ready: bool = True
     #: when the sweep looks at the session next (the due index), if it is armed
     due_at_ms: int | None = None
+
+    def kept_by(self) -> KeptBy:
+        """What keeps the session's shared-group members live while this connection lives
+        (``shoal.groups``): API Gateway closes it within two hours, so a keep whose end was
+        lost lapses then."""
+        until = self.connected_at_ms + MAX_CONNECTION_S * 1000
+        return KeptBy(self.connection_id, self.channel, until)
 
     def record(self, expires_at: int) -> dict[str, Any]:
         return {
@@ -251,6 +259,16 @@ class ConnectionStore:
     def target(self, session_id: str) -> Connection | None:
         raw = self.dynamo.get(self.table, {"key": SESSION + session_id})
         return None if raw is None else Connection.from_record(raw, session_id)
+
+    def kept_by(self, session_id: str, channel: str) -> KeptBy | None:
+        """The connection that holds ``channel`` of the session, as what keeps the session's
+        group members live (``shoal.sessions.ports.ConnectionKeeps``): a share subscribed over
+        HTTP on a channel a WebSocket connection holds is kept by it, as one subscribed over
+        the connection is. None when no connection holds that channel. One read."""
+        found = self.target(session_id)
+        if found is None or found.channel != channel:
+            return None
+        return found.kept_by()
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 

@@ -59,7 +59,6 @@ from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService
 from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest, Head
-from shoal.sessions.ports import KeptBy
 from shoal.sessions.registry import SessionRegistry
 
 #: the keepalive a WebSocket channel registers with: its grace (``KEEPALIVE_GRACE`` times it)
@@ -200,7 +199,7 @@ class EdgeService:
                 connection.client_id,
                 connection.channel,
                 frame,
-                kept_by=_kept_by(connection),
+                kept_by=connection.kept_by(),
                 sent=sent,
             )
             # retained messages, or a group's streams, follow the SUBACK; nothing else does
@@ -259,7 +258,10 @@ class EdgeService:
                 "keepalive_s": CHANNEL_KEEPALIVE_S,
             }
         )
-        connected = self.registry.connect(who, frame.client_id, request, requested_at_ms)
+        # this connection keeps the session's group members from now (``_keep`` below)
+        connected = self.registry.connect(
+            who, frame.client_id, request, requested_at_ms, on_connection=True
+        )
         head = self.registry.require_live(who, frame.client_id, connected.channel)
         window = min(frame.receive_maximum or self.settings.window, self.settings.window)
         connection = Connection(
@@ -341,7 +343,7 @@ class EdgeService:
         """The session's members of its shared groups are live while ``connection`` is."""
         groups = self.registry.groups
         if groups is not None and head.session_id == connection.session_id:
-            groups.keep(connection.session_id, head.subscriptions, _kept_by(connection))
+            groups.keep(connection.session_id, head.subscriptions, connection.kept_by())
 
     def _release(self, connection: Connection, head: Head | None) -> None:
         """``connection`` ended: the session's group members it kept are not live from now,
@@ -381,12 +383,6 @@ class EdgeService:
             return
         if push or ready:
             self.queue.hand_off({connection.session_id: connection.client_id})
-
-
-def _kept_by(connection: Connection) -> KeptBy:
-    # API Gateway closes a connection within two hours: a keep whose end was lost lapses then
-    until = connection.connected_at_ms + MAX_CONNECTION_S * 1000
-    return KeptBy(connection.connection_id, connection.channel, until)
 
 
 def requested_at(context: Mapping[str, Any]) -> int | None:

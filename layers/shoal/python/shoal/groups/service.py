@@ -286,8 +286,20 @@ class GroupService:
         pushes). A member another connection keeps now (a takeover's, a renewal's) stays.
         Best effort per group: one that fails is left to the reaper's expiry of the channel,
         or at the latest to the keep's bound. How many groups it advanced."""
+        return self._end_keeps(subscriptions, Ending(session_id, connection_id=connection_id))
+
+    def channel_taken_over(
+        self, session_id: str, subscriptions: Mapping[str, Any], channel: str
+    ) -> int:
+        """An HTTP connect took the session over from ``channel``: the members a connection
+        kept for that channel are released at once (the connection may stay open for a while,
+        refused, and its ``$disconnect`` may come much later), and their groups advance. From
+        then the member is live as an HTTP member is, by renewing. A member kept for another
+        channel stays. How many groups it advanced."""
+        return self._end_keeps(subscriptions, Ending(session_id, channel=channel))
+
+    def _end_keeps(self, subscriptions: Mapping[str, Any], ending: Ending) -> int:
         now = self.clock.now_ms()
-        ending = Ending(session_id, connection_id=connection_id)
         advanced = 0
         for ref in group_refs(subscriptions):
             try:

@@ -37,6 +37,7 @@ import boto3
 
 from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
+from shoal.local.moto_cloudwatch import bucket_metric_queries
 from shoal.local.moto_dynamodb import (
     cache_action_names,
     lex_conditions_once,
@@ -255,6 +256,7 @@ def adapt_moto() -> None:
     traverse_with_fixed_maps()
     lex_conditions_once()
     keep_consumers_as_kinesis_does()
+    bucket_metric_queries()
 
 
 def forget_model_instances() -> None:

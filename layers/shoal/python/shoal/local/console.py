@@ -29,6 +29,9 @@ TOKEN_PATH = "/_shoal/token"  # noqa: S105 - a URL path, not a secret
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 MAX_TTL_S = 24 * 3600
 DEFAULT_TTL_S = 3600
+#: the Overview's refresh under ``shoal dev``: its metrics are put every two seconds
+#: (``shoal.local.metrics``) and a query costs nothing here
+OVERVIEW_REFRESH_S = 5.0
 
 Mint = Callable[..., str]
 
@@ -70,6 +73,7 @@ class DevConsole:
             ws_url=self.ws_url,
             local_mint=True,
             max_connection_s=self.max_connection_s,
+            overview_refresh_s=OVERVIEW_REFRESH_S,
         )
         if served is None:
             return None

@@ -28,7 +28,7 @@ from typing import Any
 
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config, get_config
-from shoal.core.observability import SERVICE_ENV, service_scope
+from shoal.core.observability import SERVICE_ENV, service_scope, set_emf_writer
 from shoal.declarations import DEPLOYMENT, Deployment, FunctionDef, function_environment
 from shoal.local.authorizer import (
     DEFAULT_AUDIENCE,
@@ -51,6 +51,7 @@ from shoal.local.gateway import (
     RouteTable,
     in_process_connections,
 )
+from shoal.local.metrics import LocalMetrics
 from shoal.local.provision import LocalNames, provision, provision_mappings
 from shoal.local.scheduler import Scheduler, schedules_for
 from shoal.local.throttle import Throttles
@@ -66,9 +67,9 @@ CHECKPOINTS_DIR = "checkpoints"
 #: What every function's process sees besides the declared environment: fake credentials (the
 #: emulator checks none, and no real account can be reached with them), one region, few SDK
 #: retries (nothing throttles locally; a retry only hides a bug), no X-Ray daemon, and metrics
-#: kept out of the console: no CloudWatch reads them, and one EMF line per invocation would
-#: bury the request log (they go to the function log at DEBUG: --log-level is the runtime's
-#: own; POWERTOOLS_LOG_LEVEL=DEBUG shows them).
+#: kept out of the console: one EMF line per invocation would bury the request log (the
+#: runtime puts them into its CloudWatch, ``shoal.local.metrics``, and they go to the function
+#: log at DEBUG: --log-level is the runtime's own; POWERTOOLS_LOG_LEVEL=DEBUG shows them).
 BASE_ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -200,6 +201,9 @@ class Functions:
         #: that an idle WebSocket connection runs no function
         self.invocations: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        #: told the deployed name of each function whose invocation raised (Lambda's
+        #: ``Errors``: ``shoal.local.metrics``)
+        self.on_error: Callable[[str], None] | None = None
 
     def concurrency(self, name: str) -> int:
         """How many invocations of the declared function run at once (its sandboxes)."""
@@ -242,6 +246,10 @@ class Functions:
                         timeout_s=fn.timeout_s,
                     ),
                 )
+        except Exception:
+            if self.on_error is not None:
+                self.on_error(self.names.functions[fn.name])
+            raise
         finally:
             sandboxes.release(handler)
 
@@ -320,6 +328,8 @@ class LocalRuntime:
         self._temp_dir: Path | None = None
         self._lock_fd: int | None = None
         self._triggers: list[Any] = []
+        #: the functions' metrics, put into the emulated CloudWatch (``shoal.local.metrics``)
+        self.metrics: LocalMetrics | None = None
 
     # -- lifecycle --
 
@@ -365,6 +375,11 @@ class LocalRuntime:
         self.aws.start()
         self._set_environment(self.aws.url, public)
         session = self.aws.session()
+        # before any function runs: their EMF documents and failures become CloudWatch's data
+        self.metrics = LocalMetrics(session.client("cloudwatch"))
+        set_emf_writer(self.metrics.take)
+        self.functions.on_error = self.metrics.failed
+        self.metrics.start()
         provision(session, self.names, self.deployment)
         # the mappings the stack declares (the archiver's on the event log); the router's and
         # push's are made at run time, by the start hooks and the admin API
@@ -460,6 +475,12 @@ class LocalRuntime:
             except Exception as exc:
                 log.error("stopping %s failed: %s", type(trigger).__name__, type(exc).__name__)
             log.debug("%s stopped after %.2f s", type(trigger).__name__, time.monotonic() - started)
+        if self.metrics is not None:
+            # after the functions: what they counted last is put before the emulator stops
+            set_emf_writer(None)
+            self.functions.on_error = None
+            self.metrics.stop()
+            self.metrics = None
         if self.aws is not None:
             self.aws.stop()
             self.aws = None

@@ -30,6 +30,15 @@ class KeptBy:
     until_ms: int
 
 
+class ConnectionKeeps(Protocol):
+    """Which WebSocket connection holds a session's channel (``shoal.edge.connections``)."""
+
+    def kept_by(self, session_id: str, channel: str) -> KeptBy | None:
+        """What keeps the session's group members live while that connection lives; None
+        when no connection holds ``channel``."""
+        ...
+
+
 class GroupLeases(Protocol):
     """The session's shared groups (``shoal.groups.GroupService``)."""
 
@@ -50,6 +59,13 @@ class GroupLeases(Protocol):
     ) -> int:
         """The connection that kept the session's members live ended: they are not live from
         now (their lanes go on at once); how many it kept."""
+        ...
+
+    def channel_taken_over(
+        self, session_id: str, subscriptions: Mapping[str, Any], channel: str
+    ) -> int:
+        """An HTTP connect took the session over from ``channel``: the members a connection
+        kept for that channel are not live from now (their lanes go on at once)."""
         ...
 
 

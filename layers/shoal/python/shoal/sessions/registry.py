@@ -136,7 +136,13 @@ class SessionRegistry:
         client_id: str,
         request: ConnectRequest,
         requested_at_ms: int | None = None,
+        *,
+        on_connection: bool = False,
     ) -> Connected:
+        """``on_connection``: the connect came on a WebSocket connection, which keeps the
+        session's shared-group members live itself from now (``shoal.edge``): the keeps of a
+        channel it takes over are replaced, not ended. An HTTP connect that resumes a session
+        from a live channel ends that channel's keeps at once."""
         who.require_client(client_id)
         check_client_id(client_id)
         now = self.clock.now_ms()
@@ -197,7 +203,24 @@ class SessionRegistry:
             # (best effort: the connect stands; a leftover only costs writes to an inbox no
             # session reads, which TTL removes)
             call_end_hook(self.on_session_end, client_id, ended)
+        elif plan.decision is Decision.RESUME and not on_connection:
+            self._release_taken_over(ended)
         return Connected(plan.session_present, ours.channel, request.keepalive_s)
+
+    def _release_taken_over(self, ended: Head | None) -> None:
+        """The live channel this HTTP connect took over may have been a WebSocket
+        connection's, whose keeps held the session's group members live: they end now, not at
+        that connection's ``$disconnect`` (which comes when API Gateway or the client closes
+        it). Best effort: a failure leaves them to that ``$disconnect``, as before."""
+        if self.groups is None or ended is None or not ended.connected or not ended.session_id:
+            return
+        try:
+            self.groups.channel_taken_over(ended.session_id, ended.subscriptions, ended.channel)
+        except Exception as exc:
+            logger.warning(
+                "releasing a taken-over channel's members failed",
+                extra={"error_type": type(exc).__name__},
+            )
 
     # -- session-scoped calls
 

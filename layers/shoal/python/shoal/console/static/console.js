@@ -24,7 +24,7 @@ const MAX_ACK_IDS = 1000;
 const ACK_ANSWER_MS = 5000;
 
 const state = {
-  config: { ws_url: "", api_url: "", local_mint: false, max_connection_s: 7200 },
+  config: { ws_url: "", api_url: "", local_mint: false, max_connection_s: 7200, overview_refresh_s: 60 },
   token: null,
   claims: null,
   ws: null,
@@ -45,6 +45,9 @@ const state = {
   receiveMaximum: 100,
   received: 0,
   pushDetailLoads: 0,
+  // the Overview's loads (only the last one is drawn) and its refresh timer
+  overviewLoads: 0,
+  overviewTimer: null,
 };
 
 const $ = (id) => document.getElementById(id);
@@ -218,9 +221,15 @@ function signIn(token) {
   $("views").hidden = false;
   $("signout").hidden = false;
   $("client-id").value = defaultClientId(claims);
-  show("live");
-  // keyboard users go on where the next step is
-  $("connect").focus();
+  if (claims["shoal:admin"] === true) {
+    // an admin's first page is the picture of the system
+    show("overview");
+    $("overview-title").focus();
+  } else {
+    show("live");
+    // keyboard users go on where the next step is
+    $("connect").focus();
+  }
   return true;
 }
 
@@ -237,6 +246,11 @@ function defaultClientId(claims) {
 
 function signOut() {
   closeSocket("signed out");
+  stopOverviewTimer();
+  // a load still on its way is drawn nowhere
+  state.overviewLoads += 1;
+  clearOverview();
+  say("overview-error", "");
   sessionStorage.removeItem(TOKEN_KEY);
   state.token = null;
   state.claims = null;
@@ -277,6 +291,7 @@ async function mintLocal(event) {
 // --- views --------------------------------------------------------------------------------
 
 const loaders = {
+  overview: () => loadOverview(false),
   topics: loadTopics,
   push: loadPushSubscriptions,
 };
@@ -289,7 +304,232 @@ function show(view) {
   for (const section of document.querySelectorAll("main > section")) {
     section.hidden = section.id !== view;
   }
+  // the Overview refreshes only while it is shown
+  if (view !== "overview") stopOverviewTimer();
   if (loaders[view]) loaders[view]();
+}
+
+// --- overview (admin) ---------------------------------------------------------------------
+// GET /v1/metrics: the stack's metrics for a time range (one CloudWatch query a view), drawn
+// as SVG charts by this page (nothing loaded from elsewhere). Every figure is text too: each
+// chart's legend says its totals and latest values, and the current figures are a list.
+
+const RANGE_KEY = "shoal.console.range";
+const RANGE_WORDS = { "15m": "the last 15 minutes", "1h": "the last hour", "1d": "the last day" };
+const SVG_NS = "http://www.w3.org/2000/svg";
+const CHART = { width: 640, height: 230, left: 64, right: 16, top: 14, bottom: 46 };
+// how each unit is drawn and said
+const UNITS = {
+  per_second: { axis: "per second", scale: 1, say: (v) => `${number(v)}/s` },
+  per_minute: { axis: "per minute", scale: 1, say: (v) => `${number(v)}/min` },
+  count: { axis: "count", scale: 1, say: (v) => number(v) },
+  ms: { axis: "seconds", scale: 1 / 1000, say: (v) => `${number(v)} s` },
+};
+
+function number(value) {
+  if (value === null || value === undefined) return "no data";
+  const abs = Math.abs(value);
+  const digits = abs >= 100 || Number.isInteger(value) ? 0 : abs >= 10 ? 1 : abs >= 1 ? 2 : 3;
+  return value.toLocaleString("en", { maximumFractionDigits: digits });
+}
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (name === "text") node.textContent = value;
+    else node.setAttribute(name, String(value));
+  }
+  for (const child of children) if (child) node.append(child);
+  return node;
+}
+
+// the value axis: a step of 1, 2 or 5 times a power of ten (a whole one for counts of
+// things), and as many steps as reach the largest value, four or so
+function valueAxis(max, whole) {
+  if (!(max > 0)) return { top: whole ? 4 : 1, step: whole ? 1 : 0.25 };
+  const rough = max / 4;
+  const power = 10 ** Math.floor(Math.log10(rough));
+  let step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= rough);
+  if (whole) step = Math.max(1, Math.ceil(step));
+  return { top: Math.ceil(max / step - 1e-9) * step, step };
+}
+
+function clock(ms, withDate) {
+  const d = new Date(ms);
+  const time = d.toLocaleTimeString("en-GB", { hour: "2-digit", minute: "2-digit" });
+  return withDate ? `${d.toLocaleDateString("en-GB", { day: "numeric", month: "short" })} ${time}` : time;
+}
+
+function utcOffset() {
+  const minutes = -new Date().getTimezoneOffset();
+  const sign = minutes < 0 ? "-" : "+";
+  const abs = Math.abs(minutes);
+  return `UTC${sign}${String(Math.floor(abs / 60)).padStart(2, "0")}:${String(abs % 60).padStart(2, "0")}`;
+}
+
+// one chart: a figure with its title, the SVG drawing (axes, units and time labelled) and a
+// legend that says every series' figures in words
+function drawChart(chart, view) {
+  const unit = UNITS[chart.unit] || UNITS.count;
+  const { width, height, left, right, top, bottom } = CHART;
+  const plotW = width - left - right;
+  const plotH = height - top - bottom;
+  const stamps = view.timestamps;
+  const periodMs = view.period_s * 1000;
+  const t0 = stamps[0];
+  const t1 = stamps[stamps.length - 1] + periodMs;
+  const x = (t) => left + ((t + periodMs / 2 - t0) / (t1 - t0)) * plotW;
+  const scaled = chart.series.map((s) => s.values.map((v) => (v === null ? null : v * unit.scale)));
+  const axis = valueAxis(Math.max(0, ...scaled.flat().filter((v) => v !== null)), chart.unit === "count");
+  const y = (v) => top + plotH - (v / axis.top) * plotH;
+  const titleId = `chart-${chart.id}-title`;
+  const descId = `chart-${chart.id}-desc`;
+  const period = view.period_s === 60 ? "a point a minute" : `a point every ${view.period_s / 60} minutes`;
+  const drawing = svg("svg", {
+    viewBox: `0 0 ${width} ${height}`,
+    role: "img",
+    "aria-labelledby": titleId,
+    "aria-describedby": descId,
+    focusable: "false",
+    class: "chart-svg",
+  });
+  // the grid and the value axis: a labelled line each step
+  for (let i = 0; i * axis.step <= axis.top + 1e-9; i++) {
+    const value = i * axis.step;
+    const at = y(value);
+    drawing.append(
+      svg("line", { x1: left, x2: width - right, y1: at, y2: at, class: i ? "grid" : "axis" }),
+      svg("text", { x: left - 6, y: at + 4, class: "tick", "text-anchor": "end", text: number(value) }));
+  }
+  drawing.append(svg("line", { x1: left, x2: left, y1: top, y2: top + plotH, class: "axis" }));
+  // the time axis: labelled instants on round minutes or hours (of the local time)
+  const longRange = t1 - t0 > 6 * 3600 * 1000;
+  const at = (t) => left + ((t - t0) / (t1 - t0)) * plotW;
+  const offset = new Date(t0).getTimezoneOffset() * 60 * 1000;
+  const every = [1, 2, 5, 10, 15, 30, 60, 120, 180, 240, 360].map((m) => m * 60 * 1000)
+    .find((ms) => (t1 - t0) / ms <= 6);
+  let first = true;
+  for (let t = Math.ceil((t0 - offset) / every) * every + offset; t <= t1; t += every) {
+    const px = at(t);
+    drawing.append(
+      svg("line", { x1: px, x2: px, y1: top + plotH, y2: top + plotH + 4, class: "axis" }),
+      svg("text", { x: px, y: top + plotH + 16, class: "tick", "text-anchor": "middle", text: clock(t, longRange && first) }));
+    first = false;
+  }
+  drawing.append(
+    svg("text", { x: left + plotW / 2, y: height - 6, class: "axis-title", "text-anchor": "middle", text: `time (${utcOffset()}), ${period}` }),
+    svg("text", { x: 14, y: top + plotH / 2, class: "axis-title", "text-anchor": "middle", transform: `rotate(-90 14 ${top + plotH / 2})`, text: unit.axis }));
+  // the lines: a lag without data is a gap (no batch ran); a level (a count of things, from
+  // the census) is joined across the periods between two censuses; a lone point is a dot
+  const joinGaps = chart.unit === "count";
+  chart.series.forEach((series, n) => {
+    const values = scaled[n];
+    let d = "";
+    const dots = [];
+    let seen = false;
+    values.forEach((v, i) => {
+      if (v === null) return;
+      const px = x(stamps[i]).toFixed(1);
+      const py = y(v).toFixed(1);
+      const joined = joinGaps ? seen : i > 0 && values[i - 1] !== null;
+      d += `${joined ? "L" : "M"}${px} ${py} `;
+      const next = joinGaps ? values.slice(i + 1).some((w) => w !== null) : values[i + 1] !== null && i < values.length - 1;
+      if (!joined && !next) dots.push(svg("circle", { cx: px, cy: py, r: 3 }));
+      seen = true;
+    });
+    const points = values.filter((v) => v !== null).length;
+    drawing.append(svg("g", { class: `series s${n % 6}`, "data-series": series.id, "data-points": points },
+      svg("path", { d: d.trim() }), ...dots));
+  });
+  const legend = el("ul", { class: "legend" }, ...chart.series.map((series, n) => {
+    const peak = series.values.reduce((m, v) => (v === null ? m : Math.max(m ?? v, v)), null);
+    const parts = [];
+    if (series.total !== null && series.total !== undefined) {
+      parts.push(el("span", {}, " ", el("strong", { class: "total", text: number(series.total) }), ` in ${RANGE_WORDS[view.range]};`));
+    }
+    parts.push(el("span", { class: "latest", text: ` latest ${unit.say(series.latest === null ? null : series.latest * unit.scale)}` }));
+    if (peak !== null) parts.push(el("span", { class: "peak", text: `, peak ${unit.say(peak * unit.scale)}` }));
+    return el("li", { "data-series": series.id },
+      el("span", { class: `swatch s${n % 6}`, "aria-hidden": "true" }),
+      el("span", { class: "name", text: series.label }), ":", ...parts);
+  }));
+  if (!chart.series.length) legend.append(el("li", { text: "Nothing to draw: no push subscriptions." }));
+  const words = chart.series.map((s) => `${s.label} ${unit.say(s.latest === null ? null : s.latest * unit.scale)}`).join("; ");
+  drawing.prepend(svg("desc", { id: descId, text: `${chart.title}, ${unit.axis}, over ${RANGE_WORDS[view.range]}. Latest: ${words || "none"}.` }));
+  return el("figure", { class: "chart", "data-chart": chart.id },
+    el("figcaption", {}, el("span", { class: "chart-title", id: titleId, text: `${chart.title} (${unit.axis})` })),
+    drawing, legend);
+}
+
+function overviewRange() {
+  const checked = document.querySelector('input[name="overview-range"]:checked');
+  return checked ? checked.value : "1h";
+}
+
+// what an admin's view showed goes with a sign-out or a refusal: the next token may not see it
+function clearOverview() {
+  $("overview-charts").replaceChildren();
+  $("overview-figures").replaceChildren();
+  $("overview-functions").tBodies[0].replaceChildren();
+  say("overview-updated", "");
+}
+
+function stopOverviewTimer() {
+  clearTimeout(state.overviewTimer);
+  state.overviewTimer = null;
+}
+
+function scheduleOverview() {
+  stopOverviewTimer();
+  if ($("overview").hidden || !$("overview-auto").checked || document.hidden) return;
+  const every = Number(state.config.overview_refresh_s) || 60;
+  state.overviewTimer = setTimeout(() => loadOverview(false), every * 1000);
+}
+
+async function loadOverview(announce) {
+  stopOverviewTimer();
+  const load = ++state.overviewLoads;
+  const range = overviewRange();
+  const charts = $("overview-charts");
+  charts.setAttribute("aria-busy", "true");
+  try {
+    const view = await api("GET", `/v1/metrics?range=${encodeURIComponent(range)}`);
+    if (load !== state.overviewLoads) return;
+    say("overview-error", "");
+    charts.replaceChildren(...view.charts.map((c) => drawChart(c, view)));
+    const latest = (chartId, seriesId) => {
+      const chart = view.charts.find((c) => c.id === chartId);
+      const series = chart && chart.series.find((s) => s.id === seriesId);
+      return series ? number(series.latest) : "no data";
+    };
+    const f = view.figures;
+    const census = f.groups === null ? "no census yet" : String(f.groups);
+    $("overview-figures").replaceChildren(
+      el("dt", { text: "Topics" }), el("dd", { id: "figure-topics", text: String(f.topics) }),
+      el("dt", { text: "Storage topics" }), el("dd", { id: "figure-storage-topics", text: String(f.storage_topics) }),
+      el("dt", { text: "Push subscriptions" }), el("dd", { id: "figure-push-subscriptions", text: String(f.push_subscriptions) }),
+      el("dt", { text: "Shared groups" }), el("dd", { id: "figure-groups", text: census }),
+      el("dt", { text: "WebSocket connections" }), el("dd", { id: "figure-connections", text: latest("connections", "connections") }),
+      el("dt", { text: "Connected sessions" }), el("dd", { id: "figure-sessions", text: latest("connections", "sessions") }));
+    say("overview-functions-caption", `Errors and throttles by function, ${RANGE_WORDS[view.range]}`);
+    $("overview-functions").tBodies[0].replaceChildren(...view.functions.map((r) => el("tr", { "data-function": r.function },
+      el("th", { scope: "row", class: "mono", text: r.function }),
+      el("td", { text: String(r.errors) }), el("td", { text: String(r.throttles) }))));
+    const every = Number(state.config.overview_refresh_s) || 60;
+    const auto = $("overview-auto").checked ? `; refreshes every ${every} s` : "";
+    say("overview-updated", `Showing ${RANGE_WORDS[view.range]} (${clock(Date.parse(view.start), true)} to ${clock(Date.parse(view.end), true)}), updated at ${new Date().toLocaleTimeString("en-GB")}${auto}`);
+    // said aloud when the user asked for it, not at every refresh by itself
+    if (announce) say("overview-status", `Overview of ${RANGE_WORDS[view.range]} updated`);
+    scheduleOverview();
+  } catch (exc) {
+    if (load !== state.overviewLoads) return;
+    say("overview-error", explain(exc));
+    // a refusal stays a refusal: no more tries until the user asks
+    if (!(exc instanceof ApiError && exc.status === 403)) scheduleOverview();
+    else clearOverview();
+  } finally {
+    if (load === state.overviewLoads) charts.removeAttribute("aria-busy");
+  }
 }
 
 // --- live: the WebSocket session --------------------------------------------------------
@@ -994,6 +1234,27 @@ async function start() {
   $("session-form").addEventListener("submit", lookUpSession);
   $("group-form").addEventListener("submit", lookUpGroup);
   $("push-refresh").addEventListener("click", loadPushSubscriptions);
+  const savedRange = sessionStorage.getItem(RANGE_KEY);
+  if (savedRange && RANGE_WORDS[savedRange]) $(`range-${savedRange}`).checked = true;
+  $("overview-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    loadOverview(true);
+  });
+  for (const radio of document.querySelectorAll('input[name="overview-range"]')) {
+    radio.addEventListener("change", () => {
+      sessionStorage.setItem(RANGE_KEY, overviewRange());
+      loadOverview(true);
+    });
+  }
+  $("overview-auto").addEventListener("change", () => {
+    if ($("overview-auto").checked) loadOverview(false);
+    else stopOverviewTimer();
+  });
+  // a hidden tab asks nothing; shown again, it catches up at once
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) stopOverviewTimer();
+    else if (!$("overview").hidden && $("overview-auto").checked) loadOverview(false);
+  });
   window.addEventListener("unhandledrejection", (event) => say("page-error", explain(event.reason)));
   const saved = sessionStorage.getItem(TOKEN_KEY);
   if (!saved || !signIn(saved)) $("token").focus();

@@ -1,8 +1,5 @@
-"""Composite topics (admin): create, list, get, add a storage topic, switch produce; a view of
-one shared group (its members, lanes and their holders); and the console's Overview, the
-stack's metrics for the last 15 minutes, hour or day (``shoal.overview``)."""
+"""Admin: composite topics, a shared group's view, the console's Overview (``shoal.overview``)."""
 
-from typing import Any
 from urllib.parse import unquote
 
 from aws_lambda_powertools.event_handler import Response
@@ -29,12 +26,12 @@ def create_topic() -> Response[str]:
 
 
 @app.get("/v1/topics")
-def list_topics() -> dict[str, Any]:
+def list_topics() -> dict[str, object]:
     return {"topics": [t.document() for t in service().list()]}
 
 
 @app.get("/v1/topics/<name>")
-def get_topic(name: str) -> dict[str, Any]:
+def get_topic(name: str) -> dict[str, object]:
     return service().get(name).document()
 
 
@@ -45,19 +42,18 @@ def add_storage_topic(name: str) -> Response[str]:
 
 
 @app.post("/v1/topics/<name>/switch-produce")
-def switch_produce(name: str) -> dict[str, Any]:
+def switch_produce(name: str) -> dict[str, object]:
     parse_body(app, NoBody)
     return service().switch_produce(name).document()
 
 
 @app.get("/v1/groups/<share>")
-def get_group(share: str) -> dict[str, Any]:
-    # API Gateway matches routes on the raw path: the share name arrives percent-encoded
-    return groups().describe(unquote(share), *query_values(app, "filter"))
+def get_group(share: str) -> dict[str, object]:
+    return groups().describe(unquote(share), *query_values(app, "filter"))  # raw path: %-encoded
 
 
 @app.get("/v1/metrics")
-def get_metrics() -> dict[str, Any]:
+def get_metrics() -> dict[str, object]:
     return overview().view(*query_values(app, "range"))
 
 

@@ -1,7 +1,6 @@
-"""The reaper, run on a schedule: keepalive expiry, wills after their delay, session expiry, the
-WebSocket sessions whose pushed deliveries passed their ack timeout (``shoal.edge.push``), and
-the seals of storage topics a SwitchProduce left behind (``shoal.drain``); last, the census of
-connections, sessions, groups and dead letters (``shoal.census``)."""
+"""The reaper, on a schedule: keepalive expiry, wills after their delay, session expiry, pushed
+deliveries past their ack timeout (``shoal.edge.push``), seals of storage topics a SwitchProduce
+left behind (``shoal.drain``); last, the census (``shoal.census``)."""
 
 from __future__ import annotations
 
@@ -58,11 +57,4 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
     report["storage_topics_sealed"] = sealer().run()
     if any(report.values()):
         logger.info("reaped", extra=report)
-    try:
-        counted = census().run_if_due(get_config().census_every_s)
-        if counted is not None:
-            report |= counted.as_dict()
-    except Exception as exc:
-        # the figures wait for the next run; the reaper's work is done
-        logger.warning("census failed", extra={"error_type": type(exc).__name__})
-    return report
+    return report | census().figures_if_due(get_config().census_every_s)

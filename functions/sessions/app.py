@@ -3,28 +3,21 @@ read-only (``shoal.sessions``)."""
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from shoal import wiring
-from shoal.core.config import get_config
 from shoal.http.body import parse_body
 from shoal.http.caller import has_channel, owner_first, session_call, session_view_call
 from shoal.http.resolver import lambda_handler, make_resolver
 from shoal.sessions.model import ConnectRequest
-from shoal.sessions.registry import SessionRegistry
 from shoal.wiring import PerConfig
 
 app = make_resolver()
 # a connect that takes a WebSocket connection's channel over releases the group members it
 # kept: their lanes go to other members, maybe idle WebSocket ones, pushed when it ends
 hand_overs = PerConfig(wiring.hand_overs)
-
-
-@cache
-def registry() -> SessionRegistry:
-    return wiring.session_registry(get_config())
+registry = PerConfig(wiring.session_registry)
 
 
 @app.put("/v1/sessions/<client_id>")

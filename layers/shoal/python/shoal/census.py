@@ -22,7 +22,7 @@ from shoal.aws.dynamo import Dynamo, Expression
 from shoal.core import metrics
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
-from shoal.core.observability import gauge
+from shoal.core.observability import gauge, logger
 from shoal.edge.connections import CONNECTION
 from shoal.groups.records import LEADER
 from shoal.push.store import KeyStore, PushSubscriptionStore
@@ -107,6 +107,16 @@ class Census:
             return None
         self.last_ms = now
         return self.run()
+
+    def figures_if_due(self, every_s: int) -> dict[str, Any]:
+        """``run_if_due``'s figures for the reaper's report: none when not due, or when it
+        failed (logged: the figures wait for the next run, the reaper's own work is done)."""
+        try:
+            counted = self.run_if_due(every_s)
+        except Exception as exc:
+            logger.warning("census failed", extra={"error_type": type(exc).__name__})
+            return {}
+        return counted.as_dict() if counted is not None else {}
 
     def run(self) -> CensusReport:
         """Counts, and reports each count as a gauge of this invocation."""

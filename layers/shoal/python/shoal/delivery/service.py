@@ -90,6 +90,8 @@ class _Plan:
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
     #: where each delivery of ``out`` is, by id: (source, position)
     positions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the first new message left waiting behind a full window: (source, position)
+    waiting: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class DeliveryService:
         events: EventBatch | None = None,
         given: Given | None = None,
         positions: dict[str, tuple[str, str]] | None = None,
+        waiting: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -191,7 +194,9 @@ class DeliveryService:
         for this session (the router's, carried by its push), handed out without being read
         back when the session's cursor stands where they follow (``Given``). ``positions``:
         filled with the source and position of each delivery handed out from the inbox, by id
-        (a push orders the QoS 0 frames it carries among them)."""
+        (a push orders the QoS 0 frames it carries among them). ``waiting``: filled with the
+        position of the first new message the session's full window left waiting, by source
+        (a QoS 0 frame carried past it would overtake it)."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -230,7 +235,10 @@ class DeliveryService:
                     source=source,
                     start=start,
                     given=given,
+                    peek=waiting is not None,
                 )
+                if waiting is not None and plan.waiting is not None:
+                    waiting.setdefault(*plan.waiting)
                 if not plan.changed:
                     break
                 if waited:
@@ -279,7 +287,10 @@ class DeliveryService:
         source: str | None = None,
         start: ScanStart | None = None,
         given: Given | None = None,
+        peek: bool = False,
     ) -> _Plan:
+        """``peek``: where the window stops new deliveries, the first message it leaves
+        waiting is looked for (``_Plan.waiting``)."""
         plan = _Plan(state, lines)
         if state.marks and state.forget(now, _sids(head)):
             plan.changed = True
@@ -297,7 +308,10 @@ class DeliveryService:
                 source=source,
                 start=start,
                 given=given,
+                peek=peek,
             )
+        elif peek and window_left <= 0:
+            plan.waiting = _where(next(self.scans.scan(session_id, state, source, start), None))
         return plan
 
     def _redeliver(
@@ -371,6 +385,7 @@ class DeliveryService:
         source: str | None = None,
         start: ScanStart | None = None,
         given: Given | None = None,
+        peek: bool = False,
     ) -> None:
         state = plan.state
         new_runs: dict[str, SessionRun] = {}
@@ -433,6 +448,8 @@ class DeliveryService:
                 if message.qos == 0:
                     state.acked.add(ordinal)  # at most once: done as it goes out
             if not consumed:
+                if peek and window_left <= 0:
+                    plan.waiting = _where(next(scan, None))
                 return
             # room left by consumed ones: the scan goes on where it stopped
 
@@ -692,6 +709,10 @@ def _shares(head: Head) -> bool:
 
 def _sids(head: Head) -> list[str]:
     return [str(o["sid"]) for o in head.subscriptions.values() if o.get("sid")]
+
+
+def _where(found: Found | None) -> tuple[str, str] | None:
+    return None if found is None else (found.source, found.message.position)
 
 
 def _drop_reason(found: Found, now: int) -> str:

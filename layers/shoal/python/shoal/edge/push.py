@@ -193,6 +193,8 @@ class _Push:
     posted_direct: int = 0
     #: where each delivery the gets handed out is in its source, by id
     positions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the first message of each source a full window left waiting (``DeliveryService.get``)
+    waiting: dict[str, str] = field(default_factory=dict)
     #: the due index was armed by this push
     armed: bool = False
     #: the items its first get may take without reading them back (``Given``)
@@ -349,6 +351,11 @@ class PushWorker:
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
         """A push's first get, its events to ``batch``."""
         overtaken = self._overtaken(push)
+        try:
+            push.handed = self._get(push, push.source, push.read, batch, given=push.given)
+        except (ShoalError, ClientError, BotoCoreError) as exc:
+            self._stopped(push, exc)
+        overtaken += self._behind_window(push)
         if (push.direct or overtaken) and batch is not None:
             # the QoS 0 frames' events, appended with the gets' before any frame goes
             events = batch.recording.new()
@@ -368,10 +375,6 @@ class PushWorker:
                 )
             first = (frames or overtaken)[0]["message_id"]
             batch.add(events, f"qos0/{push.session_id}/{first}")
-        try:
-            push.handed = self._get(push, push.source, push.read, batch, given=push.given)
-        except (ShoalError, ClientError, BotoCoreError) as exc:
-            self._stopped(push, exc)
 
     def _post_and_go_on(self, push: _Push) -> None:
         """Posts what the first get handed out, then gets and posts more while a page came
@@ -396,6 +399,8 @@ class PushWorker:
                 # a second get looks in every source: what else waits, wherever it is
                 messages = self._get(push, None, None, None)
             # the QoS 0 frames after everything handed out: their messages are the latest
+            # (but for what a later round's full window left waiting)
+            self._behind_window(push)
             self._post_direct(push, len(push.direct))
         except ConnectionGone:
             count(metrics.PUSH_FAILED)
@@ -429,6 +434,31 @@ class PushWorker:
             else:
                 kept.append(q)
         push.direct = kept
+        return late
+
+    def _behind_window(self, push: _Push) -> list[dict[str, Any]]:
+        """Takes out of ``push.direct`` the QoS 0 frames that would pass a message the
+        session's full window holds back (``DeliveryService.get``'s ``waiting``): QoS 0 is
+        not subject to the window (MQTT 5 §4.9), but posted now it would overtake an earlier
+        message of its ordering key. Dropped (at most once); the frames taken. A frame of a
+        source the get did not look at is dropped too when the window is full: whether a
+        message of its source waits is not known."""
+        if not push.direct or not push.waiting:
+            return []
+        kept: list[_Qos0] = []
+        late: list[dict[str, Any]] = []
+        for q in push.direct:
+            held = push.waiting.get(q.source or "")
+            looked = q.source == push.source
+            if (held is not None and q.position is not None and q.position > held) or (
+                held is None and not looked
+            ):
+                late.append(q.frame)
+            else:
+                kept.append(q)
+        push.direct = kept
+        if late:
+            logger.info("qos 0 frames held back by a full window dropped", extra={"n": len(late)})
         return late
 
     def _post_in_order(self, push: _Push, messages: list[dict[str, Any]]) -> None:
@@ -554,6 +584,7 @@ class PushWorker:
             events=events,
             given=given,
             positions=push.positions,
+            waiting=push.waiting,
         )["messages"]
         return messages
 

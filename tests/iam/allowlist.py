@@ -64,6 +64,19 @@ _BUCKET_SET = (
     "and lists by prefix"
 )
 
+#: CDK's queue grants give sets too (grant_send_messages: SendMessage, GetQueueAttributes,
+#: GetQueueUrl; grant_consume_messages adds ReceiveMessage, ChangeMessageVisibility,
+#: DeleteMessage)
+_QUEUE_SET = (
+    "CDK's queue grants give their sets (send: SendMessage, GetQueueAttributes, GetQueueUrl); "
+    "Shoal names its queues by URL (SHOAL_QUEUE_*) and reads none of their attributes"
+)
+_QUEUE_POLLED = (
+    "Lambda's SQS event source mapping receives, deletes and reads the queue's attributes with "
+    "the consuming function's role; locally the runtime's emulated mapping does it outside any "
+    "function, unrecorded (shoal.local.esm.queues)"
+)
+
 UNUSED_GRANTS: dict[tuple[str, str], Unused] = {
     ("teardown", "cloudformation:DescribeStacks"): Unused(
         "the teardown reads its own stack's status at a Delete; it runs only as the stack's "
@@ -132,4 +145,13 @@ UNUSED_GRANTS: dict[tuple[str, str], Unused] = {
             "PutObjectVersionTagging",
         )
     },
+    ("*", "sqs:GetQueueUrl"): Unused(_QUEUE_SET),
+    ("*", "sqs:GetQueueAttributes"): Unused(_QUEUE_SET + "; " + _QUEUE_POLLED),
+    ("pusher", "sqs:ReceiveMessage"): Unused(_QUEUE_POLLED),
+    ("pusher", "sqs:DeleteMessage"): Unused(_QUEUE_POLLED),
+    ("pusher", "sqs:ChangeMessageVisibility"): Unused(
+        "the pusher delays a returned chunk's retry (ChangeMessageVisibilityBatch); the suites "
+        "that return one run the pusher's worker directly, outside a recorded function"
+    ),
+    ("pusher", "dynamodb:UpdateItem"): Unused(_TABLE_SET),
 }

@@ -170,9 +170,9 @@ def test_only_the_pushing_functions_may_manage_connections(deployed: Synth) -> N
         for f in deployed.deployment.functions
         if any(g.kind == "connections" for g in f.grants)
     }
-    # the edge (answers, a takeover's close), the pusher (deliveries), the reaper (closing
-    # connections whose $disconnect never came); the others hand pushes to the push queue
-    assert granted == {"edge", "pusher", "reaper"}
+    # the edge (answers, a takeover's close), the pusher (deliveries); the others hand pushes
+    # to the push queue
+    assert granted == {"edge", "pusher"}
     for fdef in deployed.deployment.functions:
         resources = _manage_connections(deployed, fdef.name)
         if fdef.name not in granted:
@@ -225,7 +225,7 @@ def test_alarms_watch_errors_connect_rate_and_failed_pushes(deployed: Synth) -> 
     assert alarms["shoal-test-ws-connect-rate"]["Threshold"] == 0.8 * 500 * 300
     # failed pushes: the Shoal metric of every pushing function
     pushes = json.dumps(alarms["shoal-test-ws-push-failed"]["Metrics"])
-    for service in ("edge", "pusher", "reaper"):
+    for service in ("edge", "pusher"):
         assert f'"Value": "{service}"' in pushes
     assert '"MetricName": "PushFailed"' in pushes and '"Namespace": "Shoal"' in pushes
 

@@ -358,8 +358,8 @@ DEPLOYMENT = Deployment(
             description="Consumes the storage streams: fan-out to session inboxes, archive",
             grants=(
                 Grant("streams", "storage", "read"),
-                # it writes the archive (and reads back the payloads a retried batch stored)
-                Grant("bucket", "archive", "read_write"),
+                # it writes the archive (the pusher reads it, not the router)
+                Grant("bucket", "archive", "write"),
                 # the subscription store's versions, changes and subscriptions
                 Grant("table", "subscriptions", "read"),
                 # deliveries, and the per-shard ledger that makes a retried batch write nothing
@@ -464,9 +464,8 @@ DEPLOYMENT = Deployment(
                 Grant("table", "groups", "read_write"),
                 Grant("table", "inboxes", "read_write"),
                 # WebSocket connections whose $disconnect never came (shoal.edge): the sweep
-                # ends their channels and closes what API Gateway still holds
+                # ends their channels
                 Grant("table", "connections", "read_write"),
-                Grant("connections", "websocket", "write"),
                 # and hands the push of what passed its ack timeout to the push queue (the
                 # due index is in the connections table)
                 Grant("queue", "push", "write"),
@@ -564,7 +563,6 @@ DEPLOYMENT = Deployment(
                 Grant("table", "publishers", "read_write"),
                 Grant("streams", "storage", "write"),
                 Grant("streams", "storage", "read"),
-                Grant("bucket", "archive", "read"),
                 Grant("stream", "events", "write"),
                 # which session a connection holds
                 Grant("table", "connections", "read_write"),

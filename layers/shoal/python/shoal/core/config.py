@@ -31,9 +31,10 @@ DEFAULT_RETENTION_S = 14 * 24 * 3600
 #: shared groups' default lease timeout (``shoal.groups``): with a heartbeat every third of it,
 #: a lost member's streams move within about 8 s (EMQX's tests expect 10 s)
 DEFAULT_LEASE_TIMEOUT_S = 6.0
-#: on AWS a BatchWriteItem is a round trip of ~10 ms; 4 at once hide most of a batch's 8 of them
-#: (docs/operations.md, "Router throughput")
-DEFAULT_WRITE_CONCURRENCY = 4
+#: on AWS a BatchWriteItem is a round trip of ~10 ms; 16 at once hide a batch's (a few to 16 of
+#: them) and make a large fan-out's writes a sixteenth as long (docs/operations.md, "Router
+#: throughput", "Fan-out")
+DEFAULT_WRITE_CONCURRENCY = 16
 #: a shared group's work spreads over at least this many members (``shoal.groups.streams``)
 DEFAULT_GROUP_PARALLELISM = 8
 #: the mappings that may read their streams through an enhanced fan-out consumer (a stack

@@ -23,9 +23,9 @@ class DueTimer(Protocol):
     """Reaps an item of the sessions table when it is due (``shoal.sessions.timers``)."""
 
     def arm(self, client_id: str, item: str, due_at_ms: int) -> None:
-        """The reaper runs its step on ``item`` of ``client_id`` once ``due_at_ms`` is past
-        (or about then: a timer is never early by much, and may come twice). Raises when the
-        timer could not be armed."""
+        """The reaper runs its step on ``item`` of ``client_id`` once ``due_at_ms`` is past (a
+        timer that comes early is armed again; one may come twice). Raises when the timer
+        could not be armed."""
         ...
 
 

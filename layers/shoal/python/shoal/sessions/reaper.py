@@ -47,8 +47,8 @@ class Reaper:
     on an item when its due timer comes (``on_timers``).
 
     Every step is a conditional write on what it read, so overlapping runs, duplicate timers
-    and racing connects cannot double a step or undo a newer one. A will is claimed before it is
-    published and deleted after, so a run that dies in between publishes it again later
+    and racing connects cannot double a step or undo a newer one. A will is claimed before it
+    is published and deleted after, so a run that dies in between publishes it again later
     (at least once; ``will_id`` lets the publisher drop the duplicate).
     """
 
@@ -117,8 +117,9 @@ class Reaper:
         either failed (the timer returns to the queue)."""
         now = self.clock.now_ms()
         if timer.due_at_ms > now:
-            # early: SQS delays 15 minutes at most, and clocks differ. Armed again, or raised:
-            # a timer is not dropped before its item is due
+            # early: SQS delays 15 minutes at most, and the arming function's clock may be a
+            # little ahead of this one's. Armed again, or raised: a timer is not dropped
+            # before its item is due (it would find a step not due yet, and do nothing)
             if self.timer is None:
                 raise RuntimeError("a timer came early and there is no timer to arm again")
             self.timer.arm(timer.client_id, timer.item, timer.due_at_ms)

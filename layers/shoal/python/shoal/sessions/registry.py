@@ -345,8 +345,8 @@ class SessionRegistry:
     def lose(self, who: Principal, client_id: str, channel: Channel) -> Head | None:
         """A channel's connection is gone without a disconnect: the reaper expires it at once
         (its timer), publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session
-        is resumed first. The head as written; None when the channel is not the live one any more (a
-        takeover, a normal disconnect): nothing to do."""
+        is resumed first. The head as written; None when the channel is not the live one any
+        more (a takeover, a normal disconnect): nothing to do."""
         version = self._scope(who, client_id, channel)
         now = self.clock.now_ms()
         head = self.repository.lose(client_id, version, who.sub, now)

@@ -1178,6 +1178,16 @@ FLEET_ROUNDS = 3
 CALL_RTT_S = 0.008
 #: an account's default Lambda concurrency quota (all functions together)
 DEFAULT_CONCURRENCY = 1000
+#: SQS requests of one due timer (``shoal.sessions.timers``): its send to the standard wills
+#: queue, and the reaper mapping's receive and delete of its batch (counted whole, though a
+#: batch takes up to ten). A connection lost without a renewal arms one (its head's), two when
+#: its will has a delay; the fleet renews and loses none, so the model has no timer
+WILL_TIMER_REQUESTS = 3
+
+
+def will_timer_dollars(timers: int = 1) -> float:
+    """What ``timers`` due timers cost in SQS requests (the reaper's invocation aside)."""
+    return SQS_REQUEST.cost(WILL_TIMER_REQUESTS * timers)
 
 
 class Posts:
@@ -1820,6 +1830,10 @@ def fleet_report(figures: dict[str, Any]) -> str:
         "delete of each pusher batch modeled: two a batch), at SQS FIFO's price.",
         "- IoT Core: connection-minutes; a delivery is three metered messages (the backend's "
         "PUBLISH in, the PUBLISH out, the device's PUBACK).",
+        "- Not in the model: a connection lost without a renewal arms a will's due timer "
+        f"(one, two when its will has a delay): {WILL_TIMER_REQUESTS} SQS standard requests "
+        f"at ${SQS_REQUEST.dollars:.2f} per million, ${will_timer_dollars() * 1e6:.2f} per "
+        "million timers, and a share of a reaper invocation (ten timers a batch).",
         "- Lambda time: an invocation's CPU time in-process (Shoal's work, without the waits "
         "of the loaded shared machine and without in-process moto's answering, which is AWS's "
         "side of a call) plus "

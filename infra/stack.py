@@ -760,9 +760,10 @@ class ShoalStack(cdk.Stack):
         )
 
     def _queue_source(self, fdef: FunctionDef, source: EventSource) -> None:
-        """A declared queue's mapping to the function, its workers at most the stack's push
-        concurrency (``pushConcurrency``)."""
+        """A declared queue's mapping to the function, its workers at most the declared
+        ``ScalingConfig``'s, else the stack's push concurrency (``pushConcurrency``)."""
         spec = dict(source.mapping)
+        scaling = dict(spec.pop("ScalingConfig", None) or {})
         mapping = lambda_.CfnEventSourceMapping(
             self,
             f"{pascal(fdef.name)}{pascal(source.queue)}Mapping",
@@ -771,9 +772,13 @@ class ShoalStack(cdk.Stack):
             batch_size=spec.pop("BatchSize", None),
             function_response_types=spec.pop("FunctionResponseTypes", None),
             scaling_config=lambda_.CfnEventSourceMapping.ScalingConfigProperty(
-                maximum_concurrency=self.settings.push_concurrency
+                maximum_concurrency=scaling.pop(
+                    "MaximumConcurrency", self.settings.push_concurrency
+                )
             ),
         )
+        if scaling:
+            raise ValueError(f"{fdef.name}: scaling arguments the stack does not map: {scaling}")
         if spec:
             raise ValueError(f"{fdef.name}: mapping arguments the stack does not map: {spec}")
         mapping.node.add_dependency(self.functions[fdef.name])
@@ -926,6 +931,18 @@ class ShoalStack(cdk.Stack):
             self.api.metric_server_error(period=ALARM_PERIOD, statistic="Sum"),
             "the HTTP API answered 5xx (see docs/operations.md)",
         )
+        wills = self.dead_letter_queues.get("wills")
+        if wills is not None:
+            alarm(
+                "WillsDeadLettersAlarm",
+                "wills-dead-letters",
+                wills.metric_approximate_number_of_messages_visible(
+                    period=ALARM_PERIOD, statistic="Maximum"
+                ),
+                "a due timer failed its step five times and went to the wills queue's "
+                "dead-letter queue: the scheduled reaper still reaps its item, late (see "
+                "docs/operations.md)",
+            )
         cdk.CfnOutput(self, "AlarmTopicArn", value=topic.topic_arn)
 
     def _outputs(self) -> None:

@@ -1,6 +1,7 @@
 """The reaper, on a schedule: keepalive expiry, wills after their delay, session expiry, pushed
 deliveries past their ack timeout (``shoal.edge.push``), seals of storage topics a SwitchProduce
-left behind (``shoal.drain``); last, the census (``shoal.census``)."""
+left behind (``shoal.drain``); last, the census (``shoal.census``). And on the wills queue's
+timers (its mapping): each due item reaped at its time (``shoal.sessions.timers``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from shoal import wiring
-from shoal.census import Census
 from shoal.core.config import get_config
 from shoal.core.observability import logger, observed
-from shoal.drain import Sealer
-from shoal.edge.push import PushSweep
 from shoal.edge.pushwork import HandOffs
 from shoal.sessions.reaper import Reaper
+from shoal.wiring import PerConfig
+
+sealer = PerConfig(wiring.sealer)
+sweep = PerConfig(wiring.push_sweep)
+census = PerConfig(wiring.census)
 
 
 @cache
@@ -29,23 +32,13 @@ def reaper() -> Reaper:
     return wiring.reaper(get_config(), hand_offs=hand_offs())
 
 
-@cache
-def sealer() -> Sealer:
-    return wiring.sealer(get_config())
-
-
-@cache
-def sweep() -> PushSweep | None:
-    return wiring.push_sweep(get_config())
-
-
-@cache
-def census() -> Census:
-    return wiring.census(get_config())
-
-
 @observed
-def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, int]:
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    if "Records" in event:
+        # the wills queue's timers: the partial batch response
+        answer = reaper().on_timers(event)
+        hand_offs().flush()
+        return answer
     report = reaper().run().as_dict()
     report["push_handed_over"] = hand_offs().flush()
     push = sweep()

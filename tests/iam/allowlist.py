@@ -58,6 +58,17 @@ _MAPPINGS = (
     "runs only as the stack's custom resource, and bootstrap and admin delete no topic's "
     "router mapping"
 )
+#: what Lambda's SQS event source mappings call with the consuming function's role
+_QUEUE_POLLED = (
+    "Lambda's SQS event source mapping receives and deletes a queue's messages with its "
+    "function's role (the pusher's, the reaper's); locally the runtime's pollers do it outside "
+    "any function, unrecorded"
+)
+_QUEUE_SET = (
+    "CDK's queue grants add it (grant_send_messages and grant_consume_messages: "
+    "GetQueueAttributes, GetQueueUrl); Shoal names its queues by URL from the environment and "
+    "reads no attribute (Lambda's mapping reads the consumer's with its role)"
+)
 _BUCKET_SET = (
     "CDK's bucket grant gives its action groups (grant_read: s3:GetObject*, s3:GetBucket*, "
     "s3:List*; grant_write adds deletes, aborts, object lock and tagging); Shoal puts, gets "
@@ -132,6 +143,19 @@ UNUSED_GRANTS: dict[tuple[str, str], Unused] = {
             ("Update", ""),
         )
     },
+    **{
+        ("*", f"sqs:{action}"): Unused(_QUEUE_POLLED)
+        for action in ("ReceiveMessage", "DeleteMessage")
+    },
+    **{
+        ("*", f"sqs:{action}"): Unused(_QUEUE_SET)
+        for action in ("GetQueueAttributes", "GetQueueUrl")
+    },
+    ("reaper", "sqs:ChangeMessageVisibility"): Unused(
+        "in the consume set (the wills queue's mapping); a timer whose step failed returns to "
+        "the queue by the batch response, after the visibility timeout: the schedule reaps "
+        "its item meanwhile, so no shorter retry is set"
+    ),
     **{
         ("*", f"s3:{action}"): Unused(_BUCKET_SET)
         for action in (

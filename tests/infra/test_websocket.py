@@ -320,7 +320,8 @@ def test_who_may_send_to_and_take_from_the_push_queue(deployed: Synth) -> None:
     senders, takers = set(), set()
     for fdef in deployed.deployment.functions:
         for statement in deployed.statements(fdef.name):
-            if statement.get("Resource") != queue:
+            # CDK merges a role's statements of the same actions: one may name both queues
+            if queue not in as_list(statement.get("Resource")):
                 continue
             actions = set(as_list(statement["Action"]))
             if "sqs:SendMessage" in actions:
@@ -357,6 +358,91 @@ def test_alarms_watch_the_push_backlogs_age_and_its_dead_letters(deployed: Synth
     dead_id = _queue_id(deployed, "PushDeadLetterQueue")
     assert dead["Dimensions"][0]["Value"] == {"Fn::GetAtt": [dead_id, "QueueName"]}
     assert age["AlarmActions"] and dead["AlarmActions"]
+
+
+# --- the wills queue (shoal.sessions.timers) --------------------------------------------------
+
+
+def test_the_wills_queue_is_standard_with_a_dead_letter_queue_encrypted_tls_only(
+    deployed: Synth,
+) -> None:
+    found = deployed.of_type("AWS::SQS::Queue")
+    wills = found[_queue_id(deployed, "WillsQueue")]["Properties"]
+    dead = found[_queue_id(deployed, "WillsDeadLetterQueue")]["Properties"]
+    # Then its timers are delayed each on its own (a standard queue: a FIFO queue delays only
+    # as a whole), a timer that failed five times goes to the dead-letter queue, and a batch is
+    # never handed to a second reaper while the first runs it (six times its timeout)
+    assert "FifoQueue" not in wills and "FifoQueue" not in dead
+    reaper = deployed.function("reaper")["Properties"]
+    assert wills["VisibilityTimeout"] == 6 * reaper["Timeout"]
+    redrive = wills["RedrivePolicy"]
+    assert redrive["maxReceiveCount"] == 5
+    dead_id = _queue_id(deployed, "WillsDeadLetterQueue")
+    assert redrive["deadLetterTargetArn"] == {"Fn::GetAtt": [dead_id, "Arn"]}
+    for queue in (wills, dead):
+        assert queue["SqsManagedSseEnabled"] is True
+    policies = [
+        p["Properties"]
+        for p in deployed.of_type("AWS::SQS::QueuePolicy").values()
+        if {"Ref": _queue_id(deployed, "WillsQueue")} in p["Properties"]["Queues"]
+    ]
+    assert '"aws:SecureTransport": "false"' in json.dumps(policies)
+
+
+def test_the_reaper_takes_the_wills_queues_timers_through_a_mapping(deployed: Synth) -> None:
+    [mapping] = [
+        m["Properties"]
+        for m in deployed.of_type("AWS::Lambda::EventSourceMapping").values()
+        if m["Properties"]["EventSourceArn"]
+        == {"Fn::GetAtt": [_queue_id(deployed, "WillsQueue"), "Arn"]}
+    ]
+    assert mapping["FunctionName"] == {"Ref": _function_logical_id(deployed, "reaper")}
+    # ten timers an invocation, a failed one returned alone
+    assert mapping["BatchSize"] == 10
+    assert mapping["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+    # Then a burst of lost connections takes ten reapers at most, not the push concurrency
+    assert mapping["ScalingConfig"] == {"MaximumConcurrency": 10}
+    # and the schedule stays, the timers' backstop
+    reaper = {"Fn::GetAtt": [_function_logical_id(deployed, "reaper"), "Arn"]}
+    assert [
+        rule["Properties"]["ScheduleExpression"]
+        for rule in deployed.of_type("AWS::Events::Rule").values()
+        if any(t["Arn"] == reaper for t in rule["Properties"]["Targets"])
+    ] == ["rate(1 minute)"]
+
+
+def test_who_may_arm_and_take_the_wills_queues_timers(deployed: Synth) -> None:
+    queue = {"Fn::GetAtt": [_queue_id(deployed, "WillsQueue"), "Arn"]}
+    senders, takers = set(), set()
+    for fdef in deployed.deployment.functions:
+        for statement in deployed.statements(fdef.name):
+            # CDK merges a role's statements of the same actions: one may name both queues
+            if queue not in as_list(statement.get("Resource")):
+                continue
+            actions = set(as_list(statement["Action"]))
+            if "sqs:SendMessage" in actions:
+                senders.add(fdef.name)
+            if "sqs:ReceiveMessage" in actions:
+                takers.add(fdef.name)
+                assert {"sqs:DeleteMessage", "sqs:ChangeMessageVisibility"} <= actions
+    # Then the functions that lose a connection (edge: $disconnect), take a live channel over
+    # (edge, sessions: a connect) or expire a channel (reaper) arm timers; the reaper alone
+    # takes them (and arms again one that came early)
+    assert senders == {"edge", "sessions", "reaper"}
+    assert takers == {"reaper"}
+
+
+def test_an_alarm_watches_the_wills_queues_dead_letters(deployed: Synth) -> None:
+    alarms = {
+        a["Properties"]["AlarmName"]: a["Properties"]
+        for a in deployed.of_type("AWS::CloudWatch::Alarm").values()
+    }
+    dead = alarms["shoal-test-wills-dead-letters"]
+    assert dead["MetricName"] == "ApproximateNumberOfMessagesVisible"
+    dead_id = _queue_id(deployed, "WillsDeadLetterQueue")
+    assert dead["Dimensions"][0]["Value"] == {"Fn::GetAtt": [dead_id, "QueueName"]}
+    assert (dead["Threshold"], dead["ComparisonOperator"]) == (0, "GreaterThanThreshold")
+    assert dead["AlarmActions"]
 
 
 def test_the_wss_url_is_an_output(deployed: Synth) -> None:

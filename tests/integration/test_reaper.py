@@ -15,6 +15,7 @@ from shoal.sessions.model import WILL_RETRY_MS, Version, WillMessage
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
+from shoal.sessions.timers import SqsDueTimer
 from shoal.wiring import ServiceWillPublisher
 
 import functions.reaper.app as reaper_app
@@ -309,6 +310,28 @@ def test_takeover_resuming_the_session_within_the_will_delay_withholds_the_will(
     assert (report.channels_expired, publisher.published) == (0, [])
 
 
+def test_an_http_takeover_arms_the_timer_that_publishes_its_will(
+    sessions: Sessions, publisher: RecordingPublisher
+) -> None:
+    """The sessions function's connect, as wired (``wiring.session_registry``): the will its
+    takeover makes due at once goes out when its timer comes, not at the reaper's next run."""
+    # Given the wills queue empty (the module's account is shared by its tests)
+    sqs, url = sessions.session.client("sqs"), get_config().queues["wills"]
+    sqs.purge_queue(QueueUrl=url)
+    # When an HTTP connect takes over a live channel whose will has no delay
+    first, present = take_over(sessions, delay_s=0, clean_start=False)
+    assert present
+    # Then one timer waits in the wills queue, handed out at once, naming that will ...
+    timers = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10)["Messages"]
+    assert len(timers) == 1
+    # ... and the reaper, given it as its mapping gives it, publishes the will
+    reaper = Reaper(sessions.repository, publisher, sessions.clock)
+    event = {"Records": [{"messageId": m["MessageId"], "body": m["Body"]} for m in timers]}
+    assert reaper.on_timers(event) == {"batchItemFailures": []}
+    assert wills(publisher) == [("alice", CLIENT, WILL["topic"])]
+    assert publisher.published[0][3] == first
+
+
 @pytest.mark.parametrize("delay_s", [0, 30])
 def test_clean_start_takeover_publishes_the_will_at_once(
     sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher, delay_s: int
@@ -531,3 +554,6 @@ def test_handler_builds_its_reaper_from_the_configuration(sessions: Sessions) ->
     assert built.repository.table == get_config().table("sessions")
     assert isinstance(built.clock, SystemClock)
     assert isinstance(built.publisher, ServiceWillPublisher)
+    # the will an expired channel leaves waiting gets its timer, on the wills queue
+    assert isinstance(built.timer, SqsDueTimer)
+    assert built.timer.url == get_config().queues["wills"]

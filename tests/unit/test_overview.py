@@ -59,7 +59,7 @@ def test_counts_are_asked_of_the_functions_that_count_them_and_levels_of_the_rea
     assert asked(made, metrics.PUBLISHED) == {((service, s),) for s in PUBLISHERS}
     assert asked(made, metrics.DELIVERED) == {((service, s),) for s in DELIVERERS}
     # the pushing functions are those granted the WebSocket API's connections
-    assert set(pushers(DEPLOYMENT)) == {"edge", "pusher", "reaper"}
+    assert set(pushers(DEPLOYMENT)) == {"edge", "pusher"}
     assert asked(made, metrics.PUSHED) == {((service, s),) for s in pushers(DEPLOYMENT)}
     assert asked(made, metrics.ROUTER_LAG) == {((service, "router"),)}
     assert asked(made, metrics.CONNECTIONS) == {((service, "reaper"),)}

@@ -124,7 +124,9 @@ class QueueDef:
 
     A FIFO queue delivers the messages of one message group in order, one batch at a time
     (Lambda's mapping holds a group while a batch of it is in flight), and the groups side by
-    side: the WebSocket pushes' carrier (``shoal.edge.pushwork``)."""
+    side: the WebSocket pushes' carrier (``shoal.edge.pushwork``). A standard queue delays each
+    message on its own (``DelaySeconds``, up to 15 minutes): the sessions' due timers
+    (``shoal.sessions.timers``)."""
 
     logical: str
     fifo: bool = False
@@ -216,6 +218,18 @@ PUSHER_MAPPING: Mapping[str, Any] = {
     "FunctionResponseTypes": ["ReportBatchItemFailures"],
 }
 
+#: the reaper's timeout: a scheduled run's sweeps, or one batch of the wills queue's timers
+REAPER_TIMEOUT_S = 120
+#: the reaper's mapping on the wills queue (``shoal.sessions.timers``): ten timers an
+#: invocation, each reported alone when it fails; at most ``MaximumConcurrency`` batches at
+#: once, so that a burst of lost connections (a network blip drops thousands) does not take
+#: the account's concurrency from the API's functions (the schedule's sweep is the backstop)
+WILLS_MAPPING: Mapping[str, Any] = {
+    "BatchSize": 10,
+    "FunctionResponseTypes": ["ReportBatchItemFailures"],
+    "ScalingConfig": {"MaximumConcurrency": 10},
+}
+
 #: what inbox items name in the archive bucket: the router's message lines (deliveries by
 #: reference, ``shoal.delivery.codec``) and large payloads (``shoal.delivery.inbox``)
 INBOX_REFERENCES = ("messages/", "payloads/")
@@ -286,6 +300,17 @@ DEPLOYMENT = Deployment(
             fifo=True,
             visibility_timeout_s=6 * PUSHER_TIMEOUT_S,
             max_receive_count=10,
+        ),
+        # the sessions' due timers (shoal.sessions.timers): a lost connection's head, a will
+        # after its delay, a will due at once, each reaped when it is due (a message delayed
+        # until then) instead of at the reaper's next scheduled run. Standard, not FIFO: no
+        # order to keep, and only a standard queue delays each message on its own. A timer
+        # that fails five times is dead-lettered (the schedule's sweep reaps its item anyway)
+        QueueDef(
+            "wills",
+            visibility_timeout_s=6 * REAPER_TIMEOUT_S,
+            max_receive_count=5,
+            retention_s=24 * 3600,
         ),
     ),
     functions=(
@@ -444,6 +469,9 @@ DEPLOYMENT = Deployment(
                 # members it kept: the members handed their lanes are pushed
                 # (``wiring.HandOvers``; the pusher skips those not connected)
                 Grant("queue", "push", "write"),
+                # a connect that takes a live channel over (or ends a session) arms the timer
+                # of the wills it makes due at once (shoal.sessions.timers)
+                Grant("queue", "wills", "write"),
             ),
             # a connect retries racing connects for up to 5 s (shoal.sessions.CONNECT_BUDGET_S)
             timeout_s=15,
@@ -451,8 +479,10 @@ DEPLOYMENT = Deployment(
         FunctionDef(
             name="reaper",
             description=(
-                "Scheduled: keepalive expiry, wills after their delay, session expiry; the census"
+                "Scheduled: keepalive expiry, wills after their delay, session expiry; the census. "
+                "The wills queue's timers: a due item reaped at its time"
             ),
+            sources=(EventSource(queue="wills", mapping=WILLS_MAPPING),),
             grants=(
                 # the due index and the registry's conditional writes
                 Grant("table", "sessions", "read_write"),
@@ -480,9 +510,12 @@ DEPLOYMENT = Deployment(
                 # (granted above) and reads each push subscription's dead letters
                 Grant("table", "push_subscriptions", "read"),
                 Grant("table", "push_groups", "read"),
+                # its timers: taken from the wills queue by its mapping, armed again when one
+                # comes early, and armed for the will an expired channel leaves waiting
+                Grant("queue", "wills", "read_write"),
             ),
             schedule_s=60,
-            timeout_s=120,
+            timeout_s=REAPER_TIMEOUT_S,
         ),
         FunctionDef(
             name="subscriptions",
@@ -575,6 +608,9 @@ DEPLOYMENT = Deployment(
                 # deliveries: a connect's, a subscribe's retained messages, an ack that opened
                 # the window are handed to the push queue, after the frame's answer
                 Grant("queue", "push", "write"),
+                # a lost connection ($disconnect) arms its head's timer, a takeover its will's
+                # (shoal.sessions.timers)
+                Grant("queue", "wills", "write"),
             ),
         ),
         FunctionDef(

@@ -49,6 +49,7 @@ from shoal.sessions.model import WillMessage
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.registry import SessionRegistry
 from shoal.sessions.repository import SessionRepository
+from shoal.sessions.timers import SqsDueTimer
 from shoal.teardown import Teardown
 
 T = TypeVar("T")
@@ -177,7 +178,16 @@ def session_registry(
         groups=groups,
         deliveries=InboxStore.from_config(config),
         requests_seen=requests_seen,
+        # a lost connection's head and a takeover's will are reaped at once, not at the
+        # reaper's next run (the functions that lose or connect have the queue's grant)
+        timer=due_timer(config, clock),
     )
+
+
+def due_timer(config: Config, clock: Clock | None = None) -> SqsDueTimer | None:
+    """The sessions' due timers over the wills queue (``shoal.sessions.timers``); None
+    without it."""
+    return SqsDueTimer.from_config(config, clock)
 
 
 def subscription_service(config: Config, clock: Clock | None = None) -> SubscriptionService:
@@ -316,6 +326,8 @@ def reaper(config: Config, clock: Clock | None = None, hand_offs: HandOffs | Non
         on_session_end=SubscriptionRetirer(SubscriptionStore.from_config(config), clock, groups),
         # a dead channel's shared groups advance (its expired leases go to live members)
         on_channel_expired=groups.channel_expired,
+        # the will an expired channel leaves waiting is published by its timer
+        timer=due_timer(config, clock),
     )
 
 

@@ -21,7 +21,8 @@ FUNCTION_ENV_PREFIX = "SHOAL_FUNCTION_"
 #: the Kinesis streams the stack owns (the delivery-event log), not the topics' storage
 #: streams, which are named after SHOAL_STREAM_PREFIX at run time
 STREAM_ENV_PREFIX = "SHOAL_KINESIS_"
-#: the SQS queues the stack owns, by URL (the push queue: ``shoal.edge.pushwork``)
+#: the SQS queues the stack owns, by URL (the push queue: ``shoal.edge.pushwork``; the wills
+#: queue: ``shoal.sessions.timers``)
 QUEUE_ENV_PREFIX = "SHOAL_QUEUE_"
 
 #: delivery defaults (``shoal.delivery``)
@@ -140,7 +141,7 @@ class Config(BaseModel):
     #: logical stream name -> physical name, of the streams the stack owns (``events``: the
     #: delivery-event log, ``shoal.delivery.events``)
     streams: dict[str, str] = Field(default_factory=dict)
-    #: logical queue name -> URL, of the queues the stack owns (``push``)
+    #: logical queue name -> URL, of the queues the stack owns (``push``, ``wills``)
     queues: dict[str, str] = Field(default_factory=dict)
     #: Kinesis stream names of storage topics are "<stream_prefix>-<topic>-<index>"
     stream_prefix: str = "shoal"

@@ -1,6 +1,7 @@
 """What sessions need from other contexts, as ports: the will publisher (the publish path),
-the session's shared group leases, its deliveries in flight, and the end-of-session hook. The
-wiring root (``shoal.wiring``) passes the implementations in."""
+the session's shared group leases, its deliveries in flight, the end-of-session hook, and the
+due timer (a queue's delayed message). The wiring root (``shoal.wiring``) passes the
+implementations in."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from shoal.sessions.model import Head, WillMessage
 class WillPublisher(Protocol):
     def publish_will(self, sub: str, client_id: str, will: WillMessage, will_id: str) -> None:
         """Publish ``will`` as principal ``sub``; ``will_id`` is the same on every retry."""
+        ...
+
+
+class DueTimer(Protocol):
+    """Reaps an item of the sessions table when it is due (``shoal.sessions.timers``)."""
+
+    def arm(self, client_id: str, item: str, due_at_ms: int) -> None:
+        """The reaper runs its step on ``item`` of ``client_id`` once ``due_at_ms`` is past (a
+        timer that comes early is armed again; one may come twice). Raises when the timer
+        could not be armed."""
         ...
 
 

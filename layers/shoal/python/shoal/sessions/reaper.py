@@ -1,10 +1,12 @@
-"""The reaper's sessions work, run on a schedule: keepalive expiry (the will armed or
-published), wills after their delay (or due at once: a takeover or a session's end wrote them
-so), and session expiry."""
+"""The reaper's sessions work, run on a schedule and by due timers: keepalive expiry (the will
+armed or published), wills after their delay (or due at once: a takeover or a session's end
+wrote them so), and session expiry."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.errors import (
@@ -19,8 +21,9 @@ from shoal.sessions.model import (
     ReapAction,
     reap_action,
 )
-from shoal.sessions.ports import SessionEndHook, WillPublisher, call_end_hook
+from shoal.sessions.ports import DueTimer, SessionEndHook, WillPublisher, call_end_hook
 from shoal.sessions.repository import SessionRepository
+from shoal.sessions.timers import Timer, arm_timer
 
 
 @dataclass
@@ -32,17 +35,20 @@ class ReapReport:
     rescheduled: int = 0
     contended: int = 0
     failed: int = 0
+    #: timers that came before their item was due, armed again for the rest
+    rearmed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 class Reaper:
-    """Keepalive expiry, wills after their delay, and session expiry; run on a schedule.
+    """Keepalive expiry, wills after their delay, and session expiry; run on a schedule, and
+    on an item when its due timer comes (``on_timers``).
 
-    Every step is a conditional write on what it read, so overlapping runs and racing
-    connects cannot double a step or undo a newer one. A will is claimed before it is
-    published and deleted after, so a run that dies in between publishes it again later
+    Every step is a conditional write on what it read, so overlapping runs, duplicate timers
+    and racing connects cannot double a step or undo a newer one. A will is claimed before it
+    is published and deleted after, so a run that dies in between publishes it again later
     (at least once; ``will_id`` lets the publisher drop the duplicate).
     """
 
@@ -55,6 +61,7 @@ class Reaper:
         limit_per_shard: int = 500,
         on_session_end: SessionEndHook | None = None,
         on_channel_expired: SessionEndHook | None = None,
+        timer: DueTimer | None = None,
     ) -> None:
         self.repository = repository
         self.publisher = publisher
@@ -63,6 +70,9 @@ class Reaper:
         self.on_session_end = on_session_end
         #: a dead channel's shared groups advance: its expired leases move to live members
         self.on_channel_expired = on_channel_expired
+        #: arms the will an expired channel leaves waiting, and a timer that came early
+        #: (``shoal.sessions.timers``); None: the schedule alone
+        self.timer = timer
 
     def run(self) -> ReapReport:
         report = ReapReport()
@@ -70,15 +80,58 @@ class Reaper:
         for shard in range(DUE_SHARDS):
             for client_id, item in self.repository.due(str(shard), now, self.limit_per_shard):
                 try:
-                    if item == HEAD:
-                        self._reap_head(client_id, now, report)
-                    elif item.startswith(WILL_PREFIX):
-                        self._reap_will(client_id, item, now, report)
+                    self._reap(client_id, item, now, report)
                 except Exception as exc:
                     # one client's failure must not stop the others; its item stays due
                     logger.exception("reaping failed", extra={"error_type": type(exc).__name__})
                     report.failed += 1
         return report
+
+    def on_timers(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """The wills queue's timers (Lambda's SQS event): each item reaped as ``run`` would
+        reap it, now that it is due; a timer that came early is armed again for the rest.
+        Answers the partial batch response: the timers whose step failed return to the queue
+        (the item stays due in the index as well, for the schedule)."""
+        report = ReapReport()
+        failed: list[dict[str, str]] = []
+        for record in event.get("Records") or []:
+            try:
+                timer = Timer.parse(str(record.get("body") or ""))
+            except ValueError:
+                # it could only come back: dropped (the schedule reaps whatever it named)
+                logger.error("unreadable due timer dropped", extra={"id": record.get("messageId")})
+                continue
+            try:
+                self.on_timer(timer, report)
+            except Exception as exc:
+                logger.exception("reaping failed", extra={"error_type": type(exc).__name__})
+                report.failed += 1
+                failed.append({"itemIdentifier": str(record["messageId"])})
+        counts = report.as_dict()
+        if any(counts.values()):
+            logger.info("reaped on time", extra=counts)
+        return {"batchItemFailures": failed}
+
+    def on_timer(self, timer: Timer, report: ReapReport) -> None:
+        """One timer: its item's step if it is due, else the timer armed again; raises when
+        either failed (the timer returns to the queue)."""
+        now = self.clock.now_ms()
+        if timer.due_at_ms > now:
+            # early: SQS delays 15 minutes at most, and the arming function's clock may be a
+            # little ahead of this one's. Armed again, or raised: a timer is not dropped
+            # before its item is due (it would find a step not due yet, and do nothing)
+            if self.timer is None:
+                raise RuntimeError("a timer came early and there is no timer to arm again")
+            self.timer.arm(timer.client_id, timer.item, timer.due_at_ms)
+            report.rearmed += 1
+            return
+        self._reap(timer.client_id, timer.item, now, report)
+
+    def _reap(self, client_id: str, item: str, now: int, report: ReapReport) -> None:
+        if item == HEAD:
+            self._reap_head(client_id, now, report)
+        elif item.startswith(WILL_PREFIX):
+            self._reap_will(client_id, item, now, report)
 
     def _reap_head(self, client_id: str, now: int, report: ReapReport) -> None:
         view = self.repository.read(client_id, consistent=True)
@@ -101,8 +154,13 @@ class Reaper:
             report.channels_expired += 1
             if head.subscriptions:
                 call_end_hook(self.on_channel_expired, client_id, head)
+            will = WILL_PREFIX + head.newest.key
             if will_due is not None and will_due <= now:
-                self._reap_will(client_id, WILL_PREFIX + head.newest.key, now, report)
+                self._reap_will(client_id, will, now, report)
+            elif will_due is not None:
+                # published after its delay by its timer, not by the first scheduled run after
+                # it: a run is a minute apart, and a reconnect in between would cancel it
+                arm_timer(self.timer, client_id, will, will_due, now)
             if head.session_expiry_s > 0:
                 return
             head = replace(head, connected=False, rev=head.rev + 1, session_expires_at_ms=now)

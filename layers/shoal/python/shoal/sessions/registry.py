@@ -51,10 +51,12 @@ from shoal.sessions.model import (
     BACKOFF_BASE_MS,
     BACKOFF_CAP_MS,
     CONNECT_BUDGET_S,
+    HEAD,
     MAX_CLOCK_AHEAD_MS,
     Channel,
     ConflictStep,
     Connected,
+    ConnectPlan,
     ConnectRequest,
     Decision,
     Head,
@@ -66,8 +68,9 @@ from shoal.sessions.model import (
     plan_connect,
     session_document,
 )
-from shoal.sessions.ports import GroupLeases, InFlight, SessionEndHook, call_end_hook
+from shoal.sessions.ports import DueTimer, GroupLeases, InFlight, SessionEndHook, call_end_hook
 from shoal.sessions.repository import SessionRepository
+from shoal.sessions.timers import arm_timer
 
 
 @dataclass
@@ -114,6 +117,7 @@ class SessionRegistry:
         groups: GroupLeases | None = None,
         deliveries: InFlight | None = None,
         requests_seen: bool = True,
+        timer: DueTimer | None = None,
     ) -> None:
         self.repository = repository
         #: the channel's own requests count for its keepalive (``_seen``); False where the
@@ -127,6 +131,9 @@ class SessionRegistry:
         self.groups = groups
         #: the session document counts the deliveries in flight
         self.deliveries = deliveries
+        #: reaps what a lost connection or a takeover makes due now at once, not at the
+        #: reaper's next scheduled run (``shoal.sessions.timers``); None: the schedule alone
+        self.timer = timer
 
     # -- connect
 
@@ -197,6 +204,7 @@ class SessionRegistry:
             self.clock.sleep(backoff_s(attempts, BACKOFF_BASE_MS / 1000, BACKOFF_CAP_MS / 1000))
             view, local_max = real, real_max
         self.stats.add(connects=1, attempts=attempts)
+        self._arm_wills(client_id, plan)
         ended = view.head
         if plan.decision is not Decision.RESUME and ended is not None and ended.subscriptions:
             # the session this connect ended: its subscriptions leave the router's store
@@ -206,6 +214,17 @@ class SessionRegistry:
         elif plan.decision is Decision.RESUME and not on_connection:
             self._release_taken_over(ended)
         return Connected(plan.session_present, ours.channel, request.keepalive_s)
+
+    def _arm_wills(self, client_id: str, plan: ConnectPlan) -> None:
+        """The wills the committed connect made due at once (the taken-over channel's, and
+        those of a session it ended): published now, by their timers, not at the reaper's
+        next run (MQTT 5 §3.1.3.2.2). Best effort: the schedule publishes them otherwise."""
+        now = self.clock.now_ms()
+        wills = [w.item for w in plan.fire_wills]
+        if plan.takeover_will is not None:
+            wills.append(plan.takeover_will.item)
+        for item in wills:
+            arm_timer(self.timer, client_id, item, now, now)
 
     def _release_taken_over(self, ended: Head | None) -> None:
         """The live channel this HTTP connect took over may have been a WebSocket
@@ -324,12 +343,19 @@ class SessionRegistry:
         raise self._refuse(who, head)
 
     def lose(self, who: Principal, client_id: str, channel: Channel) -> Head | None:
-        """A channel's connection is gone without a disconnect: the reaper expires it next,
-        publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session is resumed
-        first. The head as written; None when the channel is not the live one any more (a
-        takeover, a normal disconnect): nothing to do."""
+        """A channel's connection is gone without a disconnect: the reaper expires it at once
+        (its timer), publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session
+        is resumed first. The head as written; None when the channel is not the live one any
+        more (a takeover, a normal disconnect): nothing to do."""
         version = self._scope(who, client_id, channel)
-        return self.repository.lose(client_id, version, who.sub, self.clock.now_ms())
+        now = self.clock.now_ms()
+        head = self.repository.lose(client_id, version, who.sub, now)
+        if head is not None:
+            # the head is due now: its timer expires the channel at once, and arms the will's
+            # for its delay (a reconnect within the delay cancels it, as MQTT 5 says), where
+            # the reaper's schedule would come a minute later and its will's a minute after
+            arm_timer(self.timer, client_id, HEAD, now, now)
+        return head
 
     def session(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         head = self.require_live(who, client_id, channel)

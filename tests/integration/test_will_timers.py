@@ -1,0 +1,282 @@
+"""Wills on time (issue 47): a lost WebSocket connection's head, and the will it leaves, reaped
+by their due timers (the wills queue's delayed messages, ``shoal.sessions.timers``) when they
+are due, not at the reaper's next scheduled run.
+
+The edge's routes run over moto as in ``test_edge``; the wills queue's mapping invokes the
+reaper function's handler with Lambda's SQS event (``QueueMappings``), one batch a round, and
+the emulated SQS keeps the world's manual clock, so a timer delayed 5 s is handed out once the
+clock has moved 5 s, and not before. No scheduled reaper run happens unless a test says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import moto.sqs.models
+import pytest
+from botocore.exceptions import ClientError
+from shoal.core.config import get_config
+from shoal.declarations import WILLS_MAPPING
+from shoal.edge.pushwork import HandOffs
+from shoal.local.esm.queues import QueueMapping, QueueMappings
+from shoal.local.provision import LocalNames
+from shoal.sessions.model import HEAD, WILL_PREFIX
+from shoal.sessions.reaper import Reaper
+from shoal.sessions.timers import SqsDueTimer
+
+import functions.reaper.app as reaper_app
+from tests.helpers import FakeContext
+from tests.integration.test_edge import Edge, edge
+from tests.integration.test_sessions_support import RecordingPublisher
+
+__all__ = ["edge"]  # fixtures
+
+WILL = {"topic": "alice/status", "text": "offline", "delay_s": 5}
+
+
+class Timers:
+    """The wills queue, its timers armed by the edge's registry and the reaper, and the
+    reaper function taking them through its mapping, on the world's clock."""
+
+    def __init__(self, edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+        world = edge.world
+        self.edge = edge
+        clock = world.clock
+        # the emulated SQS delays and hides messages by the world's clock
+        monkeypatch.setattr(moto.sqs.models, "unix_time_millis", lambda: float(clock.now_ms()))
+        monkeypatch.setattr(moto.sqs.models, "unix_time", lambda: clock.now_ms() / 1000)
+        self.sqs = world.session.client("sqs")
+        self.timer = SqsDueTimer(self.sqs, get_config().queues["wills"], clock)
+        world.registry.timer = self.timer
+        self.publisher = RecordingPublisher()
+        self.reaper = Reaper(world.registry.repository, self.publisher, clock, timer=self.timer)
+        monkeypatch.setattr(reaper_app, "reaper", lambda: self.reaper)
+        monkeypatch.setattr(reaper_app, "hand_offs", lambda: HandOffs(edge.queue))
+        self.answers: list[dict[str, Any]] = []
+        self.mappings = QueueMappings(world.session, self._invoke)
+        names = LocalNames.for_deployment()
+        # Lambda's mapping of the reaper on the wills queue, as the stack declares it
+        self.mapping = QueueMapping(
+            uuid="wills",
+            function_arn=names.functions["reaper"],
+            queue_arn=names.queue_arn("wills"),
+            batch_size=WILLS_MAPPING["BatchSize"],
+            concurrency=1,
+            report_item_failures=True,
+            enabled=True,
+        )
+
+    def _invoke(self, _function: str, event: dict[str, Any]) -> Any:
+        answer = reaper_app.handler(event, FakeContext())
+        self.answers.append(answer)
+        return answer
+
+    def fire(self) -> int:
+        """One round of the mapping: the timers the queue hands out now, in one batch (at
+        most ten), through the reaper's handler; the timers finished."""
+        messages = self.mappings.receive(self.mapping)
+        return len(self.mappings.deliver(self.mapping, messages)) if messages else 0
+
+    def waiting(self) -> int:
+        """Timers in the queue, delayed or visible (not those in flight)."""
+        attributes = self.sqs.get_queue_attributes(
+            QueueUrl=self.timer.url,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesDelayed"],
+        )["Attributes"]
+        return sum(int(v) for v in attributes.values())
+
+    def wills(self) -> list[tuple[str, str | None]]:
+        return [(client_id, will.text) for _, client_id, will, _ in self.publisher.published]
+
+
+@pytest.fixture
+def timers(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> Iterator[Timers]:
+    yield Timers(edge, monkeypatch)
+
+
+def _connected(timers: Timers, client_id: str = "alice-1") -> bool:
+    head = timers.reaper.repository.head(client_id)
+    assert head is not None
+    return head.connected
+
+
+# --- a lost connection
+
+
+def test_a_lost_connections_will_without_delay_is_published_by_its_timer(timers: Timers) -> None:
+    # Given a WebSocket session with a will without delay
+    timers.edge.connect("c1", will=WILL | {"delay_s": 0})
+    # When its connection is lost ($disconnect without a disconnect frame)
+    timers.edge.dropped("c1")
+    # Then its timer, handed out at once, expires the channel and publishes the will: no
+    # scheduled run of the reaper
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_a_lost_connections_will_is_published_once_its_delay_passed(timers: Timers) -> None:
+    # Given a lost connection whose will waits 5 s
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1")
+    # When its head's timer came: the channel expired, the will waits with a timer of its own
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    assert timers.wills() == []
+    # Then the will's timer is not handed out while the delay runs ...
+    timers.edge.world.clock.advance(4.999)
+    assert timers.fire() == 0
+    # ... and publishes it once the delay passed
+    timers.edge.world.clock.advance(0.001)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_a_reconnect_within_the_delay_cancels_the_will_its_timer_comes_for(
+    timers: Timers,
+) -> None:
+    # Given a lost connection whose head's timer expired the channel and armed the will's
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1")
+    assert timers.fire() == 1
+    # When the client connects again within the will's delay (the session resumes)
+    timers.edge.world.clock.advance(3)
+    assert timers.edge.connect("c2")["session_present"] is True
+    # Then the will's timer comes after the delay and finds nothing to publish
+    timers.edge.world.clock.advance(3)
+    assert timers.fire() == 1
+    assert timers.wills() == []
+
+
+def test_a_duplicate_timer_publishes_the_will_once(timers: Timers) -> None:
+    # Given a lost connection's will waiting with its timer, and the same timer sent twice
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1")
+    assert timers.fire() == 1
+    head = timers.reaper.repository.head("alice-1")
+    assert head is not None
+    will = WILL_PREFIX + head.newest.key
+    timers.timer.arm("alice-1", will, timers.edge.world.clock.now_ms() + 5000)
+    # When both come after the delay, in one batch
+    timers.edge.world.clock.advance(5)
+    assert timers.fire() == 2
+    # Then the will is published once (the second finds it claimed, then gone)
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_duplicate_head_timer_expires_the_channel_once(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a lost connection whose head's timer was sent twice
+    timers.edge.connect("c1", will=WILL | {"delay_s": 0})
+    timers.edge.dropped("c1")
+    timers.timer.arm("alice-1", HEAD, timers.edge.world.clock.now_ms())
+    expired: list[bool] = []
+    expire = timers.reaper.repository.expire_channel
+
+    def counted(*args: Any) -> bool:
+        expired.append(expire(*args))
+        return expired[-1]
+
+    monkeypatch.setattr(timers.reaper.repository, "expire_channel", counted)
+    # When both come, in one batch
+    assert timers.fire() == 2
+    # Then the channel expired once (the second found it expired) and its will went out once
+    assert expired == [True]
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_timer_that_comes_early_is_armed_again_for_the_rest(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given timers sent with at most 2 s of delay (as SQS's 15 minutes cut a longer one)
+    monkeypatch.setattr(timers.timer, "longest_s", 2)
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1")
+    assert timers.fire() == 1
+    # When the will's timer comes after 2 s of its 5
+    timers.edge.world.clock.advance(2)
+    assert timers.fire() == 1
+    # Then nothing is published and a timer waits for the rest, not lost
+    assert timers.wills() == []
+    assert timers.waiting() == 1
+    timers.edge.world.clock.advance(2)
+    assert timers.fire() == 1  # early again: armed for the last second
+    assert timers.wills() == []
+    timers.edge.world.clock.advance(1)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_a_timer_not_armed_leaves_the_will_to_the_schedule(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a wills queue that refuses sends
+    def refused(**_: Any) -> None:
+        answer: Any = {"Error": {"Code": "ServiceUnavailable", "Message": "down"}}
+        raise ClientError(answer, "SendMessage")
+
+    monkeypatch.setattr(timers.sqs, "send_message", refused)
+    timers.edge.connect("c1", will=WILL | {"delay_s": 0})
+    # When the connection is lost: the $disconnect does its work all the same
+    timers.edge.dropped("c1")
+    assert timers.fire() == 0
+    # Then the scheduled run, the backstop, publishes the will
+    assert timers.reaper.run().wills_published == 1
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_timer_whose_step_failed_returns_to_the_queue(timers: Timers) -> None:
+    # Given a lost connection's will due now, and a publish path failing once
+    timers.edge.connect("c1", will=WILL | {"delay_s": 0})
+    timers.edge.dropped("c1")
+    timers.publisher.failures = 1
+    # When its timer comes: the will's publish fails
+    assert timers.fire() == 0
+    # Then the handler names the timer as failed: it stays in the queue (in flight until its
+    # visibility timeout), and the will waits claimed, for its retry
+    [answer] = timers.answers
+    assert len(answer["batchItemFailures"]) == 1
+    assert timers.wills() == []
+
+
+def test_an_unreadable_timer_is_dropped(timers: Timers) -> None:
+    # Given a message no timer wrote
+    timers.sqs.send_message(QueueUrl=timers.timer.url, MessageBody='{"v": 99}')
+    # When it comes: it is finished (deleted), not returned to come again
+    assert timers.fire() == 1
+    assert timers.answers == [{"batchItemFailures": []}]
+    assert timers.waiting() == 0
+
+
+# --- a takeover
+
+
+def test_a_takeovers_will_without_delay_is_published_by_its_timer(timers: Timers) -> None:
+    # Given a live WebSocket session with a will without delay
+    timers.edge.connect("c1", will=WILL | {"delay_s": 0})
+    # When another connection takes the session over (MQTT 5: the will without delay goes)
+    timers.edge.connect("c2")
+    # Then the will's timer, due at once, publishes it: no scheduled run
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_clean_start_publishes_the_waiting_will_by_its_timer(timers: Timers) -> None:
+    # Given a lost connection whose will waits 5 s
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1")
+    assert timers.fire() == 1
+    # When the client connects with a clean start within the delay (the session ends)
+    timers.edge.connect("c2", clean_start=True)
+    # Then the will is published at once, by the timer the connect armed
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    # and its first timer, when it comes, finds it gone
+    timers.edge.world.clock.advance(5)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]

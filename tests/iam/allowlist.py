@@ -58,17 +58,6 @@ _MAPPINGS = (
     "runs only as the stack's custom resource, and bootstrap and admin delete no topic's "
     "router mapping"
 )
-#: what Lambda's SQS event source mappings call with the consuming function's role
-_QUEUE_POLLED = (
-    "Lambda's SQS event source mapping receives and deletes a queue's messages with its "
-    "function's role (the pusher's, the reaper's); locally the runtime's pollers do it outside "
-    "any function, unrecorded"
-)
-_QUEUE_SET = (
-    "CDK's queue grants add it (grant_send_messages and grant_consume_messages: "
-    "GetQueueAttributes, GetQueueUrl); Shoal names its queues by URL from the environment and "
-    "reads no attribute (Lambda's mapping reads the consumer's with its role)"
-)
 _BUCKET_SET = (
     "CDK's bucket grant gives its action groups (grant_read: s3:GetObject*, s3:GetBucket*, "
     "s3:List*; grant_write adds deletes, aborts, object lock and tagging); Shoal puts, gets "
@@ -169,10 +158,6 @@ UNUSED_GRANTS: dict[tuple[str, str], Unused] = {
             "PutObjectVersionTagging",
         )
     },
-    ("*", "sqs:GetQueueUrl"): Unused(_QUEUE_SET),
-    ("*", "sqs:GetQueueAttributes"): Unused(_QUEUE_SET + "; " + _QUEUE_POLLED),
-    ("pusher", "sqs:ReceiveMessage"): Unused(_QUEUE_POLLED),
-    ("pusher", "sqs:DeleteMessage"): Unused(_QUEUE_POLLED),
     ("pusher", "sqs:ChangeMessageVisibility"): Unused(
         "the pusher delays a returned chunk's retry (ChangeMessageVisibilityBatch); the suites "
         "that return one run the pusher's worker directly, outside a recorded function"

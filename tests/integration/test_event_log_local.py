@@ -25,9 +25,10 @@ def test_the_archiver_mapping_is_made_once_and_sync_waits_until_it_is_done(
     names = LocalNames.for_deployment()
     archiver = names.functions["archiver"]
     # Given the declared mappings provisioned twice (a restart), the second window shortened
-    # (the archiver's on the event log, the pusher's on the push queue)
+    # (the archiver's on the event log, the pusher's on the push queue, the reaper's on the
+    # wills queue)
     made = provision_mappings(aws, names)
-    assert len(made) == 2
+    assert len(made) == 3
     assert provision_mappings(aws, names, batching_window_s=1) == made
     listed = aws.client("lambda").list_event_source_mappings(FunctionName=archiver)
     [mapping] = listed["EventSourceMappings"]

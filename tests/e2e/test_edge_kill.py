@@ -47,6 +47,10 @@ DEADLINE_S = 150.0
 #: again at once, with ``dup``). Quiet this long (the group's 6 s lease timeout and a margin)
 #: with no member handed it again, it was applied
 QUIET_S = 20.0
+#: a push's get to its post: the copy a push handed out just before an ack of the same id
+#: landed reaches the client this soon after the ack's answer (41 ms seen); the ack timeout's
+#: redelivery, which an ack lost would cause, comes tens of seconds later
+COPY_IN_FLIGHT_S = 2.0
 
 
 @dataclass
@@ -87,6 +91,8 @@ class ReconnectingClient:
     ack_log: list[tuple[str, int, str]] = field(default_factory=list)
     #: group deliveries acked again after a reconnect and answered 0: when, and the delivery
     unanswered: dict[str, tuple[float, Delivery]] = field(default_factory=dict)
+    #: when a delivery id's first ack was sent (an ack cut by the kill took effect after it)
+    ack_sent: dict[str, float] = field(default_factory=dict)
     #: session_present of each connect answered
     present: list[bool] = field(default_factory=list)
     subscribed: bool = False
@@ -125,6 +131,7 @@ class ReconnectingClient:
             await asyncio.sleep(min(0.2 * 2 ** min(attempt, 4), 2.0))
 
     async def _ack(self, client: WsClient, delivery_id: str, connection: int) -> dict[str, Any]:
+        self.ack_sent.setdefault(delivery_id, time.monotonic())
         try:
             answer = await client.ask({"action": "ack", "ids": [delivery_id]})
         except BaseException as exc:
@@ -257,14 +264,25 @@ def repeats_without_dup(deliveries: list[Delivery]) -> list[str]:
 
 
 def acked_then_delivered(deliveries: list[Delivery], confirmed: list[Confirmed]) -> list[str]:
+    """Deliveries of an id after its ack was answered, but the one copy a push had handed out
+    before the ack landed: an ack sent again after a reconnect races the reconnect's push of
+    the same unacked id, and that copy goes out once, with ``dup``, just after the answer
+    (``tests/integration/test_edge_acks.py``, the ack racing a redelivery). A second copy, a
+    copy without ``dup``, or one later than ``COPY_IN_FLIGHT_S`` is a violation."""
     acked_at: dict[str, float] = {}
     for c in confirmed:
         acked_at.setdefault(c.message_id, c.at)
-    return [
-        f"{d.client} got {d.key}:{d.number} after its ack"
-        for d in deliveries
-        if d.message_id in acked_at and d.at > acked_at[d.message_id]
-    ]
+    found = []
+    copies: set[str] = set()
+    for d in sorted(deliveries, key=lambda d: d.at):
+        if d.message_id not in acked_at or d.at <= acked_at[d.message_id]:
+            continue
+        in_flight = d.dup and d.at - acked_at[d.message_id] < COPY_IN_FLIGHT_S
+        if in_flight and d.message_id not in copies:
+            copies.add(d.message_id)
+            continue
+        found.append(f"{d.client} got {d.key}:{d.number} after its ack")
+    return found
 
 
 @pytest.fixture
@@ -276,7 +294,10 @@ def group_confirmed_of(members: list[ReconnectingClient]) -> list[Confirmed]:
     """The group's acks: those answered 1, and those acked again after a reconnect, answered
     0 and quiet since for ``QUIET_S`` (no member handed the message again: had the first ack not
     been applied, its lane's holder would have been pushed it again), counted as acked when
-    they were delivered (before the kill cut the answer)."""
+    their first ack was sent (the kill cut its answer). Not when they were delivered: a
+    member acks one delivery at a time, so a frame read while the ack before it waited for
+    its answer was acked after that answer (a first run counted it before, and saw the
+    group "ack" k1:7 before k1:4)."""
     confirmed = [c for m in members for c in m.confirmed]
     ids = {c.message_id for c in confirmed}
     now = time.monotonic()
@@ -287,7 +308,8 @@ def group_confirmed_of(members: list[ReconnectingClient]) -> list[Confirmed]:
             )
             if message_id in ids or again or now - since < QUIET_S:
                 continue
-            confirmed.append(Confirmed(d.client, message_id, d.key, d.number, d.at))
+            at = member.ack_sent.get(d.delivery_id, d.at)
+            confirmed.append(Confirmed(d.client, message_id, d.key, d.number, at))
             ids.add(message_id)
     return confirmed
 

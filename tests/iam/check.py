@@ -107,7 +107,8 @@ def stale_entries(
     for function, action in allowlist:
         functions = list(roles.statements) if function == "*" else [function]
         having = [f for f in functions if action in granted(roles.statements.get(f, ()))]
-        if not having or not any(action in unused.get(f, set()) for f in having):
+        used = not any(action in unused.get(f, set()) for f in having)
+        if not having or (used and not allowlist[(function, action)].sometimes):
             stale.append((function, action))
     return sorted(stale)
 

@@ -96,6 +96,12 @@ def client(
         return _clients[key]
 
 
+def made_sessions() -> list[boto3.session.Session]:
+    """The process's shared session, when it was made (none yet: an empty list)."""
+    with _lock:
+        return list(_sessions)
+
+
 def reset() -> None:
     """Forget every client (tests that change the endpoint or credentials in between)."""
     with _lock:

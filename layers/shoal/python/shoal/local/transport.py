@@ -48,6 +48,8 @@ from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.compat import HTTPHeaders
 from botocore.exceptions import NoCredentialsError
 
+from shoal.aws import clients
+
 log = logging.getLogger("shoal-dev.aws")
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -147,6 +149,7 @@ class _InProcess:
         self.url = url.rstrip("/")
         self.calls = 0
         self.closed = False
+        self._handler_id = f"shoal-in-process-{id(self)}"
 
     def __call__(self, request: AWSPreparedRequest, **_: Any) -> AWSResponse | None:
         if not self.answers(request.url):
@@ -180,6 +183,15 @@ class _InProcess:
         entry = ("before-send", self)
         if entry not in handlers.BUILTIN_HANDLERS:
             handlers.BUILTIN_HANDLERS.append(entry)
+        # and the process's shared session if it was made already (the runtime's provisioning
+        # makes it before the gateway's URL is known): the clients it makes from now on, as a
+        # function's @connections client, take this handler too (without it every push under
+        # `shoal dev` went over loopback HTTP)
+        for session in clients.made_sessions():
+            # botocore types a handler as returning None; a before-send handler's answer is
+            # the response that replaces the request's (its documented use)
+            handler: Any = self
+            session.events.register("before-send", handler, unique_id=self._handler_id)
         _OPEN.append(self)
 
     def uninstall(self) -> None:
@@ -190,6 +202,8 @@ class _InProcess:
         entry = ("before-send", self)
         while entry in handlers.BUILTIN_HANDLERS:
             handlers.BUILTIN_HANDLERS.remove(entry)
+        for session in clients.made_sessions():
+            session.events.unregister("before-send", unique_id=self._handler_id)
 
 
 #: an answer: status, headers, body

@@ -35,7 +35,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +43,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.delivery import _shoal
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (8, 32, 64, 128)
@@ -65,12 +66,6 @@ RETRY_DEADLINE_S = 120.0
 CRASH_TARGET_S = 15.0
 CRASH_STEPS = ("after_reserve", "after_put")
 COMMAND = "python -m bench frontdoor"
-
-
-def _shoal() -> list[str]:
-    """The ``shoal`` entry point of this interpreter's environment."""
-    script = Path(sys.executable).with_name("shoal")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
 
 
 def _environment(extra: dict[str, str]) -> dict[str, str]:

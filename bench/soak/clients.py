@@ -116,6 +116,18 @@ class RecordingHttpClient(ShoalClient):
         self.last_invoke = 0.0
         self.last_answer = 0.0
 
+    def record_lost(self, how: str) -> None:
+        """Its channel went without a disconnect (``how``: crashed, silent): the checker
+        judges the will by when the client last called and was last answered."""
+        self.history.record(
+            "lost",
+            client=self.client_id,
+            conn=self.conn,
+            how=how,
+            last_invoke=self.last_invoke,
+            last_answer=self.last_answer,
+        )
+
     def _send(
         self,
         method: str,
@@ -654,14 +666,7 @@ def group_member(ctx: Context, spec: Mapping[str, Any]) -> None:
                 client = None  # type: ignore[assignment]
             else:
                 # an HTTP member that crashes just stops calling: its lease lapses
-                client.history.record(
-                    "lost",
-                    client=spec["client"],
-                    conn=client.conn,
-                    how="crashed",
-                    last_invoke=client.last_invoke,
-                    last_answer=client.last_answer,
-                )
+                client.record_lost("crashed")
                 with contextlib.suppress(Exception):
                     client.state.close()
                 client = None  # type: ignore[assignment]
@@ -854,14 +859,7 @@ def will_http(ctx: Context, spec: Mapping[str, Any]) -> None:
                     client.disconnect()
                 ctx.pause(rng.uniform(1, 4))
             else:
-                ctx.history.record(
-                    "lost",
-                    client=spec["client"],
-                    conn=client.conn,
-                    how="silent",
-                    last_invoke=client.last_invoke,
-                    last_answer=client.last_answer,
-                )
+                client.record_lost("silent")
                 client.connection = None
                 ctx.pause(_away_s(rng, float(will["delay_s"])))
         if client.connection is not None:

@@ -15,13 +15,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from bench.delivery import _shoal
 
 ROOT = Path(__file__).resolve().parents[2]
 #: a restart replays the whole journal (about 2.6 ms a request here, 40-70 requests a second
@@ -54,11 +55,6 @@ def die_with_parent() -> None:
     if LIBC is not None:
         with contextlib.suppress(OSError, AttributeError):
             LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def shoal_command() -> list[str]:
-    script = Path(sys.executable).with_name("shoal")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
 
 
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -103,7 +99,7 @@ class DevProcess:
     def start(self) -> float:
         """Start and wait until healthy; the seconds it took."""
         args = [
-            *shoal_command(),
+            *_shoal(),
             "dev",
             "--host",
             "127.0.0.1",

@@ -1190,6 +1190,27 @@ def will_timer_dollars(timers: int = 1) -> float:
     return SQS_REQUEST.cost(WILL_TIMER_REQUESTS * timers)
 
 
+#: an HTTP channel that leaves a will keeps its keepalive's timer (``Reaper._chain``), and the
+#: client's default keepalive
+HTTP_KEEPALIVE_S = 60
+
+
+def keepalive_timers_dollars(keepalive_s: int = HTTP_KEEPALIVE_S) -> float:
+    """What an HTTP channel with a will pays a month for its keepalive's timer: at most one
+    timer a keepalive (a request moves its last-seen time once half a keepalive passed, so each
+    deadline is at least a keepalive after the one before), each its SQS requests, a reaper
+    invocation of its own (a batch may take ten), the head's consistent read and the write
+    that moves its due time."""
+    timers = MONTH_S / keepalive_s
+    each = (
+        will_timer_dollars()
+        + PRICES["lambda_requests"].cost(1)
+        + PRICES["dynamodb_rru"].cost(1)
+        + PRICES["dynamodb_wru"].cost(1)
+    )
+    return timers * each
+
+
 class Posts:
     """Frames the functions post to ``@connections`` (moto answers them): per connection,
     and their 32 KB message units."""
@@ -1833,7 +1854,10 @@ def fleet_report(figures: dict[str, Any]) -> str:
         "- Not in the model: a connection lost without a renewal arms a will's due timer "
         f"(one, two when its will has a delay): {WILL_TIMER_REQUESTS} SQS standard requests "
         f"at ${SQS_REQUEST.dollars:.2f} per million, ${will_timer_dollars() * 1e6:.2f} per "
-        "million timers, and a share of a reaper invocation (ten timers a batch).",
+        "million timers, and a share of a reaper invocation (ten timers a batch). An HTTP "
+        "channel that leaves a will keeps its keepalive's timer, at most one a keepalive: "
+        f"${keepalive_timers_dollars():.4f} a client-month at a {HTTP_KEEPALIVE_S} s "
+        "keepalive (its requests, a reaper invocation each, a read and a write unit).",
         "- Lambda time: an invocation's CPU time in-process (Shoal's work, without the waits "
         "of the loaded shared machine and without in-process moto's answering, which is AWS's "
         "side of a call) plus "

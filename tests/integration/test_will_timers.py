@@ -16,12 +16,13 @@ from typing import Any
 import moto.sqs.models
 import pytest
 from botocore.exceptions import ClientError
+from shoal.core.auth import Principal
 from shoal.core.config import get_config
 from shoal.declarations import WILLS_MAPPING
 from shoal.edge.pushwork import HandOffs
 from shoal.local.esm.queues import QueueMapping, QueueMappings
 from shoal.local.provision import LocalNames
-from shoal.sessions.model import HEAD, WILL_PREFIX
+from shoal.sessions.model import HEAD, WILL_PREFIX, ConnectRequest
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.timers import SqsDueTimer
 
@@ -278,5 +279,127 @@ def test_a_clean_start_publishes_the_waiting_will_by_its_timer(timers: Timers) -
     assert timers.wills() == [("alice-1", "offline")]
     # and its first timer, when it comes, finds it gone
     timers.edge.world.clock.advance(5)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+# --- an HTTP channel's keepalive (issue 47: the soak's one late will)
+
+HTTP_KEEPALIVE_S = 10
+#: the channel expires 1.5 times its keepalive after its last request ([MQTT-3.1.2-22])
+HTTP_GRACE_S = HTTP_KEEPALIVE_S * 1.5
+ALICE = Principal(sub="alice", clients=("alice-1",), publish=("alice/#",))
+
+
+def _http_connect(timers: Timers, **fields: Any) -> str:
+    """An HTTP connect (no WebSocket connection keeps it live: its keepalive does); its
+    channel."""
+    timers.edge.world.clock.advance(0.001)
+    request = ConnectRequest.model_validate(
+        {"clean_start": False, "session_expiry_s": 3600, "keepalive_s": HTTP_KEEPALIVE_S} | fields
+    )
+    return timers.edge.world.registry.connect(ALICE, "alice-1", request).channel
+
+
+def test_an_http_channel_silent_past_its_keepalive_leaves_its_will_on_time(
+    timers: Timers,
+) -> None:
+    # Given an HTTP channel with a will without delay, and no request after its connect
+    _http_connect(timers, will=WILL | {"delay_s": 0})
+    # When 1.5 times its keepalive has not quite passed
+    timers.edge.world.clock.advance(HTTP_GRACE_S - 0.5)
+    assert timers.fire() == 0
+    assert _connected(timers)
+    # Then as it passes, its timer expires the channel and the will goes out: no scheduled
+    # run of the reaper (it would come up to a minute later)
+    timers.edge.world.clock.advance(0.5)
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_a_busy_http_channels_keepalive_timer_goes_on_and_expires_it_once_silent(
+    timers: Timers,
+) -> None:
+    # Given an HTTP channel with a will, whose client makes a request within its keepalive
+    channel = _http_connect(timers, will=WILL | {"delay_s": 0})
+    clock = timers.edge.world.clock
+    clock.advance(HTTP_KEEPALIVE_S)
+    timers.edge.world.registry.heartbeat(ALICE, "alice-1", channel)
+    # When its first deadline comes: the channel was seen since
+    clock.advance(HTTP_GRACE_S - HTTP_KEEPALIVE_S)
+    assert timers.fire() == 1
+    # Then it stays connected, and one timer waits for its new deadline (1.5 keepalives
+    # after the request), not two
+    assert _connected(timers)
+    assert timers.wills() == []
+    assert timers.waiting() == 1
+    clock.advance(HTTP_KEEPALIVE_S - 0.5)
+    assert timers.fire() == 0
+    clock.advance(0.5)
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_reconnected_http_channel_keeps_one_keepalive_timer(timers: Timers) -> None:
+    # Given an HTTP channel with a will, connected again half a keepalive later
+    _http_connect(timers, will=WILL)
+    clock = timers.edge.world.clock
+    clock.advance(HTTP_KEEPALIVE_S / 2)
+    _http_connect(timers, will=WILL)
+    assert timers.waiting() == 2
+    # When the first connect's deadline comes
+    clock.advance(HTTP_GRACE_S - HTTP_KEEPALIVE_S / 2)
+    assert timers.fire() == 1
+    # Then its timer does nothing (the head is due at the newer connect's deadline): it is not
+    # armed again, and the newer connect's timer expires the channel at its own deadline
+    assert timers.waiting() == 1
+    assert _connected(timers)
+    clock.advance(HTTP_KEEPALIVE_S / 2)
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    assert timers.waiting() == 1  # the will's, for its 5 s delay
+    clock.advance(5)  # the will's delay
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_an_http_channel_without_a_will_arms_no_keepalive_timer(timers: Timers) -> None:
+    # Given an HTTP channel without a will: nothing is published when it expires, so its
+    # expiry is left to the schedule (a timer chain costs requests every keepalive)
+    _http_connect(timers)
+    # Then no timer waits
+    assert timers.waiting() == 0
+
+
+def test_the_schedule_takes_up_an_http_channels_lost_keepalive_timer(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an HTTP channel with a will whose connect could not arm its timer (the queue
+    # refused the send), and a request within its keepalive
+    sends = timers.sqs.send_message
+
+    def refused(**_: Any) -> None:
+        answer: Any = {"Error": {"Code": "ServiceUnavailable", "Message": "down"}}
+        raise ClientError(answer, "SendMessage")
+
+    monkeypatch.setattr(timers.sqs, "send_message", refused)
+    channel = _http_connect(timers, will=WILL | {"delay_s": 0})
+    monkeypatch.setattr(timers.sqs, "send_message", sends)
+    assert timers.waiting() == 0
+    clock = timers.edge.world.clock
+    clock.advance(HTTP_KEEPALIVE_S)
+    timers.edge.world.registry.heartbeat(ALICE, "alice-1", channel)
+    # When the scheduled run finds the head past its first deadline
+    clock.advance(HTTP_GRACE_S - HTTP_KEEPALIVE_S + 1)
+    assert timers.reaper.run().rescheduled == 1
+    # Then it arms the timer for the new deadline, which expires the channel on time
+    assert timers.waiting() == 1
+    clock.advance(HTTP_KEEPALIVE_S - 1 - 0.5)
+    assert timers.fire() == 0
+    clock.advance(0.5)
     assert timers.fire() == 1
     assert timers.wills() == [("alice-1", "offline")]

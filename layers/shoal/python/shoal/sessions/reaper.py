@@ -18,12 +18,17 @@ from shoal.sessions.model import (
     HEAD,
     WILL_PREFIX,
     WILL_RETRY_MS,
+    Head,
     ReapAction,
     reap_action,
 )
 from shoal.sessions.ports import DueTimer, SessionEndHook, WillPublisher, call_end_hook
 from shoal.sessions.repository import SessionRepository
 from shoal.sessions.timers import Timer, arm_timer
+
+#: reads of a head a timer came for, when a request of its channel raced the move of its due
+#: time (a busy channel writes its last-seen time at most twice a keepalive)
+RESCHEDULE_ATTEMPTS = 3
 
 
 @dataclass
@@ -125,23 +130,44 @@ class Reaper:
             self.timer.arm(timer.client_id, timer.item, timer.due_at_ms)
             report.rearmed += 1
             return
-        self._reap(timer.client_id, timer.item, now, report)
+        self._reap(timer.client_id, timer.item, now, report, timer.due_at_ms)
 
-    def _reap(self, client_id: str, item: str, now: int, report: ReapReport) -> None:
+    def _reap(
+        self, client_id: str, item: str, now: int, report: ReapReport, timer_due: int | None = None
+    ) -> None:
         if item == HEAD:
-            self._reap_head(client_id, now, report)
+            self._reap_head(client_id, now, report, timer_due)
         elif item.startswith(WILL_PREFIX):
             self._reap_will(client_id, item, now, report)
 
-    def _reap_head(self, client_id: str, now: int, report: ReapReport) -> None:
-        view = self.repository.read(client_id, consistent=True)
-        head = view.head
-        if head is None:
-            return
-        action, due = reap_action(head, now)
-        if action is ReapAction.RESCHEDULE:
-            if head.due_at_ms != due and self.repository.set_due(client_id, head, due):
+    def _reap_head(
+        self, client_id: str, now: int, report: ReapReport, timer_due: int | None = None
+    ) -> None:
+        """``timer_due``: the due time of the timer that came for the head (None: the
+        schedule's sweep found it)."""
+        for _ in range(RESCHEDULE_ATTEMPTS):
+            view = self.repository.read(client_id, consistent=True)
+            head = view.head
+            if head is None:
+                return
+            action, due = reap_action(head, now)
+            if action is not ReapAction.RESCHEDULE:
+                break
+            if timer_due is not None and head.due_at_ms != timer_due:
+                # a timer the head moved on from (an earlier connect's, or one whose chain
+                # the schedule or another timer goes on with): the head's own timer comes
+                return
+            if head.due_at_ms == due:
+                return
+            if self.repository.set_due(client_id, head, due):
                 report.rescheduled += 1
+                self._chain(client_id, head, due, now)
+                return
+            if timer_due is None:
+                return
+            # a request of the channel moved its last-seen time meanwhile: read again, so the
+            # chain is not dropped (the schedule would find the head only a minute late)
+        else:
             return
         if action is ReapAction.EXPIRE_CHANNEL:
             will_due = None
@@ -171,6 +197,17 @@ class Reaper:
             report.sessions_ended += 1
         else:
             report.contended += 1
+
+    def _chain(self, client_id: str, head: Head, due: int | None, now: int) -> None:
+        """The keepalive's timer goes on to the head's new deadline, for a live channel that
+        leaves a will (an HTTP channel: a WebSocket connection's deadline is hours away, past
+        ``TIMER_HORIZON_S``, and its loss arms its own timer): the channel expires, and its
+        will is armed, when MQTT says (1.5 times the keepalive after the last request,
+        [MQTT-3.1.2-22]), not at the schedule's next run. Whoever moves the head's due time
+        arms the timer for it, and a timer acts only while the head's due time is its own
+        (``_reap_head``), so one chain lives per head."""
+        if due is not None and head.connected and head.will is not None:
+            arm_timer(self.timer, client_id, HEAD, due, now)
 
     def _reap_will(self, client_id: str, item: str, now: int, report: ReapReport) -> None:
         will = self.repository.will(client_id, item)

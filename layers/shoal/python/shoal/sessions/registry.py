@@ -64,6 +64,7 @@ from shoal.sessions.model import (
     after_conflict,
     check_client_id,
     check_will,
+    grace_ms,
     parse_channel,
     plan_connect,
     session_document,
@@ -174,6 +175,7 @@ class SessionRegistry:
         while True:
             attempts += 1
             plan = plan_connect(view, request, who.sub, ours, self.clock.now_ms())
+            registered_at = self.clock.now_ms()
             committed = self.repository.register(
                 client_id,
                 sub=who.sub,
@@ -181,7 +183,7 @@ class SessionRegistry:
                 request=request,
                 plan=plan,
                 expected=view.head,
-                now_ms=self.clock.now_ms(),
+                now_ms=registered_at,
             )
             if committed:
                 break
@@ -205,6 +207,12 @@ class SessionRegistry:
             view, local_max = real, real_max
         self.stats.add(connects=1, attempts=attempts)
         self._arm_wills(client_id, plan)
+        if request.will is not None and request.keepalive_s > 0 and not on_connection:
+            # an HTTP channel that leaves a will: its keepalive's timer, so the channel
+            # expires and the will is armed 1.5 times the keepalive after the last request
+            # ([MQTT-3.1.2-22]), not at the schedule's next run (``Reaper._chain``)
+            deadline = registered_at + grace_ms(request.keepalive_s)
+            arm_timer(self.timer, client_id, HEAD, deadline, self.clock.now_ms())
         ended = view.head
         if plan.decision is not Decision.RESUME and ended is not None and ended.subscriptions:
             # the session this connect ended: its subscriptions leave the router's store

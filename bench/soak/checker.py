@@ -952,7 +952,9 @@ def _retained_current(model: Model, report: Report) -> None:
         if publish.retain and publish.acked:
             retained_by_topic[publish.topic].append(publish)
     for client, deliveries in model.deliveries.items():
-        for delivery in deliveries:
+        #: when each (filter, topic)'s last retained copy reached the client
+        last_copy: dict[tuple[str, str], float] = {}
+        for delivery in sorted(deliveries, key=lambda d: d.t):
             mk = delivery.mk
             if (
                 not delivery.record.get("retain")
@@ -961,14 +963,21 @@ def _retained_current(model: Model, report: Report) -> None:
             ):
                 continue
             copy = model.publishes[mk]
+            seen = last_copy.get((delivery.sub, copy.topic))
+            last_copy[(delivery.sub, copy.topic)] = delivery.t
+            # the subscribes whose retained copies may be the one delivered: those made
+            # since the topic's last copy came (an earlier subscribe's copy can arrive after
+            # an unsubscribe and a subscribe again, MQTT 5 §3.10.4), the earliest of them
+            # the first that can have sent it
             intervals = [
                 i
                 for i in model.intervals.get((client, delivery.sub), [])
                 if float(i.invoke["t"]) <= delivery.t
+                and (seen is None or float(i.invoke["t"]) > seen)
             ]
             if not intervals or copy.first_ok is None:
                 continue
-            subscribed = float(intervals[-1].invoke["t"])
+            subscribed = float(intervals[0].invoke["t"])
             for newer in retained_by_topic.get(copy.topic, []):
                 if (
                     newer.first_ok is not None
@@ -980,7 +989,7 @@ def _retained_current(model: Model, report: Report) -> None:
                         f"{client} subscribed to {delivery.sub} after {newer.mk} replaced "
                         f"{mk} on {copy.topic}, and got {mk}",
                         newer.oks[0],
-                        intervals[-1].invoke,
+                        intervals[0].invoke,
                         delivery.record,
                     )
                     break

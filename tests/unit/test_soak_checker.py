@@ -563,6 +563,49 @@ def test_the_retained_copy_a_subscribe_asks_for_is_allowed_but_must_be_the_newes
     ]
 
 
+def test_an_earlier_subscribes_retained_copy_arriving_after_a_resubscribe_is_allowed() -> None:
+    # Given carol subscribed while r1 was retained (its copy not sent yet), unsubscribed, r2
+    # replacing r1 and answered, and carol subscribing again: then both subscribes' copies
+    # arrive, r1's first (MQTT 5 §3.10.4: what was queued may still be delivered)
+    run = clean_run()
+    run.publish("r1", "state/1", retain=True)
+    run.connect("carol", "c1")
+    run.subscribe("carol", "state/#")
+    run.unsubscribe("carol", "state/#")
+    run.publish("r2", "state/1", retain=True)
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r1", sub="state/#", conn="c1", retain=True)
+    run.consume("carol", "r2", sub="state/#", conn="c1", retain=True)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then r1 is the first subscribe's copy, current when it was made: no violation
+    assert violations(report, "retained_current") == []
+
+
+def test_a_stale_copy_after_the_earlier_subscribes_own_came_is_caught() -> None:
+    # Given carol's first subscribe's copy of r1 delivered, then r2 replacing r1, answered,
+    # and a second subscribe that gets r1 again as its retained copy
+    run = clean_run()
+    run.publish("r1", "state/1", retain=True)
+    run.connect("carol", "c1")
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r1", sub="state/#", conn="c1", retain=True)
+    run.unsubscribe("carol", "state/#")
+    run.publish("r2", "state/1", retain=True)
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r1", sub="state/#", conn="c1", retain=True)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then the second copy can only be the second subscribe's, and it is stale
+    assert violations(report, "retained_current") == [
+        "carol subscribed to state/# after r2 replaced r1 on state/1, and got r1"
+    ]
+
+
 def test_a_resumed_session_that_comes_back_empty_is_caught() -> None:
     # Given alice reconnecting (not clean) soon after her last answer, told no session exists
     run = clean_run()

@@ -447,7 +447,7 @@ class SerializedApp:
         the environ werkzeug would have built, so a restart replays it through the server's
         path like any other record."""
         target = json_target(request)
-        handler = _direct_handlers().get(target.split(".", 1)[0]) if target else None
+        handler = _direct_handler(target)
         if handler is None or target is None:
             return None
         # the environ werkzeug's server would build: moto's request is made from it (moto's
@@ -552,7 +552,6 @@ class SerializedApp:
         # the environ werkzeug builds for a request, made once: each record's own keys go over
         # a copy of it (building it anew took a third of a record's replay)
         template = EnvironBuilder(method="POST", data=b"").get_environ()
-        handlers = _direct_handlers()
         with BACKEND_LOCK:
             for record in journal.records:
                 environ = dict(template)
@@ -564,8 +563,7 @@ class SerializedApp:
                 # a DynamoDB or Kinesis call goes to moto's handler as it went live in-process
                 # (``serve_in_process``), not through Flask's routing: most of a journal, and
                 # a restart's time grows with it
-                target = record.environ.get("HTTP_X_AMZ_TARGET", "")
-                handler = handlers.get(target.split(".", 1)[0]) if target else None
+                handler = _direct_handler(record.environ.get("HTTP_X_AMZ_TARGET"))
                 with _Pinned(record.seq, record.at_ms):
                     if handler is not None:
                         status, _, _ = _call_handler(handler, environ)
@@ -594,6 +592,11 @@ def _direct_handlers() -> dict[str, Callable[..., Any]]:
         "DynamoDB_20120810": DynamoHandler.dispatch,
         "Kinesis_20131202": KinesisResponse.dispatch,
     }
+
+
+def _direct_handler(target: str | None) -> Callable[..., Any] | None:
+    """moto's handler of a JSON-protocol call by its ``X-Amz-Target`` (None: not such a call)."""
+    return _direct_handlers().get(target.split(".", 1)[0]) if target else None
 
 
 def _call_handler(

@@ -271,11 +271,32 @@ def test_session_taken_over_is_not_retried_and_reconnects_on_demand(clients: Cli
         "PUT /v1/sessions/c1",
         "POST /v1/sessions/c1/heartbeat",
     ]
-    assert clients.fake.bodies[-2] == {
+    assert clients.fake.bodies[-2]["connect_token"] != clients.fake.bodies[0]["connect_token"]
+    assert {k: v for k, v in clients.fake.bodies[-2].items() if k != "connect_token"} == {
         "clean_start": False,
         "session_expiry_s": 600,
         "keepalive_s": 60,
     }
+
+
+def test_a_connect_keeps_its_token_across_retries_and_the_next_connect_draws_another(
+    clients: Clients,
+) -> None:
+    # Given a connect whose first answer is lost after the server registered the channel
+    clients.fake.fail("PUT /v1/sessions/c1", "lose")
+    client = clients.new()
+    client.connect(will={"topic": "a/status", "text": "gone"})
+    first, retry = clients.fake.bodies_of("PUT /v1/sessions/c1")
+    # Then the retry carries the same token: the server answers it with the channel it
+    # registered, not a newer one that takes it over and publishes its will
+    assert len(first["connect_token"]) >= 8
+    assert retry == first
+    # And another connect (not a retry) draws a token of its own
+    client.connect()
+    assert (
+        clients.fake.bodies_of("PUT /v1/sessions/c1")[-1]["connect_token"]
+        != (first["connect_token"])
+    )
 
 
 def test_a_long_poll_gets_a_longer_read_timeout(clients: Clients) -> None:

@@ -10,7 +10,7 @@ Retries (the lazy pirate pattern). Every request has a timeout; a request that t
 its connection or is answered 429, 502, 503 or 504 is sent again after an exponential backoff
 with jitter (``Retry-After`` is honoured up to the largest backoff), at most
 ``CallRetry.attempts`` times, then ``Unavailable`` is raised. Every call is safe to repeat:
-a publish carries its sequence number, connect registers a newer channel, acks and subscribes
+a publish carries its sequence number, connect its ``connect_token``, acks and subscribes
 are idempotent, and a lost ``GET .../messages`` answer only delays those messages until they are
 delivered again. ``409 session_taken_over`` is never retried: another channel owns the client
 id now, so the client forgets its channel, raises ``SessionTakenOver``, and connects again (not
@@ -311,8 +311,11 @@ class ShoalClient(Publishing):
         }
         if will is not None:
             body["will"] = dict(will)
-        # a retried connect registers a newer channel than a lost one: no connected_at_ms
-        answer, _ = self._send("PUT", self._session_path(), body=body)
+        # one token for this connect's retries: a retry whose earlier try registered (its
+        # answer lost) gets that channel back, not a newer one that takes it over and
+        # publishes its will. No connected_at_ms: a retry after a lost channel is newer.
+        token = {"connect_token": uuid.uuid4().hex}
+        answer, _ = self._send("PUT", self._session_path(), body={**body, **token})
         self.connection = Connection(
             session_present=bool(answer["session_present"]),
             channel=str(answer["channel"]),

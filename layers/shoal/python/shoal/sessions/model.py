@@ -161,6 +161,17 @@ class ConnectRequest(BaseModel):
     keepalive_s: int = Field(default=60, ge=0, le=MAX_KEEPALIVE_S)
     connected_at_ms: int | None = Field(default=None, ge=0, le=MAX_CONNECTED_AT_MS)
     will: WillMessage | None = None
+    #: chosen by the client for one connect and kept across its retries: a retry whose
+    #: earlier try registered gets that try's channel back, rather than a newer channel
+    #: that takes it over (and publishes its will, MQTT 5 §3.1.4)
+    connect_token: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_-]{8,64}$",
+        description=(
+            "Kept across the retries of one HTTP connect: a retry whose earlier try registered"
+            " is answered with that channel while it is live. Ignored on a WebSocket."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,9 @@ class Head:
     session_expires_at_ms: int | None
     subscriptions: Mapping[str, Any]
     due_at_ms: int | None
+    #: the newest channel's connect: its ``connect_token``, and what it answered
+    connect_token: str | None = None
+    connect_session_present: bool = False
 
     @property
     def channel(self) -> str:

@@ -85,6 +85,8 @@ class RegistryStats:
     outdated: int = 0
     busy: int = 0
     aborted: int = 0
+    #: retried connects answered with the channel their earlier try registered
+    repeated: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -101,6 +103,7 @@ class RegistryStats:
                 "outdated": self.outdated,
                 "busy": self.busy,
                 "aborted": self.aborted,
+                "repeated": self.repeated,
             }
 
 
@@ -166,8 +169,15 @@ class SessionRegistry:
         ours = Version.new(at)
         give_up_at = now + self.budget_ms
 
+        if on_connection and request.connect_token is not None:
+            # a connection's channel is never handed to another request (``_repeated``)
+            request = request.model_copy(update={"connect_token": None})
         view = self.repository.read(client_id, consistent=False)
         local_max = view.newest()
+        repeated = _repeated(view.head, request, who.sub)
+        if repeated is not None:
+            self.stats.add(repeated=1)
+            return repeated
         if local_max is not None and ours < local_max:
             self.stats.add(outdated=1)
             raise ChannelOutdated("a newer connect for this client id exists")
@@ -188,6 +198,11 @@ class SessionRegistry:
             if committed:
                 break
             real = self.repository.read(client_id, consistent=True)
+            repeated = _repeated(real.head, request, who.sub)
+            if repeated is not None:
+                # the earlier try of this connect landed while this one read a stale view
+                self.stats.add(attempts=attempts, repeated=1)
+                return repeated
             real_max = real.newest()
             step = after_conflict(ours, local_max, real_max)
             if step is ConflictStep.COMMITTED:
@@ -401,3 +416,16 @@ class SessionRegistry:
         if self.deliveries is not None and head.session_id:
             document["in_flight"] = self.deliveries.in_flight(head.session_id)
         return document
+
+
+def _repeated(head: Head | None, request: ConnectRequest, sub: str) -> Connected | None:
+    """A retried HTTP connect whose earlier try registered (its answer was lost): that try's
+    channel and answer, while it is still the live channel of the same principal. A channel
+    since taken over, disconnected or expired is not handed out again: the retry connects as
+    any connect does. A WebSocket connect's token is dropped (the connection is its
+    channel), so no HTTP connect is handed a connection's channel."""
+    if request.connect_token is None or head is None or not head.connected:
+        return None
+    if head.sub != sub or head.connect_token != request.connect_token:
+        return None
+    return Connected(head.connect_session_present, head.channel, head.keepalive_s)

@@ -182,7 +182,7 @@ class SessionRepository:
         """Step 3: one transaction, on condition that the head is still as read."""
         head = Expression().set("newest", ours.key).set("sub", sub)
         head.set("rev", (expected.rev if expected else 0) + 1).set("connected", True)
-        head.set("last_seen_ms", now_ms).set("conn", _conn(ours, request))
+        head.set("last_seen_ms", now_ms).set("conn", _conn(ours, request, plan))
         head.remove("session_expires_at_ms", "expires_at")
         if request.keepalive_s > 0:
             deadline = now_ms + grace_ms(request.keepalive_s)
@@ -429,7 +429,7 @@ def _will_item(
     }
 
 
-def _conn(ours: Version, request: ConnectRequest) -> dict[str, Any]:
+def _conn(ours: Version, request: ConnectRequest, plan: ConnectPlan) -> dict[str, Any]:
     conn: dict[str, Any] = {
         "connected_at_ms": ours.connected_at_ms,
         "keepalive_s": request.keepalive_s,
@@ -439,6 +439,10 @@ def _conn(ours: Version, request: ConnectRequest) -> dict[str, Any]:
     }
     if request.will is not None:
         conn["will"] = request.will.model_dump(exclude_none=True)
+    if request.connect_token is not None:
+        # what a retry of this connect is answered (``SessionRegistry.connect``)
+        conn["connect_token"] = request.connect_token
+        conn["session_present"] = plan.session_present
     return conn
 
 
@@ -460,6 +464,8 @@ def _head(item: Mapping[str, Any]) -> Head:
         session_expires_at_ms=item.get("session_expires_at_ms"),
         subscriptions=session.get("subscriptions") or {},
         due_at_ms=item.get("due_at_ms"),
+        connect_token=conn.get("connect_token"),
+        connect_session_present=bool(conn.get("session_present", False)),
     )
 
 

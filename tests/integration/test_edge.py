@@ -18,6 +18,7 @@ from typing import Any
 import boto3
 import pytest
 import shoal.edge.push as push_module
+import shoal.router.fanout as fanout_module
 from botocore.exceptions import ClientError
 from shoal.aws.dynamo import Dynamo
 from shoal.core.clock import Clock
@@ -570,66 +571,94 @@ def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
     first item and jumps to each source's cursor (a query each). The router's push knows the
     source it just wrote to: its get reads from that source's cursor, one query; and when the
     router container wrote the session's previous delivery of the source too (and everything
-    of the source since), the push hands out the items it carries without reading at all."""
+    of the source since), the push hands out the items it carries without reading at all. So
+    does the first message of a source never written (its ledger empty): no inbox holds an
+    item of it."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    inbox = edge.world.delivery.inbox
-    queries: list[str] = []
-    real = inbox.after
-
-    def counting(session_id: str, key: str, **kw: Any) -> Any:
-        queries.append(key)
-        return real(session_id, key, **kw)
-
-    monkeypatch.setattr(inbox, "after", counting)
-    # the first message of the source: the router knows nothing of the session before it
+    queries = _counted_queries(edge, monkeypatch)
+    # the first message of the source: nothing of it was written before, anywhere
     edge.world.publish("a/b", "m0")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["m0"]
-    assert len(queries) == 1, queries
+    assert queries == []
     edge.send("c1", {"action": "ack", "ids": [f["id"] for f in edge.messages("c1")]})
     # the next: the push takes what the router wrote, no query
     edge.world.publish("a/b", "m1")
     edge.world.route()
     assert texts(edge.messages("c1")) == ["m0", "m1"]
+    assert queries == []
+    # and after the router container's memory is lost (another container), one query
+    router_app.router().fanout._written.clear()
+    edge.world.publish("a/b", "m2")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
     assert len(queries) == 1, queries
 
 
-def test_a_push_reads_its_items_back_when_the_router_container_may_not_know_them(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The items a router push carries are taken without a read only when the session's
-    cursor stands where they follow. Where it does not (a delivery waited behind a full
-    window, or another container wrote the source meanwhile), the push reads from the
-    cursor, and the key's order holds."""
-    edge.connect("c1", receive_maximum=1)
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    for n in range(2):
-        edge.world.publish("a/b", f"m{n}", ordering_key="k")
-        edge.world.route()
-    # m1 waits behind the full window; m2's push carries m2's item, after m1's position
-    edge.world.publish("a/b", "m2", ordering_key="k")
-    edge.world.route()
-    assert texts(edge.messages("c1")) == ["m0"]
-    for _ in range(2):
-        edge.send("c1", {"action": "ack", "ids": [edge.messages("c1")[-1]["id"]]})
-    assert texts(edge.messages("c1")) == ["m0", "m1", "m2"]
-    # another container wrote the source (the router's memory of it forgotten): read again
-    router_app.router().fanout._written.clear()
-    edge.send("c1", {"action": "ack", "ids": [edge.messages("c1")[-1]["id"]]})
+def _counted_queries(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sessions whose inbox a get queries for new items, from now on."""
     inbox = edge.world.delivery.inbox
     queries: list[str] = []
     real = inbox.after
 
     def counting(session_id: str, key: str, **kw: Any) -> Any:
-        queries.append(key)
+        queries.append(session_id)
         return real(session_id, key, **kw)
 
     monkeypatch.setattr(inbox, "after", counting)
-    edge.world.publish("a/b", "m3", ordering_key="k")
+    return queries
+
+
+def _subscribed(edge: Edge, connection: str) -> str:
+    """Connects client ``alice-<connection>`` on ``connection``, subscribed to ``a/#``; its
+    session id."""
+    edge.connect(connection, f"alice-{connection}")
+    subscribe = {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]}
+    edge.send(connection, subscribe)
+    head = edge.world.registry.repository.head(f"alice-{connection}")
+    assert head is not None and head.session_id is not None
+    return head.session_id
+
+
+def test_a_session_new_to_a_source_takes_its_first_items_unread_only_where_it_is_safe(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session the router container never wrote an item of the source for has none, if the
+    container wrote the source since its ledger was empty and still remembers every session
+    it wrote: its first push takes what the router carries. Once the container forgot (its
+    memory past ``MAX_REMEMBERED``, or a new container), such a session's push reads."""
+    monkeypatch.setattr(fanout_module, "MAX_REMEMBERED", 3)
+    for connection in ("c1", "c2", "c3"):
+        _subscribed(edge, connection)
+    edge.world.publish("a/b", "m0")
     edge.world.route()
-    assert texts(edge.messages("c1")) == ["m0", "m1", "m2", "m3"]
-    assert len(queries) == 1, queries
+    # Given a session that subscribes after the source's first batch
+    late = _subscribed(edge, "c4")
+    queries = _counted_queries(edge, monkeypatch)
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    # Then its first push reads nothing, and it gets m1 (its subscription starts after m0)
+    assert texts(edge.messages("c4")) == ["m1"]
+    assert queries == []
+    # Given one more session new to the source: m2's batch still finds the memory whole
+    newest = _subscribed(edge, "c5")
+    queries.clear()  # the subscribe's own look for what the session holds
+    edge.world.publish("a/b", "m2")
+    edge.world.route()
+    assert texts(edge.messages("c5")) == ["m2"]
+    assert queries == [], (late, newest, queries)
+    # When the memory overflowed at m2's batch (five sessions past three: forgotten, and
+    # remembered anew from that batch on), a session new to the source since
+    last = _subscribed(edge, "c6")
+    queries.clear()
+    edge.world.publish("a/b", "m3")
+    edge.world.route()
+    # Then its push reads its items back; the sessions remembered still take theirs unread
+    assert texts(edge.messages("c6")) == ["m3"]
+    assert queries == [last], (late, newest, queries)
+    for connection in ("c1", "c2", "c3"):
+        assert texts(edge.messages(connection)) == ["m0", "m1", "m2", "m3"]
 
 
 def _handed_off(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -190,6 +190,10 @@ class _Written:
 
     end: str
     last: dict[str, str] = field(default_factory=dict)
+    #: this container has written the source since its ledger was empty, and remembers each
+    #: session it wrote: a session it does not name has no item of the source, so its last
+    #: position there is "" (the first message of a source goes with its items too)
+    complete: bool = False
 
 
 #: a fan-out is written in parts of at least this many sessions, each part's pushes handed
@@ -423,9 +427,11 @@ class Fanout:
         known = self._written.get(source)
         if known is None or report.retried or ledger != known.end:
             # another container wrote the source since, or this batch may have been written
-            # before: nothing is known of what the sessions' inboxes hold
-            known = self._written[source] = _Written(last)
-            remembered = False
+            # before: nothing is known of what the sessions' inboxes hold. Unless the source
+            # was never written: the ledger moves before any item is written (and is read
+            # strongly consistent), so no inbox holds an item of it.
+            known = self._written[source] = _Written(last, complete=not ledger)
+            remembered = known.complete
         else:
             remembered = True
         expires = now // 1000 + self.settings.retention_s
@@ -446,7 +452,9 @@ class Fanout:
                     continue
                 packed = pack(session_id, source, kept, end, expires, stream=label)
                 items += packed
-                after = known.last.get(session_id) if remembered else None
+                after = None
+                if remembered:
+                    after = known.last.get(session_id, "" if known.complete else None)
                 if after is not None and session_id not in streams:
                     given[session_id] = Given(source, after, tuple(packed))
             self.inbox.put(items)
@@ -463,6 +471,7 @@ class Fanout:
         # what this container wrote of the source, for its next batch
         if len(known.last) > MAX_REMEMBERED:
             known.last.clear()
+            known.complete = False
         known.end = max(known.end, last)
         for session_id, kept in deliveries.items():
             if kept and session_id not in streams:

@@ -4,6 +4,7 @@ partition; attribute values are written into responses directly."""
 from __future__ import annotations
 
 import gc
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -487,3 +488,94 @@ def _cloudwatch_backends() -> Any:
     from moto.cloudwatch.models import cloudwatch_backends
 
     return cloudwatch_backends
+
+
+def test_a_receive_checks_retention_as_moto_did_without_building_the_queues_attributes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check a receive makes of each message it hands out answers as moto's: past its
+    queue's retention period a message is not valid, within it it is; and it no longer builds
+    every attribute of the queue (a walk of all its messages) for each message."""
+    import moto.sqs.models as sqs_models
+
+    adapt_moto()
+    check = sqs_models.SQSBackend.is_message_valid_based_on_retention_period
+    assert getattr(check, "_direct", False)
+    now = [1_000_000.0]
+    monkeypatch.setattr(sqs_models, "unix_time", lambda: now[0])
+    monkeypatch.setattr(sqs_models, "unix_time_millis", lambda: now[0] * 1000)
+    built: list[int] = []
+    attributes = sqs_models.Queue.attributes
+
+    def counting(queue: Any) -> Any:
+        built.append(1)
+        return attributes.fget(queue)
+
+    monkeypatch.setattr(sqs_models.Queue, "attributes", property(counting))
+    with mock_aws():
+        sqs = boto3.client("sqs", region_name="us-east-1")
+        url = sqs.create_queue(QueueName="q", Attributes={"MessageRetentionPeriod": "60"})[
+            "QueueUrl"
+        ]
+        backend = sqs_models.sqs_backends["123456789012"]["us-east-1"]
+        sqs.send_message(QueueUrl=url, MessageBody="old")
+        now[0] += 59
+        sqs.send_message(QueueUrl=url, MessageBody="young")
+        queue = backend.get_queue("q")
+        old, young = list(queue._messages)
+        # the two answers, as moto's own check gives them, at 59 s and past 60 s
+        for at in (now[0], now[0] + 2):
+            now[0] = at
+            built.clear()
+            ours = [check(backend, "q", m) for m in (old, young)]
+            assert not built
+            assert ours == [check._moto(backend, "q", m) for m in (old, young)]
+        assert ours == [False, True]
+
+
+ARN = "arn:aws:sqs:us-east-1:123456789012"
+
+
+def test_a_send_reads_the_attributes_it_asks_for_as_moto_built_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Within a send, a queue's attributes are built as asked, not all at once (each build
+    counted every message of the queue); each answer is moto's, and the FIFO queue's
+    content-based deduplication still works. Outside a send the property is moto's."""
+    import moto.sqs.models as sqs_models
+    from shoal.local import moto_sqs
+
+    adapt_moto()
+    counted: list[int] = []
+    real = sqs_models.Queue.approximate_number_of_messages
+
+    def counting(queue: Any) -> int:
+        counted.append(1)
+        return real.fget(queue)
+
+    monkeypatch.setattr(sqs_models.Queue, "approximate_number_of_messages", property(counting))
+    with mock_aws():
+        sqs = boto3.client("sqs", region_name="us-east-1")
+        sqs.create_queue(QueueName="d.fifo", Attributes={"FifoQueue": "true"})
+        url = sqs.create_queue(
+            QueueName="q.fifo",
+            Attributes={
+                "FifoQueue": "true",
+                "ContentBasedDeduplication": "true",
+                "RedrivePolicy": json.dumps(
+                    {"deadLetterTargetArn": f"{ARN}:d.fifo", "maxReceiveCount": "3"}
+                ),
+            },
+        )["QueueUrl"]
+        counted.clear()
+        for body in ("a", "b", "a"):
+            sqs.send_message(QueueUrl=url, MessageBody=body, MessageGroupId="g")
+        # the third, the same body within the deduplication interval, was not added
+        assert not counted
+        queue = sqs_models.sqs_backends["123456789012"]["us-east-1"].get_queue("q.fifo")
+        whole = sqs_models.Queue.attributes.fget(queue)
+        assert counted and whole["ApproximateNumberOfMessages"] == 2
+        asked = moto_sqs._AsAsked(queue, lambda q: whole)
+        for name in [*whole, "KmsMasterKeyId", "Nothing"]:
+            assert asked.get(name) == whole.get(name), name
+        assert dict(asked) == whole

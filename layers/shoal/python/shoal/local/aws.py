@@ -47,6 +47,7 @@ from shoal.local.moto_dynamodb import (
     serialize_attribute_values_directly,
     traverse_with_fixed_maps,
 )
+from shoal.local.moto_sqs import build_attributes_as_asked_while_sending, read_retention_directly
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.throttle import DYNAMODB_THROTTLED, Throttles
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
@@ -257,6 +258,8 @@ def adapt_moto() -> None:
     lex_conditions_once()
     keep_consumers_as_kinesis_does()
     bucket_metric_queries()
+    read_retention_directly()
+    build_attributes_as_asked_while_sending()
 
 
 def forget_model_instances() -> None:

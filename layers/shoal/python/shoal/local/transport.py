@@ -14,9 +14,10 @@ endpoint.
 
 Two more things are skipped for the JSON-protocol calls (DynamoDB, Kinesis, SQS: every call
 of the hot paths), because the emulator would do them for nothing (and the signature for the
-gateway's ``@connections`` posts too, which nothing checks in this process either). Profiled at 100 WebSocket and 100
-long-polling sessions (py-spy, 2026-11-30), botocore's client side was 43 % of the process's
-time and moto's Flask front 22 %, against 18 % in moto's DynamoDB and Kinesis models:
+gateway's ``@connections`` posts too, which nothing checks in this process either). Profiled
+at 100 WebSocket and 100 long-polling sessions (py-spy, 2026-11-30), botocore's client side
+was 43 % of the process's time and moto's Flask front 22 %, against 18 % in moto's DynamoDB
+and Kinesis models:
 
 - **the signature's arithmetic** (``SigV4Auth.add_auth``, about a seventh of a GetItem's CPU):
   moto checks no signature. The request still gets its date, its token and an

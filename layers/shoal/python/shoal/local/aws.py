@@ -24,6 +24,7 @@ import functools
 import io
 import json
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ from urllib.parse import parse_qs
 
 import boto3
 
+from shoal.local import snapshot
 from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_cloudwatch import bucket_metric_queries
@@ -688,6 +690,10 @@ class EmbeddedAws:
         self.state_dir = state_dir
         self.journal: Journal | None = None
         self.replay_stats = ReplayStats(0, 0.0, 0, 0)
+        #: the snapshot the last start loaded (None: none, or one it could not load)
+        self.snapshot: snapshot.Loaded | None = None
+        #: the last journal record the newest snapshot holds (-1: none)
+        self._snapshot_seq = -1
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._app: SerializedApp | None = None
@@ -728,12 +734,24 @@ class EmbeddedAws:
         reset_backends()
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            self.journal = Journal(self.state_dir / JOURNAL_FILE)
+            # moto as of the snapshot's last record, then the journal's records after it
+            self.snapshot = snapshot.load(self.state_dir)
+            if self.snapshot is None:
+                reset_backends()
+            after = self.snapshot.seq if self.snapshot is not None else -1
+            self.journal = Journal(self.state_dir / JOURNAL_FILE, after=after)
         app = SerializedApp(Dispatcher(), self.journal)
         self.replay_stats = app.replay()
         # after the replay: what a journal holds was answered, never refused
         app.throttles = self.throttles
         self._app = app
+        if self.snapshot is not None:
+            log.info(
+                "snapshot: loaded %d MB in %.2f s (through record %d)",
+                self.snapshot.size // 1_000_000,
+                self.snapshot.seconds,
+                self.snapshot.seq,
+            )
         if self.replay_stats.records:
             log.info(
                 "journal: replayed %d requests in %.2f s (%d failed)",
@@ -741,6 +759,9 @@ class EmbeddedAws:
                 self.replay_stats.seconds,
                 self.replay_stats.failures,
             )
+        self._snapshot_seq = self.snapshot.seq if self.snapshot is not None else -1
+        # nothing serves yet: moto holds exactly the journal's records
+        self._snapshot_if_due()
         self._server = make_server(
             self.host, self.port, app, threaded=True, request_handler=QuietHandler
         )
@@ -775,7 +796,33 @@ class EmbeddedAws:
         with BACKEND_LOCK:
             if self.journal is not None:
                 self.journal.close()
+                # nothing changes moto now: a clean stop's snapshot spares the next start
+                # this life's records
+                self._snapshot_if_due()
                 self.journal = None
+
+    def _snapshot_if_due(self) -> None:
+        """A snapshot of moto as of the journal's last record, once ``SNAPSHOT_AFTER`` records
+        came after the last one (the caller holds moto still). Best effort: a failed write
+        leaves the journal to replay, as before."""
+        journal, state_dir = self.journal, self.state_dir
+        if journal is None or state_dir is None:
+            return
+        if journal.staged_seq - self._snapshot_seq < snapshot.SNAPSHOT_AFTER:
+            return
+        started = time.perf_counter()
+        try:
+            size = snapshot.write(state_dir, journal.staged_seq)
+        except (OSError, ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:
+            log.warning("snapshot: not written (%s)", type(exc).__name__)
+            return
+        self._snapshot_seq = journal.staged_seq
+        log.info(
+            "snapshot: wrote %d MB in %.2f s (through record %d)",
+            size // 1_000_000,
+            time.perf_counter() - started,
+            journal.staged_seq,
+        )
 
     def __enter__(self) -> EmbeddedAws:
         self.start()

@@ -62,22 +62,26 @@ class Journal:
 
     Opening it reads every complete record and cuts off a torn tail (a record whose length or
     checksum does not hold: the process died mid-append, so no client was told it succeeded).
+    ``after``: the last record a snapshot holds (``shoal.local.snapshot``); records up to it
+    are read past, not kept, and the next record's number is past it whatever the file holds.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, after: int = -1) -> None:
         self.path = path
         self.records: list[JournalRecord] = []
         self.dropped_tail_bytes = 0
+        #: the last record number read, kept or not
+        self._last_seq = after
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if created or os.fstat(self._fd).st_size == 0:
             os.write(self._fd, _MAGIC)
             os.fsync(self._fd)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         self._load()
         os.lseek(self._fd, 0, os.SEEK_END)
         #: the last record staged (applied, in order), and the last one on disk
-        self.staged_seq = self.records[-1].seq if self.records else -1
+        self.staged_seq = self._last_seq
         self.durable_seq = self.staged_seq
         self._staged: list[bytes] = []
         self._writing = False
@@ -100,7 +104,10 @@ class Journal:
                 payload = f.read(length)
                 if len(payload) < length or zlib.crc32(payload) != crc:
                     break
-                self.records.append(JournalRecord.decode(payload))
+                record = JournalRecord.decode(payload)
+                if record.seq > self._last_seq:
+                    self.records.append(record)
+                    self._last_seq = record.seq
                 good = f.tell()
         if good < size:
             self.dropped_tail_bytes = size - good
@@ -175,7 +182,7 @@ class Journal:
             self._fd = -1
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

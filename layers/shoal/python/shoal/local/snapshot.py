@@ -1,0 +1,213 @@
+"""The embedded AWS's snapshot: moto's state as of one journal record, so that a restart replays
+only the records after it (``shoal.local.aws`` writes and loads it; ``shoal.local.journal``).
+
+Without it a restart replayed the whole journal, and its time grew with the history: the
+30-minute soak's restarts took 21.6 s, then 34.6, 56.6, 80.6 and 89.9 s as the journal grew to
+160 MB (issue 47), 26 s for 60 MB even after the replay was made direct. A snapshot is written
+at start, after the replay, once the replay had many records to apply (``SNAPSHOT_AFTER``): a
+pickle of every moto backend this process has loaded, with the sequence number of the last
+record it holds. The next start loads it and replays the records after that number, so a
+restart costs the unpickling plus one server life's records.
+
+The journal stays whole and is still the source of truth: a snapshot that is missing, torn,
+or made by another moto, Python or snapshot format is set aside and the journal replayed from
+its first record, as before (a journal outlives a Shoal upgrade; a pickle of moto's objects
+need not). Written to a temporary file, fsynced and renamed over the last one, a snapshot is
+either whole or absent.
+
+What a pickle of moto cannot hold as it is: locks and conditions (made anew, unheld: nothing
+runs while one is written or loaded), ``WeakValueDictionary`` (its entries, which the pickle
+holds strongly elsewhere), ``defaultdict`` whose default is a lambda of ``{}`` (a
+``defaultdict(dict)``), and references to the process-wide backend dicts themselves (the live
+ones on load).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import struct
+import sys
+import threading
+import time
+import weakref
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoal.local.journal import fsync_dir
+
+log = logging.getLogger("shoal-dev.aws")
+
+SNAPSHOT_FILE = "aws-snapshot.bin"
+_MAGIC = b"SHOALS1\n"
+_HEADER = struct.Struct(">II")  # meta length, crc32 of meta + payload
+#: a start that replayed at least this many records writes a snapshot after it
+SNAPSHOT_AFTER = 2_000
+#: what must match for a snapshot to be loaded (else the journal is replayed whole)
+FORMAT = 1
+
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A snapshot loaded into moto: the last journal record it holds, and what it cost."""
+
+    seq: int
+    seconds: float
+    size: int
+
+
+def _identity() -> dict[str, Any]:
+    import moto
+
+    return {
+        "format": FORMAT,
+        "moto": moto.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _backend_dicts() -> dict[str, Any]:
+    """Every moto backend dict in use (moto's own list of those to reset), by service name;
+    ValueError when one cannot be found again by its name (it could not be loaded back)."""
+    from moto.core.base_backend import BackendDict
+
+    found: dict[str, Any] = {}
+    for backends in list(BackendDict._instances):
+        if _live_backend(backends.service_name) is not backends:
+            raise ValueError(f"moto's {backends.service_name} backends have another name")
+        found[backends.service_name] = backends
+    return found
+
+
+def _live_backend(name: str) -> Any:
+    from moto.backends import get_backend
+
+    return get_backend(name)
+
+
+def _install(name: str, accounts: dict[str, Any]) -> None:
+    """The live backend dict of ``name`` made to hold ``accounts``, and listed in use (so the
+    next reset empties it, as one moto filled itself)."""
+    from moto.core.base_backend import BackendDict
+
+    live = _live_backend(name)
+    live.clear()
+    live.update(accounts)
+    if live not in BackendDict._instances:
+        BackendDict._instances.append(live)
+
+
+def _weak_values(entries: dict[Any, Any]) -> weakref.WeakValueDictionary[Any, Any]:
+    return weakref.WeakValueDictionary(entries)
+
+
+def _default_dicts(entries: dict[Any, Any]) -> defaultdict[Any, Any]:
+    return defaultdict(dict, entries)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, backend_names: Mapping[int, str]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        #: id of each process-wide backend dict -> its service name
+        self._backend_names = backend_names
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _LOCK_TYPES[0]):
+            return threading.Lock, ()
+        if isinstance(obj, _LOCK_TYPES[1]):
+            return threading.RLock, ()
+        name = self._backend_names.get(id(obj))
+        if name is not None:
+            return _live_backend, (name,)
+        if isinstance(obj, weakref.WeakValueDictionary):
+            return _weak_values, (dict(obj.items()),)
+        if type(obj) is defaultdict and obj.default_factory is not None:
+            factory = obj.default_factory
+            if "<lambda>" in getattr(factory, "__qualname__", "") and factory() == {}:
+                return _default_dicts, (dict(obj),)
+        return NotImplemented
+
+
+def write(state_dir: Path, seq: int) -> int:
+    """Pickle every loaded moto backend as of journal record ``seq`` into the snapshot file
+    (nothing may change moto meanwhile); its size in bytes."""
+    backends = _backend_dicts()
+    buffer = io.BytesIO()
+    _Pickler(buffer, {id(d): name for name, d in backends.items()}).dump(
+        {name: dict(d) for name, d in backends.items()}
+    )
+    payload = buffer.getvalue()
+    meta = json.dumps({**_identity(), "seq": seq}).encode()
+    data = _HEADER.pack(len(meta), zlib.crc32(payload, zlib.crc32(meta))) + meta + payload
+    path = state_dir / SNAPSHOT_FILE
+    temporary = path.with_name(path.name + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(_MAGIC + data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    fsync_dir(state_dir)
+    return len(data) + len(_MAGIC)
+
+
+def load(state_dir: Path) -> Loaded | None:
+    """Install the snapshot's backends into moto (emptied, as at start), if there is one this
+    process can load; None otherwise (the caller empties moto again: a failed install may
+    have put part of it there, and the journal is replayed whole)."""
+    path = state_dir / SNAPSHOT_FILE
+    if not path.exists():
+        return None
+    started = time.perf_counter()
+    status = path.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        # a pickle runs code as it loads: only this user's own file, which only it could
+        # have written (as ssh treats its keys)
+        log.warning("snapshot: %s is not this user's alone; replaying the whole journal", path)
+        return None
+    data = path.read_bytes()
+    reason = _unusable(data)
+    if reason is not None:
+        log.warning("snapshot: %s; replaying the whole journal", reason)
+        return None
+    meta_length, _ = _HEADER.unpack_from(data, len(_MAGIC))
+    start = len(_MAGIC) + _HEADER.size
+    meta = json.loads(data[start : start + meta_length])
+    try:
+        state = pickle.loads(data[start + meta_length :])  # noqa: S301 - this user's own file
+        for name, accounts in state.items():
+            _install(name, accounts)
+    except Exception as exc:  # any failure: the journal rebuilds what the snapshot holds
+        log.warning(
+            "snapshot: could not be loaded (%s); replaying the whole journal", type(exc).__name__
+        )
+        return None
+    return Loaded(int(meta["seq"]), time.perf_counter() - started, len(data))
+
+
+def _unusable(data: bytes) -> str | None:
+    """Why the snapshot's bytes cannot be loaded here (None: they can)."""
+    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + _HEADER.size:
+        return "not a snapshot"
+    meta_length, crc = _HEADER.unpack_from(data, len(_MAGIC))
+    start = len(_MAGIC) + _HEADER.size
+    meta, payload = data[start : start + meta_length], data[start + meta_length :]
+    if len(meta) < meta_length or zlib.crc32(payload, zlib.crc32(meta)) != crc:
+        return "torn or damaged"
+    identity = json.loads(meta)
+    mismatched = {k: v for k, v in _identity().items() if identity.get(k) != v}
+    if mismatched:
+        return f"made by another {', '.join(sorted(mismatched))}"
+    return None

@@ -1,0 +1,157 @@
+"""The embedded AWS's snapshot (issue 47): a restart loads moto's state as of the snapshot's last
+journal record and replays only the records after it, with the state a whole replay gives; a
+snapshot it cannot trust is set aside and the journal replayed whole."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shoal.local import snapshot
+from shoal.local.aws import EmbeddedAws
+from shoal.local.journal import JOURNAL_FILE
+from shoal.local.provision import LocalNames, provision
+from shoal.local.snapshot import SNAPSHOT_FILE
+
+from tests.integration.test_local_aws import (
+    TABLE,
+    Start,
+    client,
+    journal_length,
+    read_records,
+    start,
+    state_dir,
+    write_state,
+)
+
+__all__ = ["start", "state_dir"]  # fixtures
+
+
+@pytest.fixture
+def often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot after every few records (the default waits for thousands)."""
+    monkeypatch.setattr(snapshot, "SNAPSHOT_AFTER", 3)
+
+
+def _state(aws: EmbeddedAws, told: dict[str, Any]) -> dict[str, Any]:
+    """What a restart must bring back: items, an object, stream records with their arrival
+    times, a mapping's drawn UUID, a queue."""
+    ddb = client(aws, "dynamodb")
+    items = ddb.scan(TableName=TABLE, ConsistentRead=True)["Items"]
+    obj = client(aws, "s3").get_object(Bucket="archive", Key="a/b c.json")
+    mappings = client(aws, "lambda").list_event_source_mappings()["EventSourceMappings"]
+    return {
+        "items": sorted(i["pk"]["S"] for i in items),
+        "object": (obj["Body"].read(), obj["Metadata"]),
+        "records": read_records(aws, told["puts"][0]["ShardId"]),
+        "mappings": sorted(m["UUID"] for m in mappings),
+        "queues": [u.rsplit("/", 1)[-1] for u in client(aws, "sqs").list_queues()["QueueUrls"]],
+    }
+
+
+def _fill(aws: EmbeddedAws) -> dict[str, Any]:
+    told = write_state(aws)
+    provision(aws.session(), LocalNames.for_deployment())
+    arn = client(aws, "kinesis").describe_stream_summary(StreamName="orders")[
+        "StreamDescriptionSummary"
+    ]["StreamARN"]
+    client(aws, "lambda").create_event_source_mapping(
+        EventSourceArn=arn, FunctionName="shoal-health", StartingPosition="TRIM_HORIZON"
+    )
+    return told
+
+
+@pytest.mark.usefixtures("often")
+def test_a_restart_loads_the_snapshot_and_replays_only_the_records_after_it(
+    start: Start, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given state written through the emulator, and a clean stop (which writes a snapshot)
+    aws = start()
+    told = _fill(aws)
+    before = _state(aws, told)
+    journaled = journal_length(state_dir)
+    aws = start()
+    # Then the restart loaded it and replayed nothing, and everything is as it was
+    assert aws.snapshot is not None and aws.snapshot.seq == journaled - 1
+    assert aws.replay_stats.records == 0
+    assert _state(aws, told) == before
+    # When one more write comes, and the emulator then dies without a clean stop's snapshot
+    client(aws, "dynamodb").put_item(TableName=TABLE, Item={"pk": {"S": "later"}})
+    monkeypatch.setattr(snapshot, "SNAPSHOT_AFTER", 10**9)
+    aws = start()
+    # Then the snapshot and that one record bring back both
+    assert aws.replay_stats.records == 1 and aws.replay_stats.failures == 0
+    assert _state(aws, told) == {**before, "items": sorted([*before["items"], "later"])}
+    # And the whole journal, replayed without the snapshot, gives the same state
+    (state_dir / SNAPSHOT_FILE).unlink()
+    aws = start()
+    assert aws.snapshot is None and aws.replay_stats.records == journaled + 1
+    assert _state(aws, told) == {**before, "items": sorted([*before["items"], "later"])}
+
+
+def _flip_last_byte(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+@pytest.mark.usefixtures("often")
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        pytest.param(lambda path: path.write_bytes(_flip_last_byte(path.read_bytes())), id="bit"),
+        pytest.param(lambda path: path.write_bytes(path.read_bytes()[:100]), id="torn"),
+        pytest.param(lambda path: path.write_bytes(b"not a snapshot"), id="garbage"),
+        pytest.param(lambda path: os.chmod(path, 0o666), id="others-may-write"),
+    ],
+)
+def test_a_snapshot_it_cannot_trust_is_set_aside_and_the_journal_replayed_whole(
+    start: Start, state_dir: Path, spoil: Callable[[Path], None]
+) -> None:
+    aws = start()
+    told = _fill(aws)
+    before = _state(aws, told)
+    aws.stop()
+    spoil(state_dir / SNAPSHOT_FILE)
+    aws = start()
+    assert aws.snapshot is None
+    assert aws.replay_stats.records == journal_length(state_dir)
+    assert _state(aws, told) == before
+
+
+@pytest.mark.usefixtures("often")
+def test_a_snapshot_of_another_moto_is_set_aside(
+    start: Start, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a journal holds API requests, which another moto can replay; a pickle of moto's objects
+    # holds its classes, which it need not have
+    aws = start()
+    told = _fill(aws)
+    before = _state(aws, told)
+    aws.stop()
+    identity = snapshot._identity()
+    monkeypatch.setattr(snapshot, "_identity", lambda: {**identity, "moto": "0.0.1"})
+    aws = start()
+    assert aws.snapshot is None and aws.replay_stats.records > 0
+    assert _state(aws, told) == before
+
+
+@pytest.mark.usefixtures("often")
+def test_records_after_a_snapshot_are_numbered_past_it_whatever_the_journal_holds(
+    start: Start, state_dir: Path
+) -> None:
+    # Given a snapshot, and a journal that ends before it (as when it was cut short)
+    aws = start()
+    told = _fill(aws)
+    aws.stop()
+    kept = (state_dir / JOURNAL_FILE).read_bytes()
+    (state_dir / JOURNAL_FILE).write_bytes(kept[: len(b"SHOALJ1\n")])
+    aws = start()
+    assert aws.snapshot is not None
+    # When a write follows, and the emulator restarts
+    client(aws, "dynamodb").put_item(TableName=TABLE, Item={"pk": {"S": "after"}})
+    assert aws.journal is not None and aws.journal.staged_seq > aws.snapshot.seq
+    aws = start()
+    # Then the write is not skipped as one the snapshot already holds
+    assert "after" in _state(aws, told)["items"]

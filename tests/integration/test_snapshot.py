@@ -103,7 +103,8 @@ def _flip_last_byte(data: bytes) -> bytes:
         pytest.param(lambda path: path.write_bytes(_flip_last_byte(path.read_bytes())), id="bit"),
         pytest.param(lambda path: path.write_bytes(path.read_bytes()[:100]), id="torn"),
         pytest.param(lambda path: path.write_bytes(b"not a snapshot"), id="garbage"),
-        pytest.param(lambda path: os.chmod(path, 0o666), id="others-may-write"),
+        # the permissive mask is the case under test
+        pytest.param(lambda path: os.chmod(path, 0o666), id="others-may-write"),  # noqa: S103
     ],
 )
 def test_a_snapshot_it_cannot_trust_is_set_aside_and_the_journal_replayed_whole(

@@ -40,6 +40,11 @@ from shoal.local import snapshot
 from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_cloudwatch import bucket_metric_queries
+from shoal.local.moto_core import (
+    detach_moto_lambda_triggers,
+    forget_model_instances,
+    share_service_models,
+)
 from shoal.local.moto_dynamodb import (
     cache_action_names,
     lex_conditions_once,
@@ -174,78 +179,6 @@ class _Pinned:
         _MotoClock.frozen_at = None
 
 
-def share_service_models() -> None:
-    """One botocore model loader, model and TLS context per process, whatever the number of
-    boto3 sessions.
-
-    Each new boto3 session parses the service models it makes clients of again (megabytes of
-    JSON). Deployed, a function makes one session for its life (``shoal.aws.clients``); but
-    ``shoal dev`` and the tests make a fresh account, and so fresh sessions, again and again:
-    profiled, a worker of the suite spent half its time parsing the same models. The models
-    are read-only once loaded, so one loader per search path serves every session.
-    """
-    import botocore.loaders
-    import botocore.session
-
-    if getattr(botocore.session.create_loader, "shoal_shared", False):
-        return
-    make = botocore.loaders.create_loader
-    loaders: dict[str, botocore.loaders.Loader] = {}
-    lock = threading.Lock()
-
-    def shared(search_path_string: str | None = None) -> botocore.loaders.Loader:
-        with lock:
-            key = search_path_string or ""
-            if key not in loaders:
-                loaders[key] = make(search_path_string)
-            return loaders[key]
-
-    shared.shoal_shared = True  # type: ignore[attr-defined]
-    botocore.session.create_loader = shared
-
-    # A client's service model resolves each operation's shapes on first use (profiled: most of
-    # a fresh client's first calls); a model made once per loaded model keeps that work.
-    import botocore.client
-    import botocore.model
-
-    models: dict[tuple[int, str], botocore.model.ServiceModel] = {}
-
-    def service_model(
-        creator: botocore.client.ClientCreator, service_name: str, api_version: str | None = None
-    ) -> botocore.model.ServiceModel:
-        loader = vars(creator)["_loader"]  # botocore keeps it private
-        document = loader.load_service_model(service_name, "service-2", api_version=api_version)
-        # the shared loader caches the document: its identity names one model for the process
-        key = (id(document), service_name)
-        with lock:
-            if key not in models:
-                models[key] = botocore.model.ServiceModel(document, service_name=service_name)
-            return models[key]
-
-    botocore.client.ClientCreator._load_service_model = service_model  # type: ignore[attr-defined]
-
-    # Each client's HTTP session makes an SSL context, and OpenSSL 3 makes one slowly: profiled
-    # on CI's machine, a sixth of an integration test's time went into contexts for emulated
-    # endpoints that never speak TLS. One context serves every client; botocore changes a
-    # context only for a proxy's own TLS settings, and those sessions still get their own.
-    import botocore.httpsession
-
-    session_class = botocore.httpsession.URLLib3Session
-    make_context = session_class._get_ssl_context  # type: ignore[attr-defined]
-    contexts: list[Any] = []
-
-    def ssl_context(session: botocore.httpsession.URLLib3Session) -> Any:
-        proxy = vars(session)["_proxy_config"].settings
-        if proxy.get("proxy_ca_bundle") is not None or proxy.get("proxy_client_cert") is not None:
-            return make_context(session)
-        with lock:
-            if not contexts:
-                contexts.append(make_context(session))
-            return contexts[0]
-
-    session_class._get_ssl_context = ssl_context  # type: ignore[attr-defined]
-
-
 def adapt_moto() -> None:
     """What the emulator changes in moto, process-wide and idempotent (server and tests)."""
     share_service_models()
@@ -262,56 +195,6 @@ def adapt_moto() -> None:
     bucket_metric_queries()
     read_retention_directly()
     build_attributes_as_asked_while_sending()
-
-
-def forget_model_instances() -> None:
-    """Stop moto from keeping every model object it ever made (process-wide, idempotent).
-
-    moto's ``BaseModel.__new__`` appends each instance to its class's ``instances_tracked``
-    for the moto server's dashboard (``/moto-api/data.json``) and never lets go: every
-    DynamoDB ``Item`` a put, an update or a query's deep copy of its answer makes, every Kinesis
-    record, every CloudWatch datum lived as long as the process. ``python -m bench soak``
-    found it (issue 47): ``shoal dev`` grew by about 30 MB a minute at 25 deliveries a second,
-    16,000 ``Item`` objects in 45 s of which 680 were in a table. Nothing of Shoal reads the
-    dashboard; its model lists now stay empty, and those kept so far are let go.
-    """
-    from moto.core import common_models
-    from moto.core.model_instances import reset_model_data
-
-    if getattr(common_models.BaseModel.__new__, "_untracked", False):
-        return
-
-    def untracked(cls: type, *args: Any, **kwargs: Any) -> Any:
-        return object.__new__(cls)
-
-    untracked._untracked = True  # type: ignore[attr-defined]
-    common_models.BaseModel.__new__ = staticmethod(untracked)
-    reset_model_data()
-
-
-def detach_moto_lambda_triggers() -> None:
-    """Stop moto from running functions for stream records itself (process-wide, idempotent).
-
-    On every PutRecord(s) to a stream with an event source mapping (and every DynamoDB stream
-    record) moto tries to invoke the function in Docker, which is not here: each attempt costs
-    ~0.5 s inside the backend lock and then fails. The local runtime delivers those records
-    itself (``shoal.local.esm``); moto only needs to store the mappings.
-    """
-    from moto.awslambda.models import LambdaBackend
-
-    def no_delivery(self: Any, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    LambdaBackend.send_kinesis_message = no_delivery
-    LambdaBackend.send_dynamodb_items = no_delivery
-    # a queue's mapping is kept by moto on the queue, and every send would receive the
-    # message for it (counting a receive) before failing to invoke: the queue keeps none
-    from moto.sqs.models import Queue
-
-    Queue.lambda_event_source_mappings = property(lambda self: {}, lambda self, value: None)
-
-
-# --- the middleware --------------------------------------------------------------------------
 
 
 def _action(environ: dict[str, Any], body: bytes) -> str | None:

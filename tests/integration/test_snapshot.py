@@ -5,6 +5,7 @@ snapshot it cannot trust is set aside and the journal replayed whole."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -156,3 +157,32 @@ def test_records_after_a_snapshot_are_numbered_past_it_whatever_the_journal_hold
     aws = start()
     # Then the write is not skipped as one the snapshot already holds
     assert "after" in _state(aws, told)["items"]
+
+
+def test_a_snapshot_is_written_while_serving_by_a_child_and_the_next_start_uses_it(
+    start: Start, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``SNAPSHOT_WHILE_SERVING`` records a forked child writes a snapshot while the
+    emulator goes on serving; a start after a kill (no clean stop's snapshot) loads it and
+    replays only the records after it."""
+    monkeypatch.setattr(snapshot, "SNAPSHOT_AFTER", 10**9)
+    monkeypatch.setattr(snapshot, "SNAPSHOT_WHILE_SERVING", 5)
+    aws = start()
+    told = _fill(aws)
+    snapshots = aws._snapshots
+    assert snapshots is not None
+    deadline = time.monotonic() + 30
+    while snapshots.last_seq < 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    taken = snapshots.last_seq
+    assert taken >= 4
+    # serving went on meanwhile, and goes on
+    client(aws, "dynamodb").put_item(TableName=TABLE, Item={"pk": {"S": "after"}})
+    snapshots.wait()
+    before = _state(aws, told)
+    journaled = journal_length(state_dir)
+    aws = start()
+    assert aws.snapshot is not None and aws.snapshot.seq >= taken
+    assert aws.replay_stats.records == journaled - 1 - aws.snapshot.seq
+    assert aws.replay_stats.records < journaled and aws.replay_stats.failures == 0
+    assert _state(aws, told) == before

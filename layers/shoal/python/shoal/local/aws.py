@@ -311,6 +311,8 @@ class SerializedApp:
         self.throttles = throttles
         self.failed = False
         self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
+        #: snapshots taken while serving (None: none; ``EmbeddedAws.start`` sets it)
+        self.snapshots: snapshot.Snapshotter | None = None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         body = _read_body(environ)
@@ -407,6 +409,8 @@ class SerializedApp:
                     answer = run()
                 if answer[0].startswith("2"):
                     journal.stage(record)
+                    if self.snapshots is not None and self.snapshots.due(record.seq):
+                        self.snapshots.fork(record.seq)
             # whatever this request saw: every change staged so far
             seen = journal.staged_seq if journal is not None else None
         finally:
@@ -575,8 +579,8 @@ class EmbeddedAws:
         self.replay_stats = ReplayStats(0, 0.0, 0, 0)
         #: the snapshot the last start loaded (None: none, or one it could not load)
         self.snapshot: snapshot.Loaded | None = None
-        #: the last journal record the newest snapshot holds (-1: none)
-        self._snapshot_seq = -1
+        #: snapshots of this life, and the last journal record the newest holds
+        self._snapshots: snapshot.Snapshotter | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._app: SerializedApp | None = None
@@ -642,9 +646,12 @@ class EmbeddedAws:
                 self.replay_stats.seconds,
                 self.replay_stats.failures,
             )
-        self._snapshot_seq = self.snapshot.seq if self.snapshot is not None else -1
-        # nothing serves yet: moto holds exactly the journal's records
-        self._snapshot_if_due()
+        if self.state_dir is not None:
+            last = self.snapshot.seq if self.snapshot is not None else -1
+            self._snapshots = snapshot.Snapshotter(self.state_dir, last)
+            # nothing serves yet: moto holds exactly the journal's records
+            self._snapshot_if_due()
+            app.snapshots = self._snapshots
         self._server = make_server(
             self.host, self.port, app, threaded=True, request_handler=QuietHandler
         )
@@ -676,6 +683,10 @@ class EmbeddedAws:
                 self._thread = None
             self._server.server_close()
             self._server = None
+        if self._app is not None:
+            self._app.snapshots = None
+        if self._snapshots is not None:
+            self._snapshots.wait()  # a child writing one finishes first
         with BACKEND_LOCK:
             if self.journal is not None:
                 self.journal.close()
@@ -688,10 +699,10 @@ class EmbeddedAws:
         """A snapshot of moto as of the journal's last record, once ``SNAPSHOT_AFTER`` records
         came after the last one (the caller holds moto still). Best effort: a failed write
         leaves the journal to replay, as before."""
-        journal, state_dir = self.journal, self.state_dir
-        if journal is None or state_dir is None:
+        journal, state_dir, snapshots = self.journal, self.state_dir, self._snapshots
+        if journal is None or state_dir is None or snapshots is None:
             return
-        if journal.staged_seq - self._snapshot_seq < snapshot.SNAPSHOT_AFTER:
+        if journal.staged_seq - snapshots.last_seq < snapshot.SNAPSHOT_AFTER:
             return
         started = time.perf_counter()
         try:
@@ -699,7 +710,7 @@ class EmbeddedAws:
         except (OSError, ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:
             log.warning("snapshot: not written (%s)", type(exc).__name__)
             return
-        self._snapshot_seq = journal.staged_seq
+        snapshots.last_seq = journal.staged_seq
         log.info(
             "snapshot: wrote %d MB in %.2f s (through record %d)",
             size // 1_000_000,

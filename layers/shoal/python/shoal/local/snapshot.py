@@ -211,3 +211,93 @@ def _unusable(data: bytes) -> str | None:
     if mismatched:
         return f"made by another {', '.join(sorted(mismatched))}"
     return None
+
+
+#: while serving, a snapshot after this many records since the last one
+SNAPSHOT_WHILE_SERVING = 10_000
+#: a snapshotting child that has not finished by then is killed (the last snapshot stands)
+CHILD_TIMEOUT_S = 120.0
+
+
+class Snapshotter:
+    """Snapshots taken while the emulator serves, without holding it still while they are
+    written: under the backend lock a child process is forked (the copy-on-write image of
+    moto as of the last staged record), the lock is let go, and the child pickles and writes
+    that image while the parent goes on serving, as Redis's ``BGSAVE`` does. Pickling in the
+    parent would hold every AWS call for as long as it takes (0.5 to 0.9 s for the soak's
+    19 MB snapshot, longer as state grows, past the calls' 2 s wait for the lock).
+
+    The child runs only the pickling and its file's writes (no logging, no journal, no
+    sockets) and leaves with ``os._exit``; a lock another thread held at the fork is never
+    taken by it (the pickler makes locks anew without acquiring them). One child at a time;
+    one that has not finished in ``CHILD_TIMEOUT_S`` is killed, and the last snapshot
+    stands. Where ``os.fork`` is missing, snapshots are taken at start and stop only."""
+
+    def __init__(self, state_dir: Path, last_seq: int) -> None:
+        self.state_dir = state_dir
+        #: the last journal record the newest snapshot holds
+        self.last_seq = last_seq
+        self._child: int | None = None
+        self._reaper: threading.Thread | None = None
+
+    def due(self, seq: int) -> bool:
+        """Whether a snapshot should be taken now (cheap: called under the lock per write)."""
+        return (
+            self._child is None
+            and hasattr(os, "fork")
+            and seq - self.last_seq >= SNAPSHOT_WHILE_SERVING
+        )
+
+    def fork(self, seq: int) -> None:
+        """Start a child writing the snapshot as of record ``seq`` (the caller holds the
+        backend lock, so moto is exactly that)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            # CPython warns of fork in a threaded process: a child that takes a lock another
+            # thread held may wait for ever. This one takes none (see the class), and is
+            # killed past its timeout.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            status = 0
+            try:
+                write(self.state_dir, seq)
+            except BaseException:
+                status = 1
+            os._exit(status)
+        self._child = pid
+        self._reaper = threading.Thread(
+            target=self._reap, args=(pid, seq, time.monotonic()), name="shoal-snapshot", daemon=True
+        )
+        self._reaper.start()
+
+    def _reap(self, pid: int, seq: int, started: float) -> None:
+        status = None
+        while status is None:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(code)
+                break
+            if time.monotonic() - started > CHILD_TIMEOUT_S:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                status = -9
+                break
+            time.sleep(0.1)
+        if status == 0:
+            self.last_seq = seq
+            log.info(
+                "snapshot: written by a child in %.2f s (through record %d)",
+                time.monotonic() - started,
+                seq,
+            )
+        else:
+            log.warning("snapshot: the child writing it ended with %s", status)
+        self._child = None
+
+    def wait(self) -> None:
+        """Until no child writes a snapshot (before another one is written here)."""
+        reaper = self._reaper
+        if reaper is not None:
+            reaper.join(CHILD_TIMEOUT_S + 5)

@@ -189,12 +189,31 @@ def load(state_dir: Path) -> Loaded | None:
         state = pickle.loads(data[start + meta_length :])  # noqa: S301 - this user's own file
         for name, accounts in state.items():
             _install(name, accounts)
+        _queues_start_empty()
     except Exception as exc:  # any failure: the journal rebuilds what the snapshot holds
         log.warning(
             "snapshot: could not be loaded (%s); replaying the whole journal", type(exc).__name__
         )
         return None
     return Loaded(int(meta["seq"]), time.perf_counter() - started, len(data))
+
+
+def _queues_start_empty() -> None:
+    """Every SQS queue without messages, as a start without a snapshot leaves it: the journal
+    keeps no queue's messages (``shoal.local.aws.TRANSIENT_QUEUE_ACTIONS``), so the records
+    after a snapshot neither send nor delete what it holds. A snapshot's messages were, in
+    part, in flight to handlers of the process that died (pushes of a FIFO lane received and
+    never deleted): kept, each would hold its lane's later pushes until its visibility ran
+    out, and come back at every start from the same snapshot. The soak found sessions that
+    got nothing for the rest of the run after such a restart (issue 47)."""
+    from moto.sqs.models import sqs_backends
+
+    for _account, regions in sqs_backends.items():
+        for _region, backend in regions.items():
+            for queue in backend.queues.values():
+                queue._messages = []
+                queue._pending_messages = set()
+                queue.deleted_messages = set()
 
 
 def _unusable(data: bytes) -> str | None:

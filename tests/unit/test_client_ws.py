@@ -1089,3 +1089,34 @@ def test_a_guessed_ws_url_that_does_not_answer_falls_back_to_the_long_poll(
     assert status == 1 and len(err) == 2
     assert err[0].startswith("shoal: no Shoal WebSocket API at ws://127.0.0.1:2 ")
     assert err[1].startswith("shoal: error: http://127.0.0.1:1 did not answer (")
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        pytest.param(lambda: _closed_error(), id="closed-mid-handshake"),
+        pytest.param(lambda: ConnectionResetError(), id="reset"),
+        pytest.param(lambda: TimeoutError(), id="timeout"),
+    ],
+)
+def test_a_connection_lost_while_it_opens_is_a_lost_link_the_client_rides_out(
+    monkeypatch: pytest.MonkeyPatch, lost: Any
+) -> None:
+    """A server killed during the handshake closes the connection under it, and websockets
+    raises ``ConnectionClosedError``: the connector says ``LinkLost``, which the client's loop
+    rides out, not an error that ends it (the soak's kill -9 ended a subscriber's loop so)."""
+    import websockets.sync.client
+    from shoal.client.wslink import websockets_connector
+
+    def refusing(*_: Any, **__: Any) -> Any:
+        raise lost()
+
+    monkeypatch.setattr(websockets.sync.client, "connect", refusing)
+    with pytest.raises(LinkLost):
+        websockets_connector("ws://127.0.0.1:9/", {}, 1.0)
+
+
+def _closed_error() -> Exception:
+    from websockets.exceptions import ConnectionClosedError
+
+    return ConnectionClosedError(None, None, None)

@@ -105,7 +105,12 @@ def websockets_connector(url: str, headers: Mapping[str, str], open_timeout_s: f
     offers none), no protocol-level pings (the client sends ``ping`` frames: API Gateway's
     idle timer counts only data frames), frames up to its 128 KB message limit."""
     # imported here: the HTTP client and the CLI's other commands do not need the library
-    from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
+    from websockets.exceptions import (
+        ConnectionClosed,
+        InvalidHandshake,
+        InvalidStatus,
+        InvalidURI,
+    )
     from websockets.sync.client import connect
 
     try:
@@ -123,7 +128,10 @@ def websockets_connector(url: str, headers: Mapping[str, str], open_timeout_s: f
         raise HandshakeRefused(exc.response.status_code, bytes(exc.response.body or b"")) from exc
     except InvalidURI as exc:
         raise ClientError(f"{url!r} is not a ws:// or wss:// URL") from exc
-    except (OSError, TimeoutError, InvalidHandshake) as exc:
+    except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
+        # a server that dies mid-handshake closes the connection under it: websockets raises
+        # ConnectionClosedError, not a handshake error (the soak's kill -9 found it, and the
+        # subscriber's loop ended instead of riding the outage out)
         raise LinkLost(f"cannot open {url} ({type(exc).__name__})") from exc
     # the connection's context is entered here and left by ``close``: it lives as long as the
     # link, not a ``with`` block (websockets 17.1 warns on a connection used without it)

@@ -1091,12 +1091,18 @@ def test_a_guessed_ws_url_that_does_not_answer_falls_back_to_the_long_poll(
     assert err[1].startswith("shoal: error: http://127.0.0.1:1 did not answer (")
 
 
+def _closed_error() -> Exception:
+    from websockets.exceptions import ConnectionClosedError
+
+    return ConnectionClosedError(None, None, None)
+
+
 @pytest.mark.parametrize(
     "lost",
     [
-        pytest.param(lambda: _closed_error(), id="closed-mid-handshake"),
-        pytest.param(lambda: ConnectionResetError(), id="reset"),
-        pytest.param(lambda: TimeoutError(), id="timeout"),
+        pytest.param(_closed_error, id="closed-mid-handshake"),
+        pytest.param(ConnectionResetError, id="reset"),
+        pytest.param(TimeoutError, id="timeout"),
     ],
 )
 def test_a_connection_lost_while_it_opens_is_a_lost_link_the_client_rides_out(
@@ -1114,9 +1120,3 @@ def test_a_connection_lost_while_it_opens_is_a_lost_link_the_client_rides_out(
     monkeypatch.setattr(websockets.sync.client, "connect", refusing)
     with pytest.raises(LinkLost):
         websockets_connector("ws://127.0.0.1:9/", {}, 1.0)
-
-
-def _closed_error() -> Exception:
-    from websockets.exceptions import ConnectionClosedError
-
-    return ConnectionClosedError(None, None, None)

@@ -197,6 +197,9 @@ def adapt_moto() -> None:
     build_attributes_as_asked_while_sending()
 
 
+# --- the middleware --------------------------------------------------------------------------
+
+
 def _action(environ: dict[str, Any], body: bytes) -> str | None:
     target = environ.get("HTTP_X_AMZ_TARGET")
     if target:
@@ -625,8 +628,7 @@ class EmbeddedAws:
             self.snapshot = snapshot.load(self.state_dir)
             if self.snapshot is None:
                 reset_backends()
-            after = self.snapshot.seq if self.snapshot is not None else -1
-            self.journal = Journal(self.state_dir / JOURNAL_FILE, after=after)
+            self.journal = Journal(self.state_dir / JOURNAL_FILE, after=self._snapshot_seq())
         app = SerializedApp(Dispatcher(), self.journal)
         self.replay_stats = app.replay()
         # after the replay: what a journal holds was answered, never refused
@@ -647,8 +649,7 @@ class EmbeddedAws:
                 self.replay_stats.failures,
             )
         if self.state_dir is not None:
-            last = self.snapshot.seq if self.snapshot is not None else -1
-            self._snapshots = snapshot.Snapshotter(self.state_dir, last)
+            self._snapshots = snapshot.Snapshotter(self.state_dir, self._snapshot_seq())
             # nothing serves yet: moto holds exactly the journal's records
             self._snapshot_if_due()
             app.snapshots = self._snapshots
@@ -694,6 +695,10 @@ class EmbeddedAws:
                 # this life's records
                 self._snapshot_if_due()
                 self.journal = None
+
+    def _snapshot_seq(self) -> int:
+        """The last journal record the loaded snapshot holds (-1: none was loaded)."""
+        return self.snapshot.seq if self.snapshot is not None else -1
 
     def _snapshot_if_due(self) -> None:
         """A snapshot of moto as of the journal's last record, once ``SNAPSHOT_AFTER`` records

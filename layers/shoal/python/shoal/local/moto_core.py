@@ -126,6 +126,3 @@ def detach_moto_lambda_triggers() -> None:
     from moto.sqs.models import Queue
 
     Queue.lambda_event_source_mappings = property(lambda self: {}, lambda self, value: None)
-
-
-# --- the middleware --------------------------------------------------------------------------

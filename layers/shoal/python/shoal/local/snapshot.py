@@ -177,16 +177,13 @@ def load(state_dir: Path) -> Loaded | None:
         # have written (as ssh treats its keys)
         log.warning("snapshot: %s is not this user's alone; replaying the whole journal", path)
         return None
-    data = path.read_bytes()
-    reason = _unusable(data)
-    if reason is not None:
-        log.warning("snapshot: %s; replaying the whole journal", reason)
+    parsed = _parse(path.read_bytes())
+    if isinstance(parsed, str):
+        log.warning("snapshot: %s; replaying the whole journal", parsed)
         return None
-    meta_length, _ = _HEADER.unpack_from(data, len(_MAGIC))
-    start = len(_MAGIC) + _HEADER.size
-    meta = json.loads(data[start : start + meta_length])
+    meta, payload = parsed
     try:
-        state = pickle.loads(data[start + meta_length :])  # noqa: S301 - this user's own file
+        state = pickle.loads(payload)  # noqa: S301 - this user's own file
         for name, accounts in state.items():
             _install(name, accounts)
         _queues_start_empty()
@@ -195,7 +192,7 @@ def load(state_dir: Path) -> Loaded | None:
             "snapshot: could not be loaded (%s); replaying the whole journal", type(exc).__name__
         )
         return None
-    return Loaded(int(meta["seq"]), time.perf_counter() - started, len(data))
+    return Loaded(int(meta["seq"]), time.perf_counter() - started, status.st_size)
 
 
 def _queues_start_empty() -> None:
@@ -216,20 +213,20 @@ def _queues_start_empty() -> None:
                 queue.deleted_messages = set()
 
 
-def _unusable(data: bytes) -> str | None:
-    """Why the snapshot's bytes cannot be loaded here (None: they can)."""
+def _parse(data: bytes) -> tuple[dict[str, Any], memoryview] | str:
+    """The snapshot's meta and pickled payload, if this process can load them; else why not."""
     if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + _HEADER.size:
         return "not a snapshot"
     meta_length, crc = _HEADER.unpack_from(data, len(_MAGIC))
     start = len(_MAGIC) + _HEADER.size
-    meta, payload = data[start : start + meta_length], data[start + meta_length :]
+    meta, payload = data[start : start + meta_length], memoryview(data)[start + meta_length :]
     if len(meta) < meta_length or zlib.crc32(payload, zlib.crc32(meta)) != crc:
         return "torn or damaged"
     identity = json.loads(meta)
     mismatched = {k: v for k, v in _identity().items() if identity.get(k) != v}
     if mismatched:
         return f"made by another {', '.join(sorted(mismatched))}"
-    return None
+    return identity, payload
 
 
 #: while serving, a snapshot after this many records since the last one

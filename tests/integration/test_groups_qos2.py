@@ -13,6 +13,8 @@ from typing import Any
 
 import boto3
 import pytest
+from shoal import wiring
+from shoal.core.config import get_config
 
 from tests.integration.test_events_recording import events, recording_of
 from tests.integration.test_groups_support import LEASE_S, GroupWorld
@@ -139,3 +141,30 @@ def test_qos1_still_moves_to_a_live_member(gworld: GroupWorld) -> None:
     channels, _holder, other, delivery = handed(w, 1)
     got = outlive_the_holder(w, other, channels[other])
     assert [(m["message_id"], m["dup"]) for m in got] == [(delivery["message_id"], True)]
+
+
+def test_an_unsubscribe_wired_as_deployed_records_the_qos2_deliveries_it_drops(
+    gworld: GroupWorld,
+) -> None:
+    """The soak's lost QoS 2 message: its member unsubscribed while the message was held for it
+    and the subscriptions function, whose groups service recorded nothing, dropped it without
+    a ``dropped`` event, so the audit could only count it lost."""
+    w = gworld
+    # Given a QoS 2 message held for a member that died, its lane taken by the other member
+    channels, holder, other, delivery = handed(w, 2)
+    assert outlive_the_holder(w, other, channels[other]) == []
+    # and the subscriptions function's groups service built as its wiring builds it
+    w.subscriptions.groups = wiring.group_service(get_config(), w.clock, payloads=False)
+    # When the member comes back and unsubscribes before it gets the message again
+    channel = w.connect(holder, clean_start=False, session_expiry_s=3600)
+    status, answer = w.unsubscribe(holder, channel, GROUP)
+    assert status == 200, answer
+    # Then the message is dropped with its reason, an event the audit reads
+    dropped = [e for e in events(w.session) if e["event"] == "dropped"]
+    assert [(e["message_id"], e["reason"], e["label"]) for e in dropped] == [
+        (delivery["message_id"], "session_ended", w.session_id(holder))
+    ]
+    # and nobody gets it
+    w.clock.advance(40)
+    w.heartbeat(other, channels[other])
+    assert w.get(other, channels[other]) == []

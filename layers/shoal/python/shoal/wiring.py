@@ -133,7 +133,10 @@ def group_service(
     events: Recording | None = None,
 ) -> GroupService:
     """Shared groups; ``payloads`` False for those that never hand out messages (subscribe,
-    the session's end)."""
+    the session's end). ``events``: the container's recording when its function has one;
+    else its own, as every path that ends a member's holding records why: an unsubscribe's or
+    a session end's dropped QoS 2 deliveries ([MQTT-4.8.2-5]) are ``dropped`` events, which
+    the audit counts, never lost."""
     store = GroupStore.from_config(config, clock)
     store.partitions_of = partial(
         partitions_of,
@@ -145,7 +148,7 @@ def group_service(
         config.delivery,
         clock=clock,
         payloads=PayloadStore.from_config(config) if payloads else None,
-        events=events,
+        events=events if events is not None else Recording.from_config(config, clock),
         drain=group_gate(config, clock or store.clock, store.lane_progress),
     )
 

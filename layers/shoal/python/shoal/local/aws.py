@@ -448,7 +448,7 @@ class SerializedApp:
         # a copy of it (building it anew took a third of a record's replay)
         template = EnvironBuilder(method="POST", data=b"").get_environ()
         with BACKEND_LOCK:
-            for record in journal.records:
+            for record in journal.pending():
                 environ = dict(template)
                 environ.update(record.environ)
                 environ["CONTENT_LENGTH"] = str(len(record.body))
@@ -467,14 +467,12 @@ class SerializedApp:
                 if not status.startswith("2"):
                     failures += 1
                     log.warning("journal: record %d replayed with %s", record.seq, status)
-        stats = ReplayStats(
-            len(journal.records),
+        return ReplayStats(
+            journal.pending_count,
             time.perf_counter() - started,
             failures,
             journal.dropped_tail_bytes,
         )
-        journal.records = []  # applied; the bodies need not stay in memory
-        return stats
 
 
 @functools.cache

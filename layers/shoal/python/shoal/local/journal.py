@@ -14,8 +14,10 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger("shoal-dev.aws")
 
@@ -68,7 +70,13 @@ class Journal:
 
     def __init__(self, path: Path, *, after: int = -1) -> None:
         self.path = path
-        self.records: list[JournalRecord] = []
+        #: how many records ``pending`` yields (those after ``after``)
+        self.pending_count = 0
+        #: the file's span of those records (read again by ``pending``, not kept: decoded all at
+        #: once, a long journal's records took more memory than the state they make, and the
+        #: process kept it after the replay)
+        self._pending_span = (0, 0)
+        self._after = after
         self.dropped_tail_bytes = 0
         #: the last record number read, kept or not
         self._last_seq = after
@@ -93,27 +101,34 @@ class Journal:
         with open(self.path, "rb") as f:
             if f.read(len(_MAGIC)) != _MAGIC:
                 raise ValueError(f"{self.path} is not a shoal AWS journal")
-            good = f.tell()
-            while True:
-                header = f.read(_RECORD_HEADER.size)
-                if len(header) < _RECORD_HEADER.size:
-                    break
-                length, crc = _RECORD_HEADER.unpack(header)
-                if length > _MAX_RECORD:
-                    break
-                payload = f.read(length)
-                if len(payload) < length or zlib.crc32(payload) != crc:
-                    break
-                record = JournalRecord.decode(payload)
-                if record.seq > self._last_seq:
-                    self.records.append(record)
-                    self._last_seq = record.seq
+            good = first = f.tell()
+            for payload in _payloads(f, size):
+                seq = _seq_of(payload)
+                if seq > self._last_seq:
+                    if not self.pending_count:
+                        first = good
+                    self.pending_count += 1
+                    self._last_seq = seq
                 good = f.tell()
+        self._pending_span = (first, good) if self.pending_count else (good, good)
         if good < size:
             self.dropped_tail_bytes = size - good
             log.warning("journal: dropped a torn tail of %d bytes", self.dropped_tail_bytes)
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
+
+    def pending(self) -> Iterator[JournalRecord]:
+        """The records read at opening after ``after``, in order, each decoded as it is asked
+        for (a replay holds one at a time)."""
+        start, end = self._pending_span
+        last = self._after
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            for payload in _payloads(f, end):
+                record = JournalRecord.decode(payload)
+                if record.seq > last:
+                    last = record.seq
+                    yield record
 
     @property
     def next_seq(self) -> int:
@@ -180,6 +195,31 @@ class Journal:
                 log.warning("journal: the last staged records could not be written")
             os.close(self._fd)
             self._fd = -1
+
+
+def _payloads(f: BinaryIO, end: int) -> Iterator[bytes]:
+    """The payloads of the intact records from ``f``'s position up to offset ``end``; the
+    first torn one (a short read, a length past ``_MAX_RECORD``, a wrong checksum) ends them."""
+    while f.tell() < end:
+        header = f.read(_RECORD_HEADER.size)
+        if len(header) < _RECORD_HEADER.size:
+            return
+        length, crc = _RECORD_HEADER.unpack(header)
+        if length > _MAX_RECORD:
+            return
+        payload = f.read(length)
+        if len(payload) < length or zlib.crc32(payload) != crc:
+            return
+        yield payload
+
+
+def _seq_of(payload: bytes) -> int:
+    """A record's number without decoding the rest: ``encode`` writes it first."""
+    if payload.startswith(b'{"seq":'):
+        end = payload.find(b",", 7)
+        if end > 0:
+            return int(payload[7:end])
+    return JournalRecord.decode(payload).seq
 
 
 def fsync_dir(directory: Path) -> None:

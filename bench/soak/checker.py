@@ -18,7 +18,9 @@ The properties (``/work/shared/API.md`` is the contract; docs/design.md says how
   held to the end of the run (never unsubscribed, the session never lost), is delivered to that
   session at least once (DESIGN.md property 1). For a shared group: to one of its members, if
   the group had a member throughout; a QoS 2 message whose member left the group before acking
-  it is *dropped*, as [MQTT-4.8.2-5] and Shoal's design say, and counted, not lost.
+  it is *dropped*, as [MQTT-4.8.2-5] and Shoal's design say, and counted, not lost; so is one
+  the service archived as ``dropped`` (reason ``session_ended``) for that group when no member
+  recorded it (the driver's ``server_drops`` record: the answer that carried it was lost).
 - ``duplicate_after_ack``: an ack the server answered as counting every id it named is never
   followed by a delivery of one of those ids (or of their messages) to that session (API.md:
   "an acked id is never delivered again to that session"), nor, for a shared group, to another
@@ -78,6 +80,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shoal.groups.records import group_key
 
 from bench.soak.history import Record, read_history
 
@@ -323,6 +327,9 @@ class Model:
         self.push_subs: dict[str, list[Record]] = defaultdict(list)
         self.push_hits: list[Record] = []
         self.push_final: dict[str, Record] = {}
+        #: (group key, message id) of each QoS 2 delivery the service archived as dropped
+        #: because its member's session ended or left ([MQTT-4.8.2-5])
+        self.server_dropped: set[tuple[str, str]] = set()
         self._read()
 
     def setting(self, name: str, default: float) -> float:
@@ -378,6 +385,12 @@ class Model:
                 self.push_hits.append(record)
             elif op == "push_final":
                 self.push_final[str(record.get("name"))] = record
+            elif op == "server_drops":
+                self.server_dropped |= {
+                    (str(e.get("consumer")), str(e.get("message_id")))
+                    for e in record.get("events") or []
+                    if e.get("reason") == "session_ended"
+                }
         for deliveries in self.deliveries.values():
             deliveries.sort(key=lambda d: (d.record["w"], d.record["life"], d.record["n"]))
 
@@ -668,6 +681,11 @@ def _lost_in_groups(model: Model, report: Report, by_topic: dict[str, list[Publi
                 # ([MQTT-4.8.2-5]; docs/design.md, "QoS 2 stays with its member")
                 report.count("qos2_dropped_on_leave")
                 continue
+            if publish.qos == 2 and not deliveries and _dropped_by_service(model, name, publish):
+                # the same, with the delivery its member's client never recorded (its answer
+                # lost to a kill): the service's archived ``dropped`` event says so
+                report.count("qos2_dropped_unseen")
+                continue
             _judge_owed(
                 report,
                 publish=publish,
@@ -676,6 +694,14 @@ def _lost_in_groups(model: Model, report: Report, by_topic: dict[str, list[Publi
                 who="any member",
                 name=name,
             )
+
+
+def _dropped_by_service(model: Model, name: str, publish: Publish) -> bool:
+    if not model.server_dropped:
+        return False
+    share, _, topic_filter = name.removeprefix("$share/").partition("/")
+    key = group_key(share, topic_filter)
+    return any((key, str(ok.get("message_id"))) in model.server_dropped for ok in publish.oks)
 
 
 def _left_holding(intervals: list[Interval], first: Delivery) -> bool:

@@ -464,6 +464,7 @@ class Soak:
             self._drain()
             workers.stop_all()
             self._push_final()
+            self._server_drops()
             self.history.record("phase", name="end")
         finally:
             sampler.stop()
@@ -609,6 +610,50 @@ class Soak:
             self.say(f"draining: {len(missing)} missing after {time.monotonic() - began:.0f} s")
             if not missing:
                 return
+
+    def _server_drops(self) -> None:
+        """The shared groups' ``dropped`` delivery events as the service archived them (the
+        emulator's S3, what the audit reads): a QoS 2 message whose member's session ended or
+        left while it was in flight goes to no one ([MQTT-4.8.2-5]), and its member's client
+        may never have recorded the delivery (an answer lost to a kill). The checker counts
+        such a message dropped by the service's word, not lost."""
+        import boto3
+        from shoal.delivery.events import EVENTS_PREFIX
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.server.aws_port}",
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        drops: list[dict[str, Any]] = []
+        objects = 0
+        error: str | None = None
+        try:
+            for bucket in s3.list_buckets().get("Buckets", []):
+                pages = s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=bucket["Name"], Prefix=EVENTS_PREFIX + "/"
+                )
+                for listed in pages:
+                    for obj in listed.get("Contents", []):
+                        objects += 1
+                        body = s3.get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"]
+                        for line in body.read().splitlines():
+                            event = json.loads(line)
+                            if event.get("event") == "dropped" and (
+                                event.get("consumer_kind") == "group"
+                            ):
+                                drops.append(
+                                    {
+                                        k: event.get(k)
+                                        for k in ("consumer", "message_id", "reason", "label")
+                                    }
+                                )
+        except Exception as exc:  # the verdict then counts such messages lost
+            error = str(exc)
+            self.say(f"the archived delivery events could not be read: {exc}")
+        self.history.record("server_drops", events=drops, objects=objects, error=error)
 
     def _push_final(self) -> None:
         state = self._call("GET", f"/v1/subscriptions/{PUSH_NAME}") or {}

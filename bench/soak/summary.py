@@ -207,6 +207,7 @@ def summarize(
                 "wills_disturbed",
                 "ack_races",
                 "qos2_dropped_on_leave",
+                "qos2_dropped_unseen",
             )
             if k in report.counts
         },

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak.driver import Settings, run_soak
+from bench.soak.history import read_history
 
 
 @pytest.mark.e2e
@@ -43,3 +44,6 @@ def test_a_minute_of_mixed_traffic_and_faults_keeps_every_promise(tmp_path: Path
     assert counts["owed_session"] > 0 and counts["owed_group"] > 0
     assert counts["push_hooks_owed"] > 0
     assert counts["wills_required"] + counts["wills_forbidden"] > 0
+    # and the service's archived delivery events were read for the drops it made by rule
+    [drops] = [r for r in read_history(settings.out / "history")[0] if r["op"] == "server_drops"]
+    assert drops["error"] is None and drops["objects"] > 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shoal.groups.records import group_key
 
 from bench.soak.checker import Report, check, check_path, matches
 from bench.soak.history import History, history_file, read_history
@@ -501,6 +502,55 @@ def test_a_qos2_message_whose_member_left_is_dropped_not_lost() -> None:
     # Then it is counted dropped, not lost
     assert report.ok, report.render()
     assert report.counts["qos2_dropped_on_leave"] == 1
+
+
+def test_a_qos2_message_the_service_dropped_unseen_is_counted_not_lost() -> None:
+    # Given a QoS 2 message of the group that no member recorded (the answer that carried it
+    # was lost), which the service archived as dropped: its member's session ended
+    run = clean_run()
+    run.publish("q4", "jobs/q4", qos=2)
+    run.rec(
+        "server_drops",
+        events=[
+            {
+                "consumer": group_key("g", "jobs/#"),
+                "message_id": "m-q4",
+                "reason": "session_ended",
+                "label": "s-1",
+            }
+        ],
+    )
+
+    # When the history is checked
+    report = run.check()
+
+    # Then it is counted dropped, not lost
+    assert report.ok, report.render()
+    assert report.counts["qos2_dropped_unseen"] == 1
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # another group's drop
+        {"consumer": group_key("other", "jobs/#"), "message_id": "m-q5", "reason": "session_ended"},
+        # another message's
+        {"consumer": group_key("g", "jobs/#"), "message_id": "m-q6", "reason": "session_ended"},
+        # a drop for another reason
+        {"consumer": group_key("g", "jobs/#"), "message_id": "m-q5", "reason": "expired"},
+    ],
+)
+def test_a_lost_qos2_message_is_not_excused_by_another_drop(event: dict[str, str]) -> None:
+    # Given a QoS 2 message of the group that no member got, and a drop that is not its own
+    run = clean_run()
+    run.publish("q5", "jobs/q5", qos=2)
+    run.rec("server_drops", events=[event])
+
+    # When the history is checked
+    report = run.check()
+
+    # Then it is lost
+    assert [v.summary for v in report.violations if v.property == "lost"], report.render()
 
 
 # -- where a subscription starts --------------------------------------------------------------

@@ -596,6 +596,39 @@ def test_the_routers_push_looks_for_new_deliveries_where_its_batch_wrote_them(
     assert len(queries) == 1, queries
 
 
+def test_the_routers_push_posts_to_the_connections_the_router_read_without_reading_them(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router batch reaching a few sessions reads which are connected (strongly consistent,
+    after its writes) and hands their connections to the pusher with the work, which posts
+    to them without reading them again: one read of the connections a push, not two."""
+    sessions = {_subscribed(edge, c) for c in ("c1", "c2")}
+    read: list[str] = []
+
+    class Counted:
+        """The pusher's connection store (the router's is the same store, not counted)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(edge.connections, name)
+
+        def targets(self, session_ids: Any) -> Any:
+            asked = list(session_ids)
+            read.extend(asked)
+            return edge.connections.targets(asked)
+
+    monkeypatch.setattr(edge.worker, "connections", Counted())
+    # When a message to both is routed
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    # Then both got it, and the pusher read neither connection
+    assert texts(edge.messages("c1")) == ["m1"] and texts(edge.messages("c2")) == ["m1"]
+    assert read == []
+    # and a push the router did not hand over (a connect's own) reads its session's
+    edge.connect("c3", "alice-c1")
+    assert texts(edge.messages("c3")) == ["m1"]
+    assert read and set(read) <= sessions, read
+
+
 def _counted_queries(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The sessions whose inbox a get queries for new items, from now on."""
     inbox = edge.world.delivery.inbox

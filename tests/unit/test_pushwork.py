@@ -11,6 +11,8 @@ from shoal.core.clock import ManualClock
 from shoal.core.errors import ServerBusy
 from shoal.delivery.inbox import Given, pack
 from shoal.delivery.model import ArchiveLine, InboxMessage
+from shoal.edge.connections import Connection
+from shoal.edge.push import _carried
 from shoal.edge.pushwork import MAX_BODY_BYTES, PushQueue, PushWork, group_id, lane_of, qos0_id
 from shoal.local.esm.queues import QueueMapping, done_messages, sqs_event
 
@@ -48,6 +50,39 @@ def test_a_work_message_reads_back_as_it_was_written() -> None:
     assert (given.source, given.after) == ("src", "0000-00")
     assert [i.key for i in given.items] == [item.key]
     assert given.items[0].messages[0].position == "0001-00"
+
+
+def _connection(connection_id: str, session_id: str = "s1") -> Connection:
+    return Connection(connection_id, "alice", "sub-1", "ch-1", session_id, 7, 123)
+
+
+def test_a_work_message_carries_the_connections_read_for_its_sessions() -> None:
+    work = PushWork({"s1": "alice", "s2": None}, connections={"s1": _connection("k1")})
+    back = PushWork.parse(work.body())
+    assert back.connections == {"s1": _connection("k1")}
+    assert back.sessions == {"s1": "alice", "s2": None}
+
+
+def test_a_connection_carried_by_every_record_of_a_session_is_not_read_again() -> None:
+    # Given a batch whose two records name s1, each with the connection the router read
+    works: list[PushWork | None] = [
+        PushWork({"s1": "alice"}, connections={"s1": _connection("k1")}),
+        None,  # a record that could not be read
+        PushWork({"s1": "alice", "s2": None}, connections={"s1": _connection("k2")}),
+    ]
+    # Then the pusher takes the latest for s1 and reads s2's, which came without one
+    assert _carried(works, {"s1", "s2"}) == {"s1": _connection("k2")}
+
+
+def test_a_session_named_once_without_a_connection_has_its_connection_read() -> None:
+    # Given a record carrying s1's connection as the router read it, and a later one naming
+    # s1 without (a reconnect's own push: it may follow a newer connection)
+    works: list[PushWork | None] = [
+        PushWork({"s1": "alice"}, connections={"s1": _connection("k1")}),
+        PushWork({"s1": None}),
+    ]
+    # Then the pusher reads s1's connection
+    assert _carried(works, {"s1"}) == {}
 
 
 @pytest.mark.parametrize("body", ['{"v": 2, "s": []}', "[]", "not json"])

@@ -28,7 +28,7 @@ and the retry sends it again, in order, with ``dup``.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -294,7 +294,10 @@ class PushWorker:
         report.sessions = len(pushes)
         if not pushes:
             return set()
-        targets = {c.session_id: c for c in self.connections.targets(pushes)}
+        targets = _carried(works, pushes.keys())
+        unread = [s for s in pushes if s not in targets]
+        if unread:
+            targets |= {c.session_id: c for c in self.connections.targets(unread)}
         ready = []
         for push in pushes.values():
             push.connection = targets.get(push.session_id)
@@ -622,6 +625,24 @@ def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
             if push is not None and push.records == [n]:
                 push.given = given
     return pushes
+
+
+def _carried(works: list[PushWork | None], sessions: Collection[str]) -> dict[str, Connection]:
+    """The connections the router read for the batch's sessions after its writes, where every
+    record naming the session carries one (the latest): a record without one (a reconnect's
+    own push, a group's hand-off) may follow a newer connection, which the worker reads."""
+    carried: dict[str, Connection] = {}
+    unknown: set[str] = set()
+    for work in works:
+        if work is None:
+            continue
+        for session_id in work.sessions:
+            found = work.connections.get(session_id)
+            if found is None:
+                unknown.add(session_id)
+            else:
+                carried[session_id] = found
+    return {s: c for s, c in carried.items() if s in sessions and s not in unknown}
 
 
 def _received(record: Mapping[str, Any]) -> int:

@@ -57,6 +57,7 @@ from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.inbox import Given, InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine
+from shoal.edge.connections import Connection
 
 #: the push queue's logical name (``shoal.declarations``)
 PUSH_QUEUE = "push"
@@ -91,6 +92,9 @@ class PushWork:
     #: items of ``source`` the sender wrote for (some of) the sessions, handed out without a
     #: read when the session's cursor stands where they follow (``shoal.delivery.Given``)
     given: Mapping[str, Given] = field(default_factory=dict)
+    #: the connections of (some of) the sessions as the sender read them, strongly consistent
+    #: after its writes: the worker posts to them without reading them again
+    connections: Mapping[str, Connection] = field(default_factory=dict)
 
     def body(self) -> str:
         data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
@@ -114,6 +118,18 @@ class PushWork:
             data["q"] = {"m": frames, "to": to}
         if self.given:
             data["g"] = {session_id: g.data() for session_id, g in self.given.items()}
+        if self.connections:
+            data["c"] = {
+                session_id: [
+                    c.connection_id,
+                    c.client_id,
+                    c.sub,
+                    c.channel,
+                    c.window,
+                    c.connected_at_ms,
+                ]
+                for session_id, c in self.connections.items()
+            }
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -144,6 +160,18 @@ class PushWork:
                 str(s): Given.from_data(str(s), source, g)
                 for s, g in (data.get("g") or {}).items()
                 if source is not None
+            },
+            connections={
+                str(s): Connection(
+                    connection_id=str(i),
+                    client_id=str(c),
+                    sub=str(sub),
+                    channel=str(ch),
+                    session_id=str(s),
+                    window=int(w),
+                    connected_at_ms=int(at),
+                )
+                for s, (i, c, sub, ch, w, at) in (data.get("c") or {}).items()
             },
         )
 
@@ -231,6 +259,7 @@ class PushQueue:
         now_ms: int = 0,
         named: Mapping[str, set[ArchiveLine]] | None = None,
         given: Mapping[str, Given] | None = None,
+        connections: Mapping[str, Connection] | None = None,
     ) -> int:
         """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
         the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
@@ -240,7 +269,9 @@ class PushQueue:
         the queue refused a message past ``SEND_ATTEMPTS`` (the caller's retry sends it
         again). ``named``: the lines of ``lines`` each session's deliveries name: a message
         carries those of its own sessions only (all of ``lines`` without it). ``given``: the
-        items just written for some of the sessions, carried to their pushes (``Given``)."""
+        items just written for some of the sessions, carried to their pushes (``Given``).
+        ``connections``: the sessions' connections the caller read after its writes, carried
+        so that the worker does not read them again."""
         pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
         if not pairs:
             return 0
@@ -254,6 +285,7 @@ class PushQueue:
                 direct=frames,
                 named=named,
                 given=given or {},
+                connections=connections or {},
             )
         )
         calls = list(_calls(entries))
@@ -280,6 +312,7 @@ class PushQueue:
         direct: Mapping[str, list[dict[str, Any]]],
         named: Mapping[str, set[ArchiveLine]] | None,
         given: Mapping[str, Given],
+        connections: Mapping[str, Connection],
     ) -> Iterator[_Entry]:
         by_lane: dict[int, dict[str, str | None]] = {}
         for session_id, client_id in sorted(pairs.items()):
@@ -294,7 +327,9 @@ class PushQueue:
                 carried = {}
             posts = {s: direct[s] for s in chunk if direct.get(s)}
             items = {s: given[s] for s in chunk if s in given}
-            for part, body in enumerate(_bodies(chunk, source, carried, posts, items)):
+            held = {s: connections[s] for s in chunk if s in connections}
+            bodies = _bodies(chunk, source, carried, posts, items, connections=held)
+            for part, body in enumerate(bodies):
                 dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()
                 yield _Entry(lane, body, dedupe)
 
@@ -331,16 +366,18 @@ def _bodies(
     lines: LineCache,
     direct: Mapping[str, list[dict[str, Any]]],
     given: Mapping[str, Given],
+    *,
+    connections: Mapping[str, Connection],
 ) -> Iterator[str]:
     """A lane's sessions as one body, or as several in order when one would be too large (a
     session too large alone goes without its QoS 0 frames, at most once, and its items,
     which its push then reads)."""
-    body = PushWork(chunk, source, lines, direct, given).body()
+    body = PushWork(chunk, source, lines, direct, given, connections).body()
     if len(body) <= MAX_BODY_BYTES:
         yield body
         return
     if len(chunk) == 1:
-        yield PushWork(chunk, source, {}, {}, {}).body()
+        yield PushWork(chunk, source, {}, {}, {}, connections).body()
         return
     items = list(chunk.items())
     half = len(items) // 2
@@ -351,6 +388,7 @@ def _bodies(
             lines,
             {s: direct[s] for s in part if s in direct},
             {s: given[s] for s in part if s in given},
+            connections={s: connections[s] for s in part if s in connections},
         )
 
 

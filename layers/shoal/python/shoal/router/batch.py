@@ -36,7 +36,7 @@ from shoal.core.observability import count, lag
 from shoal.delivery.events import Recording
 from shoal.delivery.inbox import Given, InboxMessage, LineCache
 from shoal.delivery.model import ArchiveLine, source_id
-from shoal.edge.connections import ConnectionStore
+from shoal.edge.connections import Connection, ConnectionStore
 from shoal.edge.pushwork import PushQueue
 from shoal.router.archive import ArchiveWriter
 from shoal.router.fanout import Fanout, WrittenPart
@@ -176,8 +176,10 @@ class Router:
         thousand reads."""
         assert self.queue is not None
         targets: dict[str, str | None] = dict.fromkeys(sessions)
+        read: dict[str, Connection] = {}
         if self.connections is not None and len(sessions) <= TARGETS_READ_INLINE:
-            targets = {c.session_id: c.client_id for c in self.connections.targets(sessions)}
+            read = {c.session_id: c for c in self.connections.targets(sessions)}
+            targets = {s: c.client_id for s, c in read.items()}
         if targets:
             self.queue.hand_off(
                 targets,
@@ -188,6 +190,8 @@ class Router:
                 now_ms=self.fanout.clock.now_ms(),
                 named=named,
                 given=given,
+                # read after the writes, as the pusher's own read would be: not read again
+                connections={s: c for s, c in read.items() if c.ready},
             )
 
     def _lag(self, event: dict[str, Any]) -> None:

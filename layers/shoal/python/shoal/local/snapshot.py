@@ -24,6 +24,7 @@ ones on load).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -51,7 +52,7 @@ _HEADER = struct.Struct(">II")  # meta length, crc32 of meta + payload
 #: a start that replayed at least this many records writes a snapshot after it
 SNAPSHOT_AFTER = 2_000
 #: what must match for a snapshot to be loaded (else the journal is replayed whole)
-FORMAT = 1
+FORMAT = 2
 
 _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 
@@ -94,14 +95,32 @@ def _live_backend(name: str) -> Any:
     return get_backend(name)
 
 
-def _install(name: str, accounts: dict[str, Any]) -> None:
-    """The live backend dict of ``name`` made to hold ``accounts``, and listed in use (so the
-    next reset empties it, as one moto filled itself)."""
+def _registries(backends: Any) -> dict[str, Any]:
+    """What a backend dict holds besides its accounts: the attributes a plain ``BackendDict``
+    does not have. S3's is the bucket namespace (``bucket_accounts``: bucket name -> partition
+    and account), by which ``CreateBucket`` finds a bucket that exists; without it a start
+    from a snapshot made every existing bucket anew, empty, as ``shoal dev`` provisions."""
+    plain = _plain_attributes()
+    return {k: v for k, v in vars(backends).items() if k not in plain}
+
+
+@functools.cache
+def _plain_attributes() -> frozenset[str]:
+    from moto.core.base_backend import BackendDict
+
+    return frozenset(vars(BackendDict(object, "shoal-snapshot-probe", False, [])))
+
+
+def _install(name: str, accounts: dict[str, Any], registries: dict[str, Any]) -> None:
+    """The live backend dict of ``name`` made to hold ``accounts`` and ``registries``, and
+    listed in use (so the next reset empties it, as one moto filled itself)."""
     from moto.core.base_backend import BackendDict
 
     live = _live_backend(name)
     live.clear()
     live.update(accounts)
+    for attribute, value in registries.items():
+        setattr(live, attribute, value)
     if live not in BackendDict._instances:
         BackendDict._instances.append(live)
 
@@ -143,7 +162,7 @@ def write(state_dir: Path, seq: int) -> int:
     backends = _backend_dicts()
     buffer = io.BytesIO()
     _Pickler(buffer, {id(d): name for name, d in backends.items()}).dump(
-        {name: dict(d) for name, d in backends.items()}
+        {name: (dict(d), _registries(d)) for name, d in backends.items()}
     )
     payload = buffer.getvalue()
     meta = json.dumps({**_identity(), "seq": seq}).encode()
@@ -184,8 +203,8 @@ def load(state_dir: Path) -> Loaded | None:
     meta, payload = parsed
     try:
         state = pickle.loads(payload)  # noqa: S301 - this user's own file
-        for name, accounts in state.items():
-            _install(name, accounts)
+        for name, (accounts, registries) in state.items():
+            _install(name, accounts, registries)
         _queues_start_empty()
     except Exception as exc:  # any failure: the journal rebuilds what the snapshot holds
         log.warning(

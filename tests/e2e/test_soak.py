@@ -45,5 +45,5 @@ def test_a_minute_of_mixed_traffic_and_faults_keeps_every_promise(tmp_path: Path
     assert counts["push_hooks_owed"] > 0
     assert counts["wills_required"] + counts["wills_forbidden"] > 0
     # and the service's archived delivery events were read for the drops it made by rule
-    [drops] = [r for r in read_history(settings.out / "history")[0] if r["op"] == "server_drops"]
+    [drops] = [r for r in read_history(outcome.out / "history")[0] if r["op"] == "server_drops"]
     assert drops["error"] is None and drops["objects"] > 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import secrets
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,31 @@ class Connection:
             "connected_at_ms": self.connected_at_ms,
             "expires_at": expires_at,
         }
+
+    def carried(self) -> list[Any]:
+        """The connection as a push work carries it (``shoal.edge.pushwork``): its fields in
+        order, keyed there by the session's id (a router batch's work carries up to a hundred)."""
+        return [
+            self.connection_id,
+            self.client_id,
+            self.sub,
+            self.channel,
+            self.window,
+            self.connected_at_ms,
+        ]
+
+    @classmethod
+    def from_carried(cls, session_id: str, fields: Sequence[Any]) -> Connection:
+        connection_id, client_id, sub, channel, window, connected_at_ms = fields
+        return cls(
+            connection_id=str(connection_id),
+            client_id=str(client_id),
+            sub=str(sub),
+            channel=str(channel),
+            session_id=session_id,
+            window=int(window),
+            connected_at_ms=int(connected_at_ms),
+        )
 
     @classmethod
     def from_record(cls, raw: dict[str, Any], session_id: str | None = None) -> Connection:

@@ -119,17 +119,7 @@ class PushWork:
         if self.given:
             data["g"] = {session_id: g.data() for session_id, g in self.given.items()}
         if self.connections:
-            data["c"] = {
-                session_id: [
-                    c.connection_id,
-                    c.client_id,
-                    c.sub,
-                    c.channel,
-                    c.window,
-                    c.connected_at_ms,
-                ]
-                for session_id, c in self.connections.items()
-            }
+            data["c"] = {session_id: c.carried() for session_id, c in self.connections.items()}
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -162,16 +152,8 @@ class PushWork:
                 if source is not None
             },
             connections={
-                str(s): Connection(
-                    connection_id=str(i),
-                    client_id=str(c),
-                    sub=str(sub),
-                    channel=str(ch),
-                    session_id=str(s),
-                    window=int(w),
-                    connected_at_ms=int(at),
-                )
-                for s, (i, c, sub, ch, w, at) in (data.get("c") or {}).items()
+                str(s): Connection.from_carried(str(s), fields)
+                for s, fields in (data.get("c") or {}).items()
             },
         )
 

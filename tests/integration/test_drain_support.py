@@ -76,7 +76,7 @@ class Drain:
     def __init__(self, world: World) -> None:
         config = get_config()
         self.store = DrainStore(Dynamo(world.session.client("dynamodb")), config.table("inboxes"))
-        world.fanout.drain = RouterDrain(self.store, config.stream_prefix)
+        world.fanout.drain = RouterDrain(self.store, config.stream_prefix, world.clock)
         self.session_gate = SessionGate(
             DrainView(self.store, world.clock),
             self.store.dynamo,

@@ -40,10 +40,14 @@ def test_a_work_message_reads_back_as_it_was_written() -> None:
         {line: {"payload": "eA=="}},
         {"s2": [{"id": qos0_id("s2", "m9"), "message_id": "m9", "subscription": "a/#", "x": 1}]},
         {"s1": Given("src", "0000-00", (item,))},
+        stream="shoal-orders-1",
     )
     back = PushWork.parse(work.body())
     assert back.sessions == {"s1": "c1", "s2": None}
     assert back.source == "src"
+    assert back.stream == "shoal-orders-1"
+    assert PushWork({"s1": None}).body() == PushWork.parse(PushWork({"s1": None}).body()).body()
+    assert PushWork.parse(PushWork({"s1": None}).body()).stream is None
     assert back.lines == {line: {"payload": "eA=="}}
     assert back.direct == work.direct
     [given] = back.given.values()

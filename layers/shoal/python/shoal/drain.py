@@ -51,6 +51,7 @@ from shoal.composite.model import (
     TOPIC_CACHE_TTL_MS,
     CompositeTopic,
     storage_of,
+    stream_name,
 )
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
@@ -302,19 +303,36 @@ def _open_shards(streams: Streams, stream: str) -> list[tuple[str, int]]:
 class RouterDrain:
     """What the router does for the drain: labels and drained marks."""
 
-    def __init__(self, store: DrainStore, stream_prefix: str) -> None:
+    def __init__(self, store: DrainStore, stream_prefix: str, clock: Clock | None = None) -> None:
         self.store = store
         self.stream_prefix = stream_prefix
+        #: which earlier storage topics are drained (``settled``): true is cached forever
+        self.view = DrainView(store, clock or SystemClock())
 
     @classmethod
-    def from_config(cls, config: Config) -> RouterDrain:
-        return cls(DrainStore.from_config(config), config.stream_prefix)
+    def from_config(cls, config: Config, clock: Clock | None = None) -> RouterDrain:
+        return cls(DrainStore.from_config(config), config.stream_prefix, clock)
 
     def label(self, stream: str) -> str | None:
         """The label of inbox items from ``stream``: the stream, when readers must gate it
         (a storage topic after the first); None otherwise (nothing stored)."""
         storage = storage_of(stream, self.stream_prefix)
         return stream if storage is not None and storage[1] > 0 else None
+
+    def settled(self, stream: str) -> bool:
+        """Whether every storage topic before ``stream`` is fully drained. Until then the
+        gates hold ``stream``'s items back, so a QoS 0 delivery of it to a connected session
+        is written as any other (the gate hands it out in its key's order) rather than
+        posted past what waits. One read a second at most while not (``DrainView``), none
+        after."""
+        storage = storage_of(stream, self.stream_prefix)
+        if storage is None:
+            return True
+        topic, index = storage
+        return all(
+            self.view.sealed_shards(stream_name(self.stream_prefix, topic, earlier)) is not None
+            for earlier in range(index)
+        )
 
     def after_batch(self, stream: str, shard: str, records: Iterable[tuple[str, bytes]]) -> bool:
         """Called once a batch's deliveries are written: marks the shard drained if the batch

@@ -363,7 +363,7 @@ def fanout(config: Config, clock: Clock | None = None) -> Fanout:
         clock=clock,
         # shared groups: their streams are made known to their leaders
         groups=StreamRegistrar(GroupStore.from_config(config, clock)),
-        drain=RouterDrain.from_config(config),
+        drain=RouterDrain.from_config(config, clock),
     )
 
 

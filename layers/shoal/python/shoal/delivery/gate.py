@@ -39,9 +39,13 @@ class SessionGate:
     def admits(self, session_id: str, state: DeliveryState, item: InboxItem) -> bool:
         """True if the item's storage topic is open for the session. Moves ``state.drained``
         (written with the state) when the session has passed a drained storage topic."""
-        if item.stream is None:
-            return True
-        storage = storage_of(item.stream, self.stream_prefix)
+        return item.stream is None or self.opens(session_id, state, item.stream)
+
+    def opens(self, session_id: str, state: DeliveryState, stream: str) -> bool:
+        """True if the storage topic ``stream`` is open for the session: every earlier one of
+        its composite topic is drained and handed out to it (``admits``). Also asked for what
+        no item holds: a QoS 0 frame the router sent without writing it (``shoal.edge.push``)."""
+        storage = storage_of(stream, self.stream_prefix)
         if storage is None:
             return True
         topic, index = storage

@@ -156,6 +156,8 @@ class _Qos0:
     frame: dict[str, Any]
     source: str | None
     position: str | None
+    #: the source's stream when the drain gates it (``PushWork.stream``)
+    stream: str | None = None
 
     def before(self, at: tuple[str, str] | None) -> bool:
         """Whether it goes before a delivery at ``at`` (of the same source, later)."""
@@ -353,7 +355,7 @@ class PushWorker:
 
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
         """A push's first get, its events to ``batch``."""
-        overtaken = self._overtaken(push)
+        overtaken = self._overtaken(push) + self._gated(push)
         try:
             push.handed = self._get(push, push.source, push.read, batch, given=push.given)
         except (ShoalError, ClientError, BotoCoreError) as exc:
@@ -437,6 +439,32 @@ class PushWorker:
             else:
                 kept.append(q)
         push.direct = kept
+        return late
+
+    def _gated(self, push: _Push) -> list[dict[str, Any]]:
+        """Takes out of ``push.direct`` the QoS 0 frames of a storage topic the drain's gate
+        holds closed for the session (``shoal.drain``): it has not been handed every message
+        of the earlier storage topics yet, and the get holds this one's items back, so
+        posted now a frame would pass earlier messages of its ordering key. Dropped (at most
+        once, MQTT 5 §4.3.1); the frames taken. The router writes such deliveries as any
+        while the earlier storage topics are not drained (``RouterDrain.settled``), so this
+        takes only a frame for a session behind on them. A gate open stays open."""
+        gate = self.delivery.drain
+        gated = {q.stream for q in push.direct if q.stream is not None}
+        if not gated or gate is None:
+            return []
+        state = push.read.state if push.read is not None else None
+        closed = {
+            stream
+            for stream in gated
+            # no state read (the batch read failed): not known to be open
+            if state is None or not gate.opens(push.session_id, state, stream)
+        }
+        if not closed:
+            return []
+        late = [q.frame for q in push.direct if q.stream in closed]
+        push.direct = [q for q in push.direct if q.stream not in closed]
+        logger.info("qos 0 frames held back by the drain dropped", extra={"n": len(late)})
         return late
 
     def _behind_window(self, push: _Push) -> list[dict[str, Any]]:
@@ -616,6 +644,7 @@ def _plan(works: list[PushWork | None]) -> dict[str, _Push]:
                         {k: v for k, v in f.items() if k != "position"},
                         work.source,
                         f.get("position"),
+                        work.stream,
                     )
                     for f in frames
                 )

@@ -95,11 +95,17 @@ class PushWork:
     #: the connections of (some of) the sessions as the sender read them, strongly consistent
     #: after its writes: the worker posts to them without reading them again
     connections: Mapping[str, Connection] = field(default_factory=dict)
+    #: the stream of ``source`` when it is a storage topic after its composite topic's first
+    #: (``shoal.drain``): the worker posts ``direct`` frames only once the drain's gate is
+    #: open for the session, else they would pass the earlier storage topics' messages
+    stream: str | None = None
 
     def body(self) -> str:
         data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
         if self.source is not None:
             data["src"] = self.source
+        if self.stream is not None:
+            data["st"] = self.stream
         if self.lines:
             data["l"] = [[k.key, k.offset, k.length, v] for k, v in self.lines.items()]
         if self.direct:
@@ -155,6 +161,7 @@ class PushWork:
                 str(s): Connection.from_carried(str(s), fields)
                 for s, fields in (data.get("c") or {}).items()
             },
+            stream=str(data["st"]) if data.get("st") else None,
         )
 
 
@@ -242,6 +249,7 @@ class PushQueue:
         named: Mapping[str, set[ArchiveLine]] | None = None,
         given: Mapping[str, Given] | None = None,
         connections: Mapping[str, Connection] | None = None,
+        stream: str | None = None,
     ) -> int:
         """Hands the push of ``sessions`` (ids, or ids with their client ids) to the queue;
         the messages sent. ``key``: what makes the hand-off the same when it is sent again (a
@@ -253,7 +261,8 @@ class PushQueue:
         carries those of its own sessions only (all of ``lines`` without it). ``given``: the
         items just written for some of the sessions, carried to their pushes (``Given``).
         ``connections``: the sessions' connections the caller read after its writes, carried
-        so that the worker does not read them again."""
+        so that the worker does not read them again. ``stream``: ``source``'s stream, when the
+        drain gates it (``PushWork.stream``)."""
         pairs = dict(sessions) if isinstance(sessions, Mapping) else dict.fromkeys(sessions)
         if not pairs:
             return 0
@@ -268,6 +277,7 @@ class PushQueue:
                 named=named,
                 given=given or {},
                 connections=connections or {},
+                stream=stream,
             )
         )
         calls = list(_calls(entries))
@@ -295,6 +305,7 @@ class PushQueue:
         named: Mapping[str, set[ArchiveLine]] | None,
         given: Mapping[str, Given],
         connections: Mapping[str, Connection],
+        stream: str | None = None,
     ) -> Iterator[_Entry]:
         by_lane: dict[int, dict[str, str | None]] = {}
         for session_id, client_id in sorted(pairs.items()):
@@ -310,7 +321,7 @@ class PushQueue:
             posts = {s: direct[s] for s in chunk if direct.get(s)}
             items = {s: given[s] for s in chunk if s in given}
             held = {s: connections[s] for s in chunk if s in connections}
-            bodies = _bodies(chunk, source, carried, posts, items, connections=held)
+            bodies = _bodies(chunk, source, carried, posts, items, connections=held, stream=stream)
             for part, body in enumerate(bodies):
                 dedupe = hashlib.sha256(f"{salt}|{lane}|{part}".encode()).hexdigest()
                 yield _Entry(lane, body, dedupe)
@@ -350,16 +361,17 @@ def _bodies(
     given: Mapping[str, Given],
     *,
     connections: Mapping[str, Connection],
+    stream: str | None = None,
 ) -> Iterator[str]:
     """A lane's sessions as one body, or as several in order when one would be too large (a
     session too large alone goes without its QoS 0 frames, at most once, and its items,
     which its push then reads)."""
-    body = PushWork(chunk, source, lines, direct, given, connections).body()
+    body = PushWork(chunk, source, lines, direct, given, connections, stream).body()
     if len(body) <= MAX_BODY_BYTES:
         yield body
         return
     if len(chunk) == 1:
-        yield PushWork(chunk, source, {}, {}, {}, connections).body()
+        yield PushWork(chunk, source, {}, {}, {}, connections, stream).body()
         return
     items = list(chunk.items())
     half = len(items) // 2
@@ -371,6 +383,7 @@ def _bodies(
             {s: direct[s] for s in part if s in direct},
             {s: given[s] for s in part if s in given},
             connections={s: connections[s] for s in part if s in connections},
+            stream=stream,
         )
 
 

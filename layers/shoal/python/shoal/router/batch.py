@@ -136,6 +136,8 @@ class Router:
                     direct=report.direct,
                     named=report.lines,
                     given=report.given,
+                    # the drain's label: the pusher posts QoS 0 frames once its gate is open
+                    stream=self.fanout.drain.label(batch.stream) if self.fanout.drain else None,
                 )
         return dict(response)
 
@@ -167,6 +169,7 @@ class Router:
         direct: Mapping[str, list[InboxMessage]],
         named: Mapping[str, set[ArchiveLine]],
         given: Mapping[str, Given],
+        stream: str | None = None,
     ) -> None:
         """The sessions' pushes to the push queue. Of a few sessions (one batch read), only
         the connected ones: most deliveries of an HTTP subscriber's would otherwise cost a
@@ -192,6 +195,7 @@ class Router:
                 given=given,
                 # read after the writes, as the pusher's own read would be: not read again
                 connections={s: c for s, c in read.items() if c.ready},
+                stream=stream,
             )
 
     def _lag(self, event: dict[str, Any]) -> None:

@@ -1,0 +1,106 @@
+"""QoS 0 pushed without state and the ordered drain across storage topics (``shoal.drain``).
+
+A QoS 0 delivery to a connected session is posted from the push work, written nowhere. After
+a SwitchProduce, the later storage topic's items wait at the session's gate until the earlier
+one is drained and handed out; a QoS 0 frame of the later topic must wait as well, or it
+passes earlier messages of its ordering key. The 30-minute soak caught it: one QoS 0 message
+reached six WebSocket subscribers before a QoS 1 message of its key published five seconds
+earlier, held by the gate while the storage topic the switch left behind drained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import boto3
+import pytest
+
+from tests.integration.test_delivery_support import World
+from tests.integration.test_drain_support import GRACE_MS, Drain, Feed, switch
+from tests.integration.test_edge import Edge, texts
+
+T0, T1 = "shoal-orders-0", "shoal-orders-1"
+KEY = "k"
+
+
+@pytest.fixture
+def edge(aws: boto3.Session, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
+    world = World(aws, monkeypatch)
+    world.topic("default")
+    world.topic("orders", 1)
+    yield Edge(world, monkeypatch)
+
+
+def publish(edge: Edge, text: str, qos: int) -> None:
+    edge.world.publish("orders/eu", text, qos=qos, ordering_key=KEY)
+
+
+def routed(edge: Edge, feed: Feed, stream: str) -> None:
+    """The router over the stream's new records, then the pushes it handed over."""
+    feed.route(stream)
+    edge.push()
+
+
+def seal(edge: Edge, drain: Drain, feed: Feed) -> None:
+    """T0 sealed once the grace is over, and its seals routed: T0 is fully drained."""
+    edge.world.clock.advance(GRACE_MS / 1000 + 1)
+    assert drain.sealer.run() == 1
+    routed(edge, feed, T0)
+
+
+def subscribed(edge: Edge, receive_maximum: int = 100) -> None:
+    edge.connect("c1", receive_maximum=receive_maximum)
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "orders/#", "qos": 1}]})
+
+
+def test_a_qos0_message_of_a_storage_topic_still_draining_waits_behind_its_key(
+    edge: Edge,
+) -> None:
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    # Given m0 in T0, then a switch, then m1 (QoS 1) and q2 (QoS 0) of the same key in T1
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    publish(edge, "m1", 1)
+    publish(edge, "q2", 0)
+    # When T1 is routed first (T0 is neither routed nor sealed)
+    routed(edge, feed, T1)
+    # Then nothing of the key goes out: m1 waits at the gate, and q2 with it
+    assert texts(edge.messages("c1")) == []
+    # When T0 is routed, sealed and drained, and the next message of T1 brings a push
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    publish(edge, "m3", 1)
+    routed(edge, feed, T1)
+    # Then the key's messages came in publish order, q2 among them
+    assert texts(edge.messages("c1")) == ["m0", "m1", "q2", "m3"]
+
+
+def test_a_qos0_frame_is_not_posted_past_what_a_session_has_not_had_of_a_drained_topic(
+    edge: Edge,
+) -> None:
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    # Given a session whose window holds one message, and m0, m1 of one key in T0
+    subscribed(edge, receive_maximum=1)
+    publish(edge, "m0", 1)
+    publish(edge, "m1", 1)
+    switch("orders", 1)
+    # When T0 is routed and drained: m0 goes out, m1 waits for the window
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    assert texts(edge.messages("c1")) == ["m0"]
+    # When q2 (QoS 0) of the key is published to T1 and routed: T0 is drained, so the
+    # router sends it as a frame, but the session has not had m1 yet
+    publish(edge, "q2", 0)
+    routed(edge, feed, T1)
+    # Then q2 does not pass m1: at most once, it is dropped
+    assert texts(edge.messages("c1")) == ["m0"]
+    [m0] = edge.messages("c1")
+    edge.send("c1", {"action": "ack", "ids": [m0["id"]]})
+    assert texts(edge.messages("c1")) == ["m0", "m1"]
+    # When the session has had all of T0, the next QoS 0 frame of T1 goes out at once
+    [_, m1] = edge.messages("c1")
+    edge.send("c1", {"action": "ack", "ids": [m1["id"]]})
+    publish(edge, "q3", 0)
+    routed(edge, feed, T1)
+    assert texts(edge.messages("c1")) == ["m0", "m1", "q3"]

@@ -104,3 +104,28 @@ def test_a_qos0_frame_is_not_posted_past_what_a_session_has_not_had_of_a_drained
     publish(edge, "q3", 0)
     routed(edge, feed, T1)
     assert texts(edge.messages("c1")) == ["m0", "m1", "q3"]
+
+
+def test_what_the_gate_held_is_pushed_once_the_drain_is_over_without_another_message(
+    edge: Edge,
+) -> None:
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    # Given m0 in T0, a switch, and m1 in T1 routed first: the gate holds m1
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    publish(edge, "m1", 1)
+    routed(edge, feed, T1)
+    assert texts(edge.messages("c1")) == []
+    # A sweep while the gate is closed pushes nothing and looks again later
+    edge.world.clock.advance(3)
+    edge.sweep()
+    assert texts(edge.messages("c1")) == []
+    # When T0 is routed, sealed and drained, and nothing more is published
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    assert texts(edge.messages("c1")) == ["m0"]
+    # Then the sweep pushes what the gate held
+    edge.world.clock.advance(3)
+    edge.sweep()
+    assert texts(edge.messages("c1")) == ["m0", "m1"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import (
@@ -61,6 +61,9 @@ class ScanStart:
 
     source: str | None = None
     idle: bool = False
+    #: sources whose items the drain's gate held back from this get (``shoal.drain``): a
+    #: push of them must be tried again once the earlier storage topics are drained
+    held: set[str] = field(default_factory=set)
 
 
 class InboxScan:
@@ -191,6 +194,8 @@ class InboxScan:
                 ):
                     # a later storage topic waits for the earlier ones (``shoal.drain``)
                     held = source
+                    if start is not None:
+                        start.held.add(source)
                     continue
                 if not fresh:
                     partial = state.partial.get(source)

@@ -180,6 +180,7 @@ class DeliveryService:
         given: Given | None = None,
         positions: dict[str, tuple[str, str]] | None = None,
         waiting: dict[str, str] | None = None,
+        held: set[str] | None = None,
     ) -> dict[str, Any]:
         """``window``: the session's in-flight window when it is not the service's (a
         WebSocket client's Receive Maximum, ``shoal.edge``). ``lines``: archive lines the
@@ -196,7 +197,9 @@ class DeliveryService:
         filled with the source and position of each delivery handed out from the inbox, by id
         (a push orders the QoS 0 frames it carries among them). ``waiting``: filled with the
         position of the first new message the session's full window left waiting, by source
-        (a QoS 0 frame carried past it would overtake it)."""
+        (a QoS 0 frame carried past it would overtake it). ``held``: filled with the sources
+        whose items the drain's gate held back (``shoal.drain``): a push has them pushed
+        again once the gate may be open."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -239,6 +242,8 @@ class DeliveryService:
                 )
                 if waiting is not None and plan.waiting is not None:
                     waiting.setdefault(*plan.waiting)
+                if held is not None:
+                    held |= start.held
                 if not plan.changed:
                     break
                 if waited:

@@ -43,6 +43,9 @@ CONNECTION = "conn#"
 SESSION = "session#"
 #: a due list: sessions whose pushed deliveries come due together (``arm_sessions``)
 DUE = "due#"
+#: a due list of sessions to push again whatever their state: their gets found deliveries the
+#: ordered drain's gate held back (``shoal.drain``), which nothing else would push once it opens
+DUE_HELD = DUE + "held-"
 #: API Gateway closes every connection within two hours; an item left by a lost $disconnect
 #: is removed by TTL a little after
 MAX_CONNECTION_S = 7200
@@ -297,16 +300,19 @@ class ConnectionStore:
 
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 
-    def arm_sessions(self, session_ids: Iterable[str], due_at_ms: int) -> bool:
+    def arm_sessions(
+        self, session_ids: Iterable[str], due_at_ms: int, *, held: bool = False
+    ) -> bool:
         """The sessions are swept at ``due_at_ms``: one *due list* item names them all
         (``due#<id>``, in the ``due`` index), one write however many sessions a push handed
         deliveries to. A session may sit in several lists (each push arms its own): the sweep
         reads each session's state, so a copy too many costs a read, never a push. False
-        when there was nothing to arm."""
+        when there was nothing to arm. ``held``: a list of sessions the drain's gate held
+        deliveries back from (``DUE_HELD``): the sweep pushes them whatever their state."""
         sessions = sorted(set(session_ids))
         if not sessions:
             return False
-        key = DUE + secrets.token_hex(8)
+        key = (DUE_HELD if held else DUE) + secrets.token_hex(8)
         self.dynamo.call(
             "put_item",
             TableName=self.table,

@@ -48,7 +48,7 @@ from shoal.delivery.events import EventBatch, record_answers
 from shoal.delivery.inbox import Given, LineCache, ordinal_of
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
-from shoal.edge.connections import DUE_SHARDS, Connection, ConnectionStore
+from shoal.edge.connections import DUE_HELD, DUE_SHARDS, Connection, ConnectionStore
 from shoal.edge.frames import MessageFrame, ServerDisconnectFrame, encode
 from shoal.edge.pushwork import HandOffs, PushQueue, PushWork
 
@@ -67,6 +67,8 @@ POST_BACKOFF_S = 0.05
 POST_BACKOFF_CAP_S = 2.0
 #: what API Gateway answers a post past the account's request rate (429)
 THROTTLED = frozenset({"LimitExceededException", "TooManyRequestsException", "ThrottlingException"})
+#: a session whose items the drain's gate held is pushed again (by the sweep) this much later
+DRAIN_RECHECK_MS = 2_000
 #: a chunk returned to the queue is visible again after a jittered, growing delay (by its
 #: receive count), at most this long: its group (its sessions' later pushes) waits meanwhile
 MAX_RETRY_DELAY_S = 60
@@ -201,6 +203,8 @@ class _Push:
     armed: bool = False
     #: the items its first get may take without reading them back (``Given``)
     given: Given | None = None
+    #: sources whose items the drain's gate held back from its gets (``shoal.drain``)
+    held: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -339,6 +343,7 @@ class PushWorker:
         self._each(self._post_and_go_on, pushes)
         # a later round's QoS 1/2 of a session not armed yet
         self._arm([p for p in pushes if p.acked_later and not p.armed])
+        self._recheck([p for p in pushes if p.held and p.connection is not None])
         for push in pushes:
             self._settle(push)
 
@@ -545,6 +550,23 @@ class PushWorker:
         for push in sessions:
             push.armed = True
 
+    def _recheck(self, pushes: list[_Push]) -> None:
+        """Sessions whose gets found items the drain's gate holds (a later storage topic
+        while an earlier one drains: ``shoal.drain``) are pushed again by the sweep after
+        ``DRAIN_RECHECK_MS``: nothing else would push them once the gate opens, when no
+        other message comes to them. One due list for the batch; best effort (the next push
+        or a reconnect sends them too)."""
+        if not pushes:
+            return
+        try:
+            self.connections.arm_sessions(
+                (p.session_id for p in pushes),
+                self.clock.now_ms() + DRAIN_RECHECK_MS,
+                held=True,
+            )
+        except (ClientError, BotoCoreError) as exc:
+            logger.info("push recheck not armed", extra={"error_type": type(exc).__name__})
+
     def _settle(self, push: _Push) -> None:
         """After a push: what a failed push handed out and did not post made due again for
         the chunk's retry."""
@@ -616,6 +638,7 @@ class PushWorker:
             given=given,
             positions=push.positions,
             waiting=push.waiting,
+            held=push.held,
         )["messages"]
         return messages
 
@@ -738,9 +761,14 @@ class PushSweep:
         now = self.clock.now_ms()
         timeout_ms = int(self.delivery.settings.ack_timeout_s * 1000)
         swept: set[str] = set()
+        #: sessions of held lists (``DUE_HELD``): pushed whatever their state says
+        held: set[str] = set()
         for shard in range(DUE_SHARDS):
             for key, due_at_ms in self.connections.due(shard, now, limit_per_shard):
-                swept.update(self.connections.take_due(key, due_at_ms))
+                taken = self.connections.take_due(key, due_at_ms)
+                swept.update(taken)
+                if key.startswith(DUE_HELD):
+                    held.update(taken)
         report.swept = len(swept)
         if not swept:
             return report
@@ -755,11 +783,12 @@ class PushSweep:
                 due.add(session_id)
             else:
                 later[session_id] = following
-        targets = {c.session_id for c in self.connections.targets(due | set(later))}
+        targets = {c.session_id for c in self.connections.targets(due | held | set(later))}
         due &= targets
+        if due or held & targets:
+            self.queue.hand_off(due | (held & targets))
+            report.pushed = len(due | (held & targets))
         if due:
-            self.queue.hand_off(due)
-            report.pushed = len(due)
             # their pushes send them again now: their next deadline is a timeout away
             self.connections.arm_sessions(due, now + timeout_ms)
             report.armed += len(due)

@@ -52,6 +52,7 @@ from bench.soak.server import (
     die_with_parent,
     request,
     resources,
+    state_rss_kb,
 )
 
 PRINCIPAL = "soak"
@@ -465,6 +466,7 @@ class Soak:
             workers.stop_all()
             self._push_final()
             self._server_drops()
+            self._state_memory()
             self.history.record("phase", name="end")
         finally:
             sampler.stop()
@@ -654,6 +656,14 @@ class Soak:
             error = str(exc)
             self.say(f"the archived delivery events could not be read: {exc}")
         self.history.record("server_drops", events=drops, objects=objects, error=error)
+
+    def _state_memory(self) -> None:
+        """The server's memory beside a fresh process's holding the same state, at the end:
+        what of the server's memory is not its data."""
+        pid = self.server.pid
+        server = (resources(pid) or {}).get("rss_kb") if pid is not None else None
+        state = state_rss_kb(self.server.state_dir, self.server.env)
+        self.history.record("state_memory", server_rss_kb=server, state_rss_kb=state)
 
     def _push_final(self) -> None:
         state = self._call("GET", f"/v1/subscriptions/{PUSH_NAME}") or {}

@@ -53,6 +53,8 @@ with the next life), ``n`` (the record's number within its file: the order its w
 - ``phase``: ``name`` ``start`` (with the run's settings: ``reaper_s``, ``keepalive_s``, the
   throttle), ``traffic_end`` (no new operations from here, only draining), ``end``.
 - ``sample``: the server's ``rss_kb``, ``fds``, ``threads`` (``bench.soak.sampler``).
+- ``state_memory``: at the end, the server's ``server_rss_kb`` and ``state_rss_kb``, a fresh
+  process's holding the same state (``bench.soak.server.state_rss_kb``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,11 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -276,3 +279,48 @@ def resources(pid: int) -> dict[str, int] | None:
             elif line.startswith("Threads:"):
                 threads += int(line.split()[1])
     return {"rss_kb": rss, "fds": fds, "threads": threads} if seen else None
+
+
+#: a fresh process that starts the emulator on a state directory (its snapshot, then the
+#: journal after it) and answers its resident memory once it is up (``state_rss_kb``)
+_STATE_RSS = """
+import gc, json, pathlib, sys
+from shoal.local.aws import EmbeddedAws
+aws = EmbeddedAws(host="127.0.0.1", port=0, state_dir=pathlib.Path(sys.argv[1]))
+aws.start()
+gc.collect()
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+aws.stop()
+print(json.dumps({"rss_kb": rss}))
+"""
+
+
+def state_rss_kb(state_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
+    """The resident memory (KB) of a fresh process holding what ``state_dir`` holds (a copy
+    of it: a start may write a snapshot), or None when it could not say. ``shoal dev`` keeps
+    every record, item and object in memory, so its memory grows with what a run writes; set
+    beside the server's own at the same point, this says how much of that memory is the
+    data and how much is not (a leak)."""
+    from shoal.local.aws import JOURNAL_FILE
+    from shoal.local.snapshot import SNAPSHOT_FILE
+
+    with tempfile.TemporaryDirectory(dir=state_dir.parent) as tmp:
+        copy = Path(tmp) / "state"
+        copy.mkdir(mode=0o700)
+        for name in (JOURNAL_FILE, SNAPSHOT_FILE):
+            if (state_dir / name).exists():
+                shutil.copy2(state_dir / name, copy / name)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _STATE_RSS, str(copy)],
+                cwd=ROOT,
+                env=child_environment(env),
+                capture_output=True,
+                timeout=900,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return None
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return int(json.loads(done.stdout.splitlines()[-1])["rss_kb"])

@@ -154,6 +154,22 @@ def _warm_growth(samples: list[Record], start: float, traffic_end: float) -> dic
     }
 
 
+def _beyond_state(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The server's memory at the end beside a fresh process's that holds the same state
+    (``bench.soak.server.state_rss_kb``): ``shoal dev`` keeps all it was sent in memory, so
+    its memory grows with a run's data; what it holds beyond what its data takes is what a
+    leak would grow."""
+    found = next((r for r in records if r["op"] == "state_memory"), None)
+    if found is None or not found.get("server_rss_kb") or not found.get("state_rss_kb"):
+        return None
+    server, state = int(found["server_rss_kb"]), int(found["state_rss_kb"])
+    return {
+        "server_mb": round(server / 1024, 1),
+        "state_mb": round(state / 1024, 1),
+        "pct": round(100 * (server / state - 1), 1),
+    }
+
+
 def summarize(
     out: Path, settings: Any, report: Report, starts: list[dict[str, float]]
 ) -> dict[str, Any]:
@@ -224,6 +240,7 @@ def summarize(
         "recoveries": recoveries,
         "server_lives": _lives(samples, faults, start),
         "rss_after_warmup": _warm_growth(samples, start, traffic_end),
+        "rss_beyond_state": _beyond_state(records),
         "server_starts": starts,
         "notes": report.notes[:10],
     }

@@ -47,3 +47,7 @@ def test_a_minute_of_mixed_traffic_and_faults_keeps_every_promise(tmp_path: Path
     # and the service's archived delivery events were read for the drops it made by rule
     [drops] = [r for r in read_history(outcome.out / "history")[0] if r["op"] == "server_drops"]
     assert drops["error"] is None and drops["objects"] > 0
+    # and the server's memory at the end was set beside what a fresh process holding its
+    # state takes (a leak is what the server holds beyond it)
+    beyond = outcome.figures["rss_beyond_state"]
+    assert beyond is not None and beyond["state_mb"] > 0 and beyond["server_mb"] > 0

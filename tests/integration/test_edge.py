@@ -28,10 +28,11 @@ from shoal.declarations import PUSHER_MAPPING
 from shoal.delivery.model import STATE
 from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
-from shoal.edge.push import Connections, PushSweep, PushWorker, SweepReport
+from shoal.edge.push import Connections, PushWorker
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService
+from shoal.edge.sweep import PushSweep, SweepReport
 from shoal.groups.records import group_key
 from shoal.local.esm.queues import QueueMapping, QueueMappings
 from shoal.local.provision import LocalNames

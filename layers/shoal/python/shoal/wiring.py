@@ -32,9 +32,10 @@ from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
 from shoal.edge.connections import ConnectionStore
-from shoal.edge.push import Connections, PushSweep, PushWorker
+from shoal.edge.push import Connections, PushWorker
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.service import EdgeService
+from shoal.edge.sweep import PushSweep
 from shoal.groups.gate import group_gate
 from shoal.groups.service import GroupService, StreamRegistrar
 from shoal.groups.store import GroupStore

@@ -11,7 +11,7 @@ Two items per connected session (``shoal.aws.tables.ConnectionModel``):
 
 and the *due lists* (``due#<id>``, in the sparse ``due`` index): the sessions a push handed
 deliveries to that wait for an ack, one item a push, each swept when their ack timeout
-passes (``shoal.edge.push.PushSweep``).
+passes (``shoal.edge.sweep.PushSweep``).
 
 One pusher at a time per session is the push queue's doing (a session's pushes go through one
 message group, ``shoal.edge.pushwork``), not a lease in this table. What remains here is

@@ -48,7 +48,7 @@ from shoal.delivery.events import EventBatch, record_answers
 from shoal.delivery.inbox import Given, LineCache, ordinal_of
 from shoal.delivery.model import MAX_GET
 from shoal.delivery.service import DeliveryService, SessionRead
-from shoal.edge.connections import DUE_HELD, DUE_SHARDS, Connection, ConnectionStore
+from shoal.edge.connections import Connection, ConnectionStore
 from shoal.edge.frames import MessageFrame, ServerDisconnectFrame, encode
 from shoal.edge.pushwork import HandOffs, PushQueue, PushWork
 
@@ -724,77 +724,3 @@ def _fifo_failures(records: list[Mapping[str, Any]], failed: set[int]) -> list[i
             stopped.add(group)
             out.append(n)
     return out
-
-
-@dataclass
-class SweepReport:
-    #: sessions found due
-    swept: int = 0
-    #: sessions whose pushes were handed to the queue (deliveries again, with ``dup``)
-    pushed: int = 0
-    #: sessions armed again for deliveries still in flight
-    armed: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-class PushSweep:
-    """The reaper's part: the connected sessions whose pushed deliveries passed their ack
-    timeout (the due index), handed to the push queue again, each armed for its next
-    deadline."""
-
-    def __init__(
-        self,
-        connections: ConnectionStore,
-        delivery: DeliveryService,
-        queue: PushQueue,
-        clock: Clock | None = None,
-    ) -> None:
-        self.connections = connections
-        self.delivery = delivery
-        self.queue = queue
-        self.clock = clock or SystemClock()
-
-    def sweep(self, limit_per_shard: int = 500) -> SweepReport:
-        report = SweepReport()
-        now = self.clock.now_ms()
-        timeout_ms = int(self.delivery.settings.ack_timeout_s * 1000)
-        swept: set[str] = set()
-        #: sessions of held lists (``DUE_HELD``): pushed whatever their state says
-        held: set[str] = set()
-        for shard in range(DUE_SHARDS):
-            for key, due_at_ms in self.connections.due(shard, now, limit_per_shard):
-                taken = self.connections.take_due(key, due_at_ms)
-                swept.update(taken)
-                if key.startswith(DUE_HELD):
-                    held.update(taken)
-        report.swept = len(swept)
-        if not swept:
-            return report
-        # most sessions acked in time: one batch read of their states says so
-        due: set[str] = set()
-        later: dict[str, int] = {}
-        for session_id, state in self.delivery.inbox.states(swept).items():
-            if not state.runs:
-                continue
-            following = min(r.sent_at_ms for r in state.runs) + timeout_ms
-            if following <= now:
-                due.add(session_id)
-            else:
-                later[session_id] = following
-        targets = {c.session_id for c in self.connections.targets(due | held | set(later))}
-        due &= targets
-        if due or held & targets:
-            self.queue.hand_off(due | (held & targets))
-            report.pushed = len(due | (held & targets))
-        if due:
-            # their pushes send them again now: their next deadline is a timeout away
-            self.connections.arm_sessions(due, now + timeout_ms)
-            report.armed += len(due)
-        waiting = {s: t for s, t in later.items() if s in targets}
-        if waiting:
-            # one list for the rest, at the earliest of their deadlines
-            self.connections.arm_sessions(waiting, min(waiting.values()))
-            report.armed += len(waiting)
-        return report

@@ -521,6 +521,9 @@ class Run:
         #: an invocation's time as the process's CPU time (without the waits of a loaded
         #: machine), less in-process moto's (``AWS_SIDE``), instead of its wall time
         self.cpu_time = False
+        #: that CPU time stretched by the function's share of a vCPU (``FULL_VCPU_MB``), as
+        #: Lambda would run it (the fleet's pricing; the fan-out model divides by it itself)
+        self.vcpu_share = False
         AWS_SIDE.install()
         self.kinesis = session.client("kinesis")  # the bench's own reads: not metered
         #: stream -> the last sequence number handed to a function
@@ -540,6 +543,10 @@ class Run:
         elapsed = clock() - started
         if self.cpu_time:
             elapsed = max(elapsed - (AWS_SIDE.total_s - aws_side), 0.0)
+            if self.vcpu_share:
+                # Lambda gives a function a share of a vCPU in proportion to its memory (a
+                # whole one at FULL_VCPU_MB): measured on a whole core here, longer there
+                elapsed *= max(1.0, FULL_VCPU_MB / fdef.memory_mb)
         if self.metering:
             c = self.counts
             c.lambda_requests += 1
@@ -1176,6 +1183,9 @@ FLEET_ROUNDS = 3
 #: the counted Lambda time per call for the concurrency estimate, which in-process time alone
 #: would understate
 CALL_RTT_S = 0.008
+#: the memory at which a Lambda function has the equivalent of one vCPU (Lambda's
+#: documentation, "Configuring function memory"); below it, CPU time stretches
+FULL_VCPU_MB = 1769
 #: an account's default Lambda concurrency quota (all functions together)
 DEFAULT_CONCURRENCY = 1000
 #: SQS requests of one due timer (``shoal.sessions.timers``): its send to the standard wills
@@ -1386,6 +1396,7 @@ def count_long_poll() -> dict[str, Unit]:
         ensure_default_topic(topic_service(get_config(), stream_wait_s=30.0), 1)
         run = Run(session, scenario)
         run.cpu_time = True
+        run.vcpu_share = True
         clients = [f"bench-{n}" for n in range(FLEET_CLIENTS)]
         sessions = []
         for client in clients:
@@ -1567,6 +1578,7 @@ def count_push() -> dict[str, Unit]:
         ensure_default_topic(topic_service(config, stream_wait_s=30.0), 1)
         run = Run(session, scenario)
         run.cpu_time = True
+        run.vcpu_share = True
         posts = Posts()
         posts.attach(
             clients.client(
@@ -1860,7 +1872,8 @@ def fleet_report(figures: dict[str, Any]) -> str:
         "keepalive (its requests, a reaper invocation each, a read and a write unit).",
         "- Lambda time: an invocation's CPU time in-process (Shoal's work, without the waits "
         "of the loaded shared machine and without in-process moto's answering, which is AWS's "
-        "side of a call) plus "
+        "side of a call), stretched by the function's share of a vCPU (Lambda gives one vCPU "
+        f"at {FULL_VCPU_MB:,} MB, in proportion below: 3.5x at 512 MB), plus "
         f"{figures['call_rtt_s'] * 1000:.0f} ms for each AWS call (the round trip deployed, "
         "which in-process moto does not have); priced as GB-s at the invoked functions' "
         "memory, and as concurrency: Lambda-seconds a second over the fleet (Little's law). "

@@ -53,7 +53,7 @@ from shoal.edge.pushwork import (
 from shoal.router.fanout import MAX_PARTS, PIPELINE_SESSIONS
 
 from bench.account import emulated_account
-from bench.cost import Run, Scenario, _http, _start_metering, _stop_metering
+from bench.cost import FULL_VCPU_MB, Run, Scenario, _http, _start_metering, _stop_metering
 
 COUNTED = 1_000
 SIZES = (1_000, 10_000, 100_000)
@@ -63,8 +63,6 @@ CALL_S = 0.010
 POST_RATE = 10_000
 #: infra.stack's default (context ``pushConcurrency``)
 PUSH_CONCURRENCY = 50
-#: Lambda's CPU: a full vCPU at 1,769 MB, in proportion below
-FULL_VCPU_MB = 1769
 #: the router mapping's poll (about a second: half of it waited on average), the queue's hop
 POLL_WAIT_S = 0.5
 QUEUE_HOP_S = 0.05

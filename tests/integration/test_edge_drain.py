@@ -11,9 +11,11 @@ earlier, held by the gate while the storage topic the switch left behind drained
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 
 from tests.integration.test_delivery_support import World
 from tests.integration.test_drain_support import GRACE_MS, Drain, Feed, switch
@@ -129,3 +131,37 @@ def test_what_the_gate_held_is_pushed_once_the_drain_is_over_without_another_mes
     edge.world.clock.advance(3)
     edge.sweep()
     assert texts(edge.messages("c1")) == ["m0", "m1"]
+
+
+def test_a_gate_that_cannot_be_read_keeps_the_qos0_frame_from_passing(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    assert texts(edge.messages("c1")) == ["m0"]
+
+    # Given the gate's reads refused (throttled) while a QoS 0 frame of T1 is pushed
+    real = drain.session_gate.opens
+    refusing = [True]
+
+    def refused(*args: Any, **kwargs: Any) -> bool:
+        if refusing[0]:
+            raise ClientError(
+                {"Error": {"Code": "ProvisionedThroughputExceededException", "Message": "-"}},
+                "Query",
+            )
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drain.session_gate, "opens", refused)
+    publish(edge, "q1", 0)
+    routed(edge, feed, T1)
+    # Then the frame is dropped (not known to be in order), and the push went on
+    assert texts(edge.messages("c1")) == ["m0"]
+    refusing[0] = False
+    publish(edge, "m2", 1)
+    routed(edge, feed, T1)
+    assert texts(edge.messages("c1")) == ["m0", "m2"]

@@ -459,12 +459,15 @@ class PushWorker:
         if not gated or gate is None:
             return []
         state = push.read.state if push.read is not None else None
-        closed = {
-            stream
-            for stream in gated
-            # no state read (the batch read failed): not known to be open
-            if state is None or not gate.opens(push.session_id, state, stream)
-        }
+        closed: set[str] = set()
+        for stream in gated:
+            try:
+                # no state read (the batch read failed): not known to be open
+                opens = state is not None and gate.opens(push.session_id, state, stream)
+            except (ClientError, BotoCoreError):
+                opens = False  # not known to be open either
+            if not opens:
+                closed.add(stream)
         if not closed:
             return []
         late = [q.frame for q in push.direct if q.stream in closed]

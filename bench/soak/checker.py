@@ -1123,7 +1123,13 @@ def _wills(model: Model, report: Report, grace_s: float) -> None:
             published_at = min(
                 float(d.record.get("published_at") or d.t * 1000) / 1000 for d in seen
             )
-            due = case.close_earliest + case.delay_s
+            earliest = case.close_earliest
+            nxt = _next_connect(model, case) if case.delay_s == 0 else None
+            if nxt is not None:
+                # a new connection takes the session over and closes the old channel at once,
+                # and with no delay its will goes then ([MQTT-3.1.4-3], §3.1.3.2.2)
+                earliest = min(earliest, float(nxt.invoke["t"]))
+            due = earliest + case.delay_s
             if published_at < due - CLOCK_TOLERANCE_S:
                 report.add(
                     "will",

@@ -793,6 +793,38 @@ def test_a_silent_http_channel_gets_its_will_after_its_keepalive() -> None:
     assert report.counts["wills_required"] == 1
 
 
+def test_a_will_without_delay_may_go_when_a_new_connection_takes_the_channel_over() -> None:
+    # Given an HTTP channel (keepalive 4 s, no delay) whose client is killed, started again and
+    # connects 2 s later (before a keepalive ran out), and whose will comes right after
+    run = will_run(delay_s=0, transport="http", keepalive_s=4)
+    run.rec("fault", kind="client_kill", clients=["dev"])
+    run.tick(2)
+    run.connect("dev", "d10")
+    run.tick(0.5)
+    see_will(run)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then the takeover closed the old channel at once, and the will went then [MQTT-3.1.4-3]
+    assert not violations(report, "will"), report.render()
+
+
+def test_a_will_without_delay_before_any_close_or_takeover_is_caught() -> None:
+    # Given the same killed HTTP channel whose will comes 2 s later, with no new connection
+    run = will_run(delay_s=0, transport="http", keepalive_s=4)
+    run.rec("fault", kind="client_kill", clients=["dev"])
+    run.tick(2)
+    see_will(run)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then it came before the server could call the channel closed
+    (found,) = violations(report, "will")
+    assert "before its delay of 0 s ran out" in found
+
+
 def test_a_will_cut_by_a_server_kill_is_judged_only_on_at_most_once() -> None:
     # Given a dropped connection whose server was killed before it could see the close, and no
     # will ever seen

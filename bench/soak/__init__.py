@@ -69,6 +69,16 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     return {"runs": runs}
 
 
+def _judged_again(run: dict[str, Any]) -> str:
+    """A run whose history a later checker judged again (a checker fixed after the run
+    started): by which, and what the run's own checker said."""
+    again = run.get("judged_again")
+    if not again:
+        return ""
+    said = ", ".join(f"{k} {v}" for k, v in again.get("the_run_said", {}).items()) or "none"
+    return f"; judged again by the checker of {again.get('by')} (the run's own found: {said})"
+
+
 def _beyond(run: dict[str, Any]) -> str:
     found = run.get("rss_beyond_state")
     if not found:
@@ -116,6 +126,7 @@ def report(figures: dict[str, Any]) -> str:
     ]
     commands = [
         f"- {label}: `{run.get('command')}` (throttle: {run.get('throttle') or 'none'})"
+        + _judged_again(run)
         for label, run in sorted(figures.get("runs", {}).items())
     ]
     return (

@@ -980,6 +980,10 @@ def _retained_current(model: Model, report: Report) -> None:
     for client, deliveries in model.deliveries.items():
         #: when each (filter, topic)'s last retained copy reached the client
         last_copy: dict[tuple[str, str], float] = {}
+        #: the retained copies' delivery ids seen: one seen again is that copy sent again
+        #: (unacked when a kill or a drop came: [MQTT-4.4.0-1], also after an unsubscribe,
+        #: [MQTT-3.10.4-3]), judged when it first came, not a later subscribe's copy
+        handed: set[str] = set()
         for delivery in sorted(deliveries, key=lambda d: d.t):
             mk = delivery.mk
             if (
@@ -988,6 +992,10 @@ def _retained_current(model: Model, report: Report) -> None:
                 or _shared(delivery.sub)
             ):
                 continue
+            delivery_id = str(delivery.record.get("id"))
+            if delivery.record.get("dup") and delivery_id in handed:
+                continue
+            handed.add(delivery_id)
             copy = model.publishes[mk]
             seen = last_copy.get((delivery.sub, copy.topic))
             last_copy[(delivery.sub, copy.topic)] = delivery.t

@@ -656,6 +656,28 @@ def test_a_stale_copy_after_the_earlier_subscribes_own_came_is_caught() -> None:
     ]
 
 
+def test_a_retained_copy_sent_again_unacked_after_a_new_subscribe_is_not_stale() -> None:
+    # Given carol's subscribe's copy of r1, whose ack a kill lost; r2 replacing r1; carol
+    # connecting again, unsubscribing and subscribing; and the unacked r1 sent again (dup)
+    run = clean_run()
+    run.publish("r1", "state/1", retain=True)
+    run.connect("carol", "c1")
+    run.subscribe("carol", "state/#")
+    run.deliver("carol", "r1", sub="state/#", conn="c1", retain=True, delivery_id="d-7")
+    run.publish("r2", "state/1", retain=True)
+    run.connect("carol", "c2")
+    run.unsubscribe("carol", "state/#")
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r1", sub="state/#", conn="c2", retain=True, delivery_id="d-7", dup=True)
+    run.consume("carol", "r2", sub="state/#", conn="c2", retain=True)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then r1 is the first subscribe's copy sent again ([MQTT-4.4.0-1]): not stale
+    assert violations(report, "retained_current") == []
+
+
 def test_a_resumed_session_that_comes_back_empty_is_caught() -> None:
     # Given alice reconnecting (not clean) soon after her last answer, told no session exists
     run = clean_run()

@@ -308,6 +308,9 @@ class Model:
         self.records = list(records)
         self.start: Record | None = None
         self.traffic_end: float | None = None
+        #: when the driver stopped waiting for deliveries (the ``drained`` phase): a publish
+        #: first answered after it could reach no subscriber any more (its clients stop)
+        self.drained: float | None = None
         self.end: float = max((float(r["t"]) for r in records), default=0.0)
         self.composites: set[str] = set()
         self.publishes: dict[str, Publish] = {}
@@ -353,6 +356,8 @@ class Model:
                     self.start = record
                 elif record.get("name") == "traffic_end":
                     self.traffic_end = float(record["t"])
+                elif record.get("name") == "drained":
+                    self.drained = float(record["t"])
             elif op == "topic" and record.get("action") == "create":
                 self.composites.add(str(record["name"]))
             elif op == "publish":
@@ -555,12 +560,24 @@ def _counts(model: Model, report: Report) -> None:
         report.count(f"fault_{fault.get('kind')}")
 
 
-def _acked_by_topic(model: Model) -> dict[str, list[Publish]]:
-    """Publishes answered success, of QoS 1 or 2, by topic (a filter is matched once a topic)."""
+def _acked_by_topic(model: Model, report: Report | None = None) -> dict[str, list[Publish]]:
+    """Publishes answered success, of QoS 1 or 2, by topic (a filter is matched once a topic).
+    Not one first answered after the drain: the run no longer waited for its deliveries (a
+    publisher's retry that got through while the clients were being stopped), so it is owed
+    to no one; counted ``acked_after_drain``."""
     by_topic: dict[str, list[Publish]] = defaultdict(list)
     for publish in model.publishes.values():
-        if publish.acked and publish.qos >= 1:
-            by_topic[publish.topic].append(publish)
+        if not publish.acked or publish.qos < 1:
+            continue
+        if (
+            model.drained is not None
+            and publish.first_ok is not None
+            and publish.first_ok > model.drained
+        ):
+            if report is not None:
+                report.count("acked_after_drain")
+            continue
+        by_topic[publish.topic].append(publish)
     return by_topic
 
 
@@ -576,7 +593,7 @@ def _ack_sent(model: Model, clients: Iterable[str]) -> set[str]:
 
 
 def _lost(model: Model, report: Report) -> None:
-    by_topic = _acked_by_topic(model)
+    by_topic = _acked_by_topic(model, report)
     for (client, name), intervals in model.intervals.items():
         if name.startswith("$share/"):
             continue

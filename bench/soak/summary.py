@@ -224,6 +224,7 @@ def summarize(
                 "ack_races",
                 "qos2_dropped_on_leave",
                 "qos2_dropped_unseen",
+                "acked_after_drain",
             )
             if k in report.counts
         },

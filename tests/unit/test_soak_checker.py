@@ -233,6 +233,27 @@ def test_a_message_never_delivered_is_lost() -> None:
     assert all("k9" in summary for summary in lost)
 
 
+def test_a_message_first_answered_after_the_drain_is_owed_to_no_one() -> None:
+    # Given a message never delivered that is lost if answered before the drain ended, and a
+    # second one whose publish was first answered after it (a retry that got through while
+    # the clients were being stopped)
+    run = clean_run()
+    run.publish("k8", "soak/b/x", key="k")
+    run.rec("phase", name="traffic_end")
+    run.tick(5)
+    run.rec("phase", name="drained", after_s=5)
+    run.tick()
+    run.publish("k9", "soak/b/x", key="k")
+
+    # When the history is checked
+    report = run.check()
+
+    # Then only the first is lost, for both sessions; the second was owed to no one
+    lost = violations(report, "lost")
+    assert len(lost) == 2 and all("k8" in summary for summary in lost)
+    assert report.counts["acked_after_drain"] == 1
+
+
 def test_a_message_delivered_to_a_killed_client_and_never_again_is_lost() -> None:
     # Given a message delivered once to a client killed before its ack, never delivered again
     run = clean_run()

@@ -55,18 +55,25 @@ def subscribed(edge: Edge, receive_maximum: int = 100) -> None:
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "orders/#", "qos": 1}]})
 
 
+def t1_routed_first(edge: Edge, *t1: str) -> tuple[Drain, Feed]:
+    """A subscribed session; m0 (QoS 1) in T0, a switch, then ``t1`` of the same key in T1
+    (QoS 0 for names starting with q), and T1 routed before T0."""
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    for text in t1:
+        publish(edge, text, 0 if text.startswith("q") else 1)
+    routed(edge, feed, T1)
+    return drain, feed
+
+
 def test_a_qos0_message_of_a_storage_topic_still_draining_waits_behind_its_key(
     edge: Edge,
 ) -> None:
-    drain, feed = Drain(edge.world), Feed(edge.world)
-    subscribed(edge)
-    # Given m0 in T0, then a switch, then m1 (QoS 1) and q2 (QoS 0) of the same key in T1
-    publish(edge, "m0", 1)
-    switch("orders", 1)
-    publish(edge, "m1", 1)
-    publish(edge, "q2", 0)
-    # When T1 is routed first (T0 is neither routed nor sealed)
-    routed(edge, feed, T1)
+    # Given m0 in T0, then a switch, then m1 (QoS 1) and q2 (QoS 0) of the same key in T1,
+    # routed first (T0 is neither routed nor sealed)
+    drain, feed = t1_routed_first(edge, "m1", "q2")
     # Then nothing of the key goes out: m1 waits at the gate, and q2 with it
     assert texts(edge.messages("c1")) == []
     # When T0 is routed, sealed and drained, and the next message of T1 brings a push
@@ -111,13 +118,8 @@ def test_a_qos0_frame_is_not_posted_past_what_a_session_has_not_had_of_a_drained
 def test_what_the_gate_held_is_pushed_once_the_drain_is_over_without_another_message(
     edge: Edge,
 ) -> None:
-    drain, feed = Drain(edge.world), Feed(edge.world)
-    subscribed(edge)
     # Given m0 in T0, a switch, and m1 in T1 routed first: the gate holds m1
-    publish(edge, "m0", 1)
-    switch("orders", 1)
-    publish(edge, "m1", 1)
-    routed(edge, feed, T1)
+    drain, feed = t1_routed_first(edge, "m1")
     assert texts(edge.messages("c1")) == []
     # A sweep while the gate is closed pushes nothing and looks again later
     edge.world.clock.advance(3)

@@ -29,7 +29,8 @@ class SweepReport:
 class PushSweep:
     """The reaper's part: the connected sessions whose pushed deliveries passed their ack
     timeout (the due index), handed to the push queue again, each armed for its next
-    deadline."""
+    deadline; and the connected sessions of held lists (``DUE_HELD``), handed over whatever
+    their state."""
 
     def __init__(
         self,
@@ -72,9 +73,10 @@ class PushSweep:
                 later[session_id] = following
         targets = {c.session_id for c in self.connections.targets(due | held | set(later))}
         due &= targets
-        if due or held & targets:
-            self.queue.hand_off(due | (held & targets))
-            report.pushed = len(due | (held & targets))
+        pushed = due | (held & targets)
+        if pushed:
+            self.queue.hand_off(pushed)
+            report.pushed = len(pushed)
         if due:
             # their pushes send them again now: their next deadline is a timeout away
             self.connections.arm_sessions(due, now + timeout_ms)

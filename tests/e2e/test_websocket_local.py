@@ -28,7 +28,7 @@ from shoal.local.gateway import Gateway, GatewayServer, RouteTable, in_process_c
 from shoal.local.provision import LocalNames
 from shoal.local.runtime import DevOptions, Functions, LocalRuntime
 from shoal.local.throttle import Throttles
-from shoal.local.websocket import WebSocketServer, WsLimits
+from shoal.local.websocket import HANDLER_THREADS, WebSocketServer, WsLimits
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -59,16 +59,28 @@ class Edge:
         )
 
     def invocations(self) -> dict[str, int]:
-        return {name: self.functions.invocations[name] for name in (AUTH.name, EDGE.name)}
+        """The functions' runs so far, as their events were recorded, leaving out $disconnect:
+        it runs on its own after a close, so an earlier test's may come at any time."""
+        with record.LOCK:
+            events = list(record.EVENTS)
+        authorizer = sum(1 for e in events if e.get("type") == "REQUEST")
+        routes = sum(
+            1
+            for e in events
+            if e.get("type") != "REQUEST" and e["requestContext"]["routeKey"] != "$disconnect"
+        )
+        return {AUTH.name: authorizer, EDGE.name: routes}
 
     def stop(self) -> None:
         self.websocket.stop()
         self.gateway.stop()
 
 
-def start_edge(limits: WsLimits = DEFAULT_LIMITS) -> Edge:
+def start_edge(limits: WsLimits = DEFAULT_LIMITS, handler_threads: int = HANDLER_THREADS) -> Edge:
     functions = Functions(DEPLOYMENT, LocalNames.for_deployment(DEPLOYMENT))
-    websocket = WebSocketServer(DEPLOYMENT, functions.invoke_def, limits=limits)
+    websocket = WebSocketServer(
+        DEPLOYMENT, functions.invoke_def, limits=limits, handler_threads=handler_threads
+    )
     gateway = GatewayServer()
     no_keys: dict[str, Any] = {"keys": []}
     gateway.gateway = Gateway(
@@ -424,6 +436,71 @@ def test_a_client_close_runs_disconnect_with_its_code(edge: Edge) -> None:
     assert (context["disconnectStatusCode"], context["disconnectReason"]) == (4000, "bye")
     assert context["eventType"] == "DISCONNECT"
     assert context["authorizer"]["principalId"] == "alice"
+
+
+@contextlib.contextmanager
+def held_frames() -> Iterator[None]:
+    """Frames of the ``hold`` route run until the block ends."""
+    record.RELEASE.clear()
+    try:
+        yield
+    finally:
+        record.RELEASE.set()
+
+
+def test_disconnect_says_when_the_connection_went_though_a_frame_was_running(
+    edge: Edge,
+) -> None:
+    """A connection's frames run one at a time, so its $disconnect waits for the frame under
+    way; its event's time is still the close's, as API Gateway's is (the will's delay counts
+    from it)."""
+
+    async def scenario() -> tuple[str, int, int]:
+        async with open_ws(edge) as ws:
+            connection_id = await whoami(ws)
+            with held_frames():
+                await ws.send(json.dumps({"action": "hold"}))
+                assert eventually(lambda: record.HOLDING[0] == 1)
+                closing = time.time_ns() // 1_000_000
+                await ws.close()
+                # the server saw the socket go while the frame still runs
+                assert eventually(lambda: _closed_at(edge, connection_id) > 0)
+                stamped = _closed_at(edge, connection_id)
+            return connection_id, closing, stamped
+
+    connection_id, closing, stamped = run(scenario())
+    (event,) = eventually(lambda: disconnects(connection_id))
+    # the event's time is the one stamped at the close, before the frame was let go
+    assert closing <= stamped == event["requestContext"]["requestTimeEpoch"]
+
+
+def test_disconnect_runs_while_other_connections_frames_hold_every_thread() -> None:
+    """API Gateway invokes $disconnect on its own: a close is not queued behind other
+    connections' frames (a will's delay and a takeover turn on when the service learns it)."""
+    edge = start_edge(handler_threads=1)
+    try:
+
+        async def scenario() -> tuple[str, bool]:
+            async with open_ws(edge) as busy, open_ws(edge) as leaving:
+                leaving_id = await whoami(leaving)
+                with held_frames():
+                    # the one frame thread is taken
+                    await busy.send(json.dumps({"action": "hold"}))
+                    assert eventually(lambda: record.HOLDING[0] == 1)
+                    await leaving.close()
+                    ran = bool(eventually(lambda: disconnects(leaving_id)))
+                return leaving_id, ran
+
+        leaving_id, ran_while_held = run(scenario())
+        assert ran_while_held, f"$disconnect of {leaving_id} waited for the frames' thread"
+    finally:
+        edge.stop()
+
+
+def _closed_at(edge: Edge, connection_id: str) -> int:
+    # what the server saw, from its own table of connections
+    conn = edge.websocket._connections.get(connection_id)
+    return conn.closed_at_ms if conn is not None else 0
 
 
 @pytest.fixture(params=["http", "in-process"])

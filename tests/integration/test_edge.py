@@ -191,10 +191,11 @@ class Edge:
         assert connected["action"] == "connected", connected
         return connected
 
-    def dropped(self, connection: str) -> None:
-        """The connection is gone without a disconnect frame: ``$disconnect``."""
+    def dropped(self, connection: str, **context: Any) -> None:
+        """The connection is gone without a disconnect frame: ``$disconnect`` (its event's
+        time is now unless ``requestTimeEpoch`` says when the connection went)."""
         self.api.gone.add(connection)
-        handle(lambda: self.service, self.event("edge_disconnect.json", connection))
+        handle(lambda: self.service, self.event("edge_disconnect.json", connection, **context))
         self.push()
 
     def messages(self, connection: str) -> list[dict[str, Any]]:

@@ -161,6 +161,25 @@ def test_will_is_published_after_its_delay(
     assert len(publisher.published) == 1
 
 
+def test_a_late_run_counts_the_will_delay_from_the_keepalives_end(
+    sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
+) -> None:
+    """MQTT 5 §3.1.3.2.2: the delay starts when the connection is closed, here when 1.5
+    keepalives passed without a packet, not when the reaper got to it."""
+    # Given a channel whose keepalive (10 s) ran out at 15 s, and a reaper that runs only
+    # 20 s later (its timer or its schedule came late)
+    sessions.connected(CLIENT, keepalive_s=10, session_expiry_s=300, will=WILL)
+    sessions.clock.advance(35)
+    assert reaper.run().channels_expired == 1
+    assert publisher.published == []
+    # Then the will's 30 s ran from 15 s: due at 45 s, not at 65 s
+    sessions.clock.advance(9.999)
+    assert reaper.run().wills_published == 0
+    sessions.clock.advance(0.001)
+    assert reaper.run().wills_published == 1
+    assert wills(publisher) == [("alice", CLIENT, WILL["topic"])]
+
+
 def test_clean_disconnect_publishes_no_will(
     sessions: Sessions, reaper: Reaper, publisher: RecordingPublisher
 ) -> None:

@@ -136,6 +136,49 @@ def test_a_lost_connections_will_is_published_once_its_delay_passed(timers: Time
     assert timers.waiting() == 0
 
 
+def test_a_late_disconnect_counts_the_will_delay_from_the_close(timers: Timers) -> None:
+    """API Gateway's $disconnect may run a while after the close (under ``shoal dev``'s load,
+    seconds): its event's time is the close's, and MQTT 5 starts the delay there
+    (§3.1.3.2.2). The 2-hour soak's wills came late or not at all when it was counted from
+    the function's run."""
+    # Given a connection lost at t, whose $disconnect runs 3 s later
+    timers.edge.connect("c1", will=WILL)
+    closed_at = timers.edge.world.clock.now_ms()
+    timers.edge.world.clock.advance(3)
+    timers.edge.dropped("c1", requestTimeEpoch=closed_at)
+    assert timers.fire() == 1
+    assert timers.wills() == []
+    # Then its 5 s delay runs out 2 s later, at t + 5
+    timers.edge.world.clock.advance(1.999)
+    assert timers.fire() == 0
+    timers.edge.world.clock.advance(0.001)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+
+
+def test_a_disconnect_later_than_the_delay_publishes_the_will_at_once(timers: Timers) -> None:
+    # Given a connection lost 6 s before its $disconnect ran, with a 5 s will delay
+    timers.edge.connect("c1", will=WILL)
+    closed_at = timers.edge.world.clock.now_ms()
+    timers.edge.world.clock.advance(6)
+    timers.edge.dropped("c1", requestTimeEpoch=closed_at)
+    # Then the head's timer expires the channel and publishes the will in the same run
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    assert timers.waiting() == 0
+
+
+def test_a_disconnect_event_time_ahead_of_the_clock_counts_from_now(timers: Timers) -> None:
+    # Given a $disconnect whose event says a time after this function's clock (clocks skew)
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.dropped("c1", requestTimeEpoch=timers.edge.world.clock.now_ms() + 60_000)
+    assert timers.fire() == 1
+    # Then the delay counts from now, not from the future
+    timers.edge.world.clock.advance(5)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+
+
 def test_a_reconnect_within_the_delay_cancels_the_will_its_timer_comes_for(
     timers: Timers,
 ) -> None:

@@ -1,5 +1,6 @@
 """The fixture deployment: ``wsfixture_auth`` guards ``$connect``; ``wsfixture_edge`` serves
-``$connect``, ``$disconnect``, ``echo``, ``boom``, ``quiet`` (one-way) and ``$default``."""
+``$connect``, ``$disconnect``, ``echo``, ``boom``, ``hold`` (until the test releases it),
+``quiet`` (one-way) and ``$default``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ EDGE = FixtureFunction(
         WsRoute("$disconnect", two_way=False),
         WsRoute("echo"),
         WsRoute("boom"),
+        WsRoute("hold"),
         WsRoute("quiet", two_way=False),
         WsRoute("$default"),
     ),

@@ -60,6 +60,15 @@ def edge(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"statusCode": 200}
     if route == "boom":
         raise RuntimeError("the route broke")
+    if route == "hold":
+        # a frame whose function runs until the test releases it (at most 30 s)
+        with record.LOCK:
+            record.HOLDING[0] += 1
+        try:
+            record.RELEASE.wait(30)
+        finally:
+            with record.LOCK:
+                record.HOLDING[0] -= 1
     answer = {
         "route": route,
         "connectionId": ctx.get("connectionId"),

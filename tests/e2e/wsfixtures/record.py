@@ -9,6 +9,9 @@ from typing import Any
 LOCK = threading.Lock()
 #: every event the fixture functions were invoked with, in order
 EVENTS: list[dict[str, Any]] = []
+#: what the ``hold`` route waits for (a test sets it), and how many hold now
+RELEASE = threading.Event()
+HOLDING = [0]
 
 
 def add(event: dict[str, Any]) -> None:

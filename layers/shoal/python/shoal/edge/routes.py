@@ -37,7 +37,8 @@ def handle(service: Callable[[], EdgeService], event: Mapping[str, Any]) -> dict
         }
     if route == DISCONNECT:
         try:
-            service().disconnected(connection_id)
+            # the event's time is the close's: the will's delay runs from it
+            service().disconnected(connection_id, requested_at(context))
         except ShoalError as exc:
             logger.info("disconnect not recorded", extra={"code": exc.code})
         return {"statusCode": 200}

@@ -136,16 +136,18 @@ class EdgeService:
 
     # -- the connection's own events
 
-    def disconnected(self, connection_id: str) -> None:
-        """``$disconnect``: the connection is gone. Unless a ``disconnect`` frame ended the
-        channel first, it is lost: its will follows after the delay."""
+    def disconnected(self, connection_id: str, closed_at_ms: int | None = None) -> None:
+        """``$disconnect``: the connection is gone (at ``closed_at_ms``, the event's time, when
+        given). Unless a ``disconnect`` frame ended the channel first, it is lost: its will
+        follows after the delay, counted from the close (MQTT 5 §3.1.3.2.2), not from when
+        the function ran."""
         try:
-            self._disconnected(connection_id)
+            self._disconnected(connection_id, closed_at_ms)
         finally:
             # a lost member's groups may hand its streams on
             self.hand_offs.flush()
 
-    def _disconnected(self, connection_id: str) -> None:
+    def _disconnected(self, connection_id: str, closed_at_ms: int | None) -> None:
         connection = self.connections.connection(connection_id)
         if connection is None:
             return
@@ -157,7 +159,7 @@ class EdgeService:
             # connection keeps the session's group members live in this one's place
             return
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
-        head = self.registry.lose(who, connection.client_id, connection.channel)
+        head = self.registry.lose(who, connection.client_id, connection.channel, closed_at_ms)
         if head is None:
             # not the live channel any more (an HTTP connect took the session over): the
             # members this connection kept may still be kept by it

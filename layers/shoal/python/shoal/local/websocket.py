@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import datetime as dt
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -61,6 +62,10 @@ MAX_CONNECTION_ENV = "SHOAL_WS_MAX_CONNECTION_S"
 #: functions running at once for the WebSocket API (each function also has its own sandbox
 #: limit in the runtime): a burst of handshakes queues here instead of starting threads
 HANDLER_THREADS = 16
+#: functions running at once for ``$disconnect``, apart from the frames': API Gateway invokes it
+#: on its own, so a close reaches the service while other connections' frames queue (a will's
+#: delay and a takeover both turn on when the service learns of the close)
+DISCONNECT_THREADS = 4
 #: connections the kernel queues before the server accepts them: a burst of clients connecting
 #: at once must queue, not be reset
 LISTEN_BACKLOG = 4096
@@ -137,6 +142,11 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def _stamp_close(conn: _Connection, _lost: object) -> None:
+    if not conn.closed_at_ms:
+        conn.closed_at_ms = _now_ms()
+
+
 def _new_id() -> str:
     # API Gateway's connection and request ids: 10 random bytes in base64's URL-safe alphabet
     # ("d-8k5eP3IAMCIsQ="): never a "/", so an id is one path segment of @connections
@@ -174,6 +184,9 @@ class _Connection:
     #: the close this server chose (code, reason), for $disconnect
     closed_by_server: tuple[int, str] | None = None
     gone: bool = False
+    #: when the connection was lost (its socket closed), whatever its frame under way: the
+    #: $disconnect event's time, as API Gateway's is the close's and not its function's start
+    closed_at_ms: int = 0
 
 
 Invoke = Callable[[FunctionDef, dict[str, Any]], Any]
@@ -220,6 +233,9 @@ class WebSocketServer:
         self.port = self._socket.getsockname()[1]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=handler_threads, thread_name_prefix="shoal-ws"
+        )
+        self._disconnect_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=DISCONNECT_THREADS, thread_name_prefix="shoal-ws-disconnect"
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -306,13 +322,19 @@ class WebSocketServer:
             thread.join(STOP_TIMEOUT_S)
         self._thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._disconnect_pool.shutdown(wait=False, cancel_futures=True)
         self._socket.close()
 
     # -- invoking functions --
 
-    async def _run(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
+    async def _run(
+        self,
+        fn: FunctionDef,
+        event: dict[str, Any],
+        pool: concurrent.futures.ThreadPoolExecutor | None = None,
+    ) -> Any:
         assert self._loop is not None
-        return await self._loop.run_in_executor(self._pool, self._invoke, fn, event)
+        return await self._loop.run_in_executor(pool or self._pool, self._invoke, fn, event)
 
     def _request_context(
         self,
@@ -512,6 +534,9 @@ class WebSocketServer:
     async def _serve_connection(self, ws: ServerConnection) -> None:
         conn = self._pending.pop(ws)
         conn.ws = ws
+        # stamped when the socket goes, even while a frame's function runs (the frames of a
+        # connection run one at a time, so $disconnect itself waits for the one under way)
+        ws.connection_lost_waiter.add_done_callback(functools.partial(_stamp_close, conn))
         self._connections[conn.connection_id] = conn
         try:
             await self._receive(conn, ws)
@@ -624,8 +649,9 @@ class WebSocketServer:
         if selected is None or selected.function is None:
             return
         request_id = _new_id()
+        closed_at = conn.closed_at_ms or _now_ms()
         context = self._request_context(
-            conn, DISCONNECT, "DISCONNECT", request_id=request_id, now_ms=_now_ms()
+            conn, DISCONNECT, "DISCONNECT", request_id=request_id, now_ms=closed_at
         )
         context["disconnectStatusCode"] = code
         context["disconnectReason"] = reason
@@ -636,7 +662,7 @@ class WebSocketServer:
             "isBase64Encoded": False,
         }
         try:
-            await self._run(selected.function, event)
+            await self._run(selected.function, event, self._disconnect_pool)
         except Exception as exc:
             log.error("$disconnect raised %s\n%s", type(exc).__name__, frames(exc))
 

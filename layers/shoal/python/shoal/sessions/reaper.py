@@ -172,8 +172,12 @@ class Reaper:
         if action is ReapAction.EXPIRE_CHANNEL:
             will_due = None
             if head.will is not None:
-                # MQTT 5: after the delay, or when the session ends, whichever comes first
-                will_due = now + min(head.will.delay_s, head.session_expiry_s) * 1000
+                # MQTT 5: after the delay, or when the session ends, whichever comes first;
+                # both counted from the close (§3.1.3.2.2): when the keepalive ran out, or
+                # when API Gateway saw the connection go (a lost head's last-seen time), not
+                # when this run got to it (a timer or $disconnect that came late)
+                closed = min(now, head.last_seen_ms + head.grace_ms)
+                will_due = closed + min(head.will.delay_s, head.session_expiry_s) * 1000
             if not self.repository.expire_channel(client_id, head, now, will_due):
                 report.contended += 1
                 return

@@ -365,19 +365,23 @@ class SessionRegistry:
             self.repository.deregister(client_id, version)
         raise self._refuse(who, head)
 
-    def lose(self, who: Principal, client_id: str, channel: Channel) -> Head | None:
-        """A channel's connection is gone without a disconnect: the reaper expires it at once
-        (its timer), publishing the will after its delay (MQTT 5 §3.1.2.5) unless the session
-        is resumed first. The head as written; None when the channel is not the live one any
-        more (a takeover, a normal disconnect): nothing to do."""
+    def lose(
+        self, who: Principal, client_id: str, channel: Channel, closed_at_ms: int | None = None
+    ) -> Head | None:
+        """A channel's connection is gone without a disconnect (at ``closed_at_ms``, never
+        later than now): the reaper expires it at once (its timer), publishing the will after
+        its delay from the close (MQTT 5 §3.1.2.5, §3.1.3.2.2) unless the session is resumed
+        first. The head as written; None when the channel is not the live one any more (a
+        takeover, a normal disconnect): nothing to do."""
         version = self._scope(who, client_id, channel)
         now = self.clock.now_ms()
-        head = self.repository.lose(client_id, version, who.sub, now)
+        closed = now if closed_at_ms is None else min(closed_at_ms, now)
+        head = self.repository.lose(client_id, version, who.sub, closed)
         if head is not None:
             # the head is due now: its timer expires the channel at once, and arms the will's
             # for its delay (a reconnect within the delay cancels it, as MQTT 5 says), where
             # the reaper's schedule would come a minute later and its will's a minute after
-            arm_timer(self.timer, client_id, HEAD, now, now)
+            arm_timer(self.timer, client_id, HEAD, closed, now)
         return head
 
     def session(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:

@@ -167,3 +167,33 @@ def test_a_gate_that_cannot_be_read_keeps_the_qos0_frame_from_passing(
     publish(edge, "m2", 1)
     routed(edge, feed, T1)
     assert texts(edge.messages("c1")) == ["m0", "m2"]
+
+
+def test_a_session_pushed_only_qos0_asks_its_gate_once_after_a_switch(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session pushed only QoS 0 frames has no state written, so its state never remembers
+    that it passed the drained storage topic: the gate remembers it (passing is forever)."""
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    # Given a session that had all of T0, sealed and drained after a switch
+    subscribed(edge)
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    assert texts(edge.messages("c1")) == ["m0"]
+    asked: list[str] = []
+    real = drain.session_gate._handed_out
+
+    def counted(session_id: str, *args: Any) -> bool:
+        asked.append(session_id)
+        return real(session_id, *args)
+
+    monkeypatch.setattr(drain.session_gate, "_handed_out", counted)
+    # When three QoS 0 messages of T1 are pushed, one by one
+    for text in ("q1", "q2", "q3"):
+        publish(edge, text, 0)
+        routed(edge, feed, T1)
+    # Then each went out, and the gate read the session's inbox for the first only
+    assert texts(edge.messages("c1")) == ["m0", "q1", "q2", "q3"]
+    assert len(asked) == 1

@@ -16,6 +16,10 @@ from shoal.delivery.inbox import DeliveryState, InboxItem
 from shoal.delivery.model import item_key, source_id
 from shoal.drain import SOURCE_END, DrainStore, DrainView
 
+#: sessions whose gates this container remembers open (each a few hundred bytes); past it the
+#: older half is forgotten, and asked again (one query each) if it comes back
+OPENED_MEMORY = 50_000
+
 
 class SessionGate:
     """Whether a session's get may hand out an inbox item (``shoal.delivery``)."""
@@ -25,6 +29,12 @@ class SessionGate:
         self.dynamo = dynamo
         self.table = table
         self.stream_prefix = stream_prefix
+        #: (session id, composite topic): the storage topics the session has passed, as found
+        #: here. A session's state remembers them once a get writes it, but a session that is
+        #: pushed only QoS 0 frames has no state written, and would query its gate at every
+        #: push after a switch. Passing is forever: nothing is routed into a drained storage
+        #: topic, and a new session has another id
+        self._passed: dict[tuple[str, str], int] = {}
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SessionGate:
@@ -49,7 +59,10 @@ class SessionGate:
         if storage is None:
             return True
         topic, index = storage
-        passed = state.drained.get(topic, 0)
+        known = (session_id, topic)
+        passed = max(state.drained.get(topic, 0), self._passed.get(known, 0))
+        if passed > state.drained.get(topic, 0):
+            state.drained[topic] = passed
         while passed < index:
             earlier = stream_name(self.stream_prefix, topic, passed)
             shards = self.view.sealed_shards(earlier)
@@ -57,7 +70,14 @@ class SessionGate:
                 return False
             passed += 1
             state.drained[topic] = passed
+            self._remember(known, passed)
         return True
+
+    def _remember(self, known: tuple[str, str], passed: int) -> None:
+        if len(self._passed) >= OPENED_MEMORY:
+            for stale in list(self._passed)[: OPENED_MEMORY // 2]:
+                del self._passed[stale]
+        self._passed[known] = passed
 
     def _handed_out(
         self, session_id: str, state: DeliveryState, stream: str, shards: Iterable[str]

@@ -444,3 +444,33 @@ def test_kill_9_during_a_stream_to_websocket_subscribers(kill_dev: DevServer) ->
     for key in KEYS:
         numbers = [c.number for c in group_confirmed if c.key == key]
         assert numbers == sorted(numbers), f"the group acked {key} out of order: {numbers}"
+
+
+def test_a_kill_9_leaves_no_connection_live_and_a_lost_clients_will_follows(
+    kill_dev: DevServer,
+) -> None:
+    """API Gateway ends every connection with ``$disconnect``; a killed ``shoal dev`` ran none,
+    so its next start runs them (``shoal.local.wsledger``). Without them the killed
+    connections' sessions stayed live for the registry's bound on a connection (over 2 hours),
+    and a client that never came back had its will published that late."""
+    dev = kill_dev
+    token = dev.token("killer", clients=["kill-*"], publish=["#"], subscribe=["#"])
+    will = {"topic": "kill-will/lost", "text": "gone", "qos": 1, "delay_s": 1}
+
+    async def scenario() -> dict[str, Any]:
+        watcher = await WsClient.open(dev.ws_url, token)
+        await watcher.connect("kill-watcher", session_expiry_s=600)
+        await watcher.subscribe("kill-will/#")
+        lost = await WsClient.open(dev.ws_url, token)
+        await lost.connect("kill-lost", session_expiry_s=600, will=will)
+        # killed with both connected; the lost client never comes back
+        await asyncio.to_thread(dev.restart, True)
+        back = await WsClient.open(dev.ws_url, token)
+        answer = await back.connect("kill-watcher", clean_start=False, session_expiry_s=600)
+        assert answer["session_present"] is True
+        message = await back.next_message(timeout=60)
+        await back.ack(message["id"])
+        return message
+
+    message = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    assert (message["topic"], text_of(message)) == ("kill-will/lost", "gone")

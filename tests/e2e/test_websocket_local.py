@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -29,6 +30,7 @@ from shoal.local.provision import LocalNames
 from shoal.local.runtime import DevOptions, Functions, LocalRuntime
 from shoal.local.throttle import Throttles
 from shoal.local.websocket import HANDLER_THREADS, WebSocketServer, WsLimits
+from shoal.local.wsledger import ConnectionLedger, OpenConnection
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -76,10 +78,18 @@ class Edge:
         self.gateway.stop()
 
 
-def start_edge(limits: WsLimits = DEFAULT_LIMITS, handler_threads: int = HANDLER_THREADS) -> Edge:
+def start_edge(
+    limits: WsLimits = DEFAULT_LIMITS,
+    handler_threads: int = HANDLER_THREADS,
+    ledger: ConnectionLedger | None = None,
+) -> Edge:
     functions = Functions(DEPLOYMENT, LocalNames.for_deployment(DEPLOYMENT))
     websocket = WebSocketServer(
-        DEPLOYMENT, functions.invoke_def, limits=limits, handler_threads=handler_threads
+        DEPLOYMENT,
+        functions.invoke_def,
+        limits=limits,
+        handler_threads=handler_threads,
+        ledger=ledger,
     )
     gateway = GatewayServer()
     no_keys: dict[str, Any] = {"keys": []}
@@ -495,6 +505,40 @@ def test_disconnect_runs_while_other_connections_frames_hold_every_thread() -> N
         assert ran_while_held, f"$disconnect of {leaving_id} waited for the frames' thread"
     finally:
         edge.stop()
+
+
+def test_a_restart_runs_the_disconnect_of_what_the_last_run_left_open(tmp_path: Path) -> None:
+    """API Gateway ends every connection with $disconnect; a killed ``shoal dev`` could not,
+    so its next start on the same state runs those it owes (``shoal.local.wsledger``)."""
+    path = tmp_path / "ledger.jsonl"
+    left = ConnectionLedger(path)
+    left.take_owed()
+    left.opened(OpenConnection("owed-1", 1_000, "10.0.0.1", "ua", {"principalId": "dora"}))
+    left.close()
+    before = int(time.time() * 1000)
+    edge = start_edge(ledger=ConnectionLedger(path))
+    try:
+        (event,) = eventually(lambda: disconnects("owed-1"))
+        context = event["requestContext"]
+        assert (context["disconnectStatusCode"], context["eventType"]) == (1006, "DISCONNECT")
+        assert context["authorizer"]["principalId"] == "dora"
+        assert context["connectedAt"] == 1_000
+        # the close is not known: not earlier than this start
+        assert context["requestTimeEpoch"] >= before
+        assert event["headers"] == {}
+
+        # and a connection of this run is written open, then closed once its $disconnect ran
+        async def scenario() -> str:
+            async with open_ws(edge) as ws:
+                connection_id = await whoami(ws)
+                assert connection_id in path.read_text()
+                return connection_id
+
+        connection_id = run(scenario())
+        eventually(lambda: disconnects(connection_id))
+    finally:
+        edge.stop()
+    assert ConnectionLedger(path).take_owed() == []
 
 
 def _closed_at(edge: Edge, connection_id: str) -> int:

@@ -57,6 +57,7 @@ from shoal.local.scheduler import Scheduler, schedules_for
 from shoal.local.throttle import Throttles
 from shoal.local.transport import InProcessEndpoint
 from shoal.local.websocket import WebSocketServer, WsLimits
+from shoal.local.wsledger import LEDGER_FILE, ConnectionLedger
 
 log = logging.getLogger("shoal-dev.runtime")
 
@@ -361,6 +362,7 @@ class LocalRuntime:
                 idle_timeout_s=options.ws_idle_timeout_s,
                 max_connection_s=options.ws_max_connection_s,
             ),
+            ledger=ConnectionLedger(state / LEDGER_FILE),
         )
         self.websocket = websocket
         public = server.url

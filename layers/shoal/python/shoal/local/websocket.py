@@ -25,7 +25,6 @@ import base64
 import concurrent.futures
 import contextlib
 import datetime as dt
-import fnmatch
 import functools
 import json
 import logging
@@ -51,6 +50,8 @@ from shoal.declarations import Deployment, FunctionDef, WebSocketDef
 from shoal.local.context import REGION
 from shoal.local.gateway import HttpResponse, frames
 from shoal.local.provision import ACCOUNT_ID
+from shoal.local.wsledger import ConnectionLedger, OpenConnection
+from shoal.local.wspolicy import PolicyRefused, authorizer_policy
 from shoal.local.wsroutes import CONNECT, DISCONNECT, WsRouteTable
 
 log = logging.getLogger("shoal-dev.websocket")
@@ -218,6 +219,7 @@ class WebSocketServer:
         port: int = 0,
         limits: WsLimits | None = None,
         handler_threads: int = HANDLER_THREADS,
+        ledger: ConnectionLedger | None = None,
     ) -> None:
         self.deployment = deployment
         self.websocket = deployment.websocket
@@ -227,6 +229,8 @@ class WebSocketServer:
             (f for f in deployment.functions if f.name == self.websocket.authorizer), None
         )
         self._invoke = invoke
+        #: the open connections on disk: a restart runs the $disconnect a kill left owed
+        self.ledger = ledger
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
@@ -266,6 +270,9 @@ class WebSocketServer:
 
     def start(self) -> None:
         raise_open_files_limit()
+        owed = self.ledger.take_owed() if self.ledger is not None else []
+        if owed:
+            log.info("%d connections of the last run ended without $disconnect: run now", len(owed))
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -273,7 +280,7 @@ class WebSocketServer:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                loop.run_until_complete(self._main(started))
+                loop.run_until_complete(self._main(started, owed))
             except BaseException as exc:
                 failure.append(exc)
                 started.set()
@@ -286,7 +293,7 @@ class WebSocketServer:
         if failure:
             raise failure[0]
 
-    async def _main(self, started: threading.Event) -> None:
+    async def _main(self, started: threading.Event, owed: list[OpenConnection]) -> None:
         self._stopped = asyncio.Event()
         limits = self.limits
         self._server = await serve(
@@ -306,6 +313,10 @@ class WebSocketServer:
             open_timeout=30,
         )
         started.set()
+        for entry in owed:
+            task = asyncio.create_task(self._disconnect_owed(entry))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         await self._stopped.wait()
         self._server.close(close_connections=False)
         for conn in list(self._connections.values()):
@@ -324,6 +335,8 @@ class WebSocketServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._disconnect_pool.shutdown(wait=False, cancel_futures=True)
         self._socket.close()
+        if self.ledger is not None:
+            self.ledger.close()
 
     # -- invoking functions --
 
@@ -433,45 +446,12 @@ class WebSocketServer:
             log.error("authorizer raised %s\n%s", type(exc).__name__, frames(exc))
             raise _Refusal(500, _message_body(INTERNAL_ERROR)) from None
         latency = round((time.monotonic() - started) * 1000)
-        principal, context_values = self._policy(result)
-        return {**context_values, "principalId": principal, "integrationLatency": latency}
-
-    def _policy(self, result: Any) -> tuple[str, dict[str, Any]]:
-        """The authorizer's IAM policy: Allow gives (principalId, context); Deny is 403, and an
-        answer that is no policy is 500."""
         try:
-            principal = result["principalId"]
-            statements = result["policyDocument"]["Statement"]
-            context = result.get("context") or {}
-            if not isinstance(statements, list) or not isinstance(context, dict):
-                raise TypeError("malformed policy")
-        except (KeyError, TypeError) as exc:
-            log.error("authorizer answered no policy: %s", type(exc).__name__)
-            raise _Refusal(500, _message_body(INTERNAL_ERROR)) from None
-        if any(not isinstance(v, str | int | float | bool) for v in context.values()):
-            # API Gateway accepts only strings, numbers and booleans in the context
-            log.error("authorizer context holds a value that is not a string, number or boolean")
-            raise _Refusal(500, _message_body(INTERNAL_ERROR))
-        allowed = denied = False
-        for statement in statements:
-            if not isinstance(statement, dict) or not self._covers(statement):
-                continue
-            if statement.get("Effect") == "Deny":
-                denied = True
-            elif statement.get("Effect") == "Allow":
-                allowed = True
-        if denied or not allowed:
-            raise _Refusal(403, _message_body("Forbidden"))
-        return str(principal), dict(context)
-
-    def _covers(self, statement: dict[str, Any]) -> bool:
-        actions = statement.get("Action", [])
-        resources = statement.get("Resource", [])
-        actions = [actions] if isinstance(actions, str) else actions
-        resources = [resources] if isinstance(resources, str) else resources
-        return any(
-            fnmatch.fnmatchcase("execute-api:Invoke", a) for a in actions if isinstance(a, str)
-        ) and any(fnmatch.fnmatchcase(self.method_arn, r) for r in resources if isinstance(r, str))
+            principal, context_values = authorizer_policy(result, self.method_arn)
+        except PolicyRefused as refused:
+            message = "Forbidden" if refused.status == 403 else INTERNAL_ERROR
+            raise _Refusal(refused.status, _message_body(message)) from None
+        return {**context_values, "principalId": principal, "integrationLatency": latency}
 
     async def _connect(
         self,
@@ -538,12 +518,38 @@ class WebSocketServer:
         # connection run one at a time, so $disconnect itself waits for the one under way)
         ws.connection_lost_waiter.add_done_callback(functools.partial(_stamp_close, conn))
         self._connections[conn.connection_id] = conn
+        if self.ledger is not None:
+            self.ledger.opened(
+                OpenConnection(
+                    conn.connection_id,
+                    conn.connected_at_ms,
+                    conn.source_ip,
+                    conn.user_agent,
+                    conn.authorizer,
+                )
+            )
         try:
             await self._receive(conn, ws)
         finally:
             conn.gone = True
             self._connections.pop(conn.connection_id, None)
-            await self._disconnect(conn, ws)
+            await self._disconnect(conn, *_close_of(conn, ws))
+
+    async def _disconnect_owed(self, entry: OpenConnection) -> None:
+        """The $disconnect of a connection the last run left open (``shoal.local.wsledger``):
+        lost (1006), at this start's time."""
+        conn = _Connection(
+            connection_id=entry.connection_id,
+            connected_at_ms=entry.connected_at_ms,
+            source_ip=entry.source_ip,
+            user_agent=entry.user_agent,
+            headers={},
+            multi_headers={},
+            authorizer=entry.authorizer,
+            gone=True,
+            closed_at_ms=_now_ms(),
+        )
+        await self._disconnect(conn, int(CloseCode.ABNORMAL_CLOSURE), "Connection lost")
 
     async def _receive(self, conn: _Connection, ws: ServerConnection) -> None:
         limits = self.limits
@@ -643,10 +649,10 @@ class WebSocketServer:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _disconnect(self, conn: _Connection, ws: ServerConnection) -> None:
-        code, reason = _close_of(conn, ws)
+    async def _disconnect(self, conn: _Connection, code: int, reason: str) -> None:
         selected = self.routes.special(DISCONNECT)
         if selected is None or selected.function is None:
+            self._settled(conn)
             return
         request_id = _new_id()
         closed_at = conn.closed_at_ms or _now_ms()
@@ -664,7 +670,13 @@ class WebSocketServer:
         try:
             await self._run(selected.function, event, self._disconnect_pool)
         except Exception as exc:
+            # API Gateway does not invoke it again either: the session's bound expires it
             log.error("$disconnect raised %s\n%s", type(exc).__name__, frames(exc))
+        self._settled(conn)
+
+    def _settled(self, conn: _Connection) -> None:
+        if self.ledger is not None:
+            self.ledger.closed(conn.connection_id)
 
     # -- @connections, called from the HTTP gateway's threads --
 

@@ -12,9 +12,11 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,44 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: where ``steady_ports`` looks, up to the kernel's ephemeral range
+STEADY_PORTS_FROM = 10_000
+
+
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's default 32,768)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def steady_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` free ports below the kernel's ephemeral range, for a server restarted on the
+    same ports. A port chosen by binding port 0 comes from that range, and while the server is
+    down the kernel may give it to an outgoing connection of a client as its own end: the
+    restart then cannot bind it (a 30-minute soak ended at its fifth kill with "--aws-port 41991
+    is in use"). Below the range, only a server that binds it can hold it."""
+    rng = random.Random()  # a spread of ports, not a secret
+    low = ephemeral_low()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(STEADY_PORTS_FROM, low)
+        if port not in ports and _bindable(host, port):
+            ports.append(port)
+    return ports
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class DevProcess:
     """``shoal dev`` on ``state_dir``: started, killed, started again on the same ports."""
 
@@ -101,6 +141,8 @@ class DevProcess:
 
     def start(self) -> float:
         """Start and wait until healthy; the seconds it took."""
+        if not self.port:
+            self.port, self.aws_port, self.ws_port = steady_ports(3)
         args = [
             *_shoal(),
             "dev",

@@ -37,6 +37,8 @@ import boto3
 import pytest
 from shoal.local.aws import EndpointSession
 
+from bench.soak.server import steady_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 #: a start took 60-110 s on CI's machine with the suite beside it, once over 90 s
 START_TIMEOUT_S = 240.0
@@ -90,6 +92,9 @@ class DevServer:
 
     def start(self) -> None:
         """Start ``shoal dev`` (on the ports of the previous run, if any) and wait for health."""
+        if not self.port:
+            # below the ephemeral range: a restart finds them free (``steady_ports``)
+            self.port, self.aws_port, self.ws_port = steady_ports(3)
         args = [
             *shoal_command(),
             "dev",

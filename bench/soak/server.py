@@ -16,7 +16,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from shoal.cli.dev import port_free
 
 from bench.delivery import _shoal
 
@@ -95,19 +96,9 @@ def steady_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randrange(STEADY_PORTS_FROM, low)
-        if port not in ports and _bindable(host, port):
+        if port not in ports and port_free(host, port):
             ports.append(port)
     return ports
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class DevProcess:

@@ -68,6 +68,19 @@ def t1_routed_first(edge: Edge, *t1: str) -> tuple[Drain, Feed]:
     return drain, feed
 
 
+def t0_handed_out(edge: Edge) -> tuple[Drain, Feed]:
+    """A subscribed session; m0 (QoS 1) in T0, a switch, T0 routed, sealed and drained, and
+    m0 pushed: the session has had all of T0."""
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    publish(edge, "m0", 1)
+    switch("orders", 1)
+    routed(edge, feed, T0)
+    seal(edge, drain, feed)
+    assert texts(edge.messages("c1")) == ["m0"]
+    return drain, feed
+
+
 def test_a_qos0_message_of_a_storage_topic_still_draining_waits_behind_its_key(
     edge: Edge,
 ) -> None:
@@ -138,13 +151,7 @@ def test_what_the_gate_held_is_pushed_once_the_drain_is_over_without_another_mes
 def test_a_gate_that_cannot_be_read_keeps_the_qos0_frame_from_passing(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    drain, feed = Drain(edge.world), Feed(edge.world)
-    subscribed(edge)
-    publish(edge, "m0", 1)
-    switch("orders", 1)
-    routed(edge, feed, T0)
-    seal(edge, drain, feed)
-    assert texts(edge.messages("c1")) == ["m0"]
+    drain, feed = t0_handed_out(edge)
 
     # Given the gate's reads refused (throttled) while a QoS 0 frame of T1 is pushed
     real = drain.session_gate.opens
@@ -174,14 +181,8 @@ def test_a_session_pushed_only_qos0_asks_its_gate_once_after_a_switch(
 ) -> None:
     """A session pushed only QoS 0 frames has no state written, so its state never remembers
     that it passed the drained storage topic: the gate remembers it (passing is forever)."""
-    drain, feed = Drain(edge.world), Feed(edge.world)
     # Given a session that had all of T0, sealed and drained after a switch
-    subscribed(edge)
-    publish(edge, "m0", 1)
-    switch("orders", 1)
-    routed(edge, feed, T0)
-    seal(edge, drain, feed)
-    assert texts(edge.messages("c1")) == ["m0"]
+    drain, feed = t0_handed_out(edge)
     asked: list[str] = []
     real = drain.session_gate._handed_out
 

@@ -42,7 +42,7 @@ def _without_dev_extra(command: str, missing: list[str]) -> int:
     return 2
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         # as the emulator's server binds: a port in TIME_WAIT counts as free
@@ -63,7 +63,7 @@ def _emulator_port(args: argparse.Namespace) -> int | None:
     and the line saying so names it (the banner prints the new URL).
     """
     if args.aws_port is not None:
-        if args.aws_port and not _port_free(args.aws_host, args.aws_port):
+        if args.aws_port and not port_free(args.aws_host, args.aws_port):
             print(f"shoal dev: cannot start: --aws-port {args.aws_port} is in use", file=sys.stderr)
             return None
         return int(args.aws_port)
@@ -73,7 +73,7 @@ def _emulator_port(args: argparse.Namespace) -> int | None:
         saved = int((args.state_dir / AWS_PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         return 0
-    if _port_free(args.aws_host, saved):
+    if port_free(args.aws_host, saved):
         return saved
     print(
         f"shoal dev: the emulator's port of the last run, {saved}, is in use; "

@@ -218,6 +218,30 @@ def test_a_retry_while_the_lease_is_alive_is_told_to_retry(
     assert len(stored(harness)) == 1
 
 
+def test_a_retry_holds_back_later_seqs_while_an_earlier_one_is_in_flight(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch of seqs 1..2 whose request is still running (it reserved them, no put yet:
+    # its client gave up waiting for the answer)
+    dying = crashing_service(harness, aws)
+    crash_in(harness, dying, "before:put", monkeypatch)
+    with pytest.raises(Crash):
+        dying.publish_batch(ALICE, [request(n).model_dump(exclude_none=True) for n in (1, 2)])
+    # When the client retries its in-flight messages with a new one after them, at once
+    batch = [request(n).model_dump(exclude_none=True) for n in (1, 2, 3)]
+    results = harness.publisher().publish_batch(ALICE, batch)
+    # Then every one is told to retry, seq 3 too: put now it would precede 1 and 2
+    assert [r["error"]["code"] for r in results] == ["server_busy"] * 3
+    assert stored(harness) == []
+    assert sorted((r.lo, r.hi) for r in pending(harness).values()) == [(1, 2)]
+    # And once the hold is over, the retry puts all three in seq order
+    expire_holds(harness)
+    results = harness.publisher().publish_batch(ALICE, batch)
+    assert [r.get("error") for r in results] == [None] * 3
+    assert [seq for _, seq in stored(harness)] == [1, 2, 3]
+    assert pending(harness) == {}
+
+
 def failing_puts(harness: Harness, monkeypatch: pytest.MonkeyPatch, *, lands: bool) -> None:
     """Every put reports failure; with ``lands`` the record is written anyway (a timeout)."""
     real = Streams.put_record.__get__(harness.streams)

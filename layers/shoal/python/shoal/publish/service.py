@@ -15,7 +15,8 @@ never touch another's sequence. A publish with seq s goes through three writes:
 
 A request for a seq ≤ last answers 200 ``duplicate`` with the original id once the seq has no
 reservation. If it has one whose hold is alive (a racing attempt is between 1 and 3), the
-request waits up to ``INFLIGHT_WAIT_MS`` for it to confirm, else answers 503 (retry). If the
+request waits up to ``INFLIGHT_WAIT_MS`` for it to confirm, else answers 503 (retry); the
+request's later seqs wait and answer with it, so none is put before an earlier one. If the
 hold has expired (the holder crashed or gave up), the request *takes over* the reservation
 (conditional on the attempt number), then **reads the stream back**: the shard each earlier
 attempt routed to, from ``reserved_at`` to the last hold end (plus a clock-skew margin). A
@@ -340,6 +341,17 @@ class PublishService:
                         waiting.append(item)
                     else:
                         recover.setdefault(reservation.lo, []).append(item)
+            # A seq held by a live request (one still running, whose client gave up on it)
+            # holds back every later seq of the publisher: put now, a later message would go
+            # before the earlier one in its ordering key's partition (the publisher's seqs are
+            # its publish order). They wait with it, and are told to retry with it.
+            held_from = min((i.seq for i in waiting if i.seq is not None), default=None)
+            held_back: list[Item] = []
+            if held_from is not None:
+                for lo in [lo for lo in recover if lo > held_from]:
+                    held_back += recover.pop(lo)
+                held_back += run
+                run = []
             for lo, group in recover.items():
                 assert state is not None
                 old_run = state.pending[lo]
@@ -381,6 +393,7 @@ class PublishService:
             if waiting:
                 if waited_ms >= INFLIGHT_WAIT_MS:
                     assert state is not None
+                    retry_after_s = 1
                     for item in waiting:
                         # by the hold's end the holder has confirmed, or a retry takes over
                         held = state.reservation_for(item.seq)  # type: ignore[arg-type]
@@ -388,6 +401,13 @@ class PublishService:
                         item.error = ServerBusy(
                             "this publish is in flight in another request; retry shortly",
                             retry_after_s=-(-left_ms // 1000),
+                        )
+                        retry_after_s = max(retry_after_s, -(-left_ms // 1000))
+                    for item in held_back:
+                        item.error = ServerBusy(
+                            "an earlier publish of this publisher is in flight in another "
+                            "request; retry shortly",
+                            retry_after_s=retry_after_s,
                         )
                     return tickets
                 self.clock.sleep(INFLIGHT_POLL_S)

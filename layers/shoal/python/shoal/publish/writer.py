@@ -56,13 +56,23 @@ class RecordWriter:
 
     def within_hold(self, items: list[Item]) -> list[Item]:
         """The items whose reservation and routing leave time for a put; the others fail with
-        503."""
+        503, and so does every later item of their ordering key or publisher: put now, it would
+        go before the one its client retries."""
         now = self.clock.now_ms()
         out: list[Item] = []
+        late_keys: set[str] = set()
+        late_publishers: set[str] = set()
         for item in items:
             deadline = _put_deadline([item])
-            if deadline is not None and now >= deadline:
+            if (
+                (deadline is not None and now >= deadline)
+                or item.ordering_key in late_keys
+                or (item.key is not None and item.key in late_publishers)
+            ):
                 item.error = ServerBusy("the publish took too long; retry")
+                late_keys.add(item.ordering_key)
+                if item.key is not None:
+                    late_publishers.add(item.key)
             else:
                 out.append(item)
         return out

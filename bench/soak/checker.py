@@ -315,6 +315,9 @@ class Model:
         self.composites: set[str] = set()
         self.publishes: dict[str, Publish] = {}
         self.intervals: dict[tuple[str, str], list[Interval]] = defaultdict(list)
+        #: every subscribe invoked, per (client, filter): each asks for the retained messages
+        #: again (retain handling 0), a subscribe again while subscribed too
+        self.subscribes: dict[tuple[str, str], list[Record]] = defaultdict(list)
         self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
         self.acks: dict[str, list[Ack]] = defaultdict(list)
         self.connections: dict[str, Connection] = {}
@@ -430,6 +433,7 @@ class Model:
             if phase == "invoke":
                 for item in items:
                     name, qos = str(item["filter"]), int(item.get("qos", 1))
+                    self.subscribes[(client, name)].append(record)
                     held = self._open(client, name)
                     if held is None:
                         self.intervals[(client, name)].append(Interval(client, name, qos, record))
@@ -995,8 +999,8 @@ def _retained_current(model: Model, report: Report) -> None:
         if publish.retain and publish.acked:
             retained_by_topic[publish.topic].append(publish)
     for client, deliveries in model.deliveries.items():
-        #: when each (filter, topic)'s last retained copy reached the client
-        last_copy: dict[tuple[str, str], float] = {}
+        #: the subscribe each (filter, topic)'s last retained copy is laid to (its invoke time)
+        last_source: dict[tuple[str, str], float] = {}
         #: the retained copies' delivery ids seen: one seen again is that copy sent again
         #: (unacked when a kill or a drop came: [MQTT-4.4.0-1], also after an unsubscribe,
         #: [MQTT-3.10.4-3]), judged when it first came, not a later subscribe's copy
@@ -1014,21 +1018,22 @@ def _retained_current(model: Model, report: Report) -> None:
                 continue
             handed.add(delivery_id)
             copy = model.publishes[mk]
-            seen = last_copy.get((delivery.sub, copy.topic))
-            last_copy[(delivery.sub, copy.topic)] = delivery.t
-            # the subscribes whose retained copies may be the one delivered: those made
-            # since the topic's last copy came (an earlier subscribe's copy can arrive after
-            # an unsubscribe and a subscribe again, MQTT 5 §3.10.4), the earliest of them
-            # the first that can have sent it
-            intervals = [
-                i
-                for i in model.intervals.get((client, delivery.sub), [])
-                if float(i.invoke["t"]) <= delivery.t
-                and (seen is None or float(i.invoke["t"]) > seen)
+            source = last_source.get((delivery.sub, copy.topic))
+            # the subscribes whose retained copies may be the one delivered: those made before
+            # it came and after the subscribe the topic's last copy is laid to, the earliest of
+            # them the first that can have sent it. Not "made since the last copy came": a
+            # subscribe's copies wait in the session's inbox behind what is there already, so
+            # an earlier subscribe's copy can come after a later subscribe was made (under
+            # lag; after an unsubscribe and a subscribe again too, MQTT 5 §3.10.4)
+            candidates = [
+                r
+                for r in model.subscribes.get((client, delivery.sub), [])
+                if float(r["t"]) <= delivery.t and (source is None or float(r["t"]) > source)
             ]
-            if not intervals or copy.first_ok is None:
+            if not candidates or copy.first_ok is None:
                 continue
-            subscribed = float(intervals[0].invoke["t"])
+            subscribed = float(candidates[0]["t"])
+            last_source[(delivery.sub, copy.topic)] = subscribed
             for newer in retained_by_topic.get(copy.topic, []):
                 if (
                     newer.first_ok is not None
@@ -1040,7 +1045,7 @@ def _retained_current(model: Model, report: Report) -> None:
                         f"{client} subscribed to {delivery.sub} after {newer.mk} replaced "
                         f"{mk} on {copy.topic}, and got {mk}",
                         newer.oks[0],
-                        intervals[0].invoke,
+                        candidates[0],
                         delivery.record,
                     )
                     break

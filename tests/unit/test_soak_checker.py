@@ -655,6 +655,31 @@ def test_an_earlier_subscribes_retained_copy_arriving_after_a_resubscribe_is_all
     assert violations(report, "retained_current") == []
 
 
+def test_copies_queued_behind_each_other_are_laid_to_their_own_subscribes() -> None:
+    # Given three subscribes of carol, each made while the then retained message was current
+    # (the second a subscribe again while subscribed, the third after an unsubscribe), and
+    # each subscribe's copy arriving late, after the next subscribe was made (the server
+    # behind, the copies waiting in carol's inbox): r2's after r3 replaced it
+    run = clean_run()
+    run.publish("r1", "state/1", retain=True)
+    run.connect("carol", "c1")
+    run.subscribe("carol", "state/#")
+    run.publish("r2", "state/1", retain=True)
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r1", sub="state/#", conn="c1", retain=True)
+    run.unsubscribe("carol", "state/#")
+    run.publish("r3", "state/1", retain=True)
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r2", sub="state/#", conn="c1", retain=True)
+    run.consume("carol", "r3", sub="state/#", conn="c1", retain=True)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then r2 is the second subscribe's copy, current when it was made: no violation
+    assert violations(report, "retained_current") == []
+
+
 def test_a_stale_copy_after_the_earlier_subscribes_own_came_is_caught() -> None:
     # Given carol's first subscribe's copy of r1 delivered, then r2 replacing r1, answered,
     # and a second subscribe that gets r1 again as its retained copy

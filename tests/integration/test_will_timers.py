@@ -18,6 +18,7 @@ import pytest
 from botocore.exceptions import ClientError
 from shoal.core.auth import Principal
 from shoal.core.config import get_config
+from shoal.core.errors import ServerBusy
 from shoal.declarations import WILLS_MAPPING
 from shoal.edge.pushwork import HandOffs
 from shoal.local.esm.queues import QueueMapping, QueueMappings
@@ -166,6 +167,43 @@ def test_a_disconnect_later_than_the_delay_publishes_the_will_at_once(timers: Ti
     assert timers.fire() == 1
     assert timers.wills() == [("alice-1", "offline")]
     assert timers.waiting() == 0
+
+
+@pytest.mark.parametrize("step", ["connection", "lose"])
+def test_a_disconnect_the_store_refuses_for_a_while_still_leaves_the_will(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """API Gateway invokes $disconnect once, whatever it answers. The 200-client soak's
+    emulator refused three of them busy (DynamoDB can answer 503 or throttle as well): their
+    sessions stayed connected to gone connections, their wills never published."""
+    # Given a connection with a will, whose $disconnect finds the store busy twice at `step`
+    timers.edge.connect("c1", will=WILL)
+    owner: Any = (
+        timers.edge.service.connections
+        if step == "connection"
+        else timers.edge.world.registry.repository
+    )
+    real = getattr(owner, step)
+    refusals = iter([ServerBusy("the store is busy; retry")] * 2)
+
+    def busy(*args: Any, **kwargs: Any) -> Any:
+        refused = next(refusals, None)
+        if refused is not None:
+            raise refused
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, step, busy)
+    closed_at = timers.edge.world.clock.now_ms()
+    # When the connection is lost
+    timers.edge.dropped("c1", requestTimeEpoch=closed_at)
+    # Then the $disconnect got through: the channel expires, and the will comes after its
+    # delay from the close
+    assert next(refusals, None) is None
+    assert timers.fire() == 1
+    assert not _connected(timers)
+    timers.edge.world.clock.advance(5)  # the will's delay
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
 
 
 def test_a_disconnect_event_time_ahead_of_the_clock_counts_from_now(timers: Timers) -> None:

@@ -34,6 +34,9 @@ THROTTLED = frozenset(
         "ThrottlingException",
         "RequestLimitExceeded",
         "InternalServerError",
+        # DynamoDB's 503 ("currently unavailable"; temporary), also what `shoal dev`'s
+        # emulator answers a call that waited past its bound for its turn
+        "ServiceUnavailable",
     }
 )
 CONDITION_FAILED = "ConditionalCheckFailedException"

@@ -15,9 +15,9 @@ push, behind it in the session's lane, sends what it would have).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel
@@ -28,11 +28,13 @@ from shoal.core.config import DeliverySettings
 from shoal.core.errors import (
     BadRequest,
     Conflict,
+    ServerBusy,
     SessionNotFound,
     SessionTakenOver,
     ShoalError,
 )
 from shoal.core.observability import logger
+from shoal.core.retry import backoff_s
 from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscribeSent, SubscriptionService
 from shoal.edge.connections import MAX_CONNECTION_S, Connection, ConnectionStore
@@ -66,6 +68,15 @@ from shoal.sessions.registry import SessionRegistry
 #: connection is surely closed and whose ``$disconnect`` never came is expired by the reaper
 CHANNEL_MARGIN_S = 300
 CHANNEL_KEEPALIVE_S = math.ceil((MAX_CONNECTION_S + CHANNEL_MARGIN_S) / KEEPALIVE_GRACE)
+
+#: a ``$disconnect`` step refused as busy is tried this many times, backing off from
+#: ``DISCONNECT_BACKOFF_S`` up to ``DISCONNECT_BACKOFF_CAP_S``: about 10 s at most, well within
+#: the edge function's timeout, and past a burst of throttling
+DISCONNECT_ATTEMPTS = 8
+DISCONNECT_BACKOFF_S = 0.1
+DISCONNECT_BACKOFF_CAP_S = 3.0
+
+T = TypeVar("T")
 
 #: the subprotocol a browser offers (with its token as ``bearer.<jwt>``) and gets back
 SUBPROTOCOL = "shoal.v1"
@@ -142,15 +153,31 @@ class EdgeService:
         follows after the delay, counted from the close (MQTT 5 §3.1.3.2.2), not from when
         the function ran."""
         try:
-            self._disconnected(connection_id, closed_at_ms)
+            connection = self._through_busy(lambda: self.connections.connection(connection_id))
+            if connection is not None:
+                self._through_busy(lambda: self._disconnected(connection, closed_at_ms))
         finally:
             # a lost member's groups may hand its streams on
             self.hand_offs.flush()
 
-    def _disconnected(self, connection_id: str, closed_at_ms: int | None) -> None:
-        connection = self.connections.connection(connection_id)
-        if connection is None:
-            return
+    def _through_busy(self, step: Callable[[], T]) -> T:
+        """``step``, tried again while the store is busy, for up to ``DISCONNECT_RETRY_S``.
+
+        API Gateway invokes ``$disconnect`` once and never again, whatever it answers: a
+        ``$disconnect`` given up on a throttle would leave the session connected to a gone
+        connection, its will unpublished, until the registry's bound on a connection (hours).
+        Each step may run again: unbinding is idempotent, and losing a channel already lost
+        changes nothing."""
+        for attempt in range(DISCONNECT_ATTEMPTS):
+            try:
+                return step()
+            except (ServerBusy, BotoCoreError):
+                if attempt == DISCONNECT_ATTEMPTS - 1:
+                    raise
+                self.clock.sleep(backoff_s(attempt, DISCONNECT_BACKOFF_S, DISCONNECT_BACKOFF_CAP_S))
+        raise AssertionError("unreachable")
+
+    def _disconnected(self, connection: Connection, closed_at_ms: int | None) -> None:
         if self.connections.unbind(connection):
             # the session's item names a newer connection: a connect took the session over
             # (the client's own renewal before API Gateway's 2 hours, make-before-break), so

@@ -902,10 +902,12 @@ def test_a_connection_a_push_found_gone_still_publishes_its_will(edge: Edge) -> 
 
 
 def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edge) -> None:
-    """The client renews its connection before API Gateway's 2 hours make-before-break: the
-    older connection's $disconnect comes after the takeover. It deletes the connection's
-    items and leaves the registry alone: its channel is not the live one, and a conditional
-    write that fails would still be billed (once per client every 2 hours)."""
+    """A connect on a new connection takes the session over (a client that connects again
+    rather than renew): the older connection's $disconnect comes after the takeover. It
+    deletes the connection's items and leaves the registry's head alone: its channel is not
+    the live one, and a conditional write that fails would still be billed. Its only registry
+    write settles the will the takeover held for this close (``closed_after_takeover``): it
+    closed after the takeover, so the will is dropped."""
     edge.connect("c1", will=WILL)
     edge.connect("c2")
     writes: list[str] = []
@@ -921,7 +923,8 @@ def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edg
         connections.meta.events.register("before-parameter-build.dynamodb.*", record)
     edge.dropped("c1")
     table = get_config().table("connections")
-    assert writes == [f"DeleteItem {table}", f"DeleteItem {table}"]
+    sessions = get_config().table("sessions")
+    assert writes == [f"DeleteItem {table}", f"DeleteItem {table}", f"DeleteItem {sessions}"]
     # the session stays with the newer connection: no will, deliveries pushed there
     reaper, publisher = _reaper(edge)
     edge.world.clock.advance(6)

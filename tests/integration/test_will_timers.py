@@ -23,7 +23,7 @@ from shoal.declarations import WILLS_MAPPING
 from shoal.edge.pushwork import HandOffs
 from shoal.local.esm.queues import QueueMapping, QueueMappings
 from shoal.local.provision import LocalNames
-from shoal.sessions.model import HEAD, WILL_PREFIX, ConnectRequest
+from shoal.sessions.model import HEAD, HELD_WILL_BOUND_MS, WILL_PREFIX, ConnectRequest
 from shoal.sessions.reaper import Reaper
 from shoal.sessions.timers import SqsDueTimer
 
@@ -484,3 +484,115 @@ def test_the_schedule_takes_up_an_http_channels_lost_keepalive_timer(
     clock.advance(0.5)
     assert timers.fire() == 1
     assert timers.wills() == [("alice-1", "offline")]
+
+
+# --- a takeover that comes before the gone connection's $disconnect (issue 47: the 200-client
+# soak's wills never published: a reconnect's connect ran while the dropped connection's
+# $disconnect still waited, took over a channel that looked live, and withheld the will)
+
+
+def _held(timers: Timers) -> list[Any]:
+    view = timers.reaper.repository.read("alice-1", consistent=True)
+    return [w for w in view.wills if w.held_since_ms is not None]
+
+
+def test_a_takeover_after_the_delay_from_the_close_publishes_the_will_at_the_disconnect(
+    timers: Timers,
+) -> None:
+    # Given a connection with a 5 s will delay that closes at t, its $disconnect not run yet
+    timers.edge.connect("c1", will=WILL)
+    closed_at = timers.edge.world.clock.now_ms()
+    # When the client connects again 6 s later: the session resumes, over a channel that
+    # still looks live, and the will is held, not published and not dropped
+    timers.edge.world.clock.advance(6)
+    assert timers.edge.connect("c2")["session_present"] is True
+    assert timers.fire() == 0
+    assert timers.wills() == [] and len(_held(timers)) == 1
+    # Then the late $disconnect says the connection closed at t: the delay ran out with no new
+    # connection (MQTT 5 §3.1.3.2.2, [MQTT-3.1.2-8]), so the will goes now, once
+    timers.edge.world.clock.advance(2)
+    timers.edge.dropped("c1", requestTimeEpoch=closed_at)
+    assert timers.fire() == 1
+    assert timers.wills() == [("alice-1", "offline")]
+    assert _held(timers) == [] and timers.waiting() == 0
+    # And the new channel is the live one, untouched
+    assert _connected(timers)
+
+
+def test_a_takeover_within_the_delay_from_the_close_drops_the_will_at_the_disconnect(
+    timers: Timers,
+) -> None:
+    # Given a connection with a 5 s will delay that closes at t, and the client back at t + 2,
+    # before that connection's $disconnect
+    timers.edge.connect("c1", will=WILL)
+    closed_at = timers.edge.world.clock.now_ms()
+    timers.edge.world.clock.advance(2)
+    timers.edge.connect("c2")
+    # When the $disconnect comes, Then the will is dropped: a new connection came within its
+    # delay ([MQTT-3.1.3-9]); nothing is published, now or later
+    timers.edge.dropped("c1", requestTimeEpoch=closed_at)
+    assert _held(timers) == []
+    timers.edge.world.clock.advance(3600)
+    timers.reaper.run()
+    assert timers.fire() == 0
+    assert timers.wills() == []
+
+
+def test_a_live_channel_taken_over_never_has_its_delayed_will_published(timers: Timers) -> None:
+    # Given a live connection with a will delay, taken over by a new connection of its client
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.world.clock.advance(1)
+    timers.edge.connect("c2")
+    # When the old connection closes after the takeover (its $disconnect at its own time)
+    timers.edge.world.clock.advance(10)
+    timers.edge.dropped("c1")
+    # Then its will is withheld, as MQTT says for a session resumed within the delay
+    timers.edge.world.clock.advance(3600)
+    timers.reaper.run()
+    assert timers.fire() == 0
+    assert timers.wills() == [] and _held(timers) == []
+
+
+def test_a_held_will_whose_close_never_comes_is_dropped_at_its_bound(timers: Timers) -> None:
+    # Given a will held by a takeover, and no $disconnect of the old connection ever
+    timers.edge.connect("c1", will=WILL)
+    timers.edge.world.clock.advance(1)
+    timers.edge.connect("c2")
+    assert len(_held(timers)) == 1
+    # When the schedule runs before the bound, Then it waits
+    timers.edge.world.clock.advance(HELD_WILL_BOUND_MS / 1000 - 1)
+    assert timers.reaper.run().wills_withheld == 0
+    assert len(_held(timers)) == 1
+    # And past the bound it is dropped, never published
+    timers.edge.world.clock.advance(2)
+    assert timers.reaper.run().wills_withheld == 1
+    assert _held(timers) == [] and timers.wills() == []
+
+
+def test_an_http_channel_past_its_keepalive_taken_over_after_the_delay_leaves_its_will(
+    timers: Timers,
+) -> None:
+    # Given an HTTP channel with a 5 s will delay, silent past 1.5 keepalives and 5 s more,
+    # its expiry not reaped yet (the reaper behind)
+    _http_connect(timers, will=WILL)
+    timers.edge.world.clock.advance(HTTP_GRACE_S + 5)
+    # When its client connects again, Then the channel counts as closed when its keepalive
+    # ran out, the delay ran out after it, and the will goes at once
+    _http_connect(timers)
+    timers.fire()
+    assert timers.wills() == [("alice-1", "offline")]
+    assert _held(timers) == []
+
+
+def test_an_http_channel_past_its_keepalive_taken_over_within_the_delay_withholds_its_will(
+    timers: Timers,
+) -> None:
+    # Given an HTTP channel with a 5 s will delay whose keepalive ran out 2 s ago, unreaped
+    _http_connect(timers, will=WILL)
+    timers.edge.world.clock.advance(HTTP_GRACE_S + 2)
+    # When its client connects again, Then the session resumes within the delay: no will
+    _http_connect(timers)
+    timers.edge.world.clock.advance(3600)
+    timers.reaper.run()
+    timers.fire()
+    assert timers.wills() == [] and _held(timers) == []

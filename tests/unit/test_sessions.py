@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from shoal.core.errors import BadRequest, Forbidden
 from shoal.sessions.model import (
     DUE_SHARDS,
+    HELD_WILL_BOUND_MS,
     ConflictStep,
     ConnectPlan,
     ConnectRequest,
@@ -251,9 +252,33 @@ def test_resume_of_a_live_channel_publishes_its_will_without_delay() -> None:
     published_at_once(plan, view)
 
 
-def test_resume_of_a_live_channel_within_the_will_delay_withholds_its_will() -> None:
+def test_resume_of_a_live_channel_within_the_will_delay_holds_its_will_for_the_close() -> None:
+    # the channel may be gone already (its $disconnect not run yet): the will waits for it,
+    # never due by itself (its due time is the bound on that wait)
     plan = plan_connect(armed(delay_s=30), ConnectRequest(clean_start=False), "alice", v(NOW), NOW)
-    assert (plan.decision, plan.takeover_will) == (Decision.RESUME, None)
+    assert plan.decision is Decision.RESUME
+    held = plan.takeover_will
+    assert held is not None
+    assert (held.held_since_ms, held.due_at_ms) == (NOW, NOW + HELD_WILL_BOUND_MS)
+
+
+def test_a_held_will_is_neither_cancelled_nor_fired_by_a_later_connect() -> None:
+    # its channel's close decides it, whoever connects meanwhile
+    held = ScheduledWill(
+        v(NOW - 5_000),
+        WillMessage(topic="t", text="gone", delay_s=30),
+        NOW + HELD_WILL_BOUND_MS,
+        held_since_ms=NOW - 1_000,
+    )
+    for clean_start in (False, True):
+        plan = plan_connect(
+            RegistryView(wills=(held,)),
+            ConnectRequest(clean_start=clean_start),
+            "alice",
+            v(NOW),
+            NOW,
+        )
+        assert (plan.cancel_wills, plan.fire_wills) == ((), ())
 
 
 @pytest.mark.parametrize("delay_s", [0, 30])

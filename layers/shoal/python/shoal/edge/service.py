@@ -183,7 +183,12 @@ class EdgeService:
             # (the client's own renewal before API Gateway's 2 hours, make-before-break), so
             # this channel is not the live one and losing it would change nothing (a
             # conditional write that fails costs its write unit all the same); the newer
-            # connection keeps the session's group members live in this one's place
+            # connection keeps the session's group members live in this one's place. If
+            # that connect came while this connection looked live but was gone, it held
+            # this channel's will for this close to decide
+            self.registry.closed_after_takeover(
+                connection.client_id, connection.channel, closed_at_ms
+            )
             return
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
         head = self.registry.lose(who, connection.client_id, connection.channel, closed_at_ms)
@@ -191,6 +196,9 @@ class EdgeService:
             # not the live channel any more (an HTTP connect took the session over): the
             # members this connection kept may still be kept by it
             head = self.registry.repository.head(connection.client_id)
+            self.registry.closed_after_takeover(
+                connection.client_id, connection.channel, closed_at_ms
+            )
         self._release(connection, head)
 
     # -- client frames

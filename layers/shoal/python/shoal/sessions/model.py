@@ -77,6 +77,12 @@ MAX_CLEANUP = 25
 WILL_RETRY_MS = 60_000
 
 
+#: how long a will held for its channel's close (``ScheduledWill.held_since_ms``) waits for
+#: that channel's ``$disconnect``: API Gateway sends it within seconds of the close, ``shoal
+#: dev`` under load within minutes; a close that never comes means a live channel was taken
+#: over, whose will MQTT withholds
+HELD_WILL_BOUND_MS = 600_000
+
 #: shards of the due index; a stable hash of the client id picks one
 DUE_SHARDS = 8
 
@@ -219,6 +225,12 @@ class ScheduledWill:
     claimed_at_ms: int | None = None
     #: the principal whose session it was: the will is published as it
     sub: str = ""
+    #: held for its channel's close: a connect resumed the session at this instant while the
+    #: channel still looked live (its ``$disconnect`` had not run yet). That ``$disconnect``
+    #: decides, from when the connection closed: published at once if the delay ran out
+    #: before this instant, dropped otherwise (MQTT 5 §3.1.3.2.2). Its due time is only the
+    #: bound on waiting for it (``HELD_WILL_BOUND_MS``): past it, dropped, never published
+    held_since_ms: int | None = None
 
     @property
     def item(self) -> str:
@@ -286,8 +298,13 @@ def plan_connect(
         decision = Decision.DISCARD if alive else Decision.NEW
         session_id = uuid.uuid4().hex
     stale = tuple(sorted(v for v in view.registrations if v < ours)[:MAX_CLEANUP])
-    # a will that is due or claimed is the reaper's: its delay ran out before this connect
-    waiting = tuple(w for w in view.wills if w.claimed_at_ms is None and w.due_at_ms > now_ms)
+    # a will that is due or claimed is the reaper's: its delay ran out before this connect;
+    # one held for its channel's close is that channel's $disconnect's to decide
+    waiting = tuple(
+        w
+        for w in view.wills
+        if w.claimed_at_ms is None and w.due_at_ms > now_ms and w.held_since_ms is None
+    )
     waiting = waiting[:MAX_CLEANUP]
     fired = takeover_will(head, decision, now_ms)
     if decision is Decision.RESUME:
@@ -305,11 +322,25 @@ def takeover_will(head: Head | None, decision: Decision, now_ms: int) -> Schedul
     without a delay; a session this connect does not resume (DISCARD: clean start, or a
     session expiry of 0, which ended with its channel) publishes it at once, whatever its
     delay. Only a connected head has a will (a disconnect or keepalive expiry removes it).
+
+    A channel that only looks live may have closed already: its keepalive ran out and the
+    reaper has not come yet, or its WebSocket connection went and its ``$disconnect`` has not
+    run yet. The first counts from the keepalive's end, as the reaper would: a will whose
+    delay ran out before now is published now. The second is not known here, so a resumed
+    session's delayed will is held for that ``$disconnect``, which knows when the connection
+    closed (``SessionRegistry.closed_after_takeover``).
     """
     if head is None or not head.connected or head.will is None:
         return None
     if decision is Decision.RESUME and head.will.delay_s > 0:
-        return None
+        expired_at = head.last_seen_ms + head.grace_ms
+        if expired_at <= now_ms:
+            if expired_at + head.will.delay_s * 1000 <= now_ms:
+                return ScheduledWill(head.newest, head.will, now_ms, sub=head.sub)
+            return None
+        return ScheduledWill(
+            head.newest, head.will, now_ms + HELD_WILL_BOUND_MS, sub=head.sub, held_since_ms=now_ms
+        )
     return ScheduledWill(head.newest, head.will, now_ms, sub=head.sub)
 
 

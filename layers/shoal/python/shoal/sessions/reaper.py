@@ -36,6 +36,8 @@ class ReapReport:
     channels_expired: int = 0
     wills_published: int = 0
     wills_dropped: int = 0
+    #: wills held for a taken-over channel's close that never came (``HELD_WILL_BOUND_MS``)
+    wills_withheld: int = 0
     sessions_ended: int = 0
     rescheduled: int = 0
     contended: int = 0
@@ -216,6 +218,12 @@ class Reaper:
     def _reap_will(self, client_id: str, item: str, now: int, report: ReapReport) -> None:
         will = self.repository.will(client_id, item)
         if will is None or will.due_at_ms > now:
+            return
+        if will.held_since_ms is not None:
+            # held for a close that never came in time: its channel was live when a connect
+            # resumed the session, and MQTT withholds the will ([MQTT-3.1.3-9])
+            if self.repository.settle_held_will(client_id, will, None):
+                report.wills_withheld += 1
             return
         if not self.repository.claim_will(client_id, will, now, now + WILL_RETRY_MS):
             report.contended += 1

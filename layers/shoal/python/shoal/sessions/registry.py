@@ -53,6 +53,7 @@ from shoal.sessions.model import (
     CONNECT_BUDGET_S,
     HEAD,
     MAX_CLOCK_AHEAD_MS,
+    WILL_PREFIX,
     Channel,
     ConflictStep,
     Connected,
@@ -244,7 +245,8 @@ class SessionRegistry:
         next run (MQTT 5 §3.1.3.2.2). Best effort: the schedule publishes them otherwise."""
         now = self.clock.now_ms()
         wills = [w.item for w in plan.fire_wills]
-        if plan.takeover_will is not None:
+        if plan.takeover_will is not None and plan.takeover_will.held_since_ms is None:
+            # (a held will waits for its channel's $disconnect, not for a timer)
             wills.append(plan.takeover_will.item)
         for item in wills:
             arm_timer(self.timer, client_id, item, now, now)
@@ -383,6 +385,30 @@ class SessionRegistry:
             # the reaper's schedule would come a minute later and its will's a minute after
             arm_timer(self.timer, client_id, HEAD, closed, now)
         return head
+
+    def closed_after_takeover(
+        self, client_id: str, channel: Channel, closed_at_ms: int | None = None
+    ) -> bool | None:
+        """A channel a connect took over has closed (at ``closed_at_ms``, never later than
+        now): its connection's ``$disconnect`` came after that connect, which held the
+        channel's delayed will for it (``shoal.sessions.model.takeover_will``). If the
+        connection closed a whole will delay before the connect, the delay ran out with no
+        new connection and the will is published now (MQTT 5 §3.1.3.2.2, [MQTT-3.1.2-8]);
+        otherwise the connect came within the delay, and it is dropped ([MQTT-3.1.3-9]).
+        True: published; False: dropped; None: no will was held (one strongly consistent
+        read)."""
+        version = parse_channel(channel)
+        will = self.repository.will(client_id, WILL_PREFIX + version.key)
+        if will is None or will.held_since_ms is None:
+            return None
+        now = self.clock.now_ms()
+        closed = now if closed_at_ms is None else min(closed_at_ms, now)
+        if closed + will.message.delay_s * 1000 > will.held_since_ms:
+            self.repository.settle_held_will(client_id, will, None)
+            return False
+        if self.repository.settle_held_will(client_id, will, now):
+            arm_timer(self.timer, client_id, will.item, now, now)
+        return True
 
     def session(self, who: Principal, client_id: str, channel: Channel | None) -> dict[str, Any]:
         head = self.require_live(who, client_id, channel)

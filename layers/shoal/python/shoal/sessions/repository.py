@@ -225,7 +225,14 @@ class SessionRepository:
             # channel). Written with the head, so never without the takeover; the head's
             # condition lets this transaction land once, so the will is written once.
             taken = plan.takeover_will
-            item = _will_item(client_id, taken.version, taken.sub, taken.message, taken.due_at_ms)
+            item = _will_item(
+                client_id,
+                taken.version,
+                taken.sub,
+                taken.message,
+                taken.due_at_ms,
+                held_since_ms=taken.held_since_ms,
+            )
             items.append({"Put": {"TableName": self.table, "Item": item}})
         return self._transact(items)
 
@@ -395,6 +402,23 @@ class SessionRepository:
             "update_item", **self._on(client_id, will.item, expr, condition)
         )
 
+    def settle_held_will(self, client_id: str, will: ScheduledWill, due_at_ms: int | None) -> bool:
+        """A will held for its channel's close: due at ``due_at_ms`` (no longer held), or
+        deleted (None); on condition that it is still held as read."""
+        expr = Expression()
+        condition = (
+            f"{expr.n('held_since_ms')} = {expr.v(will.held_since_ms)}"
+            f" AND {expr.n('due_at_ms')} = {expr.v(will.due_at_ms)}"
+        )
+        if due_at_ms is None:
+            return self.dynamo.conditional(
+                "delete_item", **self._on(client_id, will.item, expr, condition)
+            )
+        expr.set("due_at_ms", due_at_ms).remove("held_since_ms")
+        return self.dynamo.conditional(
+            "update_item", **self._on(client_id, will.item, expr, condition)
+        )
+
     def finish_will(self, client_id: str, will: ScheduledWill, claimed_at_ms: int) -> bool:
         expr = Expression()
         condition = f"{expr.n('claimed_at_ms')} = {expr.v(claimed_at_ms)}"
@@ -415,10 +439,17 @@ def _registration_item(client_id: str, ours: Version, sub: str, now_ms: int) -> 
 
 
 def _will_item(
-    client_id: str, version: Version, sub: str, will: WillMessage, due_at_ms: int
+    client_id: str,
+    version: Version,
+    sub: str,
+    will: WillMessage,
+    due_at_ms: int,
+    *,
+    held_since_ms: int | None = None,
 ) -> dict[str, Any]:
-    """A ``will#<version>`` item: the will of ``version``'s channel, due at ``due_at_ms``."""
-    return {
+    """A ``will#<version>`` item: the will of ``version``'s channel, due at ``due_at_ms``
+    (held for its channel's close since ``held_since_ms``, when given)."""
+    item = {
         "client_id": attribute(client_id),
         "item": attribute(WILL_PREFIX + version.key),
         "channel": attribute(version.channel),
@@ -427,6 +458,9 @@ def _will_item(
         "due_shard": attribute(due_shard(client_id)),
         "due_at_ms": attribute(due_at_ms),
     }
+    if held_since_ms is not None:
+        item["held_since_ms"] = attribute(held_since_ms)
+    return item
 
 
 def _conn(ours: Version, request: ConnectRequest, plan: ConnectPlan) -> dict[str, Any]:
@@ -476,4 +510,5 @@ def _scheduled_will(item: Mapping[str, Any]) -> ScheduledWill:
         due_at_ms=item["due_at_ms"],
         claimed_at_ms=item.get("claimed_at_ms"),
         sub=item.get("sub", ""),
+        held_since_ms=item.get("held_since_ms"),
     )

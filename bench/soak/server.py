@@ -73,6 +73,10 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: a start that finds one of its ports taken tries again this often, this far apart
+PORT_TAKEN_ATTEMPTS = 60
+PORT_TAKEN_WAIT_S = 2.0
+
 #: where ``steady_ports`` looks, up to the kernel's ephemeral range
 STEADY_PORTS_FROM = 10_000
 
@@ -156,19 +160,40 @@ class DevProcess:
         ]
         began = time.monotonic()
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=child_environment(self.env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch it meanwhile
-            )
-        self._wait_until_ready()
+        for attempt in range(PORT_TAKEN_ATTEMPTS):
+            tried_at = self.log_path.stat().st_size if self.log_path.exists() else 0
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    args,
+                    cwd=ROOT,
+                    env=child_environment(self.env),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch it meanwhile
+                )
+            try:
+                self._wait_until_ready()
+                break
+            except RuntimeError:
+                # another program bound one of its ports while it was down (below the
+                # ephemeral range only a server does: a test's shoal dev beside the run, which
+                # the 2-hour soak met at its 5th kill). Its clients know these ports, so it
+                # waits for them rather than moving
+                if attempt == PORT_TAKEN_ATTEMPTS - 1 or not self._port_taken(tried_at):
+                    raise
+                time.sleep(PORT_TAKEN_WAIT_S)
         took = time.monotonic() - began
         self.starts.append({"start_s": round(took, 2), **self._replay(offset)})
         return took
+
+    def _port_taken(self, offset: int) -> bool:
+        """Whether the start that logged from ``offset`` on stopped on a port in use."""
+        try:
+            with self.log_path.open("rb") as handle:
+                handle.seek(offset)
+                return b"is in use" in handle.read()
+        except OSError:
+            return False
 
     def _replay(self, offset: int) -> dict[str, float]:
         try:

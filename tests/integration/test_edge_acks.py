@@ -5,12 +5,15 @@ whatever its number of ids. Driven through the edge's routes over moto (``test_e
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from shoal.aws.dynamo import Dynamo
 from shoal.core.config import get_config
 from shoal.delivery.model import STATE
+from shoal.edge.push import PushWorker
+from shoal.edge.routes import handle
 
 from tests.integration.test_edge import Edge, edge, texts
 
@@ -209,4 +212,40 @@ def test_an_ack_racing_the_redelivery_of_its_id_lands_and_the_id_never_comes_aga
     # and the copy's ack (the client acks a copy of what it processed again) acks nothing
     assert ack(edge, "c1", [first["id"]]) == 0
     assert redelivered(edge, "c1") == []
+    assert redelivered(edge, "c1") == []
+
+
+def test_a_copy_handed_out_again_and_acked_before_its_post_is_not_posted(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep's push hands a delivery out again (dup, its state written), and the client's
+    ack of the first copy lands before the push posts the copy: posted, it would reach the
+    client after its ack was answered (the soak beside a lagging server: copies up to 20 s
+    after the answer). Made deterministic by acking between the push's get and its post."""
+    # Given a delivery in flight whose ack timeout has passed
+    (first,) = pushed(edge, "c1", 1)
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    real_get = PushWorker._get
+    acked: list[int] = []
+
+    def get_then_ack(self: PushWorker, *args: Any, **kwargs: Any) -> Any:
+        handed = real_get(self, *args, **kwargs)
+        if handed and not acked:
+            # the ack frame's own route, without draining the push queue (this is a push)
+            event = edge.event("edge_frame.json", "c1")
+            event["body"] = json.dumps({"action": "ack", "ref": "late", "ids": [first["id"]]})
+            event["requestContext"]["routeKey"] = "ack"
+            handle(lambda: edge.service, event)
+            acked.append(1)
+        return handed
+
+    monkeypatch.setattr(PushWorker, "_get", get_then_ack)
+    # When the sweep sends it again and the ack comes between that hand-out and its post
+    edge.sweep()
+    # Then the ack was answered as counting, and the copy was never posted
+    answers = [f for f in edge.api.sent["c1"] if f["action"] == "acked"]
+    assert [a["acked"] for a in answers] == [1]
+    assert [(f["id"], f["dup"]) for f in edge.messages("c1")] == [(first["id"], False)]
+    # and nothing comes again later
+    monkeypatch.setattr(PushWorker, "_get", real_get)
     assert redelivered(edge, "c1") == []

@@ -502,9 +502,7 @@ class PushWorker:
             logger.info("qos 0 frames held back by a full window dropped", extra={"n": len(late)})
         return late
 
-    def _not_acked_since(
-        self, push: _Push, messages: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
+    def _not_acked_since(self, push: _Push, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` but the copies sent again (``dup``) that the session acked after this
         push handed them out: an ack written between the hand-out and the post would see its
         id come again after its answer. The soak's runs beside a lagging server had dozens,

@@ -161,7 +161,7 @@ class EdgeService:
             self.hand_offs.flush()
 
     def _through_busy(self, step: Callable[[], T]) -> T:
-        """``step``, tried again while the store is busy, for up to ``DISCONNECT_RETRY_S``.
+        """``step``, tried again while the store is busy, ``DISCONNECT_ATTEMPTS`` times at most.
 
         API Gateway invokes ``$disconnect`` once and never again, whatever it answers: a
         ``$disconnect`` given up on a throttle would leave the session connected to a gone
@@ -196,9 +196,12 @@ class EdgeService:
             # not the live channel any more (an HTTP connect took the session over): the
             # members this connection kept may still be kept by it
             head = self.registry.repository.head(connection.client_id)
-            self.registry.closed_after_takeover(
-                connection.client_id, connection.channel, closed_at_ms
-            )
+            if head is not None and head.newest.channel != connection.channel:
+                # a newer channel took over (not a disconnect of this one): it may have held
+                # this channel's will for this close
+                self.registry.closed_after_takeover(
+                    connection.client_id, connection.channel, closed_at_ms
+                )
         self._release(connection, head)
 
     # -- client frames

@@ -398,11 +398,12 @@ class PublishService:
                         # by the hold's end the holder has confirmed, or a retry takes over
                         held = state.reservation_for(item.seq)  # type: ignore[arg-type]
                         left_ms = held.held_until - self.clock.now_ms() if held is not None else 0
+                        left_s = -(-left_ms // 1000)
                         item.error = ServerBusy(
                             "this publish is in flight in another request; retry shortly",
-                            retry_after_s=-(-left_ms // 1000),
+                            retry_after_s=left_s,
                         )
-                        retry_after_s = max(retry_after_s, -(-left_ms // 1000))
+                        retry_after_s = max(retry_after_s, left_s)
                     for item in held_back:
                         item.error = ServerBusy(
                             "an earlier publish of this publisher is in flight in another "

@@ -6,7 +6,9 @@ from __future__ import annotations
 import gc
 import json
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import boto3
@@ -579,3 +581,144 @@ def test_a_send_reads_the_attributes_it_asks_for_as_moto_built_them(
         for name in [*whole, "KmsMasterKeyId", "Nothing"]:
             assert asked.get(name) == whole.get(name), name
         assert dict(asked) == whole
+
+
+def test_a_projection_converts_each_item_once_and_answers_as_moto_did(
+    table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ProjectionExpression's paths are read from one conversion of the item
+    (``project_from_one_conversion``): a group's load projects 24 attributes, and moto
+    converted the whole item once a path. Overlapping paths, list elements, nested maps,
+    sets, numbers and a missing path each pick what moto's own projection picks."""
+    from moto.dynamodb.models import dynamodb_backends
+
+    table.put_item(
+        Item={
+            "p": "proj",
+            "k": 1,
+            "m": {"a": {"b": 1, "c": "x"}, "d": [1, {"e": "f"}]},
+            "l": ["zero", {"one": 1}, {"two": [2, 2]}],
+            "s": {"p", "q"},
+            "n": Decimal("12.5"),
+        }
+    )
+    stored = dynamodb_backends["123456789012"]["us-east-1"].get_table("t")
+    item = stored.get_item(DynamoType({"S": "proj"}), DynamoType({"N": "1"}))
+    converted: list[int] = []
+    to_regular_json = Item.to_regular_json
+
+    def counting(self: Item) -> Any:
+        converted.append(1)
+        return to_regular_json(self)
+
+    monkeypatch.setattr(Item, "to_regular_json", counting)
+    for projection in (
+        "m, m.a.b",
+        "m.a.b, m",
+        "m.a.b, m.a.c, m.d[1].e",
+        "l[1], l",
+        "l, l[2].two",
+        "s, n, nothing, m.nothing.deeper",
+        "m.d[0], m.d[1]",
+        "p, k, m, l, s, n",
+    ):
+        # moto's form of the paths: each split at its dots, a list index kept on its name
+        paths = [path.strip().split(".") for path in projection.split(",")]
+        converted.clear()
+        ours = item.project(paths)
+        assert len(converted) == 1, projection
+        theirs = Item.project._moto(item, paths)
+        assert ours.to_json() == theirs.to_json(), projection
+    # and through the API: what the projection names, nothing else
+    answer = table.get_item(Key={"p": "proj", "k": 1}, ProjectionExpression="m.a.b, l[1], n")
+    assert answer["Item"] == {"m": {"a": {"b": 1}}, "l": [{"one": 1}], "n": Decimal("12.5")}
+
+
+class _CountedRecords(OrderedDict[int, Any]):
+    """A shard's records dict that counts the records its forward walks pass."""
+
+    walked = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for key in super().__iter__():
+            _CountedRecords.walked += 1
+            yield key
+
+    def items(self) -> Any:
+        return [(k, self[k]) for k in self]
+
+    def keys(self) -> Any:
+        return list(self)
+
+    def values(self) -> Any:
+        return [self[k] for k in self]
+
+
+def _read_all(kinesis: Any, stream: str, shard_id: str, limit: int) -> list[str]:
+    iterator = kinesis.get_shard_iterator(
+        StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON"
+    )["ShardIterator"]
+    read: list[str] = []
+    while True:
+        answer = kinesis.get_records(ShardIterator=iterator, Limit=limit)
+        read += [r["Data"].decode() for r in answer["Records"]]
+        if not answer["Records"]:
+            return read
+        iterator = answer["NextShardIterator"]
+
+
+def test_a_shard_is_read_from_a_position_not_walked_from_its_first_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put numbers its record from the shard's last key, and GetRecords finds the records
+    after its iterator by bisection (``read_shards_by_position``): moto walked every record of
+    the shard for each, so under ``shoal dev``, which keeps every record, both grew with the
+    stream's history. The answers are moto's: the same records in order, the same pages, the
+    same next positions, after a split that moves the records too."""
+    from moto.kinesis.models import Shard, kinesis_backends
+
+    adapt_moto()
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name="us-east-1")
+        kinesis.create_stream(StreamName="s", ShardCount=1)
+        shard = (
+            kinesis_backends["123456789012"]["us-east-1"]
+            .streams["s"]
+            .shards["shardId-000000000000"]
+        )
+        shard.records = _CountedRecords(shard.records)
+        for n in range(200):
+            kinesis.put_record(StreamName="s", Data=f"r{n}".encode(), PartitionKey="k")
+        assert _read_all(kinesis, "s", "shardId-000000000000", 7) == [f"r{n}" for n in range(200)]
+
+        # Given a shard of 200 records, read once: every later put and read of its newest
+        # records passes a few records of the dict's front, not all of them
+        _CountedRecords.walked = 0
+        last = kinesis.put_record(StreamName="s", Data=b"r200", PartitionKey="k")
+        iterator = kinesis.get_shard_iterator(
+            StreamName="s",
+            ShardId="shardId-000000000000",
+            ShardIteratorType="AT_SEQUENCE_NUMBER",
+            StartingSequenceNumber=last["SequenceNumber"],
+        )["ShardIterator"]
+        answer = kinesis.get_records(ShardIterator=iterator)
+        assert [r["Data"] for r in answer["Records"]] == [b"r200"]
+        assert answer["MillisBehindLatest"] == 0
+        assert _CountedRecords.walked < 10
+
+        # And moto's own read answers the same, page by page
+        original = Shard.get_records._moto
+        for after in ("0", "1", "150", "200", "201", "500"):
+            for limit in (None, 1, 7, 1000):
+                assert shard.get_records(after, limit) == original(shard, after, limit)
+
+        # When the shard is split (moto moves its records to the children), each child's
+        # records are read as moto lays them out
+        kinesis.split_shard(
+            StreamName="s",
+            ShardToSplit="shardId-000000000000",
+            NewStartingHashKey=str(2**127),
+        )
+        children = kinesis.list_shards(StreamName="s")["Shards"]
+        read = [data for c in children for data in _read_all(kinesis, "s", c["ShardId"], 50)]
+        assert sorted(read) == sorted(f"r{n}" for n in range(201))

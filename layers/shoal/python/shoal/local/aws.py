@@ -49,11 +49,13 @@ from shoal.local.moto_dynamodb import (
     cache_action_names,
     lex_conditions_once,
     parse_update_expressions_once,
+    project_from_one_conversion,
     query_one_partition,
     roll_back_transactions_by_item,
     serialize_attribute_values_directly,
     traverse_with_fixed_maps,
 )
+from shoal.local.moto_kinesis import read_shards_by_position
 from shoal.local.moto_sqs import build_attributes_as_asked_while_sending, read_retention_directly
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.throttle import DYNAMODB_THROTTLED, Throttles
@@ -195,6 +197,8 @@ def adapt_moto() -> None:
     bucket_metric_queries()
     read_retention_directly()
     build_attributes_as_asked_while_sending()
+    project_from_one_conversion()
+    read_shards_by_position()
 
 
 # --- the middleware --------------------------------------------------------------------------

@@ -469,3 +469,38 @@ def traverse_with_fixed_maps() -> None:
     DepthFirstTraverser.process = process
     DepthFirstTraverser.traverse_node_recursively = traverse_node_recursively
     ActionCountValidator.traverse = count_actions_at_the_root
+
+
+def project_from_one_conversion() -> None:
+    """Convert an item to plain values once per projection, not once per projected path.
+
+    moto's ``Item.project`` converts the whole item to plain values (``to_regular_json``) for
+    each path of a ``ProjectionExpression``, then picks the path out of that conversion. A
+    group's load (``shoal.groups.store``) projects 24 attributes of every item of the group:
+    24 conversions of each item, 11 % of the emulator's GIL time in a soak (py-spy ``--gil``,
+    2026-12-05), which every shared-group member's get and idle poll pays. The paths are read
+    from one conversion; what each picks, and how the picks are merged and turned back into
+    attribute values, is moto's own code as before (the pick reads the plain values and never
+    changes them; a merge into an earlier pick only sets what that pick already holds).
+    """
+    from moto.dynamodb.models import dynamo_type
+    from moto.dynamodb.models.dynamo_type import Item
+
+    if getattr(Item.project, "_one_conversion", False):
+        return
+    original = Item.project
+
+    def project(self: Any, projection_expressions: list[list[str]]) -> Any:
+        plain = self.to_regular_json()
+        result: dict[str, Any] = {}
+        for expression in projection_expressions:
+            dynamo_type.merge_dicts(result, dynamo_type.find_nested_key(expression, plain))
+        return Item(
+            hash_key=self.hash_key,
+            range_key=self.range_key,
+            attrs=dynamo_type.serializer.serialize(result)["M"],
+        )
+
+    project._one_conversion = True  # type: ignore[attr-defined]
+    project._moto = original  # type: ignore[attr-defined]  # the tests compare answers
+    Item.project = project

@@ -722,3 +722,134 @@ def test_a_shard_is_read_from_a_position_not_walked_from_its_first_record(
         children = kinesis.list_shards(StreamName="s")["Shards"]
         read = [data for c in children for data in _read_all(kinesis, "s", c["ShardId"], 50)]
         assert sorted(read) == sorted(f"r{n}" for n in range(201))
+
+
+class _WatchedPartition(dict[Any, Any]):
+    """A partition dict that counts the walks of its items."""
+
+    walks = 0
+
+    def values(self) -> Any:
+        _WatchedPartition.walks += 1
+        return super().values()
+
+
+def _keyed_table(dynamodb: Any, name: str, kind: str) -> Any:
+    return dynamodb.create_table(
+        TableName=name,
+        KeySchema=[
+            {"AttributeName": "p", "KeyType": "HASH"},
+            {"AttributeName": "k", "KeyType": "RANGE"},
+        ],
+        AttributeDefinitions=[
+            {"AttributeName": "p", "AttributeType": "S"},
+            {"AttributeName": "k", "AttributeType": kind},
+        ],
+        BillingMode="PAY_PER_REQUEST",
+    )
+
+
+def test_a_sort_key_condition_finds_its_items_by_bisection_as_moto_found_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A query's sort key condition is met from the partition's sorted keys
+    (``shoal.local.moto_partitions``), kept in step by puts and deletes and sorted anew after a
+    transaction's rollback: under ``shoal dev`` an inbox partition grows all run, and every
+    idle long poll queried it by a walk of every item. Random puts, overwrites, deletes and a
+    rolled-back transaction, with every kind of condition after each step, answer what moto's
+    own query answers, and a partition once sorted is not walked again."""
+    import random
+
+    from boto3.dynamodb.conditions import Key
+    from botocore.exceptions import ClientError
+    from moto.dynamodb.models import dynamodb_backends
+
+    adapt_moto()
+    rng = random.Random(47)
+    with mock_aws():
+        dynamodb = boto3.resource("dynamodb", region_name="us-east-1")
+        strings, numbers = _keyed_table(dynamodb, "s", "S"), _keyed_table(dynamodb, "n", "N")
+        backend = dynamodb_backends["123456789012"]["us-east-1"]
+
+        def key(table: Any) -> Any:
+            if table is strings:
+                return rng.choice(["a", "ab", "abc", "b", "ba", "c", "x#"]) + str(rng.randrange(30))
+            return Decimal(rng.randrange(-50, 50)) / rng.choice([1, 4])
+
+        for table in (strings, numbers):
+            for _ in range(40):
+                table.put_item(Item={"p": "one", "k": key(table), "v": "x"})
+            moto_table = backend.get_table(table.name)
+            hash_key = DynamoType({"S": "one"})
+            moto_table.items[hash_key] = _WatchedPartition(moto_table.items[hash_key])
+
+        def conditions(table: Any) -> list[Any]:
+            a, b = sorted([key(table), key(table)])
+            found = [
+                Key("p").eq("one") & Key("k").eq(a),
+                Key("p").eq("one") & Key("k").lt(a),
+                Key("p").eq("one") & Key("k").lte(a),
+                Key("p").eq("one") & Key("k").gt(a),
+                Key("p").eq("one") & Key("k").gte(a),
+                Key("p").eq("one") & Key("k").between(a, b),
+            ]
+            if table is strings:
+                found += [Key("p").eq("one") & Key("k").begins_with(p) for p in ("a", "ab", "x")]
+            return found
+
+        def same_as_moto(table: Any) -> None:
+            for condition in conditions(table):
+                for forward in (True, False):
+                    asked = {"KeyConditionExpression": condition, "ScanIndexForward": forward}
+                    walked = _WatchedPartition.walks
+                    ours = table.query(**asked)["Items"]
+                    # found without a walk of the partition's items
+                    assert _WatchedPartition.walks == walked, condition.get_expression()
+                    with monkeypatch.context() as moto_own:
+                        moto_own.setattr(Table, "query", Table.query.__wrapped__)
+                        theirs = table.query(**asked)["Items"]
+                    assert ours == theirs, (table.name, condition.get_expression())
+
+        for table in (strings, numbers):
+            same_as_moto(table)
+        for step in range(60):
+            table = rng.choice([strings, numbers])
+            done = rng.random()
+            if done < 0.5:
+                table.put_item(Item={"p": "one", "k": key(table), "v": f"put {step}"})
+            elif done < 0.85:
+                items = table.query(KeyConditionExpression=Key("p").eq("one"))["Items"]
+                if items:
+                    table.delete_item(Key={"p": "one", "k": rng.choice(items)["k"]})
+            else:
+                # a transaction that puts a new key, deletes one, then fails: rolled back
+                items = table.query(KeyConditionExpression=Key("p").eq("one"))["Items"]
+                with pytest.raises(ClientError):
+                    table.meta.client.transact_write_items(
+                        TransactItems=[
+                            {
+                                "Put": {
+                                    "TableName": table.name,
+                                    "Item": {
+                                        "p": "one",
+                                        "k": "zz" if table is strings else 999,
+                                        "v": "t",
+                                    },
+                                }
+                            },
+                            {
+                                "Delete": {
+                                    "TableName": table.name,
+                                    "Key": {"p": "one", "k": items[0]["k"]},
+                                }
+                            },
+                            {
+                                "ConditionCheck": {
+                                    "TableName": table.name,
+                                    "Key": {"p": "none", "k": items[0]["k"]},
+                                    "ConditionExpression": "attribute_exists(p)",
+                                }
+                            },
+                        ]
+                    )
+            same_as_moto(table)

@@ -11,6 +11,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from shoal.local.moto_partitions import candidates, forget_sorted_keys, keep_sorted_keys
+
 
 def query_one_partition() -> None:
     """Make a Query on a table (not an index) read only the items its key condition names.
@@ -27,7 +29,9 @@ def query_one_partition() -> None:
     compares by type and value alike, so the dict lookup finds exactly the items moto's filter
     kept), except that moto no longer ends a page early for the size of an item outside the
     key condition, which DynamoDB never reads either. Queries with a legacy ``QueryFilter``
-    only get the partition.
+    only get the partition. The items a sort key condition may name are found by bisection
+    of the partition's sorted keys (``shoal.local.moto_partitions``), not by a walk of the
+    partition, which under ``shoal dev`` grows all run.
 
     An index query is handed the items in its index partition that meet its key conditions,
     unsorted: moto's own ``all_items`` sorts the whole table first, and ``shoal dev``'s timers
@@ -39,6 +43,7 @@ def query_one_partition() -> None:
 
     if getattr(Table.query, "_one_partition", False):
         return
+    keep_sorted_keys()
     original = Table.query
     signature = inspect.signature(original)
 
@@ -46,21 +51,47 @@ def query_one_partition() -> None:
         """The table as the query sees it: ``all_items`` is the one partition's items that
         meet ``wanted``."""
 
-        def __init__(self, table: Any, hash_key: Any, wanted: Callable[[Any], bool]) -> None:
+        def __init__(
+            self,
+            table: Any,
+            hash_key: Any,
+            wanted: Callable[[Any], bool],
+            arguments: dict[str, Any],
+        ) -> None:
             self._table = table
             self._hash_key = hash_key
             self._wanted = wanted
+            self._arguments = arguments
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._table, name)
 
         def all_items(self) -> list[Any]:
-            partition = self._table.items.get(self._hash_key)
+            table = self._table
+            partition = table.items.get(self._hash_key)
             if partition is None:
                 return []
-            if not self._table.range_key_attr:
+            if not table.range_key_attr:
                 return [partition]
-            return [item for item in partition.values() if self._wanted(item)]
+            found = self._by_bisection()
+            if found is None:
+                found = list(partition.values())
+            return [item for item in found if self._wanted(item)]
+
+        def _by_bisection(self) -> list[Any] | None:
+            """The items the sort key condition may name, from the partition's sorted keys
+            (``shoal.local.moto_partitions``); None: walk the partition."""
+            arguments = self._arguments
+            conditions = arguments.get("range_key_conditions") or []
+            if arguments.get("filter_kwargs") or len(conditions) > 1:
+                return None
+            if conditions and conditions[-1][0] != self._table.range_key_attr:
+                return None
+            comparison = arguments.get("range_comparison")
+            if not comparison:
+                return None  # the whole partition: nothing to bisect
+            operands = list(arguments.get("range_objs") or [])
+            return candidates(self._table, self._hash_key, comparison, operands)
 
     def sort_key_condition(arguments: dict[str, Any]) -> Callable[[Any], bool]:
         """moto's own check of the sort key condition, for a table query (``Table.query``)."""
@@ -133,7 +164,7 @@ def query_one_partition() -> None:
             return original(_IndexPartition(self, wanted), *args, **kwargs)
         if hash_key is None:
             return original(self, *args, **kwargs)
-        view = _OnePartition(self, hash_key, sort_key_condition(arguments))
+        view = _OnePartition(self, hash_key, sort_key_condition(arguments), arguments)
         return original(view, *args, **kwargs)
 
     query._one_partition = True  # type: ignore[attr-defined]
@@ -271,6 +302,8 @@ def roll_back_transactions_by_item() -> None:
     def restore(saved: Saved, tables: dict[str, Any]) -> None:
         for (name, hash_value, range_value), (existed, item) in saved.items():
             table = tables[name]
+            # put back behind ``Table.put_item``'s and ``delete_item``'s backs
+            forget_sorted_keys(table)
             if range_value is None:
                 if item is None:
                     table.items.pop(hash_value, None)

@@ -18,6 +18,7 @@ from moto import mock_aws
 from moto.core.serialize import BaseJSONSerializer
 from moto.dynamodb.models.dynamo_type import DynamoType, Item
 from moto.dynamodb.models.table import Table
+from shoal.local import moto_dynamodb
 from shoal.local.aws import adapt_moto
 from shoal.local.moto_dynamodb import _attribute_value_json, _NotAnAttributeValue
 
@@ -724,6 +725,10 @@ def test_a_shard_is_read_from_a_position_not_walked_from_its_first_record(
         assert sorted(read) == sorted(f"r{n}" for n in range(201))
 
 
+def _items(pages: list[dict[str, Any]]) -> list[Any]:
+    return [item for page in pages for item in page["Items"]]
+
+
 class _WatchedPartition(dict[Any, Any]):
     """A partition dict that counts the walks of its items."""
 
@@ -797,22 +802,42 @@ def test_a_sort_key_condition_finds_its_items_by_bisection_as_moto_found_them(
                 found += [Key("p").eq("one") & Key("k").begins_with(p) for p in ("a", "ab", "x")]
             return found
 
-        def same_as_moto(table: Any) -> None:
-            for condition in conditions(table):
+        def answered(table: Any, asked: dict[str, Any]) -> list[dict[str, Any]]:
+            """Every page of the query, as the API answers them."""
+            pages = [table.query(**asked)]
+            while "LastEvaluatedKey" in pages[-1] and len(pages) < 100:
+                pages.append(table.query(**asked, ExclusiveStartKey=pages[-1]["LastEvaluatedKey"]))
+            return [{k: v for k, v in p.items() if k != "ResponseMetadata"} for p in pages]
+
+        def same_as_moto(table: Any, some: int | None = None) -> None:
+            asked_of = conditions(table)
+            for condition in rng.sample(asked_of, some) if some else asked_of:
                 for forward in (True, False):
-                    asked = {"KeyConditionExpression": condition, "ScanIndexForward": forward}
-                    walked = _WatchedPartition.walks
-                    ours = table.query(**asked)["Items"]
-                    # found without a walk of the partition's items
-                    assert _WatchedPartition.walks == walked, condition.get_expression()
-                    with monkeypatch.context() as moto_own:
-                        moto_own.setattr(Table, "query", Table.query.__wrapped__)
-                        theirs = table.query(**asked)["Items"]
-                    assert ours == theirs, (table.name, condition.get_expression())
+                    for limit in (None, 4):
+                        asked = {"KeyConditionExpression": condition, "ScanIndexForward": forward}
+                        if limit is not None:
+                            asked["Limit"] = limit
+                        walked = _WatchedPartition.walks
+                        ours = answered(table, asked)
+                        # found without a walk of the partition's items
+                        assert _WatchedPartition.walks == walked, condition.get_expression()
+                        said = (table.name, condition.get_expression(), limit)
+                        with monkeypatch.context() as walking:
+                            # the partition walked, as before the sorted keys: the same pages
+                            walking.setattr(moto_dynamodb, "candidates", lambda *_: None)
+                            assert answered(table, asked) == ours, said
+                        if limit is not None:
+                            continue
+                        with monkeypatch.context() as moto_own:
+                            # moto's own query: the same items (paged, it may end a page on an
+                            # item the condition does not name, which DynamoDB never reads)
+                            moto_own.setattr(Table, "query", Table.query.__wrapped__)
+                            theirs = answered(table, asked)
+                        assert _items(ours) == _items(theirs), said
 
         for table in (strings, numbers):
             same_as_moto(table)
-        for step in range(60):
+        for step in range(30):
             table = rng.choice([strings, numbers])
             done = rng.random()
             if done < 0.5:
@@ -852,4 +877,21 @@ def test_a_sort_key_condition_finds_its_items_by_bisection_as_moto_found_them(
                             },
                         ]
                     )
+            same_as_moto(table, some=3)
+
+        for table in (strings, numbers):
             same_as_moto(table)
+
+        # and a page of one from the partition's start checks two items, not the partition
+        compared: list[int] = []
+        compare = DynamoType.compare
+
+        def counting(self: DynamoType, *args: Any) -> bool:
+            compared.append(1)
+            return compare(self, *args)
+
+        monkeypatch.setattr(DynamoType, "compare", counting)
+        page = strings.query(KeyConditionExpression=Key("p").eq("one") & Key("k").gt("0"), Limit=1)
+        assert page["Count"] == 1 and "LastEvaluatedKey" in page
+        # ours checks the item and the one after it, moto's own check the item again
+        assert len(compared) <= 3

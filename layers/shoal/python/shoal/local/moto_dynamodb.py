@@ -75,8 +75,23 @@ def query_one_partition() -> None:
                 return [partition]
             found = self._by_bisection()
             if found is None:
-                found = list(partition.values())
-            return [item for item in found if self._wanted(item)]
+                return [item for item in partition.values() if self._wanted(item)]
+            arguments = self._arguments
+            limit = arguments.get("limit")
+            if not limit or limit < 1 or arguments.get("exclusive_start_key"):
+                return [item for item in found if self._wanted(item)]
+            # in key order: the page's items and the one after them, which moto looks at to
+            # end the page (LastEvaluatedKey), and no more (a scan's first query asks for one
+            # item past the state item: every item of the partition would be checked)
+            if arguments.get("scan_index_forward") is False:
+                found.reverse()
+            page: list[Any] = []
+            for item in found:
+                if self._wanted(item):
+                    page.append(item)
+                    if len(page) > limit:
+                        break
+            return page
 
         def _by_bisection(self) -> list[Any] | None:
             """The items the sort key condition may name, from the partition's sorted keys

@@ -49,7 +49,7 @@ def query_one_partition() -> None:
 
     class _OnePartition:
         """The table as the query sees it: ``all_items`` is the one partition's items that
-        meet ``wanted``."""
+        meet ``wanted`` (for a limited query: the first page of them, and the item after)."""
 
         def __init__(
             self,

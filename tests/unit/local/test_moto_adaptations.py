@@ -575,9 +575,20 @@ def test_a_send_reads_the_attributes_it_asks_for_as_moto_built_them(
             sqs.send_message(QueueUrl=url, MessageBody=body, MessageGroupId="g")
         # the third, the same body within the deduplication interval, was not added
         assert not counted
+        # nor does a batch (moto checks every entry before it sends any): the one new body
+        # goes in, the repeated one does not
+        answer = sqs.send_message_batch(
+            QueueUrl=url,
+            Entries=[
+                {"Id": "1", "MessageBody": "b", "MessageGroupId": "g"},
+                {"Id": "2", "MessageBody": "c", "MessageGroupId": "g"},
+            ],
+        )
+        assert len(answer["Successful"]) == 2
+        assert not counted
         queue = sqs_models.sqs_backends["123456789012"]["us-east-1"].get_queue("q.fifo")
         whole = sqs_models.Queue.attributes.fget(queue)
-        assert counted and whole["ApproximateNumberOfMessages"] == 2
+        assert counted and whole["ApproximateNumberOfMessages"] == 3
         asked = moto_sqs._AsAsked(queue, lambda q: whole)
         for name in [*whole, "KmsMasterKeyId", "Nothing"]:
             assert asked.get(name) == whole.get(name), name

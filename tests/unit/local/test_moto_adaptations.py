@@ -906,3 +906,28 @@ def test_a_sort_key_condition_finds_its_items_by_bisection_as_moto_found_them(
         assert page["Count"] == 1 and "LastEvaluatedKey" in page
         # ours checks the item and the one after it, moto's own check the item again
         assert len(compared) <= 3
+
+
+def test_sorted_keys_that_name_a_gone_item_are_dropped_and_the_partition_walked(
+    table: Any,
+) -> None:
+    """An item taken out of a partition behind ``Table.delete_item``'s back (nothing in moto
+    or Shoal does; a guard) is not answered from the kept keys: they are dropped, the query
+    walks the partition, and the next query sorts its keys anew."""
+    from moto.dynamodb.models import dynamodb_backends
+    from shoal.local import moto_partitions
+
+    condition = Key("p").eq("a") & Key("k").gte(3)
+    assert _values(table.query(KeyConditionExpression=condition)) == ["a3", "a5", "a7", "a10"]
+    moto_table = dynamodb_backends["123456789012"]["us-east-1"].get_table("t")
+    partition = moto_table.items[DynamoType({"S": "a"})]
+    del partition[DynamoType({"N": "5"})]
+    partition[DynamoType({"N": "6"})] = moto_table.get_item(
+        DynamoType({"S": "a"}), DynamoType({"N": "7"})
+    )
+
+    assert _values(table.query(KeyConditionExpression=condition)) == ["a3", "a7", "a7", "a10"]
+    assert moto_table not in moto_partitions._SORTED
+    assert _values(table.query(KeyConditionExpression=condition)) == ["a3", "a7", "a7", "a10"]
+    kept = moto_partitions._SORTED[moto_table][DynamoType({"S": "a"})]
+    assert [k.value for k in kept.keys] == ["1", "3", "6", "7", "10"]

@@ -11,7 +11,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from shoal.local.moto_partitions import candidates, forget_sorted_keys, keep_sorted_keys
+from shoal.local.moto_partitions import (
+    Run,
+    StaleKeys,
+    candidates,
+    forget_sorted_keys,
+    keep_sorted_keys,
+)
 
 
 def query_one_partition() -> None:
@@ -73,27 +79,32 @@ def query_one_partition() -> None:
                 return []
             if not table.range_key_attr:
                 return [partition]
-            found = self._by_bisection()
-            if found is None:
+            run = self._by_bisection()
+            if run is None:
                 return [item for item in partition.values() if self._wanted(item)]
+            try:
+                return self._page(run)
+            except StaleKeys:
+                forget_sorted_keys(table)
+                return [item for item in partition.values() if self._wanted(item)]
+
+        def _page(self, run: Run) -> list[Any]:
             arguments = self._arguments
             limit = arguments.get("limit")
             if not limit or limit < 1 or arguments.get("exclusive_start_key"):
-                return [item for item in found if self._wanted(item)]
+                return [item for item in run.items() if self._wanted(item)]
             # in key order: the page's items and the one after them, which moto looks at to
             # end the page (LastEvaluatedKey), and no more (a scan's first query asks for one
             # item past the state item: every item of the partition would be checked)
-            if arguments.get("scan_index_forward") is False:
-                found.reverse()
             page: list[Any] = []
-            for item in found:
+            for item in run.items(reverse=arguments.get("scan_index_forward") is False):
                 if self._wanted(item):
                     page.append(item)
                     if len(page) > limit:
                         break
             return page
 
-        def _by_bisection(self) -> list[Any] | None:
+        def _by_bisection(self) -> Run | None:
             """The items the sort key condition may name, from the partition's sorted keys
             (``shoal.local.moto_partitions``); None: walk the partition."""
             arguments = self._arguments

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +83,41 @@ def _sorted(table: Any, hash_key: Any, partition: dict[Any, Any]) -> _SortedKeys
     return kept
 
 
+class StaleKeys(LookupError):
+    """The kept keys name an item the partition no longer holds: it was changed behind the
+    hooks' backs (the caller forgets the keys and walks the partition)."""
+
+
+@dataclass
+class Run:
+    """The partition's items whose sort key may meet a condition: a run of its sorted keys."""
+
+    partition: dict[Any, Any]
+    keys: list[Any]
+    start: int
+    end: int
+
+    def items(self, *, reverse: bool = False) -> Iterator[Any]:
+        """The run's items in key order (``reverse``: from the last), each looked up as it is
+        asked for, so that a page stops reading where it ends."""
+        keys = self.keys[self.start : self.end]
+        for key in reversed(keys) if reverse else keys:
+            item = self.partition.get(key)
+            if item is None:
+                raise StaleKeys(key)
+            yield item
+
+
 def candidates(
     table: Any, hash_key: Any, comparison: str | None, operands: list[Any]
-) -> list[Any] | None:
-    """The items of the partition whose sort key may meet ``comparison`` with ``operands``
-    (moto's ``DynamoType`` values), in key order; None when bisection cannot say (an operator
+) -> Run | None:
+    """The run of the partition's items whose sort key may meet ``comparison`` with
+    ``operands`` (moto's ``DynamoType`` values); None when bisection cannot say (an operator
     or a key type it does not keep), and the caller walks the partition as moto does."""
     operator = _OPERATORS.get(comparison or "")
     partition = table.items.get(hash_key)
     if partition is None:
-        return []
+        return Run({}, [], 0, 0)
     if operator is None or not operands or any(o.type not in _SORTABLE for o in operands):
         return None
     kept = _sorted(table, hash_key, partition)
@@ -122,12 +148,7 @@ def candidates(
         start = end = bisect.bisect_left(values, first)
         while end < len(values) and values[end].startswith(first):
             end += 1
-    found = [partition.get(k) for k in kept.keys[start:end]]
-    if any(item is None for item in found):
-        # the kept keys name an item the partition no longer holds: changed behind the hooks
-        forget_sorted_keys(table)
-        return None
-    return found
+    return Run(partition, kept.keys, start, end)
 
 
 def keep_sorted_keys() -> None:

@@ -194,6 +194,24 @@ def test_connection_errors_are_retried(clients: Clients) -> None:
     assert clients.fake.requests.count("POST /v1/messages") == 3
 
 
+def test_an_answer_cut_short_is_retried_as_a_lost_one(clients: Clients) -> None:
+    """A server killed while it sends an answer's body (kill -9 of ``shoal dev`` in the soak,
+    a dropped connection deployed) cuts the body short: requests raises ChunkedEncodingError,
+    not a ConnectionError. Two long-polling subscribers died of it in the 2-hour soak and their
+    sessions' messages piled up unread (641). The call is tried again as a lost answer is."""
+    # Given a publish and a subscribe whose answers are cut short once each
+    clients.fake.fail("POST /v1/messages", "cut")
+    clients.fake.fail("POST /v1/sessions/c1/subscriptions", "cut")
+    client = clients.new()
+    # When they are called
+    result = client.publish("a/b", text="once")
+    client.subscribe("a/#")
+    # Then each was sent again: the publish with its seq, answered as the duplicate it is
+    assert [b["publisher_seq"] for b in clients.fake.bodies_of("POST /v1/messages")] == [1, 1]
+    assert result.duplicate and clients.fake.texts() == ["once"]
+    assert clients.fake.requests.count("POST /v1/sessions/c1/subscriptions") == 2
+
+
 def test_retries_are_bounded_and_the_publish_stays_in_flight(clients: Clients) -> None:
     # Given a server that is always busy
     clients.fake.fail("POST /v1/messages", 503, times=POLICY.attempts)

@@ -248,6 +248,9 @@ class FakeAdapter(BaseAdapter):
         )
         if fault is not None and fault.kind == "lose":
             raise requests.ReadTimeout("the answer was lost")
+        if fault is not None and fault.kind == "cut":
+            # the server died while it sent the body: requests reads it and finds it short
+            return self._cut(request, status)
         if fault is not None and fault.kind == "crash":
             self.dead = True
             raise Crash(route)
@@ -261,6 +264,23 @@ class FakeAdapter(BaseAdapter):
         response.status_code = status
         response._content = json.dumps(answer).encode() if answer is not None else b""
         response.headers.update({"Content-Type": "application/json", **headers})
+        response.request = request
+        response.url = request.url or ""
+        return response
+
+    @staticmethod
+    def _cut(request: requests.PreparedRequest, status: int) -> requests.Response:
+        from urllib3.exceptions import IncompleteRead, ProtocolError
+
+        class CutBody:
+            def stream(self, *_: Any, **__: Any) -> Iterator[bytes]:
+                yield b'{"mess'
+                raise ProtocolError("Connection broken", IncompleteRead(6, 15))
+
+        response = requests.Response()
+        response.status_code = status
+        response.raw = CutBody()
+        response.headers.update({"Content-Type": "application/json"})
         response.request = request
         response.url = request.url or ""
         return response

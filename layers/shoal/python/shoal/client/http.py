@@ -226,7 +226,13 @@ class ShoalClient(Publishing):
                     headers=headers,
                     timeout=(self.policy.timeout_s, self.policy.timeout_s + extra_wait_s),
                 )
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                # the answer's body cut short: the server or the connection died while it was
+                # sent (a kill -9 of ``shoal dev`` mid-answer)
+                requests.exceptions.ChunkedEncodingError,
+            ) as exc:
                 # the request may have arrived: only its answer is known to be lost
                 uncertain = True
                 last = Unavailable(0, "no_answer", type(exc).__name__, {})

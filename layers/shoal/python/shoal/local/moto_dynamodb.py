@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from shoal.local.moto_partitions import (
@@ -81,18 +81,22 @@ def query_one_partition() -> None:
                 return [partition]
             run = self._by_bisection()
             if run is None:
-                return [item for item in partition.values() if self._wanted(item)]
+                return self._walk(partition.values())
             try:
                 return self._page(run)
             except StaleKeys:
                 forget_sorted_keys(table)
-                return [item for item in partition.values() if self._wanted(item)]
+                return self._walk(partition.values())
+
+        def _walk(self, items: Iterable[Any]) -> list[Any]:
+            """Those of ``items`` the sort key condition names (moto's own check)."""
+            return [item for item in items if self._wanted(item)]
 
         def _page(self, run: Run) -> list[Any]:
             arguments = self._arguments
             limit = arguments.get("limit")
             if not limit or limit < 1 or arguments.get("exclusive_start_key"):
-                return [item for item in run.items() if self._wanted(item)]
+                return self._walk(run.items())
             # in key order: the page's items and the one after them, which moto looks at to
             # end the page (LastEvaluatedKey), and no more (a scan's first query asks for one
             # item past the state item: every item of the partition would be checked)

@@ -64,6 +64,13 @@ def forget_sorted_keys(table: Any) -> None:
     _SORTED.pop(table, None)
 
 
+def _drop(table: Any, hash_key: Any) -> None:
+    """Drop one partition's kept keys: it is sorted anew at its next query."""
+    per_table = _SORTED.get(table)
+    if per_table is not None:
+        per_table.pop(hash_key, None)
+
+
 def _sorted(table: Any, hash_key: Any, partition: dict[Any, Any]) -> _SortedKeys | None:
     """The partition's keys in order, sorted now if they are not kept or the kept ones no
     longer match it; None when its keys are not all of one sortable type."""
@@ -165,7 +172,7 @@ def keep_sorted_keys() -> None:
         per_table = _SORTED.get(table)
         kept = per_table.get(hash_key) if per_table is not None else None
         if kept is not None and kept.partition is not table.items.get(hash_key):
-            per_table.pop(hash_key, None)  # type: ignore[union-attr]
+            _drop(table, hash_key)
             return None
         return kept
 
@@ -178,7 +185,7 @@ def keep_sorted_keys() -> None:
         if kept is None:
             return item
         if range_key.type != (kept.keys[0].type if kept.keys else range_key.type):
-            _SORTED[self].pop(item.hash_key, None)
+            _drop(self, item.hash_key)
             return item
         value = range_key.cast_value
         at = bisect.bisect_left(kept.values, value)
@@ -187,7 +194,7 @@ def keep_sorted_keys() -> None:
             kept.keys.insert(at, range_key)
         elif kept.keys[at] != range_key:
             # another key of the same value (moto keeps "1" and "1.0" apart): sort anew
-            _SORTED[self].pop(item.hash_key, None)
+            _drop(self, item.hash_key)
         return item
 
     def delete(self: Any, hash_key: Any, range_key: Any) -> Any:
@@ -203,7 +210,7 @@ def keep_sorted_keys() -> None:
             del kept.values[at]
             del kept.keys[at]
         else:
-            _SORTED[self].pop(hash_key, None)
+            _drop(self, hash_key)
         return item
 
     put._keeps_sorted = True  # type: ignore[attr-defined]

@@ -414,6 +414,60 @@ def test_an_idle_long_polls_looks_are_half_price_reads(world: World) -> None:
     assert units == 2 + 3 + 24 * 1.5
 
 
+def test_an_idle_long_polls_looks_ask_for_one_item_a_query(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look asks only whether anything is new. In an idle inbox each of its queries finds the
+    next source's first consumed item and jumps to that source's cursor, so it asks for one
+    item: a page (up to 16) was read, copied and parsed to drop all but the first, once per
+    source a look. What comes during the wait is still found, and read as a page to hand out."""
+    world.topic("alpha")
+    world.topic("beta")
+    # Given a session whose inbox holds several consumed items of three sources
+    channel = connected(world)
+    topics = ["default", "alpha", "beta"]
+    world.subscribe(CLIENT, channel, *[f"{t}/#" for t in topics])
+    for round_ in range(5):
+        for topic in topics:
+            world.publish(f"{topic}/x", f"{round_}")
+        world.route()
+        world.drain(CLIENT, channel)
+    looks: list[tuple[int, int]] = []
+    pages: list[int] = []
+    real = InboxStore.after
+
+    def after(self: InboxStore, session_id: str, key: str, **kw: Any) -> Any:
+        found = real(self, session_id, key, **kw)
+        if kw.get("consistent", True):
+            pages.append(kw["limit"])
+        else:
+            looks.append((kw["limit"], len(found)))
+        return found
+
+    monkeypatch.setattr(InboxStore, "after", after)
+    # When it long-polls and nothing comes
+    assert world.get(CLIENT, channel, wait_ms=5000) == []
+    # Then every look's query asked for one item and read at most one
+    assert len(looks) > 10
+    assert {limit for limit, _ in looks} == {1}
+    assert max(n for _, n in looks) == 1
+    # And what comes during a wait is found, then handed out by the consistent walk's pages
+    looks.clear()
+    advance = world.clock.sleep
+
+    def sleep(seconds: float) -> None:
+        advance(seconds)
+        if len(looks) == 6:
+            for n in range(3):
+                world.publish("beta/x", f"late{n}", ordering_key="k")
+            world.route()
+
+    world.clock.sleep = sleep  # type: ignore[method-assign]
+    assert texts(world.get(CLIENT, channel, wait_ms=5000)) == ["late0", "late1", "late2"]
+    assert {limit for limit, _ in looks} == {1}
+    assert max(pages) > 1
+
+
 def test_get_and_ack_need_the_live_channel(world: World) -> None:
     old = connected(world)
     world.subscribe(CLIENT, old, "x")

@@ -30,6 +30,14 @@ SCAN_PAGE = 16
 MIN_SCAN_PAGE = 2
 #: DynamoDB bills a query per 4 KB it reads (strongly consistent), however many items
 READ_UNIT = 4096
+#: items a look's query asks for (``InboxScan.scan``). A look only asks whether anything is
+#: new, and an idle inbox's answer is the next source's first consumed item (the look jumps to
+#: that source's cursor), so a page of up to ``SCAN_PAGE`` items was read, copied and parsed
+#: only to drop all but its first. A look queries once per source, so this grows with the
+#: sources: in a 2-hour soak whose topic grew at minute 48 (two sources a session, then four)
+#: idle looks were 16 % of `shoal dev`'s time at minute 10 and 29 % at minute 85 (py-spy
+#: ``--gil``, 2026-12-06). The read units are the same: a page was sized to one unit.
+LOOK_PAGE = 1
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ class InboxScan:
         (``_walk``). An idle poll's scan (``ScanStart.idle``) looks first, eventually
         consistent, and walks consistently only if the look found a message."""
         if only is None and start is not None and start.idle:
-            look = self._walk(session_id, state, None, start, consistent=False)
+            look = self._walk(session_id, state, None, start, look=True)
             if next(look, None) is None:
                 return
         yield from self._walk(session_id, state, only, start, given=given)
@@ -111,7 +119,7 @@ class InboxScan:
         only: str | None = None,
         start: ScanStart | None = None,
         *,
-        consistent: bool = True,
+        look: bool = False,
         given: Given | None = None,
     ) -> Iterator[Found]:
         """The session's messages after each source's cursor, source by source, in order.
@@ -124,21 +132,24 @@ class InboxScan:
         of the same get found the partition's first item (``ScanStart``). ``given``: items of
         ``only`` its caller wrote and holds, taken instead of a query when the cursor stands
         right before them: the session's last delivery of the source is the one they follow,
-        and none of its items is partway (``Given``).
+        and none of its items is partway (``Given``). ``look``: an idle poll's look (``scan``),
+        eventually consistent, which asks only whether anything is new: one item a query (see
+        ``LOOK_PAGE``).
         """
+        consistent = not look
         lower, inclusive = STATE, False
         limit = 1
         if only is not None:
             # one source (``only``): straight to its cursor, or the item it is partway through
             lower, inclusive = _resume(state, only)
-            limit = MIN_SCAN_PAGE
+            limit = LOOK_PAGE if look else MIN_SCAN_PAGE
         elif start is not None and start.source is not None:
             earlier = self.inbox.first_before(
                 session_id, item_key(start.source, ""), consistent=consistent
             )
             if earlier is None:
                 lower, inclusive = _resume(state, start.source)
-                limit = MIN_SCAN_PAGE
+                limit = LOOK_PAGE if look else MIN_SCAN_PAGE
             else:
                 # a source that sorts before it has items now: from the partition's first again
                 start.source = None
@@ -177,7 +188,14 @@ class InboxScan:
             # as many items as one read unit holds, by the largest just read: small items by
             # reference (``MAX_REF_ITEM_BYTES``) four a query, 64 KB ones two
             biggest = max((i.stored_bytes for i in items), default=0)
-            page, limit = limit, max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
+            page, limit = (
+                limit,
+                (
+                    LOOK_PAGE
+                    if look
+                    else max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
+                ),
+            )
             if not items:
                 return
             jumped = False

@@ -373,16 +373,23 @@ def test_a_long_poll_finds_a_delivery_of_another_source_within_its_schedule(
     assert world.clock.now_ms() - routed_at[0] <= MAX_POLL_INTERVAL_S * 1000
 
 
-def _idle_poll_read_units(world: World, topics: list[str]) -> float:
-    """The read units, as DynamoDB bills them, of a 20 s long poll that finds nothing, by a
-    session whose inbox holds consumed items of ``topics`` (one source each)."""
+def _consumed(world: World, topics: list[str], rounds: int) -> str:
+    """A session subscribed to ``topics`` (one source each) whose inbox holds ``rounds``
+    consumed items of each; its channel."""
     channel = connected(world)
     world.subscribe(CLIENT, channel, *[f"{t}/#" for t in topics])
-    for round_ in range(3):
+    for round_ in range(rounds):
         for topic in topics:
             world.publish(f"{topic}/x", f"{round_}")
         world.route()
         world.drain(CLIENT, channel)
+    return channel
+
+
+def _idle_poll_read_units(world: World, topics: list[str]) -> float:
+    """The read units, as DynamoDB bills them, of a 20 s long poll that finds nothing, by a
+    session whose inbox holds consumed items of ``topics`` (one source each)."""
+    channel = _consumed(world, topics, 3)
     meter = ReadUnits()
     meter.attach(world.inbox.dynamo.client)
     assert world.get(CLIENT, channel, wait_ms=20000) == []
@@ -424,14 +431,7 @@ def test_an_idle_long_polls_looks_ask_for_one_item_a_query(
     world.topic("alpha")
     world.topic("beta")
     # Given a session whose inbox holds several consumed items of three sources
-    channel = connected(world)
-    topics = ["default", "alpha", "beta"]
-    world.subscribe(CLIENT, channel, *[f"{t}/#" for t in topics])
-    for round_ in range(5):
-        for topic in topics:
-            world.publish(f"{topic}/x", f"{round_}")
-        world.route()
-        world.drain(CLIENT, channel)
+    channel = _consumed(world, ["default", "alpha", "beta"], 5)
     looks: list[tuple[int, int]] = []
     pages: list[int] = []
     real = InboxStore.after

@@ -142,7 +142,7 @@ class InboxScan:
         if only is not None:
             # one source (``only``): straight to its cursor, or the item it is partway through
             lower, inclusive = _resume(state, only)
-            limit = LOOK_PAGE if look else MIN_SCAN_PAGE
+            limit = MIN_SCAN_PAGE
         elif start is not None and start.source is not None:
             earlier = self.inbox.first_before(
                 session_id, item_key(start.source, ""), consistent=consistent
@@ -188,13 +188,11 @@ class InboxScan:
             # as many items as one read unit holds, by the largest just read: small items by
             # reference (``MAX_REF_ITEM_BYTES``) four a query, 64 KB ones two
             biggest = max((i.stored_bytes for i in items), default=0)
-            page, limit = (
-                limit,
-                (
-                    LOOK_PAGE
-                    if look
-                    else max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
-                ),
+            page = limit
+            limit = (
+                LOOK_PAGE
+                if look
+                else max(MIN_SCAN_PAGE, min(SCAN_PAGE, READ_UNIT // max(biggest, 1)))
             )
             if not items:
                 return

@@ -451,7 +451,7 @@ class SerializedApp:
         # the environ werkzeug builds for a request, made once: each record's own keys go over
         # a copy of it (building it anew took a third of a record's replay)
         template = EnvironBuilder(method="POST", data=b"").get_environ()
-        with BACKEND_LOCK:
+        with BACKEND_LOCK, snapshot.collector_held():
             for record in journal.pending():
                 environ = dict(template)
                 environ.update(record.environ)

@@ -389,6 +389,29 @@ def test_replay_keeps_generated_ids(start: Start) -> None:
     assert aws.replay_stats.failures == 0
 
 
+def test_request_ids_are_drawn_at_once_not_from_motos_seeded_generator(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto drew each of a request id's 52 characters with a call of its own (a twentieth of
+    a GetItem's CPU in process); the ids are drawn at once now, still 52 of moto's characters,
+    one of their own each answer."""
+    from moto.moto_api._internal import mock_random
+
+    aws = start()
+    ddb = create_counter_table(aws)
+
+    def refused(*_: Any, **__: Any) -> str:
+        raise AssertionError("a request id drawn a character at a time")
+
+    monkeypatch.setattr(mock_random, "get_random_string", refused)
+    ids = {
+        ddb.get_item(TableName=TABLE, Key={"pk": {"S": "k"}})["ResponseMetadata"]["RequestId"]
+        for _ in range(3)
+    }
+    assert len(ids) == 3
+    assert all(len(i) == 52 and i.isalnum() and i == i.upper() for i in ids)
+
+
 def test_reads_and_failed_writes_are_not_journaled(start: Start, state_dir: Path) -> None:
     # Given a table with one item
     aws = start()

@@ -42,6 +42,7 @@ from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_cloudwatch import bucket_metric_queries
 from shoal.local.moto_core import (
     detach_moto_lambda_triggers,
+    draw_request_ids_cheaply,
     forget_model_instances,
     share_service_models,
 )
@@ -185,6 +186,7 @@ def adapt_moto() -> None:
     """What the emulator changes in moto, process-wide and idempotent (server and tests)."""
     share_service_models()
     forget_model_instances()
+    draw_request_ids_cheaply()
     detach_moto_lambda_triggers()
     roll_back_transactions_by_item()
     query_one_partition()

@@ -648,6 +648,42 @@ def test_a_call_handed_over_in_process_is_journaled_and_replayed_through_the_ser
     assert [(r["SequenceNumber"], r["Data"]) for r in records] == [(sequence, b"x")]
 
 
+def test_an_sqs_call_is_handed_over_in_process_and_its_messages_are_not_journaled(
+    start: Start, state_dir: Path
+) -> None:
+    """SQS's JSON-protocol calls (the push queue's sends, the mappings' receives and deletes)
+    go to moto's handler without Flask, as DynamoDB's and Kinesis' do: the queue is journaled
+    and comes back on a restart, its messages are not (``TRANSIENT_QUEUE_ACTIONS``), and a
+    send still wakes the queues' pollers."""
+    from shoal.local.aws import QUEUE_SENDS
+
+    aws = start()
+    sqs = client(aws, "sqs")
+    assert aws._transport is not None
+    handed, journaled = aws._transport.handed, journal_length(state_dir)
+    url = sqs.create_queue(
+        QueueName="lanes.fifo",
+        Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true"},
+    )["QueueUrl"]
+    sends = QUEUE_SENDS.count
+    sqs.send_message(QueueUrl=url, MessageBody="push", MessageGroupId="lane-1")
+    assert QUEUE_SENDS.count == sends + 1
+    (message,) = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10)["Messages"]
+    assert message["Body"] == "push"
+    sqs.delete_message(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"])
+    with pytest.raises(ClientError, match="NonExistentQueue"):
+        sqs.get_queue_url(QueueName="missing")
+    assert aws._transport.handed == handed + 5
+    assert journal_length(state_dir) == journaled + 1  # the queue, not its message calls
+
+    again = start()
+    sqs = client(again, "sqs")
+    url = sqs.get_queue_url(QueueName="lanes.fifo")["QueueUrl"]
+    attributes = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert attributes["FifoQueue"] == "true"
+    assert attributes["ApproximateNumberOfMessages"] == "0"
+
+
 def test_the_emulator_calls_skip_only_the_signature_arithmetic(start: Start) -> None:
     """A JSON-protocol call handed over in-process carries the credential scope moto reads,
     not a computed signature; a call to any other endpoint is signed as usual; a call without

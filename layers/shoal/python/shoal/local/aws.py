@@ -340,9 +340,10 @@ class SerializedApp:
         return [payload]
 
     def serve_in_process(self, request: Any) -> tuple[int, list[tuple[str, str]], bytes] | None:
-        """A DynamoDB or Kinesis call made in this process, handed to moto's handler for its
-        service without Flask (as moto's own in-process mock does), under the same bounded
-        wait, lock and journal as ``__call__``; None for any other call. The journal keeps
+        """A DynamoDB, Kinesis or SQS call made in this process, handed to moto's handler for
+        its service without Flask (as moto's own in-process mock does), under the same bounded
+        wait, lock and journal as ``__call__`` (a queue's message calls not journaled, as
+        there); None for any other call. The journal keeps
         the environ werkzeug would have built, so a restart replays it through the server's
         path like any other record."""
         target = json_target(request)
@@ -353,11 +354,12 @@ class SerializedApp:
         # own conversion builds one through werkzeug's test builder, a third of the call's
         # time outside the model), and the journal keeps it
         environ = environ_for(request)
+        body = environ["wsgi.input"].getvalue()
         status, headers, payload = self._serve(
             environ,
-            environ["wsgi.input"].getvalue(),
+            body,
             lambda: _call_handler(handler, environ),
-            mutating=not target.rsplit(".", 1)[-1].startswith(READ_ONLY_ACTION_PREFIXES),
+            mutating=is_mutating(environ, body),
             bounded=True,
             target=target,
         )
@@ -461,7 +463,7 @@ class SerializedApp:
                 environ["wsgi.input"] = io.BytesIO(record.body)
                 if record.preserved_names:
                     environ[_PRESERVED_NAMES_KEY] = dict(record.preserved_names)
-                # a DynamoDB or Kinesis call goes to moto's handler as it went live in-process
+                # a DynamoDB, Kinesis or SQS call goes to moto's handler as it went live in-process
                 # (``serve_in_process``), not through Flask's routing: most of a journal, and
                 # a restart's time grows with it
                 handler = _direct_handler(record.environ.get("HTTP_X_AMZ_TARGET"))
@@ -486,10 +488,12 @@ def _direct_handlers() -> dict[str, Callable[..., Any]]:
     """moto's handlers of the JSON-protocol services, by their ``X-Amz-Target`` prefix."""
     from moto.dynamodb.responses import DynamoHandler
     from moto.kinesis.responses import KinesisResponse
+    from moto.sqs.responses import SQSResponse
 
     return {
         "DynamoDB_20120810": DynamoHandler.dispatch,
         "Kinesis_20131202": KinesisResponse.dispatch,
+        "AmazonSQS": SQSResponse.dispatch,
     }
 
 

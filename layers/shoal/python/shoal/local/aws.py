@@ -36,7 +36,7 @@ from urllib.parse import parse_qs
 
 import boto3
 
-from shoal.local import snapshot
+from shoal.local import moto_json, snapshot
 from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_cloudwatch import bucket_metric_queries
@@ -484,37 +484,44 @@ class SerializedApp:
 
 
 @functools.cache
-def _direct_handlers() -> dict[str, Callable[..., Any]]:
+def _direct_handlers() -> dict[str, type]:
     """moto's handlers of the JSON-protocol services, by their ``X-Amz-Target`` prefix."""
     from moto.dynamodb.responses import DynamoHandler
     from moto.kinesis.responses import KinesisResponse
     from moto.sqs.responses import SQSResponse
 
     return {
-        "DynamoDB_20120810": DynamoHandler.dispatch,
-        "Kinesis_20131202": KinesisResponse.dispatch,
-        "AmazonSQS": SQSResponse.dispatch,
+        "DynamoDB_20120810": DynamoHandler,
+        "Kinesis_20131202": KinesisResponse,
+        "AmazonSQS": SQSResponse,
     }
 
 
-def _direct_handler(target: str | None) -> Callable[..., Any] | None:
+def _direct_handler(target: str | None) -> type | None:
     """moto's handler of a JSON-protocol call by its ``X-Amz-Target`` (None: not such a call)."""
     return _direct_handlers().get(target.split(".", 1)[0]) if target else None
 
 
 def _call_handler(
-    handler: Callable[..., Any], environ: dict[str, Any]
+    handler: type, environ: dict[str, Any]
 ) -> tuple[str, list[tuple[str, str]], bytes]:
     """One call of a moto handler on a request made from ``environ``, answered as moto's Flask
     front answers it: an HTTP error (moto's ``JsonRESTError``) is its own answer, a botocore
-    ``ClientError`` a 400."""
+    ``ClientError`` a 400. The handler is set up without werkzeug's parsing when the call is a
+    plain JSON one (``shoal.local.moto_json``), else by moto's own ``setup_class``."""
     from botocore.exceptions import ClientError
     from moto.core.request import Request
     from werkzeug.exceptions import HTTPException
 
     normalized = Request(environ)
+    response = handler()
     try:
-        status, headers, content = handler(normalized, normalized.raw_url, normalized.headers)
+        if moto_json.setup(response, normalized, environ, environ["wsgi.input"].getvalue()):
+            status, headers, content = response.call_action()
+        else:
+            status, headers, content = response._dispatch(
+                normalized, normalized.raw_url, normalized.headers
+            )
     except HTTPException as exc:
         status, headers, content = exc.code or 500, exc.get_headers(), exc.get_body()
     except ClientError as exc:

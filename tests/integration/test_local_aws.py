@@ -684,6 +684,44 @@ def test_an_sqs_call_is_handed_over_in_process_and_its_messages_are_not_journale
     assert attributes["ApproximateNumberOfMessages"] == "0"
 
 
+def _features(user_agent: str) -> list[str]:
+    """The feature ids a User-Agent names (its ``m/`` part)."""
+    return next((p[2:].split(",") for p in user_agent.split() if p.startswith("m/")), [])
+
+
+def test_a_clients_user_agent_is_built_once_per_set_of_features(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore built a client's User-Agent from the same parts twice a call; under the
+    emulator it is kept per set of features: built again only for features it has not seen,
+    and a copy for another client config builds its own."""
+    import botocore.useragent
+    from botocore.context import start_as_current_context
+    from botocore.useragent import register_feature_id
+
+    aws = start()
+    creator = client(aws, "dynamodb")._user_agent_creator
+    builds: list[int] = []
+    parts = botocore.useragent.UserAgentString._build_sdk_metadata
+
+    def counted(self: Any) -> Any:
+        builds.append(id(self))
+        return parts(self)
+
+    monkeypatch.setattr(botocore.useragent.UserAgentString, "_build_sdk_metadata", counted)
+    first = creator.to_string()
+    assert creator.to_string() == first and len(builds) <= 1
+    with start_as_current_context():
+        register_feature_id("WAITER")
+        featured = creator.to_string()
+        assert creator.to_string() == featured
+    assert featured != first and "B" in _features(featured) and "B" not in _features(first)
+    other = creator.with_client_config(Config(user_agent_extra="shoal-test"))
+    assert other.to_string().endswith("shoal-test") and "shoal-test" not in first
+    assert creator.to_string() == first
+    assert builds.count(id(creator)) <= 2 and builds.count(id(other)) == 1
+
+
 def test_the_emulator_calls_skip_only_the_signature_arithmetic(start: Start) -> None:
     """A JSON-protocol call handed over in-process carries the credential scope moto reads,
     not a computed signature; a call to any other endpoint is signed as usual; a call without

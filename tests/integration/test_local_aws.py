@@ -702,7 +702,7 @@ def test_a_clients_user_agent_is_built_once_per_set_of_features(
     aws = start()
     creator = client(aws, "dynamodb")._user_agent_creator
     builds: list[int] = []
-    parts = botocore.useragent.UserAgentString._build_sdk_metadata
+    parts = botocore.useragent.UserAgentString._build_sdk_metadata  # type: ignore[attr-defined]
 
     def counted(self: Any) -> Any:
         builds.append(id(self))

@@ -412,6 +412,31 @@ def test_request_ids_are_drawn_at_once_not_from_motos_seeded_generator(
     assert all(len(i) == 52 and i.isalnum() and i == i.upper() for i in ids)
 
 
+def test_a_replay_runs_with_the_garbage_collector_on(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each replayed record's answer leaves cyclic garbage: with the collector held off for a
+    replay (as it is for a snapshot's load), the 30-minute soak's server restarted 60 to 150 MB
+    larger each time, and replaying 41,285 records left 488 MB of RSS against 152 MB."""
+    import gc
+
+    from shoal.local import aws as local_aws
+
+    aws = start()
+    create_counter_table(aws).put_item(TableName=TABLE, Item={"pk": {"S": "kept"}})
+    collecting: list[bool] = []
+    replayed = local_aws._call_handler
+
+    def watched(handler: Any, environ: dict[str, Any]) -> Any:
+        collecting.append(gc.isenabled())
+        return replayed(handler, environ)
+
+    monkeypatch.setattr(local_aws, "_call_handler", watched)
+    aws = start()
+    assert aws.replay_stats.records == 2 and aws.replay_stats.failures == 0
+    assert collecting[:2] == [True, True]
+
+
 def test_reads_and_failed_writes_are_not_journaled(start: Start, state_dir: Path) -> None:
     # Given a table with one item
     aws = start()

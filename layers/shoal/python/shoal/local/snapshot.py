@@ -254,11 +254,12 @@ def load(state_dir: Path) -> Loaded | None:
 
 @contextlib.contextmanager
 def collector_held() -> Iterator[None]:
-    """The garbage collector off while a start makes moto's state (a snapshot's load, the
-    journal's replay), on again after if it was: its passes would walk millions of objects
-    that all stay, for cycles that cannot be there yet. Unpickling the 2-hour soak's 317 MB
-    took 7.7 s with it and 4.3 s without; replaying the 10-minute soak's 41,285 records
-    36 s and 32 s."""
+    """The garbage collector off while a snapshot is loaded, on again after if it was: its
+    passes would walk millions of objects that all stay, for cycles that cannot be there yet.
+    Unpickling the 2-hour soak's 317 MB took 7.7 s with it and 4.3 s without, to the same RSS
+    (1,312 MB). Not for the journal's replay: each record's answer leaves cyclic garbage, and
+    held off through thousands of records the collector left the process fragmented for its
+    life (``SerializedApp.replay``)."""
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -476,10 +476,37 @@ def reorderings(pairs: DataFrame) -> DataFrame:
     )
 
 
-def with_status(pairs: DataFrame, window: AuditWindow, as_of: int) -> DataFrame:
-    """Each pair's status (``STATUSES``), QoS and latency (publish to first ack)."""
+def consumer_ends(events: DataFrame) -> DataFrame:
+    """When each consumer ended (``ended`` events: a session's end, a shared group's removal),
+    every time it did, by consumer digest: one small row for each that ended."""
     from pyspark.sql import functions as F
 
+    return (
+        events.where(F.col("event") == "ended")
+        .select(digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"), "at")
+        .groupBy("c")
+        .agg(F.collect_list("at").alias("ended_at"))
+    )
+
+
+def with_status(
+    pairs: DataFrame, window: AuditWindow, as_of: int, ends: DataFrame | None = None
+) -> DataFrame:
+    """Each pair's status (``STATUSES``), QoS and latency (publish to first ack). A pair whose
+    consumer ended after the message was published and never acked it is ``dropped``: its
+    session or group discarded it when it ended (``ends``, ``consumer_ends``), as MQTT 5 lets a
+    server (§4.1), not lost."""
+    from pyspark.sql import functions as F
+
+    if ends is not None:
+        # few rows: sent whole to every task, the pairs stay where they are
+        pairs = pairs.join(F.broadcast(ends), "c", "left")
+        ended = F.coalesce(
+            F.exists("ended_at", lambda at: at > F.col("published_at")), F.lit(False)
+        )
+        pairs = pairs.withColumn(
+            "dropped", F.coalesce(F.col("dropped"), F.lit(False)) | ended
+        ).drop("ended_at")
     qos = F.coalesce("event_qos", "subscribed_qos", "message_qos", F.lit(1))
     only_retained = (F.col("fresh") == 0) & (F.col("retained_deliveries") > 0)
     status = (
@@ -718,7 +745,9 @@ def audit(
     return AuditResult(
         window=window,
         as_of=as_of,
-        pairs=with_status(core, window, as_of).drop("publish_order", "ack_order", "lane"),
+        pairs=with_status(core, window, as_of, consumer_ends(events)).drop(
+            "publish_order", "ack_order", "lane"
+        ),
         reorderings=reorderings(core).cache(),
         names=named,
         span=span,

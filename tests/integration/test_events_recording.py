@@ -15,6 +15,7 @@ from botocore.client import BaseClient
 from shoal.core.config import get_config
 from shoal.core.faults import ROUTER_STEPS, FaultPlan, InjectedFault
 from shoal.delivery.events import EVENT_LOG, EVENTS_PREFIX, Recording
+from shoal.delivery.subscriptions import SubscriptionRetirer
 
 import functions.router.app as router_app
 from tests.helpers import archive_events
@@ -314,3 +315,47 @@ def test_a_get_and_an_ack_each_append_one_record_and_write_no_object(
     calls.clear()
     w.ack("alice-1", channel, [m["id"] for m in got])
     assert (calls["kinesis.PutRecords"], calls["s3.PutObject"]) == (1, 0)
+
+
+def test_a_sessions_end_is_recorded_so_what_it_did_not_ack_is_dropped_not_lost(
+    recording: World, aws: boto3.Session
+) -> None:
+    """MQTT 5 lets the server discard an ended session's state (§4.1): its unacked messages go
+    with it. The audit judged them lost, since nothing said so; the end is now an event."""
+    w = recording
+    retirer = w.registry.on_session_end
+    assert isinstance(retirer, SubscriptionRetirer)
+    retirer.events = recording_of(aws, w.clock)
+    # Given a session with a message routed to it and never acked
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "orders/#")
+    w.publish("orders/a", "m")
+    w.route()
+    old = w.registry.repository.head("alice-1")
+    assert old is not None and old.session_id
+    # When a connect with a clean start ends it
+    w.connect("alice-1", clean_start=True)
+    # Then the old session's end is recorded, naming no message
+    [ended] = [e for e in events(aws) if e["event"] == "ended"]
+    assert (ended["consumer_kind"], ended["consumer"]) == ("session", old.session_id)
+    assert (ended["reason"], ended["message_id"]) == ("session_ended", "")
+
+
+def test_a_shared_groups_removal_is_recorded_so_its_backlog_is_dropped_not_lost(
+    gworld: GroupWorld, aws: boto3.Session
+) -> None:
+    w = gworld
+    w.groups.events = recording_of(aws, w.clock)
+    # Given the only member of a shared group, and a message routed to the group
+    channel = w.connect("alice-1")
+    w.subscribe("alice-1", channel, "$share/g/orders/#")
+    w.publish("orders/a", "m")
+    w.route()
+    # When the member leaves, the last, so the group is removed with its backlog
+    w.unsubscribe("alice-1", channel, "$share/g/orders/#")
+    assert w.group("g", "orders/#") is None
+    # Then the group's end is recorded
+    [ended] = [e for e in events(aws) if e["event"] == "ended"]
+    assert (ended["consumer_kind"], ended["reason"]) == ("group", "group_removed")
+    [routed] = [e for e in events(aws) if e["event"] == "routed"]
+    assert ended["consumer"] == routed["consumer"]

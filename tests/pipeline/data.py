@@ -121,6 +121,13 @@ class Scenario:
             event(kind, self.name, self.id(n), at, consumer_kind=self.consumer_kind, **kw)
         )
 
+    def end(self, after_s: float, reason: str = "session_ended") -> None:
+        """The consumer ended ``after_s`` after T0 (an ``ended`` event, naming no message)."""
+        at = T0 + int(after_s * SECOND)
+        self.events.append(
+            event("ended", self.name, None, at, consumer_kind=self.consumer_kind, reason=reason)
+        )
+
     def delivery(self, n: int, after_s: float, ordinal: int | None = None, **kw: Any) -> str:
         """delivered at ``after_s`` after n's publish; the delivery id"""
         delivery = f"{self.name}.{n if ordinal is None else ordinal}"

@@ -132,6 +132,24 @@ def _stories() -> tuple[list[Scenario], list[dict[str, Any]]]:
     s.record("routed", 0, 0.01)
     s.record("dropped", 0, 1, reason="expired")
 
+    # a session that ended (expiry, a clean start) with m1 handed out and m2 not yet: both go
+    # with it (MQTT 5 §4.1); m0 was acked before; m3, published after the end, was routed to
+    # it anyway (a late router) and is lost, as any unacked one
+    s = story("session-ended")
+    s.clean(0)
+    for n in (1, 2, 3):
+        s.publish(n)
+        s.record("routed", n, 0.01)
+    s.delivery(1, 0.02)
+    s.end(2.5)
+    s.end(2.6)  # an end retried after a crash records it again
+
+    # a shared group removed by its last member's leave: its backlog goes unserved
+    s = story("group-removed", "group")
+    s.publish(0)
+    s.record("routed", 0, 0.01)
+    s.end(5, reason="group_removed")
+
     # [MQTT-4.8.2-4/5]: a QoS 2 group message handed to a member whose session then ended
     s = story("group-qos2-ended", "group")
     s.publish(0, qos=2)
@@ -301,6 +319,18 @@ def test_a_qos2_group_message_of_an_ended_session_is_dropped_not_lost(
     assert (row["acked"], row["lost"], row["duplicated"]) == (1, 0, 0)
 
 
+def test_what_an_ended_consumer_did_not_ack_is_dropped_not_lost(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    # Given a session that ended with one message handed out and one waiting, after acking one
+    row = rows["session-ended"]
+    # Then those two are dropped with it; one published after its end is still lost
+    assert (row["acked"], row["dropped"], row["lost"]) == (1, 2, 1)
+    # And a removed group's backlog is dropped, not lost
+    row = rows["group-removed"]
+    assert (row["dropped"], row["lost"]) == (1, 0)
+
+
 def test_dead_lettered_and_dropped_are_not_lost(rows: dict[str, dict[str, Any]]) -> None:
     # Given a push subscription that dead-lettered m0 and a session that dropped m0 (expired)
     # Then neither is lost
@@ -436,10 +466,14 @@ def test_report_json_carries_per_consumer_counts_and_examples(audited: AuditResu
     # examples name the planted findings
     assert findings(by_name["lost"]) == (1, 0, 0)
     assert set(by_name["lost"]["latency_ms"]) == {"p50", "p90", "p99", "max"}
-    assert doc["totals"]["lost"] == 2  # lost, subscribed
+    assert doc["totals"]["lost"] == 3  # lost, subscribed, session-ended's after its end
     assert doc["totals"]["duplicated"] == 1
     assert doc["totals"]["reordered"] == 3  # reorder, group-keyed, session-unkeyed
-    assert {e["message_id"] for e in doc["examples"]["lost"]} == {"lost/m1", "subscribed/m1"}
+    assert {e["message_id"] for e in doc["examples"]["lost"]} == {
+        "lost/m1",
+        "subscribed/m1",
+        "session-ended/m3",
+    }
     assert {e["message_id"] for e in doc["examples"]["reordered"]} == {
         "reorder/m1",
         "group-keyed/m1",

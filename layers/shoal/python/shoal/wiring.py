@@ -176,8 +176,11 @@ def session_registry(
     return SessionRegistry(
         SessionRepository.from_config(config),
         clock,
-        # an ended session's subscriptions leave the router's store and its shared groups
-        on_session_end=SubscriptionRetirer(SubscriptionStore.from_config(config), clock, groups),
+        # an ended session's subscriptions leave the router's store and its shared groups,
+        # and its end is recorded (the audit's "dropped" for what it did not ack)
+        on_session_end=SubscriptionRetirer(
+            SubscriptionStore.from_config(config), clock, groups, events=groups.events
+        ),
         # a heartbeat renews the session's group leases
         groups=groups,
         deliveries=InboxStore.from_config(config),
@@ -326,8 +329,11 @@ def reaper(config: Config, clock: Clock | None = None, hand_offs: HandOffs | Non
     return Reaper(
         SessionRepository.from_config(config),
         ServiceWillPublisher(PublishService.from_config(config)),
-        # an ended session's subscriptions leave the router's store and its shared groups
-        on_session_end=SubscriptionRetirer(SubscriptionStore.from_config(config), clock, groups),
+        # an ended session's subscriptions leave the router's store and its shared groups,
+        # and its end is recorded (the audit's "dropped" for what it did not ack)
+        on_session_end=SubscriptionRetirer(
+            SubscriptionStore.from_config(config), clock, groups, events=groups.events
+        ),
         # a dead channel's shared groups advance (its expired leases go to live members)
         on_channel_expired=groups.channel_expired,
         # the will an expired channel leaves waiting is published by its timer

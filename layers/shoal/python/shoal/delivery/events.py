@@ -21,6 +21,10 @@ again (``dup``: an ack timeout, a reconnect, a retry); ``acked`` the consumer ac
 (for push: the endpoint answered 2xx); ``dead_lettered`` it was parked in a dead-letter queue;
 ``dropped`` it was routed but will never be handed out, for a reason (expired, unsubscribed,
 retained: the session got it as a retained message when it subscribed).
+``ended`` the consumer itself ended, naming no message (a session's end: its expiry, a clean
+start, a close with a session expiry of 0; a shared group's removal by its last member): what
+it was routed before and did not ack is discarded with it, as MQTT 5 lets a server (§4.1, the
+session state ends with the session), and the audit counts those ``dropped``, never lost.
 
 A consumer is ``(consumer_kind, consumer)``: ``session`` + session id, ``group`` + share name
 and filter, ``push`` + push subscription id. ``delivery_id`` is the id the consumer acks
@@ -79,6 +83,9 @@ if TYPE_CHECKING:  # type stubs only, not installed in the layer
 EVENTS_PREFIX = "events"
 #: the declared stream (``shoal.declarations``) the events are appended to
 EVENT_LOG = "events"
+#: why a consumer ended (``ended`` events' reason)
+SESSION_ENDED = "session_ended"
+GROUP_REMOVED = "group_removed"
 #: the version of the log records' header
 LOG_FORMAT = 1
 #: Kinesis' longest partition key (characters)
@@ -87,7 +94,9 @@ MAX_PARTITION_KEY = 256
 #: header and partition key (zlib never grows data by more than a few bytes per 16 KB)
 MAX_RECORD_LINES_BYTES = MAX_RECORD_BYTES - 16 * 1024
 
-EventKind = Literal["routed", "delivered", "redelivered", "acked", "dead_lettered", "dropped"]
+EventKind = Literal[
+    "routed", "delivered", "redelivered", "acked", "dead_lettered", "dropped", "ended"
+]
 ConsumerKind = Literal["session", "group", "push"]
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 CONSUMER_KINDS: tuple[str, ...] = get_args(ConsumerKind)
@@ -220,7 +229,7 @@ class DeliveryEvents:
             raise ValueError(f"unknown delivery event {event!r}")
         if consumer_kind not in CONSUMER_KINDS:
             raise ValueError(f"unknown consumer kind {consumer_kind!r}")
-        if not message_id and not delivery_id:
+        if not message_id and not delivery_id and event != "ended":
             raise ValueError("an event names a message id or a delivery id")
         if not self.enabled:
             return

@@ -68,6 +68,7 @@ from shoal.core.config import Config, DeliverySettings
 from shoal.core.errors import InvalidFilter, ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
+from shoal.delivery.events import SESSION_ENDED, Recording
 from shoal.delivery.inbox import InboxMessage, InboxStore, pack
 from shoal.delivery.model import (
     ATTEMPTS,
@@ -671,11 +672,15 @@ class SubscriptionRetirer:
         subscriptions: SubscriptionStore,
         clock: Clock | None = None,
         groups: SharedGroups | None = None,
+        *,
+        events: Recording | None = None,
     ) -> None:
         self.subscriptions = subscriptions
         self.clock = clock or SystemClock()
         #: the ended session leaves its shared groups (the last member removes a group)
         self.groups = groups
+        #: where the session's ``ended`` event goes (None: recorded nowhere)
+        self.events = events
 
     def __call__(self, client_id: str, head: Head) -> int:
         """How many subscriptions it removed."""
@@ -711,7 +716,18 @@ class SubscriptionRetirer:
                 if len(reasons) == len(parts) and reasons[-1] == "ConditionalCheckFailed":
                     break  # gone already, or the new session's own
                 self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
+        self._record_end(head)
         return removed
+
+    def _record_end(self, head: Head) -> None:
+        """The session's ``ended`` event: what its inbox still holds unacked goes with it, and
+        the audit counts it dropped, not lost. After the subscriptions went, so an end retried
+        after a crash records it again (one record: the same key hint)."""
+        if not head.session_id or self.events is None or not self.events.enabled:
+            return
+        events = self.events.new()
+        events.add("ended", "session", head.session_id, reason=SESSION_ENDED)
+        events.flush(f"ended/{head.session_id}")
 
 
 def channel_of(head: Head) -> str:

@@ -81,7 +81,7 @@ from shoal.core.config import DeliverySettings
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.events import Recording, record_answers
+from shoal.delivery.events import GROUP_REMOVED, SESSION_ENDED, Recording, record_answers
 from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
@@ -115,9 +115,6 @@ from shoal.groups.streams import delivery_id as stream_delivery_id
 from shoal.sessions.model import Channel
 from shoal.sessions.ports import KeptBy
 from shoal.topics.filters import parse_shared
-
-#: the reason a QoS 2 delivery of an ended session is dropped (delivery events, the audit)
-SESSION_ENDED = "session_ended"
 
 # --- the member's side -------------------------------------------------------------------------
 
@@ -234,11 +231,24 @@ class GroupService:
                 # so they wait for the group's removal (remove_backlog) or TTL
                 logger.exception("dropping a leaver's held QoS 2 deliveries failed")
         for key, incarnation in plan.removed:
+            self._record_removal(key, incarnation)
             try:
                 self.store.remove_backlog(key, incarnation)
             except Exception:
                 # nothing reads a removed incarnation again; TTL removes what is left
                 logger.exception("removing a group's backlog failed")
+
+    def _record_removal(self, key: str, incarnation: str) -> None:
+        """The removed group's ``ended`` event: its backlog goes unserved, and the audit counts
+        it dropped, not lost. Best effort, as the removal of the backlog after it."""
+        if self.events is None or not self.events.enabled:
+            return
+        try:
+            events = self.events.new()
+            events.add("ended", "group", key, reason=GROUP_REMOVED)
+            events.flush(f"ended/{key}/{incarnation}")
+        except Exception:
+            logger.exception("recording a group's removal failed")
 
     def channel_expired(self, client_id: str, head: Any) -> int:
         """The reaper found a member's channel dead (keepalive): advance its groups, so that

@@ -387,6 +387,18 @@ def record_routed(
         )
 
 
+def record_ended(
+    recording: Recording | None, kind: ConsumerKind, consumer: str, reason: str, key_hint: str
+) -> None:
+    """A consumer's ``ended`` event, in its own record (a retried end appends the same
+    ``key_hint``: one record); nothing without an enabled recording."""
+    if recording is None or not recording.enabled:
+        return
+    events = recording.new()
+    events.add("ended", kind, consumer, reason=reason)
+    events.flush(key_hint)
+
+
 def record_answers(
     events: DeliveryEvents,
     kind: ConsumerKind,

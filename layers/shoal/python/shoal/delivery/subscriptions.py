@@ -68,7 +68,7 @@ from shoal.core.config import Config, DeliverySettings
 from shoal.core.errors import InvalidFilter, ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.events import SESSION_ENDED, Recording
+from shoal.delivery.events import SESSION_ENDED, Recording, record_ended
 from shoal.delivery.inbox import InboxMessage, InboxStore, pack
 from shoal.delivery.model import (
     ATTEMPTS,
@@ -723,11 +723,10 @@ class SubscriptionRetirer:
         """The session's ``ended`` event: what its inbox still holds unacked goes with it, and
         the audit counts it dropped, not lost. After the subscriptions went, so an end retried
         after a crash records it again (one record: the same key hint)."""
-        if not head.session_id or self.events is None or not self.events.enabled:
-            return
-        events = self.events.new()
-        events.add("ended", "session", head.session_id, reason=SESSION_ENDED)
-        events.flush(f"ended/{head.session_id}")
+        if head.session_id:
+            record_ended(
+                self.events, "session", head.session_id, SESSION_ENDED, f"ended/{head.session_id}"
+            )
 
 
 def channel_of(head: Head) -> str:

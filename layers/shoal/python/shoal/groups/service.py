@@ -81,7 +81,13 @@ from shoal.core.config import DeliverySettings
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import logger
 from shoal.core.retry import backoff_s
-from shoal.delivery.events import GROUP_REMOVED, SESSION_ENDED, Recording, record_answers
+from shoal.delivery.events import (
+    GROUP_REMOVED,
+    SESSION_ENDED,
+    Recording,
+    record_answers,
+    record_ended,
+)
 from shoal.delivery.inbox import InboxMessage, PayloadStore
 from shoal.delivery.ports import MembershipPlan
 from shoal.groups.gate import GroupGate
@@ -241,12 +247,8 @@ class GroupService:
     def _record_removal(self, key: str, incarnation: str) -> None:
         """The removed group's ``ended`` event: its backlog goes unserved, and the audit counts
         it dropped, not lost. Best effort, as the removal of the backlog after it."""
-        if self.events is None or not self.events.enabled:
-            return
         try:
-            events = self.events.new()
-            events.add("ended", "group", key, reason=GROUP_REMOVED)
-            events.flush(f"ended/{key}/{incarnation}")
+            record_ended(self.events, "group", key, GROUP_REMOVED, f"ended/{key}/{incarnation}")
         except Exception:
             logger.exception("recording a group's removal failed")
 

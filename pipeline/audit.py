@@ -489,6 +489,14 @@ def consumer_ends(events: DataFrame) -> DataFrame:
     )
 
 
+def ended_after_publish() -> Column:
+    """Whether a row's consumer ended after its message's publish: its ``ended_at`` (joined
+    from ``consumer_ends``) holds a time past ``published_at``. False when it never ended."""
+    from pyspark.sql import functions as F
+
+    return F.coalesce(F.exists("ended_at", lambda at: at > F.col("published_at")), F.lit(False))
+
+
 def with_status(
     pairs: DataFrame, window: AuditWindow, as_of: int, ends: DataFrame | None = None
 ) -> DataFrame:
@@ -501,11 +509,8 @@ def with_status(
     if ends is not None:
         # few rows: sent whole to every task, the pairs stay where they are
         pairs = pairs.join(F.broadcast(ends), "c", "left")
-        ended = F.coalesce(
-            F.exists("ended_at", lambda at: at > F.col("published_at")), F.lit(False)
-        )
         pairs = pairs.withColumn(
-            "dropped", F.coalesce(F.col("dropped"), F.lit(False)) | ended
+            "dropped", F.coalesce(F.col("dropped"), F.lit(False)) | ended_after_publish()
         ).drop("ended_at")
     qos = F.coalesce("event_qos", "subscribed_qos", "message_qos", F.lit(1))
     only_retained = (F.col("fresh") == 0) & (F.col("retained_deliveries") > 0)

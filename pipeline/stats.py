@@ -4,8 +4,10 @@
   of publish: messages, payload bytes, distinct publishers.
 * **lag** - per consumer (session, shared group, push subscription) at ``as_of`` (the end of
   the data unless given): ``backlog`` is what was routed or delivered to it and is neither
-  acked, dead-lettered nor dropped; ``oldest_unacked_ms`` how long the oldest of those has
-  waited since its publish; ``delivery_lag_ms`` publish to first delivery, p50 and p99.
+  acked, dead-lettered nor dropped (as the audit counts dropped: also what its consumer, a
+  session or a shared group, had not acked when it ended); ``oldest_unacked_ms`` how long
+  the oldest of those has waited since its publish; ``delivery_lag_ms`` publish to first
+  delivery, p50 and p99.
 * **rates** - per consumer: ``retry_rate`` redeliveries per first delivery, ``dlq_rate``
   dead-lettered messages per message delivered or dead-lettered.
 
@@ -27,7 +29,10 @@ from pipeline.audit import (
     CONSUMER,
     DELIVERIES,
     PAIR,
+    consumer_ends,
     consumer_names,
+    digest,
+    ended_after_publish,
     one_name_each,
     published,
 )
@@ -124,8 +129,9 @@ def throughput(
     )
 
 
-def consumers(events: DataFrame, as_of: int) -> DataFrame:
-    """Lag and rates per consumer, from resolved delivery events."""
+def consumers(events: DataFrame, as_of: int, ends: DataFrame | None = None) -> DataFrame:
+    """Lag and rates per consumer, from resolved delivery events and the consumers' ends
+    (``consumer_ends``)."""
     from pyspark.sql import functions as F
 
     def first_at(*kinds: str) -> Any:
@@ -145,6 +151,16 @@ def consumers(events: DataFrame, as_of: int) -> DataFrame:
             F.min("qos").alias("qos"),
         )
     )
+    if ends is not None:
+        # the audit's dropped (with_status): an ended session or removed group discarded what
+        # it had not acked (MQTT 5 §4.1), so that is no one's backlog; what was published after
+        # its last end stays open, as the audit keeps it lost
+        per_message = (
+            per_message.withColumn("c", digest(F.coalesce("consumer_kind", F.lit("")), "consumer"))
+            .join(F.broadcast(ends), "c", "left")
+            .withColumn("dropped", F.when(ended_after_publish(), 1).otherwise(F.col("dropped")))
+            .drop("c", "ended_at")
+        )
     open_ = (
         F.col("acked_at").isNull()
         & (F.col("dead") == 0)
@@ -198,7 +214,7 @@ def stats(
     scoped = events_in_range(resolved, archive, since, until)
     end = as_of if as_of is not None else data_end(archive, resolved)
     hourly = [r.asDict() for r in throughput(messages, since, until).collect()]
-    per_consumer = [r.asDict() for r in consumers(scoped, end).collect()]
+    per_consumer = [r.asDict() for r in consumers(scoped, end, consumer_ends(events)).collect()]
     names = {
         (r["consumer_kind"], r["consumer"]): r
         for r in one_name_each(consumer_names(consumer_rows(events))).collect()

@@ -97,3 +97,46 @@ def test_stats_and_the_audit_agree_on_one_archive(spark: SparkSession) -> None:
     assert by_stats["hooked"]["dead_lettered"] == 1
     assert by_stats["1a401f7f899af9bd69296189"]["label"] == "desk-1"
     assert doc["totals"]["dead_lettered"] == sum(c["dead_lettered"] for c in audited.consumers)
+
+
+def test_an_ended_consumer_s_unacked_messages_are_not_its_backlog(spark: SparkSession) -> None:
+    # Given a session that acked m0, then ended (MQTT 5 §4.1) with m1 handed out and m2 only
+    # routed, and had m3, published after its end, routed to it anyway
+    ended = Scenario("ended")
+    ended.clean(0)
+    for n in (1, 2):
+        ended.publish(n)
+        ended.record("routed", n, 0.01)
+    ended.delivery(1, 0.02)
+    ended.end(2.5)
+    ended.publish(3)
+    ended.record("routed", 3, 0.01)
+    # And a shared group removed by its last member's leave with m0 routed, never handed out
+    group = Scenario("removed", "group")
+    group.publish(0)
+    group.record("routed", 0, 0.01)
+    group.end(5, reason="group_removed")
+    # And a live session with m0 and m1 handed out, not acked
+    live = Scenario("live")
+    for n in (0, 1):
+        live.publish(n)
+        live.delivery(n, 0.1)
+    stories = (ended, group, live)
+    messages = messages_df(spark, [m for s in stories for m in s.messages])
+    events = events_df(spark, [e for s in stories for e in s.events])
+    # When the stats and the audit read them
+    as_of = T0 + HOUR
+    doc = stats(messages, events, as_of=as_of)
+    audited = summarize(audit(messages, events, AuditWindow(as_of=as_of)))
+    by_name = {c["consumer"]: c for c in doc["consumers"]}
+    # Then what the ended consumers had not acked is no backlog: only m3, after the end, is
+    assert by_name["ended"]["backlog"] == 1
+    assert by_name["ended"]["oldest_unacked_ms"] == as_of - (T0 + 3 * SECOND)
+    assert (by_name["removed"]["backlog"], by_name["removed"]["oldest_unacked_ms"]) == (0, None)
+    # And the live session's unacked messages still are, waiting since m0's publish
+    assert by_name["live"]["backlog"] == 2
+    assert by_name["live"]["oldest_unacked_ms"] == as_of - T0
+    assert doc["totals"]["backlog"] == 3
+    # And the backlog is what the audit has neither settled nor dropped
+    for counts in audited.consumers:
+        assert by_name[counts["consumer"]]["backlog"] == counts["lost"] + counts["pending"]

@@ -793,3 +793,49 @@ def test_a_get_past_many_consumed_items_reads_one_of_them_to_find_its_cursor(
     # the new one (a query is billed for every item it reads, up to 64 KB each)
     assert texts(got) == ["new"]
     assert read[:2] == [1, 1] and sum(read) == 2
+
+
+def test_a_long_polls_walk_after_a_look_starts_at_the_source_the_look_found_new(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look walks every source, eventually consistent, and finds the new message in one of
+    them; the consistent walk that hands it out starts at that source's cursor, not at the
+    partition's first item: the sources before it were just looked at and had nothing."""
+    topics = ["alpha", "beta", "gamma"]
+    for topic in topics:
+        world.topic(topic)
+    # Given a session whose inbox holds consumed items of three sources
+    channel = _consumed(world, topics, 3)
+    ordered = sorted(topics, key=lambda t: _source(world, t))
+    last = ordered[-1]
+    walked: list[str] = []
+    looked: list[str] = []
+    real = InboxStore.after
+
+    def after(self: InboxStore, session_id: str, key: str, **kw: Any) -> Any:
+        (walked if kw.get("consistent", True) else looked).append(key)
+        return real(self, session_id, key, **kw)
+
+    monkeypatch.setattr(InboxStore, "after", after)
+    advance = world.clock.sleep
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        advance(seconds)
+        slept.append(seconds)
+        if len(slept) == 3:
+            for n in range(2):
+                world.publish(f"{last}/x", f"late{n}", ordering_key="k")
+            world.route()
+            walked.clear()
+
+    world.clock.sleep = sleep  # type: ignore[method-assign]
+    # When it long-polls and two messages of the source that sorts last come during the wait
+    got = world.get(CLIENT, channel, wait_ms=5000)
+    # Then they are handed out, in order
+    assert texts(got) == ["late0", "late1"]
+    # And the walk that handed them out read only that source's items and what follows them
+    hit = _source(world, last)
+    assert walked and all(key >= f"{hit}#" for key in walked)
+    # while the look before it walked every source
+    assert len({key.split("#")[0] for key in looked if key != STATE}) == len(topics)

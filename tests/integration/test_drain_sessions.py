@@ -8,7 +8,8 @@ from typing import Any
 import boto3
 import pytest
 from shoal.composite.model import StorageTopic
-from shoal.delivery.model import source_id
+from shoal.delivery.inbox import InboxStore
+from shoal.delivery.model import source_id, split_key
 from shoal.drain import Sealer, seal_grace_ms
 from shoal.records import is_seal
 from shoal.wiring import SealingHooks
@@ -209,3 +210,94 @@ def test_a_switch_seals_what_it_left_behind_once_no_routed_put_can_land(world: W
             world.ack("alice-1", channel, [m["id"] for m in batch])
         got += batch
     assert texts(got) == ["m0", "m1", "m2", "m3"]
+
+
+def _items_by_stream(world: World, session_id: str) -> dict[str, int]:
+    """The session's inbox items, counted by the storage topic of their source."""
+    streams = {
+        source_id(stream, shard["ShardId"]): stream
+        for stream in (T0, T1)
+        for shard in world.harness.shards(stream)
+    }
+    counted: dict[str, int] = {T0: 0, T1: 0}
+    for row in world.inbox.dynamo.query(
+        world.inbox.table,
+        KeyConditionExpression="#p = :p",
+        ExpressionAttributeNames={"#p": "inbox"},
+        ExpressionAttributeValues={":p": {"S": session_id}},
+    ):
+        stream = streams.get(split_key(str(row["position"]))[0])
+        if stream is not None:
+            counted[stream] += 1
+    return counted
+
+
+def _passed_t0(world: World) -> tuple[Drain, Feed, str, str]:
+    """A session that got m0-m5 across the switch; its channel and session id."""
+    drain, feed, channel = switched(world)
+    feed.route(T0)
+    seal(world, drain)
+    feed.route(T0)
+    feed.route(T1)
+    head = world.registry.repository.head("alice-1")
+    assert head is not None and head.session_id is not None
+    return drain, feed, channel, head.session_id
+
+
+def test_an_idle_long_poll_deletes_the_items_of_a_storage_topic_the_session_passed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Consumed items stay until their TTL, and every look of a long poll queries past each
+    source's: after a topic grows, the drained storage topic's sources too, for 14 days. Once
+    the session has passed that storage topic and acked all of it, nothing comes to those
+    sources again and nothing reads them back: an idle look deletes their items, once."""
+    # Given a session that got and acked everything of T0 and T1
+    _, feed, channel, session_id = _passed_t0(world)
+    assert texts(world.drain("alice-1", channel)) == ["m0", "m1", "m2", "m3", "m4", "m5"]
+    before = _items_by_stream(world, session_id)
+    assert before[T0] > 0 and before[T1] > 0
+    # When it long-polls and nothing comes
+    assert world.get("alice-1", channel, 10, wait_ms=2000) == []
+    # Then T0's items are gone, and T1's stay (the live storage topic's)
+    assert _items_by_stream(world, session_id) == {T0: 0, T1: before[T1]}
+    # And a later poll's looks query no T0 source
+    t0_sources = {source_id(T0, s["ShardId"]) for s in world.harness.shards(T0)}
+    looked: list[str] = []
+    real = InboxStore.after
+
+    def after(self: InboxStore, session: str, key: str, **kw: Any) -> Any:
+        if not kw.get("consistent", True):
+            looked.append(split_key(key)[0])
+        return real(self, session, key, **kw)
+
+    monkeypatch.setattr(InboxStore, "after", after)
+    assert world.get("alice-1", channel, 10, wait_ms=2000) == []
+    assert looked and not t0_sources & set(looked)
+    # And what comes later is delivered, and nothing of T0 again
+    publish(world, ["m6"])
+    feed.route(T1)
+    assert texts(world.drain("alice-1", channel)) == ["m6"]
+
+
+def test_a_passed_storage_topics_items_in_flight_are_kept_and_sent_again(world: World) -> None:
+    """A delivery handed out and not acked is read back from its items when it is sent again
+    (after the ack timeout): a look leaves its source's items alone until it is acked."""
+    # Given a session that got everything of T0 and T1 and acked all but m1
+    _, _, channel, session_id = _passed_t0(world)
+    got = world.get("alice-1", channel, 100)
+    got += world.get("alice-1", channel, 100)
+    assert texts(got) == ["m0", "m1", "m2", "m3", "m4", "m5"]
+    assert world.ack("alice-1", channel, [m["id"] for m in got if texts([m]) != ["m1"]])[0] == 200
+    before = _items_by_stream(world, session_id)
+    # When it long-polls and nothing new comes
+    assert world.get("alice-1", channel, 10, wait_ms=2000) == []
+    # Then T0's items stay
+    assert _items_by_stream(world, session_id) == before
+    # And after the ack timeout m1 comes again, with dup
+    world.clock.advance(world.settings.ack_timeout_s + 1)
+    again = world.get("alice-1", channel, 10)
+    assert texts(again) == ["m1"] and again[0]["dup"] is True
+    assert world.ack("alice-1", channel, [again[0]["id"]])[0] == 200
+    # And once it is acked, the next idle poll deletes them
+    assert world.get("alice-1", channel, 10, wait_ms=2000) == []
+    assert _items_by_stream(world, session_id)[T0] == 0

@@ -35,6 +35,8 @@ class SessionGate:
         #: push after a switch. Passing is forever: nothing is routed into a drained storage
         #: topic, and a new session has another id
         self._passed: dict[tuple[str, str], int] = {}
+        #: (composite topic, storage topics passed): their inbox sources (``passed_sources``)
+        self._passed_sources: dict[tuple[str, int], frozenset[str]] = {}
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock | None = None) -> SessionGate:
@@ -72,6 +74,25 @@ class SessionGate:
             state.drained[topic] = passed
             self._remember(known, passed)
         return True
+
+    def passed_sources(self, state: DeliveryState) -> frozenset[str]:
+        """The inbox sources of every storage topic the session has passed (``state.drained``):
+        sealed, routed to the end and handed out to it, so nothing comes to them again. Read
+        from this container's cache of drained topics (``DrainView``), which those are in."""
+        if not state.drained:
+            return frozenset()
+        sources: set[str] = set()
+        for topic, passed in state.drained.items():
+            known = self._passed_sources.get((topic, passed))
+            if known is None:
+                found: set[str] = set()
+                for index in range(passed):
+                    stream = stream_name(self.stream_prefix, topic, index)
+                    shards = self.view.sealed_shards(stream) or ()
+                    found.update(source_id(stream, s) for s in shards)
+                known = self._passed_sources[(topic, passed)] = frozenset(found)
+            sources |= known
+        return frozenset(sources)
 
     def _remember(self, known: tuple[str, str], passed: int) -> None:
         if len(self._passed) >= OPENED_MEMORY:

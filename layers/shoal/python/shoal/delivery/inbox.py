@@ -576,6 +576,21 @@ class InboxStore:
         )
         return str(rows[0]["position"]) if rows else None
 
+    def delete_source(self, session_id: str, source: str) -> int:
+        """Deletes the session's items of ``source``; how many there were. Only for a source
+        nothing comes to again and nothing in flight reads back (``InboxScan``): consumed
+        items otherwise wait for their TTL."""
+        rows = self.dynamo.query(
+            self.table,
+            KeyConditionExpression="#p = :p AND begins_with(#k, :s)",
+            ExpressionAttributeNames={"#p": "inbox", "#k": "position"},
+            ExpressionAttributeValues=to_item({":p": session_id, ":s": f"{source}#"}),
+            ProjectionExpression="#k",
+        )
+        keys = [{"inbox": session_id, "position": str(r["position"])} for r in rows]
+        self.dynamo.batch_delete(self.table, keys)
+        return len(keys)
+
     def between(self, session_id: str, first: str, last: str) -> list[InboxItem]:
         """The session's items with keys from ``first`` to ``last``, inclusive."""
         rows = self.dynamo.query(

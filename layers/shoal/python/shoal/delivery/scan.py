@@ -12,6 +12,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.core.errors import ShoalError
+from shoal.core.observability import logger
 from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import (
     DeliveryState,
@@ -69,6 +73,12 @@ class ScanStart:
 
     source: str | None = None
     idle: bool = False
+    #: sources a look jumped over that the session has passed (their storage topic drained
+    #: and handed out to it, ``SessionGate.passed_sources``): their consumed items are deleted
+    #: once the look ends, so later looks do not query past them for their TTL
+    spent: set[str] = field(default_factory=set)
+    #: sources this get deleted the items of, or tried to
+    purged: set[str] = field(default_factory=set)
     #: sources whose items the drain's gate held back from this get (``shoal.drain``): a
     #: push of them must be tried again once the earlier storage topics are drained
     held: set[str] = field(default_factory=set)
@@ -110,6 +120,7 @@ class InboxScan:
             look = self._walk(session_id, state, None, start, look=True)
             hit = next(look, None)
             if hit is None:
+                self._purge(session_id, state, start)
                 return
             # the look found nothing new in the sources before this one, so the walk that
             # hands out starts here, not at the partition's first item: a look's queries again,
@@ -118,6 +129,29 @@ class InboxScan:
             yield from self._walk(session_id, state, start=start, given=given, begin=hit.source)
             return
         yield from self._walk(session_id, state, only, start, given=given)
+
+    def _purge(self, session_id: str, state: DeliveryState, start: ScanStart) -> None:
+        """Deletes the items of the sources the look found spent (``ScanStart.spent``) that no
+        run in flight reads back (a redelivery reads its run's items) and no cursor is partway
+        through. Otherwise, after a topic grows, each of a session's looks queries past every
+        source of the drained storage topic until TTL removes its items (14 days by default):
+        one query a look for each such source, against one delete an item, once. A failed
+        delete is left to TTL, and a later get tries again."""
+        if not start.spent:
+            return
+        busy = {run.source for run in state.runs} | set(state.partial)
+        spent = sorted(start.spent - busy - start.purged)
+        start.spent.clear()
+        for source in spent:
+            start.purged.add(source)
+            try:
+                deleted = self.inbox.delete_source(session_id, source)
+            except (ClientError, BotoCoreError, ShoalError):
+                logger.warning("a spent inbox source was not deleted", exc_info=True)
+                continue
+            logger.debug("spent inbox source deleted", extra={"items": deleted})
+            if start.source == source:
+                start.source = None
 
     def _walk(
         self,
@@ -146,6 +180,11 @@ class InboxScan:
         the sources after it, not from the partition's first item (a look's hit, ``scan``).
         """
         consistent = not look
+        spent = (
+            self.drain.passed_sources(state)
+            if look and start is not None and self.drain is not None
+            else frozenset()
+        )
         lower, inclusive = STATE, False
         limit = 1
         if only is not None or begin is not None:
@@ -227,6 +266,8 @@ class InboxScan:
                         start.held.add(source)
                     continue
                 if not fresh:
+                    if source in spent and start is not None:
+                        start.spent.add(source)
                     partial = state.partial.get(source)
                     if partial and partial > item.key:
                         lower, inclusive = partial, True

@@ -21,7 +21,6 @@ from botocore.exceptions import ClientError, NoCredentialsError
 from shoal.local.aws import EmbeddedAws, share_service_models
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.provision import LocalNames, provision
-from shoal.local.serialize import BACKEND_LOCK, TURNS
 from shoal.local.throttle import Throttles
 
 CLIENT_CONFIG = Config(max_pool_connections=32, retries={"max_attempts": 1, "mode": "standard"})
@@ -852,53 +851,3 @@ def test_a_throttled_dynamodb_call_is_refused_unapplied(start: Start) -> None:
     # Then the refusal is DynamoDB's throttling error, and the item was never written
     assert refused.value.response["Error"]["Code"] == "ProvisionedThroughputExceededException"
     assert "Item" not in ddb.get_item(TableName=TABLE, Key={"pk": {"S": "a"}})
-
-
-def test_an_eventually_consistent_query_lets_a_call_waiting_for_the_lock_go_first(
-    start: Start,
-) -> None:
-    """Deployed, DynamoDB serves every call at once; here they take turns under one lock.
-    Long polls' looks (eventually consistent queries) queued there made every other call wait
-    behind them: a look lets a call that waits go first (``Turns``), and still runs."""
-    aws = start()
-    app = aws._app
-    assert app is not None
-    order: list[str] = []
-
-    def call(name: str, target: str, body: bytes) -> None:
-        def run() -> tuple[str, list[tuple[str, str]], bytes]:
-            order.append(name)
-            return "200 OK", [], b"{}"
-
-        app._serve({}, body, run, mutating=False, bounded=True, target=target)
-
-    query = "DynamoDB_20120810.Query"
-    looks = [f"look{n}" for n in range(4)]
-    # Given four looks queued for the lock
-    BACKEND_LOCK.acquire()
-    try:
-        threads = [
-            threading.Thread(target=call, args=(n, query, b'{"ConsistentRead": false}'))
-            for n in looks
-        ]
-        for thread in threads:
-            thread.start()
-        time.sleep(0.1)  # they reach the lock's wait
-        # When a write, then a consistent query, come to wait behind them
-        for name, target, body in [
-            ("put", "DynamoDB_20120810.PutItem", b"{}"),
-            ("read", query, b'{"ConsistentRead": true}'),
-        ]:
-            thread = threading.Thread(target=call, args=(name, target, body))
-            thread.start()
-            threads.append(thread)
-        deadline = time.monotonic() + 10
-        while TURNS._pressing < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        BACKEND_LOCK.release()
-    for thread in threads:
-        thread.join(10)
-    # Then the write and the consistent query go first, and every look runs after them
-    assert sorted(order[:2]) == ["put", "read"]
-    assert sorted(order[2:]) == looks

@@ -58,7 +58,7 @@ from shoal.local.moto_dynamodb import (
 )
 from shoal.local.moto_kinesis import read_shards_by_position
 from shoal.local.moto_sqs import build_attributes_as_asked_while_sending, read_retention_directly
-from shoal.local.serialize import BACKEND_LOCK, TURNS
+from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.throttle import DYNAMODB_THROTTLED, Throttles
 from shoal.local.transport import PRESERVED_NAMES_KEY as _PRESERVED_NAMES_KEY
 from shoal.local.transport import (
@@ -301,7 +301,6 @@ SQS_SEND = "AmazonSQS.SendMessage"
 
 #: the X-Amz-Target prefix of DynamoDB's calls
 DYNAMODB_TARGET = "DynamoDB_20120810."
-DYNAMODB_QUERY = DYNAMODB_TARGET + "Query"
 _AMZ_JSON = "application/x-amz-json-1.0"
 _JOURNAL_FAILED = b"the emulator's journal failed; restart shoal dev"
 _UNAVAILABLE = json.dumps(
@@ -397,13 +396,7 @@ class SerializedApp:
         # refused unapplied, as AWS throttles. Without the bound, a call queued behind a burst
         # could be applied after its caller timed out, and a put the publisher was told failed
         # would land in the stream after all.
-        wait_s = LOCK_WAIT_BUDGET_S if bounded else -1
-        if _may_be_late(target, body):
-            acquired = TURNS.take_late(BACKEND_LOCK, wait_s)
-        else:
-            with TURNS.pressing():
-                acquired = BACKEND_LOCK.acquire(timeout=wait_s)
-        if not acquired:
+        if not BACKEND_LOCK.acquire(timeout=LOCK_WAIT_BUDGET_S if bounded else -1):
             return (
                 "503 Service Unavailable",
                 [("Content-Type", "application/x-amz-json-1.1")],
@@ -492,16 +485,6 @@ class SerializedApp:
             failures,
             journal.dropped_tail_bytes,
         )
-
-
-def _may_be_late(target: str, body: bytes) -> bool:
-    """Whether a call is an eventually consistent query, which DynamoDB may answer from a
-    replica that lacks the latest writes: one that lets other calls go first (``Turns``)."""
-    return (
-        target == DYNAMODB_QUERY
-        and b'"ConsistentRead": true' not in body
-        and b'"ConsistentRead":true' not in body
-    )
 
 
 @functools.cache

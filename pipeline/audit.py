@@ -156,6 +156,13 @@ def digest(*columns: Column | str) -> Column:
     return F.when(first.isNotNull(), F.xxhash64(*columns))
 
 
+def consumer_key() -> Column:
+    """A row's consumer as one column (``c``): the digest of its kind and name."""
+    from pyspark.sql import functions as F
+
+    return digest(F.coalesce("consumer_kind", F.lit("")), "consumer")
+
+
 def published(messages: DataFrame) -> DataFrame:
     """One row per archived message with its place in publish order (``publish_order``:
     storage topic, then Kinesis sequence number as numbers, then position in the record, then
@@ -209,7 +216,7 @@ def consumer_names(rows: DataFrame) -> DataFrame:
 
     share = F.when(F.col("subscription").startswith("$share/"), F.col("subscription"))
     return rows.select(
-        digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+        consumer_key().alias("c"),
         *CONSUMER,
         "label",
         share.alias("share"),
@@ -248,7 +255,7 @@ def deliveries(events: DataFrame) -> DataFrame:
     )
     return (
         events.select(
-            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            consumer_key().alias("c"),
             # a delivery by its id, else by its message's (a hash seeded apart, not a string
             # built for every routed event)
             F.when(delivery.isNotNull(), F.xxhash64(delivery))
@@ -347,7 +354,7 @@ def subscription_pairs(
             & (F.col("until").isNull() | (F.col("published_at") < F.col("until")))
         )
         .select(
-            digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+            consumer_key().alias("c"),
             digest("message_id").alias("m"),
             F.least(F.coalesce("qos", F.lit(2)), F.col("message_qos")).alias("_qos"),
         )
@@ -362,7 +369,7 @@ def subscription_names(subscriptions: DataFrame) -> DataFrame:
 
     share = F.when(F.col("filter").startswith("$share/"), F.col("filter"))
     return subscriptions.select(
-        digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"),
+        consumer_key().alias("c"),
         *CONSUMER,
         F.lit(None).cast("string").alias("label"),
         share.alias("share"),
@@ -483,7 +490,7 @@ def consumer_ends(events: DataFrame) -> DataFrame:
 
     return (
         events.where(F.col("event") == "ended")
-        .select(digest(F.coalesce("consumer_kind", F.lit("")), "consumer").alias("c"), "at")
+        .select(consumer_key().alias("c"), "at")
         .groupBy("c")
         .agg(F.collect_list("at").alias("ended_at"))
     )

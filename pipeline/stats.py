@@ -30,8 +30,8 @@ from pipeline.audit import (
     DELIVERIES,
     PAIR,
     consumer_ends,
+    consumer_key,
     consumer_names,
-    digest,
     ended_after_publish,
     one_name_each,
     published,
@@ -156,7 +156,7 @@ def consumers(events: DataFrame, as_of: int, ends: DataFrame | None = None) -> D
         # it had not acked (MQTT 5 §4.1), so that is no one's backlog; what was published after
         # its last end stays open, as the audit keeps it lost
         per_message = (
-            per_message.withColumn("c", digest(F.coalesce("consumer_kind", F.lit("")), "consumer"))
+            per_message.withColumn("c", consumer_key())
             .join(F.broadcast(ends), "c", "left")
             .withColumn("dropped", F.when(ended_after_publish(), 1).otherwise(F.col("dropped")))
             .drop("c", "ended_at")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema
@@ -313,6 +314,18 @@ def test_an_idle_long_poll_looks_for_the_partitions_first_item_once(
     assert lower_bounds.count(STATE) == 1 and polls > 5
     # what arrives meanwhile is found by a poll that started at the cursor
     lower_bounds.clear()
+
+    def late() -> None:
+        world.publish("q/x", "late", ordering_key="k0")
+        world.route()
+
+    _on_third_sleep(world, late)
+    assert texts(world.get(CLIENT, channel, wait_ms=5000)) == ["late"]
+    assert lower_bounds.count(STATE) == 1
+
+
+def _on_third_sleep(world: World, act: Callable[[], None]) -> None:
+    """The world's clock runs ``act`` once, at its third sleep (a long poll's wait)."""
     advance = world.clock.sleep
     slept: list[float] = []
 
@@ -320,12 +333,9 @@ def test_an_idle_long_poll_looks_for_the_partitions_first_item_once(
         advance(seconds)
         slept.append(seconds)
         if len(slept) == 3:
-            world.publish("q/x", "late", ordering_key="k0")
-            world.route()
+            act()
 
     world.clock.sleep = sleep  # type: ignore[method-assign]
-    assert texts(world.get(CLIENT, channel, wait_ms=5000)) == ["late"]
-    assert lower_bounds.count(STATE) == 1
 
 
 def _source(world: World, topic: str) -> str:
@@ -817,19 +827,14 @@ def test_a_long_polls_walk_after_a_look_starts_at_the_source_the_look_found_new(
         return real(self, session_id, key, **kw)
 
     monkeypatch.setattr(InboxStore, "after", after)
-    advance = world.clock.sleep
-    slept: list[float] = []
 
-    def sleep(seconds: float) -> None:
-        advance(seconds)
-        slept.append(seconds)
-        if len(slept) == 3:
-            for n in range(2):
-                world.publish(f"{last}/x", f"late{n}", ordering_key="k")
-            world.route()
-            walked.clear()
+    def late() -> None:
+        for n in range(2):
+            world.publish(f"{last}/x", f"late{n}", ordering_key="k")
+        world.route()
+        walked.clear()
 
-    world.clock.sleep = sleep  # type: ignore[method-assign]
+    _on_third_sleep(world, late)
     # When it long-polls and two messages of the source that sorts last come during the wait
     got = world.get(CLIENT, channel, wait_ms=5000)
     # Then they are handed out, in order

@@ -319,6 +319,12 @@ class RouterDrain:
         storage = storage_of(stream, self.stream_prefix)
         return stream if storage is not None and storage[1] > 0 else None
 
+    def push_label(self, stream: str) -> str | None:
+        """The label of a push's QoS 0 frames from ``stream``: the stream, for any storage
+        topic, the first too. The pusher drops a frame of a storage topic the session has
+        already passed (``SessionGate.passed``) or that its gate holds closed."""
+        return stream if storage_of(stream, self.stream_prefix) is not None else None
+
     def settled(self, stream: str) -> bool:
         """Whether every storage topic before ``stream`` is fully drained. Until then the
         gates hold ``stream``'s items back, so a QoS 0 delivery of it to a connected session

@@ -75,6 +75,25 @@ class SessionGate:
             self._remember(known, passed)
         return True
 
+    def passed(self, session_id: str, state: DeliveryState | None, stream: str) -> bool:
+        """True if the session has passed the storage topic ``stream``: every message of it was
+        handed out and the gate let a later storage topic's out. A QoS 0 frame of ``stream``
+        still in a push (``shoal.edge.push``) would now come after those; the frame is not in
+        the inbox, so the gate could not wait for it. No read: what the state (None: not
+        read) and this container remember."""
+        storage = storage_of(stream, self.stream_prefix)
+        if storage is None:
+            return False
+        topic, index = storage
+        noted = state.drained.get(topic, 0) if state is not None else 0
+        return max(noted, self._passed.get((session_id, topic), 0)) > index
+
+    def first(self, stream: str) -> bool:
+        """True if ``stream`` is its composite topic's first storage topic (or none): its gate
+        is open for every session, with nothing to read."""
+        storage = storage_of(stream, self.stream_prefix)
+        return storage is None or storage[1] == 0
+
     def passed_sources(self, state: DeliveryState) -> frozenset[str]:
         """The inbox sources of every storage topic the session has passed (``state.drained``):
         sealed, routed to the end and handed out to it, so nothing comes to them again. Read

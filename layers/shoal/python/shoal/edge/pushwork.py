@@ -95,16 +95,17 @@ class PushWork:
     #: the connections of (some of) the sessions as the sender read them, strongly consistent
     #: after its writes: the worker posts to them without reading them again
     connections: Mapping[str, Connection] = field(default_factory=dict)
-    #: the stream of ``source`` when it is a storage topic after its composite topic's first
-    #: (``shoal.drain``): the worker posts ``direct`` frames only once the drain's gate is
-    #: open for the session, else they would pass the earlier storage topics' messages
+    #: the stream of ``source`` when it is a storage topic (``shoal.drain``): the worker posts
+    #: ``direct`` frames only once the drain's gate is open for the session (else they would
+    #: pass the earlier storage topics' messages) and not once the session has passed it
+    #: (else they would come after the later ones'). Written only with ``direct`` frames
     stream: str | None = None
 
     def body(self) -> str:
         data: dict[str, Any] = {"v": VERSION, "s": [[s, c] for s, c in self.sessions.items()]}
         if self.source is not None:
             data["src"] = self.source
-        if self.stream is not None:
+        if self.stream is not None and self.direct:
             data["st"] = self.stream
         if self.lines:
             data["l"] = [[k.key, k.offset, k.length, v] for k, v in self.lines.items()]

@@ -136,8 +136,11 @@ class Router:
                     direct=report.direct,
                     named=report.lines,
                     given=report.given,
-                    # the drain's label: the pusher posts QoS 0 frames once its gate is open
-                    stream=self.fanout.drain.label(batch.stream) if self.fanout.drain else None,
+                    # the drain's label: the pusher posts QoS 0 frames once its gate is
+                    # open, and not after the session has passed their storage topic
+                    stream=(
+                        self.fanout.drain.push_label(batch.stream) if self.fanout.drain else None
+                    ),
                 )
         return dict(response)
 

@@ -924,7 +924,9 @@ def test_a_taken_over_connections_disconnect_writes_only_its_own_items(edge: Edg
     edge.dropped("c1")
     table = get_config().table("connections")
     sessions = get_config().table("sessions")
-    assert writes == [f"DeleteItem {table}", f"DeleteItem {table}", f"DeleteItem {sessions}"]
+    # the session's item, the held will, then the connection's own item (last: a crash
+    # before it leaves the $disconnect something to run again)
+    assert writes == [f"DeleteItem {table}", f"DeleteItem {sessions}", f"DeleteItem {table}"]
     # the session stays with the newer connection: no will, deliveries pushed there
     reaper, publisher = _reaper(edge)
     edge.world.clock.advance(6)
@@ -1183,6 +1185,38 @@ def test_a_lost_connection_publishes_its_will_after_the_delay(edge: Edge) -> Non
     edge.connect("c1", will=WILL)
     edge.dropped("c1")
     assert_will_follows_its_delay(edge)
+
+
+@pytest.mark.parametrize("step", ["forget", "lose", "release"])
+def test_a_disconnect_that_crashed_partway_does_its_work_when_run_again(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """A restarted ``shoal dev`` runs the ``$disconnect`` its ledger still owes, of a
+    connection whose ``$disconnect`` a kill cut short (``shoal.local.wsledger``). The 30-minute
+    soak at 200 clients lost a will when the kill came after the connection's item was gone
+    and before the lose: run again, the ``$disconnect`` found no connection."""
+    edge.connect("c1", will=WILL)
+    # Given the $disconnect crashes at one of its steps (as a kill -9 there would end it)
+    target: Any = {
+        "forget": edge.connections,
+        "lose": edge.service.registry,
+        "release": edge.service,
+    }[step]
+    name = "_release" if step == "release" else step
+    real = getattr(target, name)
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"killed at {step}")
+
+    monkeypatch.setattr(target, name, crash)
+    with pytest.raises(RuntimeError):
+        edge.dropped("c1")
+    # When it runs again, whole
+    monkeypatch.setattr(target, name, real)
+    edge.dropped("c1")
+    # Then the channel is lost and its will follows its delay; the connection is gone
+    assert_will_follows_its_delay(edge)
+    assert edge.connections.connection("c1") is None
 
 
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:

@@ -244,14 +244,23 @@ class ConnectionStore:
         return None if raw is None or "session_id" not in raw else Connection.from_record(raw)
 
     def unbind(self, connection: Connection) -> bool:
-        """The connection is gone: its item, and the session's when it still names it. True
-        when a newer connection of the session holds the session's item (a takeover: the
-        client's own renewal before API Gateway's 2 hours comes this way), False when this
-        one held it or nobody does (a push found the connection gone first: ``forget``)."""
+        """The connection is gone: the session's item when it still names it, then its own
+        (``forget``, then ``remove``). True when a newer connection of the session holds the
+        session's item (a takeover: the client's own renewal before API Gateway's 2 hours
+        comes this way), False when this one held it or nobody does (a push found the
+        connection gone first)."""
+        taken_over = self.forget(connection)
+        self.remove(connection)
+        return taken_over
+
+    def remove(self, connection: Connection) -> None:
+        """Deletes the connection's own item: a frame or a ``$disconnect`` that reads it finds
+        nothing from then on. Whatever must follow the close goes first: a ``$disconnect``
+        run again after a crash (a restarted ``shoal dev`` runs those its ledger still owes)
+        finds the connection only while its item is there."""
         self.dynamo.call(
             "delete_item", TableName=self.table, Key=_key(CONNECTION + connection.connection_id)
         )
-        return self.forget(connection)
 
     def forget(self, connection: Connection) -> bool:
         """The session's deliveries stop going to this connection: the session's item, when it

@@ -178,7 +178,17 @@ class EdgeService:
         raise AssertionError("unreachable")
 
     def _disconnected(self, connection: Connection, closed_at_ms: int | None) -> None:
-        if self.connections.unbind(connection):
+        self._lost(connection, closed_at_ms)
+        # the connection's item last: a crash before it (a kill -9 of shoal dev, a function
+        # that timed out) leaves it, and the $disconnect run again finds what to redo. The
+        # 30-minute soak at 200 clients lost a will this way: killed between the item's
+        # delete and the lose, the restart's $disconnect found no connection, and the
+        # session stayed connected to a gone connection (its will withheld at the resume)
+        self.connections.remove(connection)
+
+    def _lost(self, connection: Connection, closed_at_ms: int | None) -> None:
+        """The close's work (each step may run again: ``_through_busy``, a crash)."""
+        if self.connections.forget(connection):
             # the session's item names a newer connection: a connect took the session over
             # (the client's own renewal before API Gateway's 2 hours, make-before-break), so
             # this channel is not the live one and losing it would change nothing (a

@@ -1219,6 +1219,41 @@ def test_a_disconnect_that_crashed_partway_does_its_work_when_run_again(
     assert edge.connections.connection("c1") is None
 
 
+def test_a_connect_that_read_the_head_before_its_channels_lose_publishes_the_will(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 30-minute soak at 200 clients lost a will this way: a client's ``$disconnect`` ran
+    70 s after it dropped its connection, 40 ms before the same client's connect committed,
+    which had read the head before the lose. The head still looked live to it, so it held
+    the will for the ``$disconnect`` to decide, which had come already: withheld after ten
+    minutes. The lose changes what a connect decides from, so it moves the head's revision,
+    and the connect reads again."""
+    edge.connect("c1", will=WILL)
+    closed_at = edge.world.clock.now_ms()
+    edge.api.gone.add("c1")  # dropped; its $disconnect comes late
+    edge.world.clock.advance(WILL["delay_s"] + 5)  # type: ignore[operator]
+    repository = edge.service.registry.repository
+    real = repository.register
+    raced: list[bool] = []
+
+    def lost_meanwhile(*args: Any, **kwargs: Any) -> bool:
+        # Given the connect read the head, then the $disconnect of c1 ran before its write
+        if not raced:
+            raced.append(True)
+            event = edge.event("edge_disconnect.json", "c1", requestTimeEpoch=closed_at)
+            handle(lambda: edge.service, event)
+        return bool(real(*args, **kwargs))
+
+    monkeypatch.setattr(repository, "register", lost_meanwhile)
+    # When the client connects again, resuming its session, past the will's delay
+    assert edge.connect("c2")["session_present"] is True
+    assert raced
+    # Then the will is published: its delay ran out before the connect ([MQTT-3.1.2-8])
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:
     edge.connect("c1", will=WILL)
     assert edge.send("c1", {"action": "disconnect", "ref": "d"}) is None

@@ -3,7 +3,7 @@
 The table holds one partition per client id (``shoal.aws.tables.SessionItemModel``):
 
 - ``head``: the newest registration's version key (``newest``), the owning principal (``sub``),
-  ``rev`` (bumped by every lifecycle change: connect, disconnect, keepalive expiry),
+  ``rev`` (bumped by every lifecycle change: connect, disconnect, loss, keepalive expiry),
   ``connected``, ``last_seen_ms``; ``conn``, the live channel's parameters (keepalive,
   ``grace_ms`` = 1.5 x keepalive, session expiry, the armed will); ``session``, the session
   state (``id``, ``subscriptions``; its deliveries live in the inbox), and
@@ -326,8 +326,12 @@ class SessionRepository:
         ``$disconnect``): its keepalive is made to have run out now, and the head due, so the
         reaper expires it as it expires any silent channel (the will armed after its delay,
         the session's groups advanced, a session without expiry ended). One write; the head
-        as written (None: not the live channel), which costs nothing more."""
+        as written (None: not the live channel), which costs nothing more. A lifecycle
+        change, so it moves ``rev``: a connect that read the head before it decided from a
+        channel that looked live (it would hold the will for a ``$disconnect`` that has come
+        already), and its write must fail and read again."""
         expr = Expression().set("last_seen_ms", now_ms)
+        expr.set_raw("rev", f"{expr.n('rev')} + {expr.v(1)}")
         expr.set("conn.keepalive_s", 1).set("conn.grace_ms", 0)
         expr.set("due_shard", due_shard(client_id)).set("due_at_ms", now_ms)
         return self._update_head(client_id, expr, live_condition(expr, version, sub))

@@ -536,13 +536,16 @@ class PushWorker:
 
     def _post_in_order(self, push: _Push, messages: list[dict[str, Any]]) -> None:
         """Posts ``messages``, each after the QoS 0 frames whose messages come before it in
-        its source."""
+        its source. Those are taken from anywhere in ``push.direct`` (in their order): a push
+        of several records holds frames of several sources in record order, and a frame of
+        another source ahead of them must not keep them back (the soak at 200 clients, seed
+        11, saw a QoS 0 frame posted after a later QoS 1 message of its key so)."""
         for message in messages:
             at = push.positions.get(str(message.get("id")))
-            ahead = 0
-            while ahead < len(push.direct) and push.direct[ahead].before(at):
-                ahead += 1
-            self._post_direct(push, ahead)
+            ahead = [q for q in push.direct if q.before(at)]
+            if ahead:
+                push.direct = ahead + [q for q in push.direct if not q.before(at)]
+            self._post_direct(push, len(ahead))
             self._post(push, [message])
 
     def _post_direct(self, push: _Push, n: int) -> None:

@@ -62,7 +62,7 @@ class SessionGate:
             return True
         topic, index = storage
         known = (session_id, topic)
-        passed = max(state.drained.get(topic, 0), self._passed.get(known, 0))
+        passed = self._passed_count(session_id, state, topic)
         if passed > state.drained.get(topic, 0):
             state.drained[topic] = passed
         while passed < index:
@@ -85,8 +85,13 @@ class SessionGate:
         if storage is None:
             return False
         topic, index = storage
+        return self._passed_count(session_id, state, topic) > index
+
+    def _passed_count(self, session_id: str, state: DeliveryState | None, topic: str) -> int:
+        """How many of ``topic``'s storage topics the session has passed, as its state (None:
+        not read) or this container remembers it."""
         noted = state.drained.get(topic, 0) if state is not None else 0
-        return max(noted, self._passed.get((session_id, topic), 0)) > index
+        return max(noted, self._passed.get((session_id, topic), 0))
 
     def first(self, stream: str) -> bool:
         """True if ``stream`` is its composite topic's first storage topic (or none): its gate

@@ -542,9 +542,11 @@ class PushWorker:
         11, saw a QoS 0 frame posted after a later QoS 1 message of its key so)."""
         for message in messages:
             at = push.positions.get(str(message.get("id")))
-            ahead = [q for q in push.direct if q.before(at)]
-            if ahead:
-                push.direct = ahead + [q for q in push.direct if not q.before(at)]
+            ahead: list[_Qos0] = []
+            rest: list[_Qos0] = []
+            for q in push.direct:
+                (ahead if q.before(at) else rest).append(q)
+            push.direct = ahead + rest
             self._post_direct(push, len(ahead))
             self._post(push, [message])
 

@@ -81,15 +81,31 @@ class Settings:
     client_kills: int | None = None
     token_expiries: int | None = None
     grow: bool | None = None
-    #: the longest the drain after the traffic may take, and the least
+    #: the longest the drain after the traffic may take, and the least; past ``drain_s`` it
+    #: goes on while the missing count falls between two looks, up to ``drain_cap_s``: an
+    #: overloaded run's slow subscriber still working through its backlog is in flight, and
+    #: the verdict should not call it lost because the wait ended
     drain_s: float = 240.0
     min_drain_s: float = 40.0
+    drain_cap_s: float = 720.0
     out: Path | None = None
     throttle: str | None = None
 
     @property
     def duration_s(self) -> float:
         return self.minutes * 60
+
+
+def drain_goes_on(
+    settings: Settings, spent_s: float, missing: int | None, before: int | None
+) -> bool:
+    """Whether the drain looks again: within ``drain_s`` always; past it, up to
+    ``drain_cap_s``, only while the last look found fewer missing than the one before it."""
+    if spent_s < settings.drain_s:
+        return True
+    if spent_s >= settings.drain_cap_s or missing is None or before is None:
+        return False
+    return missing < before
 
 
 @dataclass
@@ -586,15 +602,26 @@ class Soak:
         has nothing in retry, or ``drain_s`` (the checker read as an oracle of quiescence only;
         the verdict comes after the run)."""
         began = time.monotonic()
+        missing: int | None = None
         try:
-            self._drain_until(began)
+            missing = self._drain_until(began)
         finally:
-            self.history.record("phase", name="drained", after_s=round(time.monotonic() - began))
+            self.history.record(
+                "phase",
+                name="drained",
+                after_s=round(time.monotonic() - began),
+                missing=missing,
+            )
 
-    def _drain_until(self, began: float) -> None:
+    def _drain_until(self, began: float) -> int | None:
+        """The missing count at the last look (0: quiescent; None: never looked)."""
         if self._switching is not None:
             self._switching.join(120)
-        while time.monotonic() - began < self.settings.drain_s:
+        missing: int | None = None
+        before: int | None = None
+        while True:
+            if not drain_goes_on(self.settings, time.monotonic() - began, missing, before):
+                return missing
             time.sleep(10)
             if time.monotonic() - began < self.settings.min_drain_s:
                 continue
@@ -603,15 +630,16 @@ class Soak:
                 continue
             records, torn = read_history(self.history_dir)
             report = soak_checker.check(records, torn=torn)
-            missing = [
+            missing_now = [
                 v
                 for v in report.violations
                 if v.property in ("lost", "push")
                 or (v.property == "will" and "never published" in v.summary)
             ]
-            self.say(f"draining: {len(missing)} missing after {time.monotonic() - began:.0f} s")
+            before, missing = missing, len(missing_now)
+            self.say(f"draining: {missing} missing after {time.monotonic() - began:.0f} s")
             if not missing:
-                return
+                return 0
 
     def _server_drops(self) -> None:
         """The shared groups' ``dropped`` delivery events as the service archived them (the

@@ -180,9 +180,8 @@ def summarize(
         (float(r["t"]) for r in records if r["op"] == "phase" and r["name"] == "traffic_end"),
         float(records[-1]["t"]),
     )
-    drained = next(
-        (r.get("after_s") for r in records if r["op"] == "phase" and r["name"] == "drained"), None
-    )
+    drained_record = next((r for r in records if r["op"] == "phase" and r["name"] == "drained"), {})
+    drained = drained_record.get("after_s")
     samples = [r for r in records if r["op"] == "sample"]
     faults = [r for r in records if r["op"] == "fault"]
     faults += [
@@ -204,6 +203,8 @@ def summarize(
         "clients": settings.clients,
         "traffic_end_s": round(traffic_end - start, 1),
         "drain_s": drained,
+        #: owed messages, pushes and wills still missing when the drain ended (0: quiescent)
+        "drain_missing": drained_record.get("missing"),
         "seed": settings.seed,
         "throttle": start_record.get("throttle") if start_record else None,
         "verdict": "PASS" if report.ok else "FAIL",
@@ -364,6 +365,17 @@ def _start(start: dict[str, float]) -> str:
     return f"{start.get('start_s')} ({start['replayed']:.0f}, {start['replay_s']})"
 
 
+def _drain_end(missing: int | None) -> str:
+    if missing == 0:
+        return "until nothing owed was missing"
+    if missing is None:
+        return "ended by its limit before a look"
+    return (
+        f"ended by its limit with {missing} owed still missing: in flight or lost, the "
+        "verdict counts them lost"
+    )
+
+
 def markdown(figures: dict[str, Any], report: Report) -> str:
     violations = ", ".join(f"{k} {v}" for k, v in figures["violations"].items())
     latency = figures["latency_s"]
@@ -372,7 +384,7 @@ def markdown(figures: dict[str, Any], report: Report) -> str:
         f"{figures['seed']}: {figures['verdict']}",
         "",
         f"Throttle: {figures['throttle'] or 'none'}. Traffic {figures['traffic_end_s']} s, then "
-        f"a drain of {figures['drain_s']} s (until nothing owed was missing, or its limit). "
+        f"a drain of {figures['drain_s']} s ({_drain_end(figures.get('drain_missing'))}). "
         f"Violations: {violations}.",
         "",
         "Counts: " + ", ".join(f"{k} {v}" for k, v in figures["counts"].items()) + ".",

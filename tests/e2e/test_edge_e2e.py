@@ -439,6 +439,30 @@ IDLE_HOLD_S = 10.0
 IDLE_SCENARIO_TIMEOUT_S = 900.0
 
 
+def second_copies(holder: WsClient, acked_at: float) -> list[dict[str, Any]]:
+    """The copies of "to all" after the first that no promise allows. One the service sent
+    again with ``dup`` before the client's ack of the first was answered, an ack timeout after
+    the first, is allowed: on a starved machine an ack can be answered after the timeout."""
+    held = [
+        r
+        for r in holder.frames
+        if r.frame.get("action") == "message" and text_of(r.frame) == "to all"
+    ]
+    return [
+        {
+            "dup": r.frame.get("dup"),
+            "after_first_s": round(r.at - held[0].at, 3),
+            "id": r.frame["id"],
+        }
+        for r in held[1:]
+        if not (
+            r.frame.get("dup") is True
+            and r.at < acked_at
+            and r.at - held[0].at >= ACK_TIMEOUT_S - 1
+        )
+    ]
+
+
 # 1,000 handshakes, connects and subscribes are 3,000 local function runs: over pytest-timeout's
 # 300 s on CI's starved machine
 @pytest.mark.timeout(1200)
@@ -516,10 +540,18 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_a_fan_out_
         )
         holders = {i: fresh.get(i, clients[i]) for i in range(IDLE_SESSIONS)}
 
+        first_ids: dict[int, str] = {}
+        acked_at: dict[int, float] = {}
+
         async def first_copy(i: int) -> float:
             while True:
                 got = await holders[i].messages.get()
                 if text_of(got.frame) == "to all":
+                    # acked at once, as a client does: an acked id never comes again, a
+                    # restart included
+                    first_ids[i] = got.frame["id"]
+                    await holders[i].ack(first_ids[i])
+                    acked_at[i] = time.monotonic()
                     return got.at - began_fan_out
 
         arrivals = await asyncio.wait_for(
@@ -528,28 +560,13 @@ def test_a_thousand_idle_subscribed_sessions_run_no_function_then_get_a_fan_out_
         timings["fan_out_first_s"], timings["fan_out_last_s"] = min(arrivals), max(arrivals)
         # no second copy anywhere, once everything settled
         await asyncio.sleep(2.0)
-        again = {
-            i: [text_of(r.frame) for r in holders[i].frames if r.frame.get("action") == "message"]
-            for i in range(IDLE_SESSIONS)
-        }
-        copies = {i: texts.count("to all") for i, texts in again.items()}
+        copies = {i: 1 + len(second_copies(holders[i], acked_at[i])) for i in holders}
         violations = [v for c in [*clients, *fresh.values()] for v in c.violations]
-        # every session acks it: an acked id never comes again, a restart included
-        first_ids: dict[int, str] = {}
-        for i in range(IDLE_SESSIONS):
-            [frame] = [
-                r.frame
-                for r in holders[i].frames
-                if r.frame.get("action") == "message" and text_of(r.frame) == "to all"
-            ]
-            first_ids[i] = frame["id"]
-
-        async def ack(i: int, gate: asyncio.Semaphore) -> None:
-            async with gate:
-                await holders[i].ack(first_ids[i])
-
-        gate = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
-        await asyncio.gather(*(ack(i, gate) for i in range(IDLE_SESSIONS)))
+        violations += [
+            f"idle-{i}{' (taken over)' if i in fresh else ''}: {second}"
+            for i in holders
+            for second in second_copies(holders[i], acked_at[i])
+        ]
         # a second fan-out, cut by kill -9 once its first frames are out
         await publisher.publish("e2e-all/now", "to all, killed")
         await holders[0].next_message(300)

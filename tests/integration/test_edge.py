@@ -1254,6 +1254,47 @@ def test_a_connect_that_read_the_head_before_its_channels_lose_publishes_the_wil
     assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
 
 
+def test_an_older_connects_late_bind_does_not_take_the_session_from_a_newer_connection(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two connections connect one client id at once (a client that gave up waiting for its
+    CONNACK and opened another). The older connect registered and found its channel live,
+    then stalled; the newer one took the session over and bound the session's item to its
+    connection; then the older connect's bind wrote the session's item over it. The newer
+    connection's ``$disconnect`` then found the session's item naming another connection,
+    took that for a takeover and lost nothing: the session stayed connected to a gone
+    connection (until the registry's two-hour bound) and its will was not published (a
+    resume after the delay would hold it for a close that had come already)."""
+    store = edge.connections
+    real_bind = store.bind
+    raced: list[bool] = []
+
+    def newer_connects_first(connection: Any) -> bool:
+        # Given the older connect (c1) registered and read its channel live, then the newer
+        # one (c2) connects, resuming the session, before c1's bind
+        if not raced:
+            raced.append(True)
+            edge.connect("c2", will=WILL)
+        return real_bind(connection)
+
+    monkeypatch.setattr(store, "bind", newer_connects_first)
+    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
+    answer = edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL})
+    assert raced
+    # Then the older connect is refused as taken over, and its connection holds no session
+    assert answer["error"]["code"] == "session_taken_over", answer
+    assert edge.connections.connection("c1") is None
+    monkeypatch.setattr(store, "bind", real_bind)
+    session_id = _session_of(edge, "c2")
+    # and the session's deliveries go to the newer connection, the live channel's
+    target = edge.connections.target(session_id)
+    assert target is not None and target.connection_id == "c2"
+    # When the newer connection is lost
+    edge.dropped("c2")
+    # Then its channel is lost and its will follows its delay
+    assert_will_follows_its_delay(edge)
+
+
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:
     edge.connect("c1", will=WILL)
     assert edge.send("c1", {"action": "disconnect", "ref": "d"}) is None

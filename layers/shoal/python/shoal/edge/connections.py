@@ -37,6 +37,7 @@ from shoal.aws.clients import error_code
 from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, from_item, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
+from shoal.sessions.model import Version
 from shoal.sessions.ports import KeptBy
 
 CONNECTION = "conn#"
@@ -160,21 +161,31 @@ class ConnectionStore:
 
     # -- the connection's session
 
-    def bind(self, connection: Connection) -> None:
+    def bind(self, connection: Connection) -> bool:
         """The connection holds its session now, and the session's deliveries go to it (one
         transaction: a frame never finds a session whose pushes go elsewhere), not ready until
-        its answer went out (``ready``)."""
+        its answer went out (``ready``). False, writing nothing, when the session's item names
+        a newer channel: a connect that took the session over from this one bound first, and
+        this older connect's late bind must not take the item back (the newer connection's
+        ``$disconnect`` would find it naming another connection, take that for a takeover,
+        and lose nothing: its channel would stay live, its will unpublished)."""
         expires = self._expires()
-        self.dynamo.transact(
-            [
-                {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
-                {
-                    "Put": {
-                        "TableName": self.table,
-                        "Item": _item({**connection.target(expires), "ready": False}),
-                    }
-                },
-            ]
+        version = Version.parse(connection.channel).key
+        e = Expression()
+        # an item written before ``version`` existed is overwritten, as before
+        newer_absent = (
+            f"attribute_not_exists({e.n('key')}) OR attribute_not_exists({e.n('version')})"
+            f" OR {e.n('version')} < {e.v(version)}"
+        )
+        target = _item({**connection.target(expires), "version": version, "ready": False})
+        return (
+            self.dynamo.transact(
+                [
+                    {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
+                    {"Put": {"TableName": self.table, "Item": target, **e.params(newer_absent)}},
+                ]
+            )
+            is None
         )
 
     def ready(self, connection: Connection) -> bool:

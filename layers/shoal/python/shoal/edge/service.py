@@ -323,8 +323,10 @@ class EdgeService:
             window=window,
             connected_at_ms=self.clock.now_ms(),
         )
-        # not ready until the answer below went out: no delivery before it
-        self.connections.bind(connection)
+        # not ready until the answer below went out: no delivery before it. Refused when a
+        # newer connect took the session over and bound its connection since the read above
+        if not self.connections.bind(connection):
+            raise SessionTakenOver("this channel is no longer the client id's live channel")
         # after the bind: a keep is ended by its connection's end, which needs the bind's
         # items; a crash between the two leaves the member to its lease, as before keeps
         self._keep(connection, head)

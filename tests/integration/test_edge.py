@@ -1219,6 +1219,37 @@ def test_a_disconnect_that_crashed_partway_does_its_work_when_run_again(
     assert edge.connections.connection("c1") is None
 
 
+def test_a_disconnect_run_again_later_keeps_the_close_its_first_run_recorded(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``$disconnect`` killed after its lose (at the release, or the connection's item) is
+    run again by the restart's ledger, with the restart's time, not the close's. The lose
+    run again moved the lost channel's close to that time, so the will's delay ran from the
+    restart: a client that resumed within the delay of the restart, but long after the
+    delay of the close, had its will dropped ([MQTT-3.1.2-8] requires it)."""
+    edge.connect("c1", will=WILL)
+    real = edge.service._release
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("killed at release")
+
+    # Given the $disconnect lost the channel at its close, then was killed
+    monkeypatch.setattr(edge.service, "_release", crash)
+    with pytest.raises(RuntimeError):
+        edge.dropped("c1")
+    monkeypatch.setattr(edge.service, "_release", real)
+    # When the restart, a minute later, runs it again with its own time
+    edge.world.clock.advance(60)
+    edge.dropped("c1")
+    # and the client resumes its session 2 s after the restart
+    edge.world.clock.advance(2)
+    assert edge.connect("c2")["session_present"] is True
+    # Then the will is published: its delay ran out a minute before the resume
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
 def test_a_connect_that_read_the_head_before_its_channels_lose_publishes_the_will(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:

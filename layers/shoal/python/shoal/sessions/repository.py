@@ -329,12 +329,22 @@ class SessionRepository:
         as written (None: not the live channel), which costs nothing more. A lifecycle
         change, so it moves ``rev``: a connect that read the head before it decided from a
         channel that looked live (it would hold the will for a ``$disconnect`` that has come
-        already), and its write must fail and read again."""
+        already), and its write must fail and read again.
+
+        A channel lost already keeps the earlier close (None): a ``$disconnect`` run again
+        (a restart's ledger runs it with the restart's time) must not move the close later,
+        which would restart the will's delay and let a resume within it drop the will."""
         expr = Expression().set("last_seen_ms", now_ms)
         expr.set_raw("rev", f"{expr.n('rev')} + {expr.v(1)}")
         expr.set("conn.keepalive_s", 1).set("conn.grace_ms", 0)
         expr.set("due_shard", due_shard(client_id)).set("due_at_ms", now_ms)
-        return self._update_head(client_id, expr, live_condition(expr, version, sub))
+        lost = f"{expr.n('conn.keepalive_s')} = {expr.v(1)} AND {expr.n('conn.grace_ms')} = "
+        lost += expr.v(0)
+        condition = (
+            f"{live_condition(expr, version, sub)}"
+            f" AND (NOT ({lost}) OR {expr.n('last_seen_ms')} > {expr.v(now_ms)})"
+        )
+        return self._update_head(client_id, expr, condition)
 
     def deregister(self, client_id: str, version: Version) -> bool:
         """Delete exactly this channel's registration; a newer one has another key."""

@@ -1326,6 +1326,43 @@ def test_an_older_connects_late_bind_does_not_take_the_session_from_a_newer_conn
     assert_will_follows_its_delay(edge)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="unfixed: the $disconnect knows a connection only once its connect has bound it",
+)
+def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_disconnect(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill -9 of ``shoal dev`` (or a function that timed out) between a connect frame's
+    registration and its bind: the registry holds the channel live, the connections table
+    knows nothing of it. The restart runs the connection's owed ``$disconnect``, which found
+    no connection and did nothing: the channel stayed live (its two-hour bound), and the
+    client's resume past the will's delay held the will for a close that had come already
+    (withheld ten minutes later). [MQTT-3.1.2-8]: the will is published."""
+    store = edge.connections
+    real_bind = store.bind
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("killed between the registration and the bind")
+
+    monkeypatch.setattr(store, "bind", killed)
+    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
+    edge.world.clock.advance(0.001)
+    edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL})
+    monkeypatch.setattr(store, "bind", real_bind)
+    # When the restart runs the $disconnect the connection is owed
+    edge.dropped("c1")
+    # and the client connects again, resuming, after the will's delay
+    edge.world.clock.advance(WILL["delay_s"] + 5)  # type: ignore[operator]
+    assert edge.connect("c2")["session_present"] is True
+    # Then the will is published
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    edge.world.clock.advance(700)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:
     edge.connect("c1", will=WILL)
     assert edge.send("c1", {"action": "disconnect", "ref": "d"}) is None

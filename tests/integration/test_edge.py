@@ -1363,6 +1363,33 @@ def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_dis
     assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
 
 
+def test_a_bind_that_meets_a_transaction_conflict_is_answered_busy_and_its_retry_binds(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction conflict at the bind (another write to one of its items at that moment)
+    wrote nothing: the connect frame is answered busy, not taken over, and sent again it
+    binds the connection."""
+    dynamo = edge.connections.dynamo
+    real_transact = dynamo.transact
+    conflicts: list[int] = []
+
+    def conflict_once(parts: list[dict[str, Any]]) -> list[str] | None:
+        if not conflicts:
+            conflicts.append(1)
+            return ["TransactionConflict"]
+        return real_transact(parts)
+
+    monkeypatch.setattr(dynamo, "transact", conflict_once)
+    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
+    frame |= {"session_expiry_s": 3600}
+    answer = edge.send("c1", frame)
+    assert conflicts and answer["error"]["code"] == "server_busy", answer
+    assert edge.connections.connection("c1") is None
+    edge.connect("c1")
+    target = edge.connections.target(_session_of(edge, "c1"))
+    assert target is not None and target.connection_id == "c1"
+
+
 def test_a_normal_disconnect_publishes_no_will(edge: Edge) -> None:
     edge.connect("c1", will=WILL)
     assert edge.send("c1", {"action": "disconnect", "ref": "d"}) is None

@@ -37,6 +37,7 @@ from shoal.aws.clients import error_code
 from shoal.aws.dynamo import CONDITION_FAILED, Dynamo, Expression, from_item, to_item
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import Config
+from shoal.core.errors import ServerBusy
 from shoal.sessions.model import Version
 from shoal.sessions.ports import KeptBy
 
@@ -178,15 +179,19 @@ class ConnectionStore:
             f" OR {e.n('version')} < {e.v(version)}"
         )
         target = _item({**connection.target(expires), "version": version, "ready": False})
-        return (
-            self.dynamo.transact(
-                [
-                    {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
-                    {"Put": {"TableName": self.table, "Item": target, **e.params(newer_absent)}},
-                ]
-            )
-            is None
+        refused = self.dynamo.transact(
+            [
+                {"Put": {"TableName": self.table, "Item": _item(connection.record(expires))}},
+                {"Put": {"TableName": self.table, "Item": target, **e.params(newer_absent)}},
+            ]
         )
+        if refused is None:
+            return True
+        if refused[1:2] == ["ConditionalCheckFailed"]:
+            return False
+        # a transaction conflict (another write to either item at once): nothing was
+        # written, and the frame sent again binds
+        raise ServerBusy("the connection's items are contended; retry")
 
     def ready(self, connection: Connection) -> bool:
         """The connection's answer went out: pushes may reach it from now. False when the

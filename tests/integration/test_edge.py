@@ -1326,19 +1326,17 @@ def test_an_older_connects_late_bind_does_not_take_the_session_from_a_newer_conn
     assert_will_follows_its_delay(edge)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unfixed: the $disconnect knows a connection only once its connect has bound it",
-)
 def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_disconnect(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A kill -9 of ``shoal dev`` (or a function that timed out) between a connect frame's
     registration and its bind: the registry holds the channel live, the connections table
-    knows nothing of it. The restart runs the connection's owed ``$disconnect``, which found
+    knows nothing of it but the channel the connect was about to register
+    (``connecting#``). The restart runs the connection's owed ``$disconnect``, which found
     no connection and did nothing: the channel stayed live (its two-hour bound), and the
     client's resume past the will's delay held the will for a close that had come already
-    (withheld ten minutes later). [MQTT-3.1.2-8]: the will is published."""
+    (withheld ten minutes later). Now it loses the channel the connect registered.
+    [MQTT-3.1.2-8]: the will is published."""
     store = edge.connections
     real_bind = store.bind
 
@@ -1361,6 +1359,44 @@ def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_dis
     edge.world.clock.advance(700)
     reaper.run()
     assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+def test_a_connect_that_crashed_before_its_bind_and_a_resume_before_its_disconnect_publish_the_will(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connect died between its registration and its bind, and the client's resume came
+    before the connection's ``$disconnect`` (late, as after a restart under load): the
+    resume found the channel live and held its will for that ``$disconnect``, which finds no
+    connection but the channel the connect was about to hold. It closed a whole will delay
+    before the resume, so the will is published ([MQTT-3.1.2-8])."""
+    store = edge.connections
+    real_bind = store.bind
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("killed between the registration and the bind")
+
+    monkeypatch.setattr(store, "bind", killed)
+    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
+    edge.world.clock.advance(0.001)
+    edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL})
+    monkeypatch.setattr(store, "bind", real_bind)
+    closed_at = edge.world.clock.now_ms()
+    edge.api.gone.add("c1")
+    # When the client resumes after the will's delay, before c1's $disconnect
+    edge.world.clock.advance(WILL["delay_s"] + 5)  # type: ignore[operator]
+    assert edge.connect("c2")["session_present"] is True
+    reaper, publisher = _reaper(edge)
+    reaper.run()
+    assert publisher.published == []
+    # and then c1's $disconnect comes, saying when the connection went
+    handle(
+        lambda: edge.service, edge.event("edge_disconnect.json", "c1", requestTimeEpoch=closed_at)
+    )
+    # Then the held will is published, and c2 still holds the session
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+    target = edge.connections.target(_session_of(edge, "c2"))
+    assert target is not None and target.connection_id == "c2"
 
 
 def test_a_bind_that_meets_a_transaction_conflict_is_answered_busy_and_its_retry_binds(

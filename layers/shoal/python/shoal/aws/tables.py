@@ -360,8 +360,10 @@ class ConnectionDueIndex(GlobalSecondaryIndex["ConnectionModel"]):
 class ConnectionModel(Model):
     """The WebSocket API's connections (``shoal.edge.connections``). ``key`` is
     ``conn#<connection id>`` (which client id, channel and session the connection holds once
-    its ``connect`` frame is answered) or ``session#<session id>`` (the connection a session's
-    deliveries are pushed to, its in-flight window, and the push lease). Written at the
+    its ``connect`` frame is answered), ``session#<session id>`` (the connection a session's
+    deliveries are pushed to, its in-flight window, and the push lease) or
+    ``connecting#<connection id>`` (the channel a ``connect`` frame is about to register,
+    for a ``$disconnect`` that finds no ``conn#`` item). Written at the
     ``connect`` frame, removed at ``$disconnect``; TTL removes what a lost ``$disconnect``
     left (API Gateway closes every connection within two hours). Only the key and TTL
     attributes are declared."""

@@ -9,6 +9,11 @@ Two items per connected session (``shoal.aws.tables.ConnectionModel``):
   out), read by whoever hands its pushes to the push queue (``shoal.edge.pushwork``) and by
   the pusher;
 
+- ``connecting#<connection id>``: the channel a ``connect`` frame is about to register for
+  the connection, written before the registration: a ``$disconnect`` that finds no
+  ``conn#`` item (the connect crashed between its registration and its bind) loses that
+  channel from it. Left to TTL;
+
 and the *due lists* (``due#<id>``, in the sparse ``due`` index): the sessions a push handed
 deliveries to that wait for an ack, one item a push, each swept when their ack timeout
 passes (``shoal.edge.sweep.PushSweep``).
@@ -43,6 +48,7 @@ from shoal.sessions.ports import KeptBy
 
 CONNECTION = "conn#"
 SESSION = "session#"
+CONNECTING = "connecting#"
 #: a due list: sessions whose pushed deliveries come due together (``arm_sessions``)
 DUE = "due#"
 #: a due list of sessions to push again whatever their state: their gets found deliveries the
@@ -161,6 +167,25 @@ class ConnectionStore:
         return self.clock.now_ms() // 1000 + MAX_CONNECTION_S + TTL_MARGIN_S
 
     # -- the connection's session
+
+    def connecting(self, connection: Connection) -> None:
+        """Before its ``connect`` frame registers ``connection.channel``: the channel the
+        connection is about to hold (its session not known yet). A crash between the
+        registration and the bind leaves the channel live and no ``conn#`` item; the
+        ``$disconnect`` then finds this one and loses the channel (``connecting_of``), or the
+        channel would stay live for the registry's bound on a connection (hours), its will
+        held at the client's next connect for a close that had come already. One write a
+        connect; TTL removes it."""
+        record = connection.record(self._expires())
+        record["key"] = CONNECTING + connection.connection_id
+        self.dynamo.call("put_item", TableName=self.table, Item=_item(record))
+
+    def connecting_of(self, connection_id: str) -> Connection | None:
+        """What ``connecting`` wrote for the connection (its ``session_id`` empty), or None."""
+        raw = self.dynamo.get(self.table, {"key": CONNECTING + connection_id})
+        if raw is None:
+            return None
+        return Connection.from_record({**raw, "connection_id": connection_id})
 
     def bind(self, connection: Connection) -> bool:
         """The connection holds its session now, and the session's deliveries go to it (one

@@ -60,7 +60,7 @@ from shoal.edge.push import ConnectionGone, Connections, PostThrottled
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService
-from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest, Head
+from shoal.sessions.model import KEEPALIVE_GRACE, ConnectRequest, Head, Version
 from shoal.sessions.registry import SessionRegistry
 
 #: the keepalive a WebSocket channel registers with: its grace (``KEEPALIVE_GRACE`` times it)
@@ -156,6 +156,12 @@ class EdgeService:
             connection = self._through_busy(lambda: self.connections.connection(connection_id))
             if connection is not None:
                 self._through_busy(lambda: self._disconnected(connection, closed_at_ms))
+                return
+            # no connection: none connected, or its connect died between its registration
+            # and its bind, leaving the channel it registered live (lost from here, as any)
+            pending = self._through_busy(lambda: self.connections.connecting_of(connection_id))
+            if pending is not None:
+                self._through_busy(lambda: self._lost_unbound(pending, closed_at_ms))
         finally:
             # a lost member's groups may hand its streams on
             self.hand_offs.flush()
@@ -200,6 +206,32 @@ class EdgeService:
                 connection.client_id, connection.channel, closed_at_ms
             )
             return
+        self._lose_channel(connection, closed_at_ms)
+
+    def _lost_unbound(self, pending: Connection, closed_at_ms: int | None) -> None:
+        """A connection with no ``conn#`` item that was about to hold ``pending.channel``:
+        its connect died before its bind, or it held the channel and is done with it (its
+        ``$disconnect`` run again, a normal ``disconnect``, or a renewal moved the channel to
+        another connection). Lost as any channel, but not while another connection holds it:
+        the renewal's channel lives on there."""
+        head = self.registry.repository.head(pending.client_id)
+        if head is None:
+            return
+        if head.newest.channel != pending.channel:
+            # a newer channel took over: it may have held this channel's will for this close
+            self.registry.closed_after_takeover(pending.client_id, pending.channel, closed_at_ms)
+            return
+        if not head.connected:
+            # ended already (a normal disconnect, an expiry): nothing left to lose
+            return
+        target = self.connections.target(head.session_id) if head.session_id else None
+        if target is not None and target.connection_id != pending.connection_id:
+            return
+        self._lose_channel(pending, closed_at_ms)
+
+    def _lose_channel(self, connection: Connection, closed_at_ms: int | None) -> None:
+        """The connection's channel lost (a no-op when it is not the live one: lose is
+        conditional), and the group members it kept released."""
         who = Principal(sub=connection.sub, clients=(connection.client_id,))
         head = self.registry.lose(who, connection.client_id, connection.channel, closed_at_ms)
         if head is None:
@@ -308,12 +340,33 @@ class EdgeService:
                 "keepalive_s": CHANNEL_KEEPALIVE_S,
             }
         )
+        window = min(frame.receive_maximum or self.settings.window, self.settings.window)
+
+        def connecting(version: Version) -> None:
+            # what a $disconnect finds if this connect dies between its registration and its
+            # bind (``disconnected``)
+            self.connections.connecting(
+                Connection(
+                    connection_id=connection_id,
+                    client_id=frame.client_id,
+                    sub=who.sub,
+                    channel=version.channel,
+                    session_id="",
+                    window=window,
+                    connected_at_ms=self.clock.now_ms(),
+                )
+            )
+
         # this connection keeps the session's group members from now (``_keep`` below)
         connected = self.registry.connect(
-            who, frame.client_id, request, requested_at_ms, on_connection=True
+            who,
+            frame.client_id,
+            request,
+            requested_at_ms,
+            on_connection=True,
+            before_register=connecting,
         )
         head = self.registry.require_live(who, frame.client_id, connected.channel)
-        window = min(frame.receive_maximum or self.settings.window, self.settings.window)
         connection = Connection(
             connection_id=connection_id,
             client_id=frame.client_id,

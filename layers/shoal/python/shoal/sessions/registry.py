@@ -31,6 +31,7 @@ re-indexes a head whose deadline moved when it finds it due early.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,11 +151,14 @@ class SessionRegistry:
         requested_at_ms: int | None = None,
         *,
         on_connection: bool = False,
+        before_register: Callable[[Version], None] | None = None,
     ) -> Connected:
         """``on_connection``: the connect came on a WebSocket connection, which keeps the
         session's shared-group members live itself from now (``shoal.edge``): the keeps of a
         channel it takes over are replaced, not ended. An HTTP connect that resumes a session
-        from a live channel ends that channel's keeps at once."""
+        from a live channel ends that channel's keeps at once. ``before_register``: told the
+        new channel's version once the request passed every check, before it is registered
+        (the edge records which channel its connection is about to hold)."""
         who.require_client(client_id)
         check_client_id(client_id)
         now = self.clock.now_ms()
@@ -182,6 +186,8 @@ class SessionRegistry:
         if local_max is not None and ours < local_max:
             self.stats.add(outdated=1)
             raise ChannelOutdated("a newer connect for this client id exists")
+        if before_register is not None:
+            before_register(ours)
         attempts = 0
         while True:
             attempts += 1

@@ -1130,10 +1130,11 @@ def test_a_renewal_of_a_channel_taken_over_or_of_another_principal_is_refused(
 
 
 def test_a_renewal_writes_a_third_of_a_takeovers_units(edge: Edge) -> None:
-    """What the renewal is for (bench/cost.py, "fleet"): one registry write, the session's
-    item moved (the push's lease taken with it), the new connection's item put and the older
-    one's deleted, the lease given back; the older connection's $disconnect then writes
-    nothing. A takeover
+    """What the renewal is for (bench/cost.py, "fleet"): one registry write, the channel
+    recorded for the new connection (``connecting#``, for its ``$disconnect`` if the
+    renewal dies halfway), the session's item moved (the push's lease taken with it), the
+    new connection's item put and the older one's deleted, the lease given back; the older
+    connection's $disconnect then writes nothing. A takeover
     by ``connect`` writes a transaction of three items, a transaction of two, and two
     deletes at the older connection's $disconnect."""
     connected = edge.connect("c1")
@@ -1153,6 +1154,7 @@ def test_a_renewal_writes_a_third_of_a_takeovers_units(edge: Edge) -> None:
     edge.dropped("c1")
     assert writes == [
         "UpdateItem sessions",
+        "PutItem connections",
         "UpdateItem connections",
         "PutItem connections",
         "DeleteItem connections",
@@ -1169,6 +1171,37 @@ def _reaper(edge: Edge) -> tuple[Reaper, RecordingPublisher]:
 
 
 WILL = {"topic": "alice/status", "text": "offline", "delay_s": 5}
+
+
+def test_a_renewal_killed_between_its_moves_leaves_the_channel_to_the_new_connections_disconnect(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal moves the session's item to the new connection, then puts that
+    connection's own item. Killed in between, the session named a connection no item named:
+    the new connection's ``$disconnect`` found nothing, the older one's found the session
+    named elsewhere (a takeover, it thought), and the channel stayed live for the registry's
+    two-hour bound, its will unpublished. The renewal records the channel first, as a connect
+    does, and the new connection's ``$disconnect`` loses it."""
+    connected = edge.connect("c1", will=WILL)
+    dynamo = edge.connections.dynamo
+    real_call = dynamo.call
+
+    def killed_at_the_item(operation: str, **params: Any) -> Any:
+        if operation == "put_item" and params["Item"]["key"] == {"S": "conn#c2"}:
+            raise RuntimeError("killed between the session's item and the connection's")
+        return real_call(operation, **params)
+
+    monkeypatch.setattr(dynamo, "call", killed_at_the_item)
+    _renew(edge, "c2", connected["channel"])
+    monkeypatch.setattr(dynamo, "call", real_call)
+    target = edge.connections.target(_session_of(edge, "c1"))
+    assert target is not None and target.connection_id == "c2"
+    assert edge.connections.connection("c2") is None
+    # When both connections go (the client gave up on its renewal)
+    edge.dropped("c1")
+    edge.dropped("c2")
+    # Then the channel is lost and its will follows its delay
+    assert_will_follows_its_delay(edge)
 
 
 def assert_will_follows_its_delay(edge: Edge) -> None:

@@ -168,16 +168,25 @@ class ConnectionStore:
 
     # -- the connection's session
 
-    def connecting(self, connection: Connection) -> None:
-        """Before its ``connect`` frame registers ``connection.channel``: the channel the
-        connection is about to hold (its session not known yet). A crash between the
-        registration and the bind leaves the channel live and no ``conn#`` item; the
-        ``$disconnect`` then finds this one and loses the channel (``connecting_of``), or the
-        channel would stay live for the registry's bound on a connection (hours), its will
-        held at the client's next connect for a close that had come already. One write a
-        connect; TTL removes it."""
-        record = connection.record(self._expires())
-        record["key"] = CONNECTING + connection.connection_id
+    def connecting(self, connection_id: str, client_id: str, sub: str, channel: str) -> None:
+        """Before a ``connect`` frame registers ``channel`` (or a ``renew`` moves it here):
+        the channel the connection is about to hold (its session not known yet). A crash
+        between the registration and the bind (or the renewal's two moves) leaves the channel
+        live and no ``conn#`` item; the ``$disconnect`` then finds this one and loses the
+        channel (``connecting_of``), or the channel would stay live for the registry's bound
+        on a connection (hours), its will held at the client's next connect for a close that
+        had come already. One write a connect; TTL removes it."""
+        pending = Connection(
+            connection_id=connection_id,
+            client_id=client_id,
+            sub=sub,
+            channel=channel,
+            session_id="",
+            window=0,
+            connected_at_ms=self.clock.now_ms(),
+        )
+        record = pending.record(self._expires())
+        record["key"] = CONNECTING + connection_id
         self.dynamo.call("put_item", TableName=self.table, Item=_item(record))
 
     def connecting_of(self, connection_id: str) -> Connection | None:

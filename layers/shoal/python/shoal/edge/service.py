@@ -340,22 +340,11 @@ class EdgeService:
                 "keepalive_s": CHANNEL_KEEPALIVE_S,
             }
         )
-        window = min(frame.receive_maximum or self.settings.window, self.settings.window)
 
         def connecting(version: Version) -> None:
             # what a $disconnect finds if this connect dies between its registration and its
             # bind (``disconnected``)
-            self.connections.connecting(
-                Connection(
-                    connection_id=connection_id,
-                    client_id=frame.client_id,
-                    sub=who.sub,
-                    channel=version.channel,
-                    session_id="",
-                    window=window,
-                    connected_at_ms=self.clock.now_ms(),
-                )
-            )
+            self.connections.connecting(connection_id, frame.client_id, who.sub, version.channel)
 
         # this connection keeps the session's group members from now (``_keep`` below)
         connected = self.registry.connect(
@@ -367,6 +356,7 @@ class EdgeService:
             before_register=connecting,
         )
         head = self.registry.require_live(who, frame.client_id, connected.channel)
+        window = min(frame.receive_maximum or self.settings.window, self.settings.window)
         connection = Connection(
             connection_id=connection_id,
             client_id=frame.client_id,
@@ -406,6 +396,9 @@ class EdgeService:
             head = self.registry.renew(who, frame.client_id, frame.channel, CHANNEL_KEEPALIVE_S)
         except (SessionNotFound, SessionTakenOver) as exc:
             raise RenewRefused(f"{exc.message}: send connect") from exc
+        # killed between the move of the session's item and this connection's item, the
+        # session would name a connection no item names: its $disconnect finds this instead
+        self.connections.connecting(connection_id, frame.client_id, who.sub, frame.channel)
         moved = self.connections.move(connection_id, head.session_id or "", frame.channel, who.sub)
         if moved is None:
             raise RenewRefused("this channel's connection is gone: send connect")

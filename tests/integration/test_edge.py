@@ -1432,6 +1432,30 @@ def test_a_connect_that_crashed_before_its_bind_and_a_resume_before_its_disconne
     assert target is not None and target.connection_id == "c2"
 
 
+def test_a_disconnect_that_ran_before_its_connect_registered_leaves_the_will_to_the_connect(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client closed its connection right after sending ``connect`` (deployed, the two
+    functions run at once): the ``$disconnect`` ran after the connect recorded its channel but
+    before it registered it, so it found nothing live to lose. The connect then registered,
+    bound, and found the connection gone when it posted its answer: the close's work is its
+    own then, and the will follows its delay ([MQTT-3.1.2-8])."""
+    store = edge.connections
+    real_connecting = store.connecting
+
+    def then_closed(*args: Any, **kwargs: Any) -> None:
+        real_connecting(*args, **kwargs)
+        edge.dropped("c1")
+
+    monkeypatch.setattr(store, "connecting", then_closed)
+    edge.world.clock.advance(0.001)
+    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
+    assert edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL}) is None
+    monkeypatch.setattr(store, "connecting", real_connecting)
+    assert edge.connections.connection("c1") is None
+    assert_will_follows_its_delay(edge)
+
+
 def test_a_bind_that_meets_a_transaction_conflict_is_answered_busy_and_its_retry_binds(
     edge: Edge, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -465,6 +465,11 @@ class EdgeService:
         try:
             self.api.post(connection.connection_id, answer)
         except ConnectionGone:
+            if ready:
+                # the connection went while it was being bound (or a renewal moved the
+                # session to it): its $disconnect may have run before and found nothing to
+                # end, so the close's work is done here (run again, it changes nothing)
+                self._disconnected(connection, None)
             return Answer()
         except (PostThrottled, ClientError, BotoCoreError) as exc:
             logger.info(

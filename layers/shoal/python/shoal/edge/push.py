@@ -205,6 +205,9 @@ class _Push:
     given: Given | None = None
     #: sources whose items the drain's gate held back from its gets (``shoal.drain``)
     held: set[str] = field(default_factory=set)
+    #: a record naming the session came back from a failed or dead attempt, whose get may
+    #: have handed deliveries out and died before the due index timed them
+    retried: bool = False
 
 
 @dataclass
@@ -245,6 +248,7 @@ class PushWorker:
         group's later message must not run before an earlier one succeeded)."""
         records = list(event.get("Records") or [])
         works: list[PushWork | None] = []
+        retried = {n for n, record in enumerate(records) if _received(record) > 1}
         for record in records:
             try:
                 work = PushWork.parse(str(record.get("body") or ""))
@@ -258,7 +262,7 @@ class PushWorker:
                 logger.error("unreadable push work dropped", extra={"id": record.get("messageId")})
                 count(metrics.PUSH_FAILED)
                 works.append(None)
-        failed = self.work(works)
+        failed = self.work(works, retried)
         returned = _fifo_failures(records, failed)
         if returned:
             self._delay(records, returned)
@@ -292,11 +296,14 @@ class PushWorker:
 
     # -- the work
 
-    def work(self, works: list[PushWork | None]) -> set[int]:
+    def work(self, works: list[PushWork | None], retried: Collection[int] = ()) -> set[int]:
         """Pushes the sessions of ``works`` (the batch's records, in order); the indexes of
-        the records whose push failed (to be returned to the queue)."""
+        the records whose push failed (to be returned to the queue). ``retried``: the indexes
+        of the records the queue gave out before (``_Push.retried``)."""
         report = self.last = WorkReport()
         pushes = _plan(works)
+        for push in pushes.values():
+            push.retried = any(n in retried for n in push.records)
         report.sessions = len(pushes)
         if not pushes:
             return set()
@@ -338,8 +345,11 @@ class PushWorker:
                         push.unposted = _ordinals(push.session_id, push.handed)
         # the due index before any frame: a worker that dies while posting leaves what it
         # handed out timed, so the sweep sends it again after its ack timeout (one due list
-        # for the batch's sessions, one write)
-        self._arm([p for p in pushes if any(m["qos"] > 0 for m in p.handed)])
+        # for the batch's sessions, one write). A retried record's sessions with deliveries in
+        # flight too: the attempt before may have died between its get's state write and
+        # this arm (or its get failed after that write), and its retry hands nothing out again
+        # before their ack timeout, so nothing else would time them
+        self._arm([p for p in pushes if any(m["qos"] > 0 for m in p.handed) or _in_flight(p)])
         self._each(self._post_and_go_on, pushes)
         # a later round's QoS 1/2 of a session not armed yet
         self._arm([p for p in pushes if p.acked_later and not p.armed])
@@ -434,9 +444,25 @@ class PushWorker:
         out before (the session's cursor there is past them: an earlier push handed it out
         from the inbox); the frames taken. Posted now they would break the order of their
         ordering key; QoS 0 is at most once (MQTT 5 §4.3.1), so they are dropped."""
-        if not push.direct or push.read is None:
+        if not push.direct:
             return []
-        cursors = push.read.state.cursors
+        if push.read is not None:
+            cursors = push.read.state.cursors
+        else:
+            # the batch read failed: the session's own read, before the get moves its cursors
+            # (an earlier push may have handed a later message of the frames' keys out)
+            try:
+                cursors = self.delivery.inbox.state(push.session_id).cursors
+            except (ShoalError, ClientError, BotoCoreError) as exc:
+                # where the session stands is not known: posted, a frame could come after a
+                # later message of its key
+                logger.info(
+                    "qos 0 frames of an unread session dropped",
+                    extra={"error_type": type(exc).__name__},
+                )
+                unknown = [q.frame for q in push.direct]
+                push.direct = []
+                return unknown
         kept: list[_Qos0] = []
         late: list[dict[str, Any]] = []
         for q in push.direct:
@@ -747,6 +773,12 @@ def _carried(works: list[PushWork | None], sessions: Collection[str]) -> dict[st
 def _received(record: Mapping[str, Any]) -> int:
     """How many times the queue gave ``record`` out (1: the first)."""
     return int((record.get("attributes") or {}).get("ApproximateReceiveCount", 1))
+
+
+def _in_flight(push: _Push) -> bool:
+    """Whether a retried push's session may have deliveries in flight that no due list
+    times (its state unread: it may)."""
+    return push.retried and (push.read is None or bool(push.read.state.runs))
 
 
 def _label(push: _Push) -> str | None:

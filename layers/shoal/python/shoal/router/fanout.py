@@ -424,6 +424,16 @@ class Fanout:
                 kept = [m for m in written if m.position > covered]
                 report.already_written += len(written) - len(kept)
                 deliveries[session_id] = kept
+            if report.direct:
+                # an earlier attempt may have handed these QoS 0 frames to the push queue
+                # already (it died after its hand-off, or a later call of it failed), and a
+                # retry cut differently hands off under other deduplication ids: QoS 0 is at
+                # most once (MQTT 5 §4.3.1), so they are not carried again
+                logger.info(
+                    "qos 0 frames of a retried batch dropped",
+                    extra={"n": sum(len(m) for m in report.direct.values())},
+                )
+                report.direct = {}
         if not ledger or ledger < last:
             self.inbox.advance_ledger(source, last)
         known = self._written.get(source)

@@ -168,3 +168,41 @@ def test_an_unsubscribe_wired_as_deployed_records_the_qos2_deliveries_it_drops(
     w.clock.advance(40)
     w.heartbeat(other, channels[other])
     assert w.get(other, channels[other]) == []
+
+
+def test_a_held_qos2_message_acked_during_a_get_that_resends_it_is_not_held_again(
+    gworld: GroupWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get reads the member's held deliveries, then writes when and where each went again;
+    the member's ack of one of them (a call running at once) deletes it in between. A blind
+    write of the read record put it back: the acked message came again after the ack
+    timeout, and again on every reconnect, until acked once more."""
+    w = gworld
+    # Given a QoS 2 message held for a member that died, its lane taken by the other member
+    channels, holder, other, delivery = handed(w, 2)
+    assert outlive_the_holder(w, other, channels[other]) == []
+    channel = w.connect(holder, clean_start=False, session_expiry_s=3600)
+    acks: list[Any] = []
+    store = w.group_store
+    mark = store.mark_held_sent
+
+    def acked_meanwhile(*args: Any) -> Any:
+        # the member's ack runs between the get's read of its held deliveries and its write
+        if not acks:
+            acks.append(w.ack(holder, channel, [delivery["id"]]))
+        return mark(*args)
+
+    monkeypatch.setattr(store, "mark_held_sent", acked_meanwhile)
+    # When the member gets the held message again while its ack of it runs
+    again = w.get(holder, channel)
+    assert [m["id"] for m in again] in ([delivery["id"]], [])
+    [(status, answer)] = acks
+    assert status == 200 and answer["acked"] == 1, answer
+    # Then the acked message is held no more: nobody gets it again
+    w.clock.advance(40)
+    w.heartbeat(other, channels[other])
+    w.heartbeat(holder, channel)
+    assert w.get(holder, channel) == []
+    assert w.get(other, channels[other]) == []
+    later = w.connect(holder, clean_start=False, session_expiry_s=3600)
+    assert w.get(holder, later) == []

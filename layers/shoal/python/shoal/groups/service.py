@@ -425,16 +425,16 @@ class GroupService:
         if wanted <= 0:
             return []
         timeout = int(self.delivery.ack_timeout_s * 1000)
-        out: list[dict[str, Any]] = []
-        sent: list[dict[str, Any]] = []
+        due: list[dict[str, Any]] = []
         for record in self.store.held(ref.key, member_id):
-            if len(out) >= wanted:
+            if len(due) >= wanted:
                 break
             if record.get("ch") == channel and int(record.get("sa", 0)) + timeout > now:
                 continue
-            out.append(json.loads(str(record["msg"])))
-            sent.append({**record, "sa": now, "ch": channel})
-        self.store.mark_held_sent(sent)
+            due.append(record)
+        # only what is still held goes out (acked or dropped meanwhile: not again)
+        still = set(self.store.mark_held_sent(due, now, channel))
+        out = [json.loads(str(r["msg"])) for r in due if str(r["d"]) in still]
         if out and self.events is not None and self.events.enabled:
             events = self.events.new()
             for message in out:

@@ -481,10 +481,26 @@ class GroupStore:
             ConsistentRead=True,
         )
 
-    def mark_held_sent(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """When and to which channel held deliveries went again (their member's own writes)."""
-        if records:
-            self.dynamo.batch_put(self.table, list(records))
+    def mark_held_sent(
+        self, records: Sequence[Mapping[str, Any]], now_ms: int, channel: str
+    ) -> list[str]:
+        """When and to which channel held deliveries go again: one update each, on condition
+        that the delivery is still held (an ack or the session's end may have removed it
+        since it was read: a put of the record read would hold it again). The ids of those
+        still held."""
+        out: list[str] = []
+        for record in records:
+            if self.dynamo.conditional(
+                "update_item",
+                TableName=self.table,
+                Key=to_item({"group": record["group"], "item": record["item"]}),
+                UpdateExpression="SET #sa = :sa, #ch = :ch",
+                ConditionExpression="attribute_exists(#i)",
+                ExpressionAttributeNames={"#sa": "sa", "#ch": "ch", "#i": "item"},
+                ExpressionAttributeValues=to_item({":sa": now_ms, ":ch": channel}),
+            ):
+                out.append(str(record["d"]))
+        return out
 
     def release_held(self, key: str, member_id: str, delivery_ids: Iterable[str]) -> list[str]:
         """Remove held deliveries (acked, or dropped with the member's session): the ids that

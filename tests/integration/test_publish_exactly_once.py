@@ -370,3 +370,72 @@ def test_a_batch_is_classified_against_the_true_last_seq(harness: Harness) -> No
         (True, None),
     ]
     assert [seq for _, seq in stored(harness)] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_duplicate_after_a_recovery_found_the_put_reports_where_it_went(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a publish that died before its put into storage topic 0, then a switch
+    first = crashing_service(harness, aws)
+    crash_in(harness, first, "before:put", monkeypatch)
+    with pytest.raises(Crash):
+        first.publish(ALICE, request(1))
+    admin_call("POST", "/v1/topics/orders/storage-topics", {"partitions": 8})
+    admin_call("POST", "/v1/topics/orders/switch-produce")
+    expire_holds(harness)
+    # and its retry (a recovery) that put it into storage topic 1 and died before confirming
+    second = crashing_service(harness, aws)
+    crash_in(harness, second, "before:settle", monkeypatch)
+    with pytest.raises(Crash):
+        second.publish(ALICE, request(1))
+    expire_holds(harness)
+    # When the next retry reads it back there and is answered
+    _, found = harness.publisher().publish(ALICE, request(1))
+    assert stored(harness, "shoal-orders-1") == [(found["message_id"], 1)]
+    assert found["storage_topic"] == 1
+    # Then every later retry is answered with that same place, not the first attempt's route
+    _, again = harness.publisher().publish(ALICE, request(1))
+    assert (again["storage_topic"], again["partition"]) == (1, found["partition"])
+    assert stored(harness, "shoal-orders-0") == []
+
+
+def test_a_recovered_retained_publish_never_replaces_a_newer_one(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given seq 1 published, and a batch repeating it with a retained seq 2 whose request is
+    # slow between its routing and its reservation (the read of the publisher's state), while
+    # bob publishes a newer retained message on the same topic
+    harness.publish.publish(ALICE, request(1))
+    dying = crashing_service(harness, aws)
+    crash_in(harness, dying, "before:settle", monkeypatch)
+    read = dying.sequences.read
+    newer: dict[str, Any] = {}
+
+    def slow_read(key: str) -> Any:
+        harness.clock.advance(0.05)
+        if not newer:
+            bob = PublishRequest(topic="orders/1", text="newer", retain=True)
+            newer.update(harness.publisher().publish(BOB, bob)[1])
+        harness.clock.advance(0.05)
+        return read(key)
+
+    monkeypatch.setattr(dying.sequences, "read", slow_read)
+    batch = [request(n, retain=n == 2).model_dump(exclude_none=True) for n in (1, 2)]
+    # When the batch dies after its put (the retained apply kept bob's, the newer)
+    with pytest.raises(Crash):
+        dying.publish_batch(ALICE, batch)
+    older = [m for _, m in harness.messages("shoal-orders-0") if m.publisher_seq == 2]
+    assert len(older) == 1 and older[0].published_at_ms < newer_published(harness)
+    assert getattr(harness.retained().get("orders/1"), "message_id", None) == newer["message_id"]
+    # and the client retries it after the hold
+    expire_holds(harness)
+    results = harness.publisher().publish_batch(ALICE, batch)
+    assert [r.get("error") for r in results] == [None, None]
+    # Then bob's newer retained message still stands
+    assert getattr(harness.retained().get("orders/1"), "message_id", None) == newer["message_id"]
+
+
+def newer_published(harness: Harness) -> int:
+    retained = harness.retained().get("orders/1")
+    assert retained is not None
+    return retained.published_at_ms

@@ -36,6 +36,8 @@ class Item:
     ticket: Ticket | None = None
     mirror_of: Item | None = None
     found: bool = False  # a recovery read the record back: no put
+    #: the route key ("<composite>/<storage topic index>") where the read-back found it
+    found_at: str | None = None
     put_ok: bool = False
 
     @property

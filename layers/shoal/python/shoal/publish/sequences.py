@@ -2,7 +2,7 @@
 
 The item holds ``last_seq`` (the last seq reserved), ``pending`` (the reservations not yet
 confirmed, by the first seq of their run), ``routes`` (the first seq each publisher sent to each
-"<composite>/<storage topic index>") and ``overrides`` (seqs a recovery put elsewhere). Every
+"<composite>/<storage topic index>") and ``overrides`` (where a recovery put or found a seq). Every
 write is one conditional write: a reservation on ``last_seq``, a take-over or a confirmation on
 the reservation's attempt number (``shoal.publish.service`` tells the whole story).
 """

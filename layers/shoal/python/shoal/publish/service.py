@@ -30,7 +30,7 @@ writes by message id, which absorbs that too.
 
 Where each seq went is answered for duplicates from ``routes`` (the first seq each publisher
 sent to each storage topic: storage topics only move forward, so the last one at or before a
-seq is where it went) and ``overrides`` (seqs a recovery put elsewhere); the partition follows
+seq is where it went) and ``overrides`` (where a recovery put or found a seq); the partition follows
 from the ordering key.
 """
 
@@ -442,7 +442,10 @@ class PublishService:
             reservation = Reservation(
                 lo=lo,
                 hi=hi,
-                reserved_at=now,
+                # the messages' own publish time, which a recovery gives them again (their
+                # retained copy is ordered by it); taken before ``now``, so the read-back
+                # window still starts before any put
+                reserved_at=min(i.published_at for i in chunk),
                 held_until=now + RESERVATION_HOLD_MS,
                 attempt=1,
                 targets=tuple(dict.fromkeys(i.route for i in chunk)),
@@ -473,15 +476,17 @@ class PublishService:
 
     def _read_back(self, ticket: Ticket) -> None:
         """Find which of a crashed attempt's messages reached their stream already."""
-        earlier: list[StorageTopic] = []
+        earlier: list[tuple[str, StorageTopic]] = []
         for target in ticket.earlier_targets:
             composite, _, index = target.rpartition("/")
             topic = self.directory.topic(composite)
             if topic is not None and int(index) < len(topic.storage_topics):
-                earlier.append(topic.storage_topics[int(index)])
+                earlier.append((target, topic.storage_topics[int(index)]))
         wanted: dict[tuple[StorageTopic, int], list[Item]] = {}
+        routes: dict[StorageTopic, str] = {}
         for item in ticket.items:
-            for storage in earlier:
+            for target, storage in earlier:
+                routes[storage] = target
                 partition = storage.partition_for(item.ordering_key)
                 wanted.setdefault((storage, partition), []).append(item)
         since = ticket.run.reserved_at - SKEW_MS
@@ -503,7 +508,10 @@ class PublishService:
                         found = ids.pop(message.message_id, None)
                         if found is not None:
                             found.found = True
+                            found.found_at = routes[storage]
                             found.answer = (storage.index, partition)
+                            # as stored: its retained copy is ordered by it
+                            found.published_at = message.published_at_ms
                     if not ids:
                         break
             except ServerBusy as exc:
@@ -526,8 +534,14 @@ class PublishService:
         overrides: dict[int, str] = {}
         if ticket.recovery:
             for item in ticket.items:
-                if item.put_ok and item.seq is not None:
+                if item.seq is None or item.error is not None:
+                    continue
+                # where a recovery put it, or found it (an earlier recovery's put may have
+                # gone past the storage topic ``routes`` names): duplicates answer that place
+                if item.put_ok:
                     overrides[item.seq] = item.route
+                elif item.found and item.found_at is not None:
+                    overrides[item.seq] = item.found_at
         if not self.sequences.settle(ticket.key, run, released, overrides):
             # Another request took the reservation over after this one's hold: it reads the
             # stream back, and this request's puts finished before that hold ended.

@@ -439,3 +439,45 @@ def newer_published(harness: Harness) -> int:
     retained = harness.retained().get("orders/1")
     assert retained is not None
     return retained.published_at_ms
+
+
+def test_a_late_retry_of_a_retained_seq_never_replaces_the_next_one_of_the_same_instant(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given retained seq 1 whose request died after its put (and its retained copy)
+    dying = crashing_service(harness, aws)
+    crash_in(harness, dying, "before:settle", monkeypatch)
+    with pytest.raises(Crash):
+        dying.publish(ALICE, request(1, retain=True))
+    # and retained seq 2 on the same topic, published in the same millisecond
+    _, second = harness.publisher().publish(ALICE, request(2, retain=True))
+    assert getattr(harness.retained().get("orders/1"), "message_id", None) == second["message_id"]
+    # When the client retries seq 1 after the hold
+    expire_holds(harness)
+    status, first = harness.publisher().publish(ALICE, request(1, retain=True))
+    assert (status, first["duplicate"]) == (200, True)
+    # Then seq 2 stays retained: it is the later publish
+    assert getattr(harness.retained().get("orders/1"), "message_id", None) == second["message_id"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a clear deletes the retained item: a late recovery of an older publish recreates it",
+)
+def test_a_late_retry_of_a_retained_publish_never_undoes_a_later_clear(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a retained publish that died after its put (and its retained copy)
+    dying = crashing_service(harness, aws)
+    crash_in(harness, dying, "before:settle", monkeypatch)
+    with pytest.raises(Crash):
+        dying.publish(ALICE, request(1, retain=True))
+    # and a later publish clearing the topic's retained message
+    harness.clock.advance(1)
+    harness.publisher().publish(BOB, PublishRequest(topic="orders/1", text="", retain=True))
+    assert harness.retained().get("orders/1") is None
+    # When the first publish is retried after the hold
+    expire_holds(harness)
+    assert harness.publisher().publish(ALICE, request(1, retain=True))[0] == 200
+    # Then the topic stays cleared
+    assert harness.retained().get("orders/1") is None

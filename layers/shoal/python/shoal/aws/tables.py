@@ -115,6 +115,8 @@ class RetainedModel(Model):
     properties = UnicodeAttribute(null=True)
     #: a retained message is only replaced by one published at or after it
     published_at_ms = NumberAttribute()
+    #: its publisher seq (0: none): orders publishes of one millisecond
+    seq = NumberAttribute(null=True)
     publisher = UnicodeAttribute(null=True)
     by_composite = RetainedByCompositeIndex()
 

@@ -1,8 +1,9 @@
 """The retained store: the latest retained message of each MQTT topic name.
 
 Topic names reach 65,535 bytes and a partition key 2,048, so an item's key is a digest of the
-name. A retained message replaces the stored one only if it was published at or after it, so a
-late publish never overwrites a newer one; an empty payload clears the topic's message.
+name. A retained message replaces the stored one only if it was published at or after it (in one
+millisecond: at or after its publisher seq), so a late publish never overwrites a newer one; an
+empty payload clears the topic's message.
 Subscribers read these items through the ``by_composite`` index (``shoal.delivery``).
 """
 
@@ -37,9 +38,15 @@ class RetainedStore:
     def apply(self, message: Message, composite: str) -> None:
         key = retained_key(message.topic)
         expr = Expression()
+        # Publishes of one millisecond are ordered by their publisher seq, so a late retry of
+        # a publisher's earlier seq never replaces its later one of the same instant.
+        seq = message.publisher_seq or 0
+        at = expr.v(message.published_at_ms)
         newer_or_absent = (
             f"attribute_not_exists({expr.n('key')})"
-            f" OR {expr.n('published_at_ms')} <= {expr.v(message.published_at_ms)}"
+            f" OR {expr.n('published_at_ms')} < {at}"
+            f" OR ({expr.n('published_at_ms')} = {at}"
+            f" AND (attribute_not_exists({expr.n('seq')}) OR {expr.n('seq')} <= {expr.v(seq)}))"
         )
         request: dict[str, Any]
         if message.payload:
@@ -51,6 +58,7 @@ class RetainedStore:
                 "payload": message.payload,
                 "qos": message.qos,
                 "published_at_ms": message.published_at_ms,
+                "seq": seq,
                 "publisher": message.sub,
             }
             if message.properties:

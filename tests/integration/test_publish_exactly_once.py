@@ -460,10 +460,6 @@ def test_a_late_retry_of_a_retained_seq_never_replaces_the_next_one_of_the_same_
     assert getattr(harness.retained().get("orders/1"), "message_id", None) == second["message_id"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a clear deletes the retained item: a late recovery of an older publish recreates it",
-)
 def test_a_late_retry_of_a_retained_publish_never_undoes_a_later_clear(
     harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:

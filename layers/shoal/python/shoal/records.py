@@ -164,6 +164,11 @@ def retained_key(topic: str) -> str:
     return hashlib.sha256(topic.encode()).hexdigest()
 
 
+#: the retained item of a cleared topic (a tombstone, which keeps the clear's time so that a
+#: late retry of an older retained publish stays out): no message retained
+CLEARED = "cleared"
+
+
 @dataclass(frozen=True)
 class Retained:
     """One stored retained message (the item's attributes, ``shoal.aws.tables.RetainedModel``)."""

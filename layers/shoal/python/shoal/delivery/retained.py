@@ -16,7 +16,7 @@ from shoal.aws.dynamo import Dynamo, to_item
 from shoal.composite.model import DEFAULT_TOPIC, is_valid_topic_name
 from shoal.core.observability import logger
 from shoal.delivery.model import MAX_RETAINED_SCAN
-from shoal.records import Retained
+from shoal.records import CLEARED, Retained
 from shoal.topics.filters import MULTI_LEVEL, SINGLE_LEVEL, first_level, matches
 
 #: the retained table's index of topic names by composite topic (``shoal.aws.tables``)
@@ -58,7 +58,8 @@ class RetainedReader:
                 logger.warning("retained lookup stopped at its bound")
                 break
         rows = self.dynamo.batch_get(self.table, [{"key": k} for k in keys], consistent=True)
-        return [Retained.from_record(r) for r in rows]
+        # the index is eventually consistent: a topic cleared since is a tombstone now
+        return [Retained.from_record(r) for r in rows if not r.get(CLEARED)]
 
     def _entries(self, composite: str, at_most: int) -> Iterator[tuple[str, str]]:
         """(key, topic) of the composite topic's retained messages, page by page, at most

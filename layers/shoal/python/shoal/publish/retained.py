@@ -3,7 +3,8 @@
 Topic names reach 65,535 bytes and a partition key 2,048, so an item's key is a digest of the
 name. A retained message replaces the stored one only if it was published at or after it (in one
 millisecond: at or after its publisher seq), so a late publish never overwrites a newer one; an
-empty payload clears the topic's message.
+empty payload clears the topic's message, leaving a tombstone (``CLEARED``) with its time, so
+that a late retry of an older publish never brings a cleared message back.
 Subscribers read these items through the ``by_composite`` index (``shoal.delivery``).
 """
 
@@ -18,7 +19,7 @@ from shoal.aws import tables
 from shoal.aws.dynamo import Dynamo, Expression, to_item
 from shoal.core.config import Config
 from shoal.core.errors import ServerBusy
-from shoal.records import Message, Retained, retained_key
+from shoal.records import CLEARED, Message, Retained, retained_key
 
 #: a retained message lives in one DynamoDB item (400 KB); leave room for its attributes
 MAX_RETAINED_BYTES = 350_000
@@ -65,7 +66,21 @@ class RetainedStore:
                 item["properties"] = json.dumps(message.properties)
             operation, request = "put_item", {"Item": to_item(item)}
         else:
-            operation, request = "delete_item", {"Key": to_item({"key": key})}
+            # cleared: a tombstone, not a delete, so that a late retry of an older retained
+            # publish still finds a newer message here and stays out. Without a composite
+            # topic it is out of the ``by_composite`` index; readers skip it (``CLEARED``)
+            operation = "put_item"
+            request = {
+                "Item": to_item(
+                    {
+                        "key": key,
+                        "topic": message.topic,
+                        "published_at_ms": message.published_at_ms,
+                        "seq": seq,
+                        CLEARED: True,
+                    }
+                )
+            }
         try:
             # False: a newer message is retained already, which stays
             self.dynamo.conditional(
@@ -76,4 +91,4 @@ class RetainedStore:
 
     def get(self, topic: str) -> Retained | None:
         record = self.dynamo.get(self.table, {"key": retained_key(topic)})
-        return Retained.from_record(record) if record is not None else None
+        return None if record is None or record.get(CLEARED) else Retained.from_record(record)

@@ -28,7 +28,8 @@ from shoal.declarations import PUSHER_MAPPING
 from shoal.delivery.model import STATE
 from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
 from shoal.edge.frames import SERVICE_FRAMES
-from shoal.edge.push import Connections, PushWorker
+from shoal.edge.posts import Connections
+from shoal.edge.push import PushWorker
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.routes import handle
 from shoal.edge.service import CHANNEL_MARGIN_S, EdgeService

@@ -1,5 +1,5 @@
 """``SHOAL_DEV_THROTTLE``: a share of posts and DynamoDB calls refused as AWS throttles them,
-and the post's own retry against it (``shoal.edge.push.Connections.post``)."""
+and the post's own retry against it (``shoal.edge.posts.Connections.post``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 from shoal.core.clock import ManualClock
-from shoal.edge.push import POST_ATTEMPTS, ConnectionGone, Connections, PostThrottled
+from shoal.edge.posts import POST_ATTEMPTS, ConnectionGone, Connections, PostThrottled
 from shoal.local.throttle import Throttles
 
 

@@ -209,7 +209,7 @@ class BucketDef:
 
 
 #: the pusher function's timeout: a chunk's pushes, posts retried when throttled
-#: (``shoal.edge.push.POST_ATTEMPTS``, about 4 s at most a frame), well inside it
+#: (``shoal.edge.posts.POST_ATTEMPTS``, about 4 s at most a frame), well inside it
 PUSHER_TIMEOUT_S = 60
 #: the pusher's mapping on the push queue: ten messages (chunks of sessions) an invocation,
 #: FIFO's most; a failed chunk is returned alone (with the later ones of its group)

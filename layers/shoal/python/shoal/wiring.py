@@ -32,7 +32,8 @@ from shoal.delivery.service import DeliveryService
 from shoal.delivery.subscriptions import SubscriptionRetirer, SubscriptionService, SubscriptionStore
 from shoal.drain import DrainStore, RouterDrain, Sealer, seal_grace_ms
 from shoal.edge.connections import ConnectionStore
-from shoal.edge.push import Connections, PushWorker
+from shoal.edge.posts import Connections
+from shoal.edge.push import PushWorker
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.edge.service import EdgeService
 from shoal.edge.sweep import PushSweep

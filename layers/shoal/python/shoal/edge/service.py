@@ -56,7 +56,7 @@ from shoal.edge.frames import (
     UnsubscribeFrame,
     encode,
 )
-from shoal.edge.push import ConnectionGone, Connections, PostThrottled
+from shoal.edge.posts import ConnectionGone, Connections, PostThrottled
 from shoal.edge.pushwork import HandOffs, PushQueue
 from shoal.publish.request import PublishRequest
 from shoal.publish.service import PublishService

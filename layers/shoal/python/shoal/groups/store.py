@@ -4,7 +4,7 @@ writes (the state machine in ``shoal.groups.state`` decides, this module persist
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +16,7 @@ from shoal.core.config import Config, GroupSettings
 from shoal.core.errors import ServerBusy
 from shoal.core.observability import count
 from shoal.core.retry import backoff_s
+from shoal.groups.held import HeldDeliveries
 from shoal.groups.records import (
     HELD_PREFIX,
     KEEP_ATTRIBUTES,
@@ -28,8 +29,6 @@ from shoal.groups.records import (
     Loaded,
     agent_view,
     default_lanes,
-    held_item,
-    held_prefix,
     leader_record,
     member_item,
     new_incarnation,
@@ -68,7 +67,7 @@ ATTEMPTS = 12
 MAX_BACKLOG_DELETE = 1000
 
 
-class GroupStore:
+class GroupStore(HeldDeliveries):
     """The groups table: leaders, members' renewals, streams' progress."""
 
     def __init__(
@@ -470,52 +469,6 @@ class GroupStore:
         ok = self.dynamo.transact(parts) is None
         self.stats.count("progress", conflict=not ok)
         return ok
-
-    def held(self, key: str, member_id: str) -> list[dict[str, Any]]:
-        """The QoS 2 deliveries held for a member, strongly consistent."""
-        return self.dynamo.query(
-            self.table,
-            KeyConditionExpression="#g = :g AND begins_with(#i, :p)",
-            ExpressionAttributeNames={"#g": "group", "#i": "item"},
-            ExpressionAttributeValues=to_item({":g": key, ":p": held_prefix(member_id)}),
-            ConsistentRead=True,
-        )
-
-    def mark_held_sent(
-        self, records: Sequence[Mapping[str, Any]], now_ms: int, channel: str
-    ) -> list[str]:
-        """When and to which channel held deliveries go again: one update each, on condition
-        that the delivery is still held (an ack or the session's end may have removed it
-        since it was read: a put of the record read would hold it again). The ids of those
-        still held."""
-        out: list[str] = []
-        for record in records:
-            if self.dynamo.conditional(
-                "update_item",
-                TableName=self.table,
-                Key=to_item({"group": record["group"], "item": record["item"]}),
-                UpdateExpression="SET #sa = :sa, #ch = :ch",
-                ConditionExpression="attribute_exists(#i)",
-                ExpressionAttributeNames={"#sa": "sa", "#ch": "ch", "#i": "item"},
-                ExpressionAttributeValues=to_item({":sa": now_ms, ":ch": channel}),
-            ):
-                out.append(str(record["d"]))
-        return out
-
-    def release_held(self, key: str, member_id: str, delivery_ids: Iterable[str]) -> list[str]:
-        """Remove held deliveries (acked, or dropped with the member's session): the ids that
-        were still held."""
-        out: list[str] = []
-        for did in delivery_ids:
-            if self.dynamo.conditional(
-                "delete_item",
-                TableName=self.table,
-                Key=to_item({"group": key, "item": held_item(member_id, did)}),
-                ConditionExpression="attribute_exists(#i)",
-                ExpressionAttributeNames={"#i": "item"},
-            ):
-                out.append(did)
-        return out
 
     # -- members' renewals and views
 

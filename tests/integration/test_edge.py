@@ -773,9 +773,7 @@ def test_a_pusher_that_dies_before_posting_leaves_what_it_handed_out_timed(
         real_post(push, messages)
 
     monkeypatch.setattr(edge.worker, "_post", dies_before_posting)
-    # a received chunk is visible again at once (its visibility timeout run out)
-    sqs = edge.world.session.client("sqs")
-    sqs.set_queue_attributes(QueueUrl=edge.queue.url, Attributes={"VisibilityTimeout": "0"})
+    chunks_visible_again_at_once(edge)
     for n in range(2):
         edge.world.publish("a/b", f"m{n}")
     edge.world.route()
@@ -1205,6 +1203,13 @@ def test_a_renewal_killed_between_its_moves_leaves_the_channel_to_the_new_connec
     assert_will_follows_its_delay(edge)
 
 
+def chunks_visible_again_at_once(edge: Edge) -> None:
+    """A push chunk received and not deleted is visible again at once (as once its
+    visibility timeout ran out)."""
+    sqs = edge.world.session.client("sqs")
+    sqs.set_queue_attributes(QueueUrl=edge.queue.url, Attributes={"VisibilityTimeout": "0"})
+
+
 def assert_will_follows_its_delay(edge: Edge) -> None:
     """The lost channel's will: not while its 5 s delay runs, then published once."""
     reaper, publisher = _reaper(edge)
@@ -1360,17 +1365,8 @@ def test_an_older_connects_late_bind_does_not_take_the_session_from_a_newer_conn
     assert_will_follows_its_delay(edge)
 
 
-def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_disconnect(
-    edge: Edge, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A kill -9 of ``shoal dev`` (or a function that timed out) between a connect frame's
-    registration and its bind: the registry holds the channel live, the connections table
-    knows nothing of it but the channel the connect was about to register
-    (``connecting#``). The restart runs the connection's owed ``$disconnect``, which found
-    no connection and did nothing: the channel stayed live (its two-hour bound), and the
-    client's resume past the will's delay held the will for a close that had come already
-    (withheld ten minutes later). Now it loses the channel the connect registered.
-    [MQTT-3.1.2-8]: the will is published."""
+def _connect_killed_before_its_bind(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    """c1's connect (with a will) dies between its registration and its bind."""
     store = edge.connections
     real_bind = store.bind
 
@@ -1382,6 +1378,20 @@ def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_dis
     edge.world.clock.advance(0.001)
     edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL})
     monkeypatch.setattr(store, "bind", real_bind)
+
+
+def test_a_connect_that_crashed_before_its_bind_still_leaves_its_will_to_the_disconnect(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill -9 of ``shoal dev`` (or a function that timed out) between a connect frame's
+    registration and its bind: the registry holds the channel live, the connections table
+    knows nothing of it but the channel the connect was about to register
+    (``connecting#``). The restart runs the connection's owed ``$disconnect``, which found
+    no connection and did nothing: the channel stayed live (its two-hour bound), and the
+    client's resume past the will's delay held the will for a close that had come already
+    (withheld ten minutes later). Now it loses the channel the connect registered.
+    [MQTT-3.1.2-8]: the will is published."""
+    _connect_killed_before_its_bind(edge, monkeypatch)
     # When the restart runs the $disconnect the connection is owed
     edge.dropped("c1")
     # and the client connects again, resuming, after the will's delay
@@ -1403,17 +1413,7 @@ def test_a_connect_that_crashed_before_its_bind_and_a_resume_before_its_disconne
     resume found the channel live and held its will for that ``$disconnect``, which finds no
     connection but the channel the connect was about to hold. It closed a whole will delay
     before the resume, so the will is published ([MQTT-3.1.2-8])."""
-    store = edge.connections
-    real_bind = store.bind
-
-    def killed(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("killed between the registration and the bind")
-
-    monkeypatch.setattr(store, "bind", killed)
-    frame = {"action": "connect", "client_id": "alice-1", "clean_start": False}
-    edge.world.clock.advance(0.001)
-    edge.send("c1", frame | {"session_expiry_s": 3600, "will": WILL})
-    monkeypatch.setattr(store, "bind", real_bind)
+    _connect_killed_before_its_bind(edge, monkeypatch)
     closed_at = edge.world.clock.now_ms()
     edge.api.gone.add("c1")
     # When the client resumes after the will's delay, before c1's $disconnect

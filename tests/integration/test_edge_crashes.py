@@ -12,7 +12,8 @@ import pytest
 from botocore.exceptions import ClientError
 from shoal.core.errors import ServerBusy
 
-from tests.integration.test_edge import Edge, edge, texts
+from tests.integration.test_edge import Edge, chunks_visible_again_at_once, edge, texts
+from tests.integration.test_edge_fanout import qos0_then_qos1_behind_a_waiting_push
 
 __all__ = ["edge"]  # fixture
 
@@ -68,9 +69,7 @@ def test_a_pusher_that_dies_between_its_get_and_its_arm_leaves_what_it_handed_ou
         return real_arm(*args, **kwargs)
 
     monkeypatch.setattr(edge.connections, "arm_sessions", dies_before_arming)
-    # a received chunk is visible again at once (its visibility timeout run out)
-    sqs = edge.world.session.client("sqs")
-    sqs.set_queue_attributes(QueueUrl=edge.queue.url, Attributes={"VisibilityTimeout": "0"})
+    chunks_visible_again_at_once(edge)
     for n in range(2):
         edge.world.publish("a/b", f"m{n}")
     edge.world.route()
@@ -95,14 +94,7 @@ def test_a_qos0_frame_is_not_posted_after_a_later_delivery_when_the_batch_read_f
     found = edge.connections.connection("c0")
     assert found is not None
     # Given a push of the session waiting in its lane, then two batches handed over behind it
-    pushes = edge.push
-    edge.push = lambda: 0  # type: ignore[method-assign]
-    edge.queue.hand_off([found.session_id])
-    edge.world.publish("a/b", "m0", ordering_key="k", qos=0)
-    edge.world.route()
-    edge.world.publish("a/b", "m1", ordering_key="k", qos=1)
-    edge.world.route()
-    edge.push = pushes  # type: ignore[method-assign]
+    qos0_then_qos1_behind_a_waiting_push(edge, found.session_id)
 
     def throttled(*_: Any) -> Any:
         raise ClientError({"Error": {"Code": "ThrottlingException"}}, "BatchGetItem")

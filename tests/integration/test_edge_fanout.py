@@ -290,14 +290,7 @@ def test_a_qos0_frame_a_later_delivery_overtook_is_dropped_not_posted_out_of_ord
     found = edge.connections.connection("c0")
     assert found is not None
     # Given a push of the session waiting in its lane, then two batches handed over behind it
-    pushes = edge.push
-    edge.push = lambda: 0  # type: ignore[method-assign]
-    edge.queue.hand_off([found.session_id])
-    edge.world.publish("a/b", "m0", ordering_key="k", qos=0)
-    edge.world.route()
-    edge.world.publish("a/b", "m1", ordering_key="k", qos=1)
-    edge.world.route()
-    edge.push = pushes  # type: ignore[method-assign]
+    qos0_then_qos1_behind_a_waiting_push(edge, found.session_id)
     # When the pusher takes the lane in order, a record a batch (the three in one batch would
     # be one push, which orders them itself)
     monkeypatch.setattr(edge, "mapping", dataclasses.replace(edge.mapping, batch_size=1))
@@ -350,3 +343,16 @@ def test_a_qos0_frame_does_not_pass_a_message_its_full_window_holds_back(edge: E
     edge.world.publish("a/b", "m4", ordering_key="k", qos=0)
     edge.world.route()
     assert texts(edge.messages("c0")) == ["m0", "m1", "m3", "m4"]
+
+
+def qos0_then_qos1_behind_a_waiting_push(edge: Edge, session_id: str) -> None:
+    """A push of the session waits in its lane; then a QoS 0 ``m0`` and a QoS 1 ``m1`` of
+    key ``k`` are routed, each batch's push handed over behind it (none run yet)."""
+    pushes = edge.push
+    edge.push = lambda: 0  # type: ignore[method-assign]
+    edge.queue.hand_off([session_id])
+    edge.world.publish("a/b", "m0", ordering_key="k", qos=0)
+    edge.world.route()
+    edge.world.publish("a/b", "m1", ordering_key="k", qos=1)
+    edge.world.route()
+    edge.push = pushes  # type: ignore[method-assign]

@@ -293,10 +293,11 @@ def test_a_crashed_batch_recovers_the_seqs_each_retry_carries(
     assert pending(harness) == {}
 
 
-def test_a_recovery_after_a_switch_puts_into_the_producing_storage_topic(
+def _died_before_its_put_then_switched(
     harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a publish that died before its put, then the topic switched produce
+    """Alice's seq 1 died before its put into storage topic 0; then the topic grew and
+    switched produce, and the publish's hold ran out."""
     dying = crashing_service(harness, aws)
     crash_in(harness, dying, "before:put", monkeypatch)
     with pytest.raises(Crash):
@@ -304,6 +305,13 @@ def test_a_recovery_after_a_switch_puts_into_the_producing_storage_topic(
     admin_call("POST", "/v1/topics/orders/storage-topics", {"partitions": 8})
     admin_call("POST", "/v1/topics/orders/switch-produce")
     expire_holds(harness)
+
+
+def test_a_recovery_after_a_switch_puts_into_the_producing_storage_topic(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a publish that died before its put, then the topic switched produce
+    _died_before_its_put_then_switched(harness, aws, monkeypatch)
     # When it is retried
     _, body = harness.publisher().publish(ALICE, request(1))
     # Then it went to the new storage topic once, and duplicates say so
@@ -376,13 +384,7 @@ def test_a_duplicate_after_a_recovery_found_the_put_reports_where_it_went(
     harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a publish that died before its put into storage topic 0, then a switch
-    first = crashing_service(harness, aws)
-    crash_in(harness, first, "before:put", monkeypatch)
-    with pytest.raises(Crash):
-        first.publish(ALICE, request(1))
-    admin_call("POST", "/v1/topics/orders/storage-topics", {"partitions": 8})
-    admin_call("POST", "/v1/topics/orders/switch-produce")
-    expire_holds(harness)
+    _died_before_its_put_then_switched(harness, aws, monkeypatch)
     # and its retry (a recovery) that put it into storage topic 1 and died before confirming
     second = crashing_service(harness, aws)
     crash_in(harness, second, "before:settle", monkeypatch)
@@ -435,6 +437,16 @@ def test_a_recovered_retained_publish_never_replaces_a_newer_one(
     assert getattr(harness.retained().get("orders/1"), "message_id", None) == newer["message_id"]
 
 
+def _retained_seq1_died_after_its_put(
+    harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's retained seq 1 died after its put and its retained copy, before it settled."""
+    dying = crashing_service(harness, aws)
+    crash_in(harness, dying, "before:settle", monkeypatch)
+    with pytest.raises(Crash):
+        dying.publish(ALICE, request(1, retain=True))
+
+
 def newer_published(harness: Harness) -> int:
     retained = harness.retained().get("orders/1")
     assert retained is not None
@@ -445,10 +457,7 @@ def test_a_late_retry_of_a_retained_seq_never_replaces_the_next_one_of_the_same_
     harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given retained seq 1 whose request died after its put (and its retained copy)
-    dying = crashing_service(harness, aws)
-    crash_in(harness, dying, "before:settle", monkeypatch)
-    with pytest.raises(Crash):
-        dying.publish(ALICE, request(1, retain=True))
+    _retained_seq1_died_after_its_put(harness, aws, monkeypatch)
     # and retained seq 2 on the same topic, published in the same millisecond
     _, second = harness.publisher().publish(ALICE, request(2, retain=True))
     assert getattr(harness.retained().get("orders/1"), "message_id", None) == second["message_id"]
@@ -464,10 +473,7 @@ def test_a_late_retry_of_a_retained_publish_never_undoes_a_later_clear(
     harness: Harness, aws: boto3.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a retained publish that died after its put (and its retained copy)
-    dying = crashing_service(harness, aws)
-    crash_in(harness, dying, "before:settle", monkeypatch)
-    with pytest.raises(Crash):
-        dying.publish(ALICE, request(1, retain=True))
+    _retained_seq1_died_after_its_put(harness, aws, monkeypatch)
     # and a later publish clearing the topic's retained message
     harness.clock.advance(1)
     harness.publisher().publish(BOB, PublishRequest(topic="orders/1", text="", retain=True))

@@ -514,6 +514,9 @@ def test_a_restart_runs_the_disconnect_of_what_the_last_run_left_open(tmp_path: 
     left = ConnectionLedger(path)
     left.take_owed()
     left.opened(OpenConnection("owed-1", 1_000, "10.0.0.1", "ua", {"principalId": "dora"}))
+    # one whose socket closed before the kill, its $disconnect still waiting
+    left.opened(OpenConnection("owed-2", 1_500, "10.0.0.1", "ua", {"principalId": "dora"}))
+    left.went("owed-2", 2_000)
     left.close()
     before = int(time.time() * 1000)
     edge = start_edge(ledger=ConnectionLedger(path))
@@ -526,6 +529,9 @@ def test_a_restart_runs_the_disconnect_of_what_the_last_run_left_open(tmp_path: 
         # the close is not known: not earlier than this start
         assert context["requestTimeEpoch"] >= before
         assert event["headers"] == {}
+        # the other's is: when its socket went
+        (went,) = eventually(lambda: disconnects("owed-2"))
+        assert went["requestContext"]["requestTimeEpoch"] == 2_000
 
         # and a connection of this run is written open, then closed once its $disconnect ran
         async def scenario() -> str:

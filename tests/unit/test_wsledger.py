@@ -62,3 +62,31 @@ def test_a_close_of_a_connection_it_does_not_hold_writes_nothing(tmp_path: Path)
     ledger.take_owed()
     ledger.closed("never-opened")
     assert path.read_text() == ""
+
+
+def test_a_connection_that_went_before_the_kill_is_owed_with_the_time_it_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its socket closed, its $disconnect waited (a minute under load), then the kill: the
+    restart's $disconnect says when it went, so a will's delay counts from the close (the
+    30-minute soak at 200 clients withheld 13 wills that the restart's time had moved past
+    the resume that held them)."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = ConnectionLedger(path)
+    ledger.take_owed()
+    ledger.opened(entry("a"))
+    ledger.opened(entry("b"))
+    ledger.went("a", 5_000)
+    ledger.went("gone", 6_000)  # not held: nothing written
+    ledger.close()
+    owed = ConnectionLedger(path).take_owed()
+    assert [(e.connection_id, e.went_at_ms) for e in owed] == [("a", 5_000), ("b", None)]
+    # kept through a compaction, and gone once its $disconnect ran
+    monkeypatch.setattr(wsledger, "COMPACT_AFTER", 1)
+    again = ConnectionLedger(path)
+    again.take_owed()
+    again.opened(entry("c"))
+    again.closed("c")
+    assert ConnectionLedger(path).take_owed()[0].went_at_ms == 5_000
+    again.closed("a")
+    assert [e.connection_id for e in ConnectionLedger(path).take_owed()] == ["b"]

@@ -537,7 +537,7 @@ class WebSocketServer:
 
     async def _disconnect_owed(self, entry: OpenConnection) -> None:
         """The $disconnect of a connection the last run left open (``shoal.local.wsledger``):
-        lost (1006), at this start's time."""
+        lost (1006), when its socket closed if the ledger says, else at this start's time."""
         conn = _Connection(
             connection_id=entry.connection_id,
             connected_at_ms=entry.connected_at_ms,
@@ -547,7 +547,7 @@ class WebSocketServer:
             multi_headers={},
             authorizer=entry.authorizer,
             gone=True,
-            closed_at_ms=_now_ms(),
+            closed_at_ms=entry.went_at_ms or _now_ms(),
         )
         await self._disconnect(conn, int(CloseCode.ABNORMAL_CLOSURE), "Connection lost")
 
@@ -656,6 +656,8 @@ class WebSocketServer:
             return
         request_id = _new_id()
         closed_at = conn.closed_at_ms or _now_ms()
+        if self.ledger is not None:  # a kill before the $disconnect runs keeps when it went
+            self.ledger.went(conn.connection_id, closed_at)
         context = self._request_context(
             conn, DISCONNECT, "DISCONNECT", request_id=request_id, now_ms=closed_at
         )

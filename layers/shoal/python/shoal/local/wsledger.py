@@ -6,10 +6,12 @@ without one. Their sessions would then stay live for the registry's bound on a c
 little over API Gateway's 2 hours), and their wills wait as long. So the server writes each
 connection it opens and each whose ``$disconnect`` ran to a ledger in the state directory, and
 a restart on the same state runs the ``$disconnect`` of every connection the ledger still holds
-open, as API Gateway would have, with close code 1006 and the restart's time (when the
-connection went is not known; not before the process died, and the will's delay must not run
-from a moment before the close). A connection's line holds what its ``$disconnect`` event
-carries: no header, so no token.
+open, as API Gateway would have, with close code 1006 and the time the connection went: a
+socket that closed before the kill has a line saying when (written as it closes, before its
+``$disconnect`` runs, which under load can be a minute later); one the kill ended went with
+the process, so the restart's time (the will's delay must not run from a moment before the
+close). A connection's line holds what its ``$disconnect`` event carries: no header, so no
+token.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,18 +42,20 @@ class OpenConnection:
     source_ip: str
     user_agent: str
     authorizer: dict[str, Any] | None
+    #: when its socket closed, if it did before its ``$disconnect`` ran (``went``)
+    went_at_ms: int | None = None
 
     def line(self) -> str:
-        return json.dumps(
-            {
-                "open": self.connection_id,
-                "at": self.connected_at_ms,
-                "ip": self.source_ip,
-                "ua": self.user_agent,
-                "authorizer": self.authorizer,
-            },
-            separators=(",", ":"),
-        )
+        record: dict[str, Any] = {
+            "open": self.connection_id,
+            "at": self.connected_at_ms,
+            "ip": self.source_ip,
+            "ua": self.user_agent,
+            "authorizer": self.authorizer,
+        }
+        if self.went_at_ms is not None:
+            record["went"] = self.went_at_ms
+        return json.dumps(record, separators=(",", ":"))
 
     @classmethod
     def parse(cls, record: dict[str, Any]) -> OpenConnection:
@@ -62,6 +66,7 @@ class OpenConnection:
             source_ip=str(record.get("ip") or ""),
             user_agent=str(record.get("ua") or ""),
             authorizer=dict(authorizer) if isinstance(authorizer, dict) else None,
+            went_at_ms=int(record["went"]) if record.get("went") is not None else None,
         )
 
 
@@ -87,6 +92,8 @@ class ConnectionLedger:
                     self._open[entry.connection_id] = entry
                 elif "closed" in record:
                     self._open.pop(str(record["closed"]), None)
+                elif "went" in record:
+                    self._went(str(record["went"]), int(record["at"]))
             except (ValueError, KeyError, TypeError):
                 # a line a kill cut short: its connection's open or close is lost with it
                 log.warning("connection ledger line %d unreadable: skipped", number)
@@ -96,6 +103,18 @@ class ConnectionLedger:
     def opened(self, entry: OpenConnection) -> None:
         self._open[entry.connection_id] = entry
         self._append(entry.line())
+
+    def went(self, connection_id: str, at_ms: int) -> None:
+        """The connection's socket closed at ``at_ms``; its ``$disconnect`` has yet to run."""
+        if self._went(connection_id, at_ms):
+            self._append(json.dumps({"went": connection_id, "at": at_ms}))
+
+    def _went(self, connection_id: str, at_ms: int) -> bool:
+        entry = self._open.get(connection_id)
+        if entry is None:
+            return False
+        self._open[connection_id] = replace(entry, went_at_ms=at_ms)
+        return True
 
     def closed(self, connection_id: str) -> None:
         if self._open.pop(connection_id, None) is None:

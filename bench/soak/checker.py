@@ -837,23 +837,24 @@ def _dup_flags(model: Model, report: Report) -> None:
                     record,
                 )
             seen.setdefault(delivery_id, delivery)
-    # a group's message handed to another member is a redelivery
+    # a group's message handed to another member is a redelivery: one member at most gets it
+    # without dup (the first it was handed to). Not judged by when the members got it: a
+    # first hand-out's frame can reach its member after another member's redelivery (its push
+    # posted late, under load), so the first received need not be the first handed out
     for name, intervals in _groups(model).items():
         group = sorted(
             _group_deliveries(model, name, {i.client for i in intervals}), key=lambda d: d.t
         )
-        first: dict[str, Delivery] = {}
+        fresh: dict[str, Delivery] = {}
         for delivery in group:
-            held = first.setdefault(str(delivery.mk), delivery)
-            if (
-                held.client != delivery.client
-                and not delivery.record.get("dup")
-                and int(delivery.record.get("qos", 1)) > 0
-            ):
+            if delivery.record.get("dup") or int(delivery.record.get("qos", 1)) == 0:
+                continue
+            held = fresh.setdefault(str(delivery.mk), delivery)
+            if held.client != delivery.client:
                 report.add(
                     "dup_flag",
-                    f"{delivery.client} got {delivery.mk} of {name}, first handed to "
-                    f"{held.client}, without dup",
+                    f"{delivery.client} got {delivery.mk} of {name} without dup, as "
+                    f"{held.client} had",
                     held.record,
                     delivery.record,
                 )

@@ -396,6 +396,33 @@ def test_a_redelivery_without_dup_is_caught() -> None:
     assert violations(report, "dup_flag") == ["alice got delivery d-alice-k5 again without dup"]
 
 
+def test_a_group_message_two_members_got_without_dup_is_caught() -> None:
+    # Given j2, handed to m2, then handed to m1 too, neither time with dup
+    run = clean_run()
+    run.deliver("m1", "j2", sub="$share/g/jobs/#", conn="m1-c", delivery_id="d-m1-j2-again")
+
+    # When the history is checked
+    report = run.check()
+
+    # Then one of them should have said it was a redelivery
+    assert violations(report, "dup_flag") == ["m1 got j2 of $share/g/jobs/# without dup, as m2 had"]
+
+
+def test_a_group_message_first_handed_out_but_received_after_a_redelivery_is_allowed() -> None:
+    # Given j3 handed to m1 first (its frame posted late, under load), redelivered with dup
+    # to m2, which got it before m1 did
+    run = clean_run()
+    run.publish("j3", "jobs/3", qos=1, key="j3")
+    run.consume("m2", "j3", sub="$share/g/jobs/#", conn="m2-c", dup=True)
+    run.deliver("m1", "j3", sub="$share/g/jobs/#", conn="m1-c")
+
+    # When the history is checked
+    report = run.check()
+
+    # Then the flags are as promised: the one copy without dup is the first hand-out's
+    assert violations(report, "dup_flag") == []
+
+
 def test_a_qos0_message_delivered_twice_is_caught() -> None:
     # Given a QoS 0 message delivered twice to one session
     run = clean_run()

@@ -406,6 +406,9 @@ class DeliveryState:
     #: (``retained_mark`` -> until, epoch s): get consumes a routed copy of one instead of
     #: handing it out (``shoal.delivery.service``)
     marks: dict[str, int] = field(default_factory=dict)
+    #: an ack opened a full window and owes the session a push (``ack_opening``): kept until
+    #: the next get's write, so an ack sent again after its hand-off failed pushes again
+    push_owed: bool = False
 
     def remember(self, marks: Mapping[str, int]) -> None:
         """Add marks (a mark sent again keeps the later end); at most ``MAX_RETAINED_MARKS``,
@@ -443,6 +446,7 @@ class DeliveryState:
 
     def record(self, session_id: str, expires_at: int) -> dict[str, Any]:
         return {
+            **({"po": True} if self.push_owed else {}),
             "inbox": session_id,
             "position": STATE,
             "v": self.version,
@@ -470,6 +474,7 @@ class DeliveryState:
             runs=[SessionRun.from_data(r) for r in raw.get("ru") or []],
             drained={str(k): int(v) for k, v in (raw.get("dr") or {}).items()},
             marks={str(k): int(v) for k, v in (raw.get("rm") or {}).items()},
+            push_owed=bool(raw.get("po")),
         )
 
 

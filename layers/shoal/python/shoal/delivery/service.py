@@ -250,6 +250,8 @@ class DeliveryService:
                     # time passed: hand nothing to a channel that lost the session meanwhile
                     head = self.registry.require_live(who, client_id, channel)
                 plan.state.version = expected + 1
+                # this get serves what an ack's opened window owed (``ack_opening``)
+                plan.state.push_owed = False
                 plan.state.normalize()
                 expires = now // 1000 + self.settings.retention_s
                 if self.inbox.write_state(session_id, plan.state, expected, expires):
@@ -690,8 +692,11 @@ class DeliveryService:
             fresh = {o for o in ordinals if o < state.next_ordinal and not state.done(o)}
             if not fresh:
                 self._record_ack(session_id, state, ordinals)
-                return {"acked": grouped}, opened
+                # an earlier try of this ack opened the window and its push may never have
+                # been handed over (the frame is sent again after a failure): push again
+                return {"acked": grouped}, opened or state.push_owed
             full = state.in_flight() >= (window or self.settings.window)
+            state.push_owed = state.push_owed or full
             state.acked |= fresh
             state.version = expected + 1
             state.normalize()

@@ -21,9 +21,10 @@ import shoal.edge.push as push_module
 import shoal.router.fanout as fanout_module
 from botocore.exceptions import ClientError
 from shoal.aws.dynamo import Dynamo
+from shoal.core.auth import Principal
 from shoal.core.clock import Clock
 from shoal.core.config import get_config
-from shoal.core.errors import ServerBusy
+from shoal.core.errors import ServerBusy, SessionTakenOver
 from shoal.declarations import PUSHER_MAPPING
 from shoal.delivery.model import STATE
 from shoal.edge.connections import MAX_CONNECTION_S, ConnectionStore
@@ -1216,6 +1217,26 @@ def assert_will_follows_its_delay(edge: Edge) -> None:
     reaper.run()
     assert publisher.published == []  # the delay runs
     edge.world.clock.advance(6)
+    reaper.run()
+    assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
+
+
+def test_a_heartbeat_on_a_lost_channel_does_not_move_its_close(edge: Edge) -> None:
+    """A WebSocket channel lost at its ``$disconnect``, then a request over HTTP naming it
+    (a heartbeat): the channel is refused, and its will's delay still runs from the close
+    (a heartbeat that moved the close later would hold the will back, and a resume within
+    the moved delay would drop it)."""
+    edge.connect("c1", will=WILL)
+    found = edge.connections.connection("c1")
+    assert found is not None
+    edge.dropped("c1")
+    edge.world.clock.advance(2)
+    who = Principal(sub=found.sub, clients=(found.client_id,))
+    with pytest.raises(SessionTakenOver):
+        edge.service.registry.heartbeat(who, found.client_id, found.channel)
+    # the will follows its delay from the close (5 s: 2 s gone, 3 s to go)
+    reaper, publisher = _reaper(edge)
+    edge.world.clock.advance(3.5)
     reaper.run()
     assert [(c, w.text) for _, c, w, _ in publisher.published] == [("alice-1", "offline")]
 

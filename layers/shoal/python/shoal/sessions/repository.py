@@ -63,6 +63,13 @@ def live_condition(expr: Expression, version: Version, sub: str) -> str:
     )
 
 
+def lost_mark(expr: Expression) -> str:
+    """A channel ``lose`` marked lost: keepalive 1 s with no grace, which no connect registers
+    (its grace is 1.5 keepalives). A heartbeat must not move such a channel's close later:
+    its will's delay runs from the close."""
+    return f"{expr.n('conn.keepalive_s')} = {expr.v(1)} AND {expr.n('conn.grace_ms')} = {expr.v(0)}"
+
+
 class SessionRepository:
     """The sessions table: every read and conditional write the registry and reaper make."""
 
@@ -237,11 +244,11 @@ class SessionRepository:
         return self._transact(items)
 
     def heartbeat(self, client_id: str, version: Version, sub: str, now_ms: int) -> bool:
-        """Refresh the keepalive, on condition that the channel is still the live one."""
+        """Refresh the keepalive, on condition that the channel is still the live one (and
+        not lost: ``lost_mark``)."""
         expr = Expression().set("last_seen_ms", now_ms)
-        return self.dynamo.conditional(
-            "update_item", **self._on(client_id, HEAD, expr, live_condition(expr, version, sub))
-        )
+        condition = f"{live_condition(expr, version, sub)} AND NOT ({lost_mark(expr)})"
+        return self.dynamo.conditional("update_item", **self._on(client_id, HEAD, expr, condition))
 
     def renew(
         self, client_id: str, version: Version, sub: str, now_ms: int, keepalive_s: int
@@ -266,7 +273,8 @@ class SessionRepository:
         """``heartbeat``, answering the head as written (None: not the live channel). The
         answer costs nothing more than the write, and names the session's groups."""
         expr = Expression().set("last_seen_ms", now_ms)
-        return self._update_head(client_id, expr, live_condition(expr, version, sub))
+        condition = f"{live_condition(expr, version, sub)} AND NOT ({lost_mark(expr)})"
+        return self._update_head(client_id, expr, condition)
 
     def _update_head(self, client_id: str, expr: Expression, condition: str) -> Head | None:
         """One conditional update of the head, answering it as written (None: the condition
@@ -338,11 +346,9 @@ class SessionRepository:
         expr.set_raw("rev", f"{expr.n('rev')} + {expr.v(1)}")
         expr.set("conn.keepalive_s", 1).set("conn.grace_ms", 0)
         expr.set("due_shard", due_shard(client_id)).set("due_at_ms", now_ms)
-        lost = f"{expr.n('conn.keepalive_s')} = {expr.v(1)} AND {expr.n('conn.grace_ms')} = "
-        lost += expr.v(0)
         condition = (
             f"{live_condition(expr, version, sub)}"
-            f" AND (NOT ({lost}) OR {expr.n('last_seen_ms')} > {expr.v(now_ms)})"
+            f" AND (NOT ({lost_mark(expr)}) OR {expr.n('last_seen_ms')} > {expr.v(now_ms)})"
         )
         return self._update_head(client_id, expr, condition)
 

@@ -371,8 +371,8 @@ def _drain_end(missing: int | None) -> str:
     if missing is None:
         return "ended by its limit before a look"
     return (
-        f"ended by its limit with {missing} owed still missing: in flight or lost, the "
-        "verdict counts them lost"
+        f"ended by its limit with {missing} owed still missing at its last look (before the "
+        "service's own drop events were read): the verdict judges them"
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from shoal.aws.dynamo import Dynamo, to_item
 from shoal.groups.records import held_item, held_prefix
+from shoal.groups.streams import StreamProgress, parse_delivery_id, stream_item
 
 
 class HeldDeliveries:
@@ -62,4 +63,28 @@ class HeldDeliveries:
                 ExpressionAttributeNames={"#i": "item"},
             ):
                 out.append(did)
+        return out
+
+    def acked_since(self, member_id: str, delivery_ids: Iterable[str]) -> set[str]:
+        """Of group deliveries a get sent ``member_id`` again, those done since: neither held
+        for it off the stream nor outstanding on their stream (acked; a held one also when
+        dropped with the member's session). A held QoS 2 delivery's ordinal was done on its
+        stream when it was held, so the held item alone says it is outstanding. One strongly
+        consistent batch read of the held items and the streams' progress."""
+        parsed = {d: p for d in delivery_ids if (p := parse_delivery_id(d)) is not None}
+        if not parsed:
+            return set()
+        held = {(p.group_key, held_item(member_id, d)) for d, p in parsed.items()}
+        streams = {(p.group_key, stream_item(p.source)) for p in parsed.values()}
+        rows = self.dynamo.batch_get(
+            self.table, [{"group": g, "item": i} for g, i in sorted(held | streams)]
+        )
+        found = {(str(r["group"]), str(r["item"])): r for r in rows}
+        out: set[str] = set()
+        for did, p in parsed.items():
+            if (p.group_key, held_item(member_id, did)) in found:
+                continue
+            raw = found.get((p.group_key, stream_item(p.source)))
+            if raw is not None and StreamProgress.from_record(raw).is_done(p.ordinal):
+                out.add(did)
         return out

@@ -452,6 +452,10 @@ class GroupService:
             events.flush(f"group-held/{ref.key}/{member_id}/{now}")
         return out
 
+    def acked_since(self, session_id: str, delivery_ids: Iterable[str]) -> set[str]:
+        """Of group deliveries sent the member again, those acked since (``HeldDeliveries``)."""
+        return self.store.acked_since(session_id, delivery_ids)
+
     def drop_held(self, key: str, member_id: str) -> int:
         """A member's session ended: its held QoS 2 deliveries go to no one ([MQTT-4.8.2-5]),
         each recorded ``dropped`` with its reason. How many."""

@@ -384,14 +384,9 @@ class GroupStore(HeldDeliveries):
                 state=lease.state,
                 pv=fence.pv + 1 if source in fences else 0,
             )
-        return Loaded(
-            loaded.key,
-            replace(new, version=loaded.state.version + 1),
-            fences,
-            loaded.views,
-            loaded.renewed,
-            kept=loaded.kept,
-        )
+        # the rest as read: the held QoS 2 deliveries too (the member whose get committed a
+        # rebalance, a reconnect's, is sent them in that get)
+        return replace(loaded, state=replace(new, version=loaded.state.version + 1), fences=fences)
 
     # -- progress
 

@@ -1,0 +1,111 @@
+"""A shared group's QoS 2 delivery sent again to a WebSocket member and acked between the push's
+hand-out and its post is not posted (run H of the 30-minute soak at 200 clients, seed 11:
+a held QoS 2 delivery posted 29 s after its ack was answered). Both ways a copy goes out
+again: from its stream (the member still holds the lane) and from the items a group holds for
+a member whose lane moved ([MQTT-4.8.2-4/5]). Made deterministic by acking between the push's
+get and its post."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from shoal.edge.push import PushWorker
+from shoal.edge.routes import handle
+
+from tests.integration.test_edge import Edge, group_edge
+
+__all__ = ["group_edge"]  # fixture
+
+SHARE = {"filter": "$share/g/a/#", "qos": 2}
+
+
+def ack_between_get_and_post(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, connection: str, delivery_id: str
+) -> list[dict[str, Any]]:
+    """The next push's get that hands ``delivery_id`` out is followed, before its post, by the
+    connection's ack of it (the ack frame's own route, which posts its answer); the answers
+    of that ack."""
+    real_get = PushWorker._get
+    answers: list[dict[str, Any]] = []
+
+    def get_then_ack(self: PushWorker, *args: Any, **kwargs: Any) -> Any:
+        handed = real_get(self, *args, **kwargs)
+        if not answers and any(m["id"] == delivery_id for m in handed):
+            event = edge.event("edge_frame.json", connection)
+            event["body"] = json.dumps({"action": "ack", "ref": "late", "ids": [delivery_id]})
+            event["requestContext"]["routeKey"] = "ack"
+            handle(lambda: edge.service, event)
+            answers.extend(f for f in edge.api.sent[connection] if f["action"] == "acked")
+        return handed
+
+    monkeypatch.setattr(PushWorker, "_get", get_then_ack)
+    return answers
+
+
+def test_a_group_copy_sent_again_from_its_stream_and_acked_before_its_post_is_not_posted(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    edge = group_edge
+    # Given the one member of a group, pushed a QoS 2 message it has not acked
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [SHARE]})
+    edge.world.publish("a/b", "job", qos=2)
+    edge.world.route()
+    [first] = edge.messages("c1")
+    assert not first["dup"] and first["qos"] == 2
+    answers = ack_between_get_and_post(edge, monkeypatch, "c1", first["id"])
+    # When its ack timeout passes, the session's next push (another message's, a hand-off's)
+    # hands it out again, and the ack of the first copy lands before that push posts the copy
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.push_again("c1")
+    # Then the ack counted, and the copy was never posted
+    assert [a["acked"] for a in answers] == [1]
+    assert [(f["id"], f["dup"]) for f in edge.messages("c1")] == [(first["id"], False)]
+
+
+def held_for_alice_1(edge: Edge) -> dict[str, Any]:
+    """A QoS 2 message handed to alice-1, the group's first member, whose connection is then
+    lost: its lanes go to alice-2, whose next push holds the message for alice-1 (never
+    alice-2's). The first copy."""
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [SHARE]})
+    edge.world.publish("a/b", "job", qos=2)
+    edge.world.route()
+    [first] = edge.messages("c1")
+    edge.connect("c2", client_id="alice-2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [SHARE]})
+    edge.dropped("c1")
+    edge.push_again("c2")
+    assert edge.messages("c2") == []
+    return first
+
+
+def test_a_member_back_on_a_new_connection_is_pushed_its_held_message_at_once(
+    group_edge: Edge,
+) -> None:
+    """The reconnect's push is the get that takes lanes back (a rebalance it commits): the
+    held message goes in that get. Before, the group as that commit wrote it forgot the held
+    deliveries, and the message waited for the member's next push (another message)."""
+    edge = group_edge
+    first = held_for_alice_1(edge)
+    edge.connect("c3", client_id="alice-1")
+    assert [(f["id"], f["dup"]) for f in edge.messages("c3")] == [(first["id"], True)]
+    assert edge.messages("c2") == []
+
+
+def test_a_held_group_copy_sent_again_and_acked_before_its_post_is_not_posted(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    edge = group_edge
+    # Given a QoS 2 message held for alice-1 after its connection was lost
+    first = held_for_alice_1(edge)
+    # When alice-1 comes back on a new connection, its push hands the held message out again,
+    # and alice-1's ack of the first copy lands before that push posts it
+    answers = ack_between_get_and_post(edge, monkeypatch, "c3", first["id"])
+    edge.connect("c3", client_id="alice-1")
+    # Then the ack counted, and the copy was never posted to either member
+    assert [a["acked"] for a in answers] == [1]
+    assert edge.messages("c3") == []
+    assert edge.messages("c2") == []

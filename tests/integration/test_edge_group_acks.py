@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import pytest
+from shoal.edge.connections import DUE_SHARDS
 from shoal.edge.push import PushWorker
 from shoal.edge.routes import handle
 
@@ -109,3 +110,52 @@ def test_a_held_group_copy_sent_again_and_acked_before_its_post_is_not_posted(
     assert [a["acked"] for a in answers] == [1]
     assert edge.messages("c3") == []
     assert edge.messages("c2") == []
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_group_delivery_left_unacked_comes_again_from_the_sweep(
+    group_edge: Edge, qos: int
+) -> None:
+    """A connected member that does not ack a group delivery gets it again with ``dup`` once
+    its ack timeout passed, from the reaper's sweep, as a session's own delivery does: the
+    group is quiet, so no other push would carry it. Once acked, the sweep sends nothing."""
+    edge = group_edge
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{**SHARE, "qos": qos}]})
+    edge.world.publish("a/b", "job", qos=qos)
+    edge.world.route()
+    [first] = edge.messages("c1")
+    # before its timeout: nothing again
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s / 2)
+    edge.sweep()
+    assert len(edge.messages("c1")) == 1
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s / 2 + 1)
+    edge.sweep()
+    assert [(f["id"], f["dup"]) for f in edge.messages("c1")] == [
+        (first["id"], False),
+        (first["id"], True),
+    ]
+    # acked: the sweep after the next timeout sends nothing
+    edge.send("c1", {"action": "ack", "ids": [first["id"]]})
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.sweep()
+    assert len(edge.messages("c1")) == 2
+
+
+def test_a_due_list_keeps_the_group_ids_it_was_armed_for(group_edge: Edge) -> None:
+    """The list stores a stream's ordinals as runs (an item holds 400 KB at most, and a push
+    may hand out a hundred a session); what the sweep takes back is every id armed."""
+    connections = group_edge.connections
+    ids = {
+        "s1": [f"g-k.src-0.3.{o}" for o in (*range(0, 100), 105, 107, 108)],
+        "s2": ["g-k.src-1.1.7", "g-other.src-0.2.0"],
+    }
+    assert connections.arm_sessions(["s1", "s2", "s3"], 5, grouped=ids)
+    [(key, due_at_ms)] = [k for shard in range(DUE_SHARDS) for k in connections.due(shard, 10, 10)]
+    taken = connections.take_due(key, due_at_ms)
+    assert sorted(taken.sessions) == ["s1", "s2", "s3"]
+    assert {s: sorted(i) for s, i in taken.grouped.items()} == {
+        s: sorted(i) for s, i in ids.items()
+    }
+    # taken once
+    assert connections.take_due(key, due_at_ms).sessions == []

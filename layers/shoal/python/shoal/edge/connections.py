@@ -16,7 +16,8 @@ Two items per connected session (``shoal.aws.tables.ConnectionModel``):
 
 and the *due lists* (``due#<id>``, in the sparse ``due`` index): the sessions a push handed
 deliveries to that wait for an ack, one item a push, each swept when their ack timeout
-passes (``shoal.edge.sweep.PushSweep``).
+passes (``shoal.edge.sweep.PushSweep``). A list names the shared groups' deliveries among
+them by id: their progress is the group's, not the session's state.
 
 One pusher at a time per session is the push queue's doing (a session's pushes go through one
 message group, ``shoal.edge.pushwork``), not a lease in this table. What remains here is
@@ -29,10 +30,11 @@ over meanwhile.
 
 from __future__ import annotations
 
+import json
 import secrets
 import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -360,31 +362,36 @@ class ConnectionStore:
     # -- the due index: pushed deliveries whose ack timeout passes while connected
 
     def arm_sessions(
-        self, session_ids: Iterable[str], due_at_ms: int, *, held: bool = False
+        self,
+        session_ids: Iterable[str],
+        due_at_ms: int,
+        *,
+        held: bool = False,
+        grouped: Mapping[str, Sequence[str]] | None = None,
     ) -> bool:
         """The sessions are swept at ``due_at_ms``: one *due list* item names them all
         (``due#<id>``, in the ``due`` index), one write however many sessions a push handed
         deliveries to. A session may sit in several lists (each push arms its own): the sweep
         reads each session's state, so a copy too many costs a read, never a push. False
         when there was nothing to arm. ``held``: a list of sessions the drain's gate held
-        deliveries back from (``DUE_HELD``): the sweep pushes them whatever their state."""
+        deliveries back from (``DUE_HELD``): the sweep pushes them whatever their state.
+        ``grouped``: the shared groups' deliveries handed out, by session (``DueList.grouped``):
+        in the same item."""
         sessions = sorted(set(session_ids))
         if not sessions:
             return False
         key = (DUE_HELD if held else DUE) + secrets.token_hex(8)
-        self.dynamo.call(
-            "put_item",
-            TableName=self.table,
-            Item=_item(
-                {
-                    "key": key,
-                    "due_shard": str(due_shard(key)),
-                    "due_at_ms": due_at_ms,
-                    "sessions": sessions,
-                    "expires_at": self._expires(),
-                }
-            ),
-        )
+        record: dict[str, Any] = {
+            "key": key,
+            "due_shard": str(due_shard(key)),
+            "due_at_ms": due_at_ms,
+            "sessions": sessions,
+            "expires_at": self._expires(),
+        }
+        ids = {s: _runs(i) for s, i in (grouped or {}).items() if i and s in sessions}
+        if ids:
+            record["grouped"] = json.dumps(ids, sort_keys=True, separators=(",", ":"))
+        self.dynamo.call("put_item", TableName=self.table, Item=_item(record))
         return True
 
     def arm_session(self, session_id: str, due_at_ms: int) -> bool:
@@ -414,7 +421,7 @@ class ConnectionStore:
             request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
         return found[:limit]
 
-    def take_due(self, key: str, due_at_ms: int) -> list[str]:
+    def take_due(self, key: str, due_at_ms: int) -> DueList:
         """Takes a due entry off the index, first (a sweep that dies later loses only the
         timer: the next push or reconnect hands the deliveries out again); the sessions it
         named. Nothing when another sweep took it, or it was armed again meanwhile."""
@@ -427,7 +434,7 @@ class ConnectionStore:
                 Key=_key(key),
                 **e.params(f"{e.n('due_at_ms')} = {e.v(due_at_ms)}"),
             )
-            return [key[len(SESSION) :]] if taken else []
+            return DueList([key[len(SESSION) :]] if taken else [])
         try:
             raw = self.dynamo.call(
                 "delete_item",
@@ -439,9 +446,49 @@ class ConnectionStore:
             )
         except ClientError as exc:
             if error_code(exc) == CONDITION_FAILED:
-                return []
+                return DueList([])
             raise
-        return [str(s) for s in from_item(raw.get("Attributes") or {}).get("sessions") or []]
+        old = from_item(raw.get("Attributes") or {})
+        runs = json.loads(str(old["grouped"])) if old.get("grouped") else {}
+        grouped = {session: _ids(r) for session, r in runs.items()}
+        return DueList([str(s) for s in old.get("sessions") or []], grouped)
+
+
+@dataclass(frozen=True)
+class DueList:
+    """A due entry taken off the index: its sessions, and the ids of the shared groups'
+    deliveries it was armed for, by session (a group's delivery is done on the group's
+    stream, which the session's state does not show: the sweep asks the group)."""
+
+    sessions: list[str]
+    grouped: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _runs(ids: Iterable[str]) -> dict[str, list[list[int]]]:
+    """Group delivery ids (``<stream's prefix>.<ordinal>``) as runs of ordinals by prefix: a
+    get hands a stream's ordinals out in order, so a list stays a few bytes a stream however
+    many deliveries it names (an item holds 400 KB at most)."""
+    by_prefix: dict[str, list[int]] = {}
+    for text in ids:
+        prefix, _, ordinal = text.rpartition(".")
+        if prefix and ordinal.isdigit():
+            by_prefix.setdefault(prefix, []).append(int(ordinal))
+    out: dict[str, list[list[int]]] = {}
+    for prefix, ordinals in by_prefix.items():
+        runs: list[list[int]] = []
+        for o in sorted(set(ordinals)):
+            if runs and runs[-1][1] == o - 1:
+                runs[-1][1] = o
+            else:
+                runs.append([o, o])
+        out[prefix] = runs
+    return out
+
+
+def _ids(runs: Mapping[str, Sequence[Sequence[int]]]) -> list[str]:
+    return [
+        f"{p}.{o}" for p, r in runs.items() for first, last in r for o in range(first, last + 1)
+    ]
 
 
 def due_shard(key: str) -> int:

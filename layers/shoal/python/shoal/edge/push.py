@@ -121,6 +121,10 @@ class _Push:
     waiting: dict[str, str] = field(default_factory=dict)
     #: the due index was armed by this push
     armed: bool = False
+    #: the shared groups' QoS 1/2 deliveries its gets handed out (``g-`` ids), and those a due
+    #: list names: the sweep asks the group about them, not the session's state
+    grouped: set[str] = field(default_factory=set)
+    armed_grouped: set[str] = field(default_factory=set)
     #: the items its first get may take without reading them back (``Given``)
     given: Given | None = None
     #: sources whose items the drain's gate held back from its gets (``shoal.drain``)
@@ -271,8 +275,8 @@ class PushWorker:
         # before their ack timeout, so nothing else would time them
         self._arm([p for p in pushes if any(m["qos"] > 0 for m in p.handed) or _in_flight(p)])
         self._each(self._post_and_go_on, pushes)
-        # a later round's QoS 1/2 of a session not armed yet
-        self._arm([p for p in pushes if p.acked_later and not p.armed])
+        # a later round's QoS 1/2 of a session not armed yet (or a group's not in its list)
+        self._arm([p for p in pushes if p.acked_later or p.grouped])
         self._recheck([p for p in pushes if p.held and p.connection is not None])
         for push in pushes:
             self._settle(push)
@@ -295,6 +299,7 @@ class PushWorker:
             push.handed = self._get(push, push.source, push.read, batch, given=push.given)
         except (ShoalError, ClientError, BotoCoreError) as exc:
             self._stopped(push, exc)
+        push.grouped |= _grouped(push.session_id, push.handed)
         overtaken += self._behind_window(push)
         if (push.direct or overtaken) and batch is not None:
             # the QoS 0 frames' events, appended with the gets' before any frame goes
@@ -340,6 +345,7 @@ class PushWorker:
                     break
                 # a second get looks in every source: what else waits, wherever it is
                 messages = self._get(push, None, None, None)
+                push.grouped |= _grouped(push.session_id, messages)
             # the QoS 0 frames after everything handed out: their messages are the latest
             # (but for what a later round's full window left waiting)
             self._behind_window(push)
@@ -529,16 +535,24 @@ class PushWorker:
         """The due index armed for what waits for an ack: one list of the sessions (the sweep
         goes on from deadline to deadline). Best effort: a lost arm leaves them to the next
         push or a reconnect."""
-        sessions = [p for p in pushes if p.connection is not None and not p.armed]
+        sessions = [
+            p
+            for p in pushes
+            if p.connection is not None and (not p.armed or p.grouped - p.armed_grouped)
+        ]
         if not sessions:
             return
+        grouped = {p.session_id: sorted(p.grouped - p.armed_grouped) for p in sessions}
         try:
-            self.connections.arm_sessions((p.session_id for p in sessions), self._due())
+            self.connections.arm_sessions(
+                (p.session_id for p in sessions), self._due(), grouped=grouped
+            )
         except (ClientError, BotoCoreError) as exc:
             logger.info("push arm failed", extra={"error_type": type(exc).__name__})
             return
         for push in sessions:
             push.armed = True
+            push.armed_grouped |= push.grouped
 
     def _recheck(self, pushes: list[_Push]) -> None:
         """Sessions whose gets found items the drain's gate holds (a later storage topic
@@ -701,6 +715,16 @@ def _in_flight(push: _Push) -> bool:
     """Whether a retried push's session may have deliveries in flight that no due list
     times (its state unread: it may)."""
     return push.retried and (push.read is None or bool(push.read.state.runs))
+
+
+def _grouped(session_id: str, messages: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The ids of the shared groups' QoS 1/2 deliveries among ``messages`` (not the session's
+    own ordinals): they wait for an ack too, timed by their group's stream."""
+    return {
+        str(m.get("id"))
+        for m in messages
+        if m.get("qos", 0) > 0 and ordinal_of(session_id, str(m.get("id", ""))) is None
+    }
 
 
 def _label(push: _Push) -> str | None:

@@ -1,13 +1,17 @@
 """The reaper's sweep of pushed deliveries: connected sessions whose deliveries passed their ack
 timeout (the due index, ``shoal.edge.connections``) pushed again, each armed for its next
 deadline; and the sessions a push found held by the ordered drain's gate (``DUE_HELD``)
-pushed again whatever their state."""
+pushed again whatever their state. A shared group's deliveries are judged by the group (its
+stream's progress, or what it holds for the member): the session's state does not know them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from shoal.core.clock import Clock, SystemClock
+from shoal.core.errors import ShoalError
 from shoal.delivery.service import DeliveryService
 from shoal.edge.connections import DUE_HELD, DUE_SHARDS, ConnectionStore
 from shoal.edge.pushwork import PushQueue
@@ -51,15 +55,21 @@ class PushSweep:
         swept: set[str] = set()
         #: sessions of held lists (``DUE_HELD``): pushed whatever their state says
         held: set[str] = set()
+        grouped: dict[str, set[str]] = {}
         for shard in range(DUE_SHARDS):
             for key, due_at_ms in self.connections.due(shard, now, limit_per_shard):
                 taken = self.connections.take_due(key, due_at_ms)
-                swept.update(taken)
+                swept.update(taken.sessions)
                 if key.startswith(DUE_HELD):
-                    held.update(taken)
+                    held.update(taken.sessions)
+                for session_id, ids in taken.grouped.items():
+                    grouped.setdefault(session_id, set()).update(ids)
         report.swept = len(swept)
         if not swept:
             return report
+        # a group's deliveries still out (not acked, not dropped): their push sends them again
+        # (the group's get finds their runs due), and arms the session for the next deadline
+        held |= self._groups_out(grouped)
         # most sessions acked in time: one batch read of their states says so
         due: set[str] = set()
         later: dict[str, int] = {}
@@ -87,3 +97,19 @@ class PushSweep:
             self.connections.arm_sessions(waiting, min(waiting.values()))
             report.armed += len(waiting)
         return report
+
+    def _groups_out(self, grouped: dict[str, set[str]]) -> set[str]:
+        """The sessions some of whose group deliveries are still out: one batch read of the
+        group's items a session (``SharedGroups.acked_since``); on a failed read, pushed (a
+        push that finds nothing due sends nothing)."""
+        groups = self.delivery.groups
+        if groups is None:
+            return set()
+        out: set[str] = set()
+        for session_id, ids in grouped.items():
+            try:
+                if set(ids) - groups.acked_since(session_id, ids):
+                    out.add(session_id)
+            except (ShoalError, ClientError, BotoCoreError):
+                out.add(session_id)
+        return out

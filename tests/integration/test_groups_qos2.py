@@ -206,3 +206,42 @@ def test_a_held_qos2_message_acked_during_a_get_that_resends_it_is_not_held_agai
     assert w.get(other, channels[other]) == []
     later = w.connect(holder, clean_start=False, session_expiry_s=3600)
     assert w.get(holder, later) == []
+
+
+def test_a_qos2_message_unpinned_as_its_member_leaves_is_dropped_not_held(
+    gworld: GroupWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get read the group while the QoS 2 message's member was in it, and took the message
+    off the stream to hold it for that member; the member's session ended before the get's
+    write, so its leave found nothing held to drop. The write then held the message for a
+    member gone for good: never sent, never dropped, and the audit counted it lost."""
+    w = gworld
+    # Given a QoS 2 message handed to a member that died, its lease expired and its lane
+    # taken by the other member
+    channels, holder, other, delivery = handed(w, 2)
+    session = w.session_id(holder)
+    w.clock.advance(LEASE_S + 1)
+    w.heartbeat(other, channels[other])
+    store = w.group_store
+    save = store.save_progress_holding
+    ended: list[str] = []
+
+    def ended_meanwhile(key: str, progress: Any, expected: int, member: str, held: Any) -> Any:
+        # the dead member's session ends between the get's read of the group and its write
+        if held and not ended:
+            ended.append(w.connect(holder, clean_start=True))
+        return save(key, progress, expected, member, held)
+
+    monkeypatch.setattr(store, "save_progress_holding", ended_meanwhile)
+    # When the other member gets, its serve taking the message off the stream
+    assert w.get(other, channels[other]) == []
+    assert ended
+    # Then the message is dropped for the ended session with its reason
+    dropped = [e for e in events(w.session) if e["event"] == "dropped"]
+    assert [(e["message_id"], e["reason"], e["label"]) for e in dropped] == [
+        (delivery["message_id"], "session_ended", session)
+    ]
+    # and held for no one
+    loaded = w.group("w", "jobs/#")
+    assert loaded is not None and loaded.held == {}
+    assert store.held(loaded.key, session) == []

@@ -72,7 +72,7 @@ counter with its own clock, which a process-less leader cannot do.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -512,6 +512,7 @@ class GroupService:
         partition = group_partition(loaded.state.incarnation)
         lanes = loaded.state.lanes
         gate = self.drain
+        members: Collection[str] = loaded.state.members.keys()
         for attempt in range(ATTEMPTS):
             if progress is None:
                 return []
@@ -542,7 +543,7 @@ class GroupService:
                 dropped=dropped,
                 lanes=lanes,
                 member_id=member_id,
-                members=loaded.state.members.keys(),
+                members=members,
                 unpinned=unpinned,
             )
             if not changed:
@@ -613,6 +614,9 @@ class GroupService:
                         )
                     events.flush(f"group-get/{ref.key}/{source}/{work.pv}")
                 return answers
+            if held:
+                # refused perhaps because a member it held for left: dropped on the retry
+                members = self.store.member_ids(ref.key, loaded.state.incarnation)
             progress = self.store.progress(ref.key, source)
             self.clock.sleep(backoff_s(attempt, 0.005, 0.2))
         raise ServerBusy("this group stream is contended; retry")

@@ -430,7 +430,10 @@ class GroupStore(HeldDeliveries):
         held: Sequence[Mapping[str, Any]],
     ) -> bool:
         """``save_progress`` with the QoS 2 deliveries it took off the stream kept for their
-        members (``held_record``), in one transaction: a crash keeps both or neither."""
+        members (``held_record``), in one transaction: a crash keeps both or neither. Refused
+        too when one of those members left since the group was read: its leave's drop of its
+        held deliveries ran before this write, so nothing would ever send or drop them (the
+        caller serves again with the members as they are now: ``member_ids``)."""
         if not held:
             return self.save_progress(key, progress, expected_pv, member_id)
         parts: list[dict[str, Any]] = [
@@ -461,6 +464,28 @@ class GroupStore(HeldDeliveries):
             }
         ]
         parts += [{"Put": {"TableName": self.table, "Item": to_item(h)}} for h in held]
+        owners = sorted({str(h["mid"]) for h in held})
+        parts.append(
+            {
+                "ConditionCheck": {
+                    "TableName": self.table,
+                    "Key": to_item({"group": key, "item": LEADER}),
+                    # a leave removes the member from the leader's map (``leave_parts``)
+                    "ConditionExpression": " AND ".join(
+                        [
+                            "#inc = :inc",
+                            *(f"attribute_exists(#mb.#m{n})" for n in range(len(owners))),
+                        ]
+                    ),
+                    "ExpressionAttributeNames": {
+                        "#inc": "inc",
+                        "#mb": "mb",
+                        **{f"#m{n}": m for n, m in enumerate(owners)},
+                    },
+                    "ExpressionAttributeValues": to_item({":inc": progress.incarnation}),
+                }
+            }
+        )
         ok = self.dynamo.transact(parts) is None
         self.stats.count("progress", conflict=not ok)
         return ok
@@ -570,6 +595,13 @@ class GroupStore(HeldDeliveries):
 
     def leader_raw(self, key: str) -> dict[str, Any] | None:
         return self.dynamo.get(self.table, {"group": key, "item": LEADER})
+
+    def member_ids(self, key: str, incarnation: str) -> set[str]:
+        """The incarnation's members as its leader lists them now (none once it is gone)."""
+        raw = self.leader_raw(key)
+        if raw is None or str(raw["inc"]) != incarnation:
+            return set()
+        return set(raw.get("mb") or {})
 
     def join_parts(
         self,

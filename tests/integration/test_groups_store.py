@@ -313,7 +313,7 @@ def _live(groups: Groups, member: str) -> bool:
     return loaded.state.members[member].alive(groups.clock.now_ms(), int(LEASE_S * 1000))
 
 
-def test_a_keep_outlasts_the_lease_and_a_heartbeat_writes_it_back(groups: Groups) -> None:
+def test_a_keep_outlasts_the_lease_and_a_heartbeat_leaves_it(groups: Groups) -> None:
     # Given a member kept live by its connection for an hour
     incarnation = groups.join("a")
     groups.join("b")
@@ -323,7 +323,7 @@ def test_a_keep_outlasts_the_lease_and_a_heartbeat_writes_it_back(groups: Groups
     groups.clock.advance(3 * LEASE_S)
     groups.service.heartbeat("a", groups.subs(incarnation))
     groups.clock.advance(3 * LEASE_S)
-    # Then it is live still (the heartbeat's record replaced its item with the keep in it)
+    # Then it is live still (the heartbeat's renewal left the keep on its item)
     assert _live(groups, "a") and not _live(groups, "b")
     # When another connection's end comes: not the one keeping it, so nothing changes
     groups.service.connection_ended("a", groups.subs(incarnation), "conn-0")
@@ -347,3 +347,97 @@ def test_a_keep_of_a_past_membership_counts_not_for_a_new_one(groups: Groups) ->
     groups.clock.advance(LEASE_S + 1)
     # Then the keep written for its earlier membership does not keep it live
     assert not _live(groups, "a")
+
+
+def _holders(groups: Groups) -> dict[str, str]:
+    """The streams' holders after an advance (a stream nobody holds is left out)."""
+    loaded = groups.store.advance(groups.key, groups.clock.now_ms())
+    assert loaded is not None
+    streams = sorted(loaded.state.streams.items())
+    return {s: x.holder for s, x in streams if x.held and x.holder is not None}
+
+
+def test_a_connections_end_between_a_heartbeats_read_and_write_stays_a_release(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a and b holding a stream each, a kept live by its connection for an hour
+    incarnation = groups.join("a")
+    groups.join("b")
+    by = KeptBy("conn-1", "chan-1", groups.clock.now_ms() + 3_600_000)
+    assert groups.service.keep("a", groups.subs(incarnation), by) == 1
+    groups.publish(incarnation, "src1", 1)
+    groups.publish(incarnation, "src2", 1)
+    assert sorted(_holders(groups).values()) == ["a", "b"]
+    # When a's connection ends after a heartbeat of its session read the group, before the
+    # heartbeat writes the member's renewal
+    write = groups.store.renew_members
+
+    def ended_meanwhile(*args: Any, **kwargs: Any) -> None:
+        groups.service.connection_ended("a", groups.subs(incarnation), "conn-1")
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(groups.store, "renew_members", ended_meanwhile)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    monkeypatch.undo()
+    # Then the release stands: while b alone heartbeats on, both streams stay with b, and a
+    # is not live (its renewal came before the end)
+    groups.clock.advance(LEASE_S / 2)
+    groups.service.heartbeat("b", groups.subs(incarnation))
+    assert _holders(groups) == {"src1": "b", "src2": "b"}
+    assert not _live(groups, "a")
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None and "a" not in loaded.kept
+    assert loaded.state.members["a"].released_at_ms > 0
+
+
+def test_a_keep_written_between_a_heartbeats_read_and_write_stays(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a member renewing over HTTP, no connection keeping it
+    incarnation = groups.join("a")
+    groups.join("b")
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    # When a connection keeps it after a heartbeat read the group, before the heartbeat
+    # writes the member's renewal
+    by = KeptBy("conn-1", "chan-1", groups.clock.now_ms() + 3_600_000)
+    write = groups.store.renew_members
+
+    def kept_meanwhile(*args: Any, **kwargs: Any) -> None:
+        assert groups.service.keep("a", groups.subs(incarnation), by) == 1
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(groups.store, "renew_members", kept_meanwhile)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    monkeypatch.undo()
+    # Then the keep stands: a is live long after its lease would have run out
+    groups.clock.advance(3 * LEASE_S)
+    assert _live(groups, "a")
+
+
+def test_a_heartbeat_replaces_a_member_item_an_earlier_incarnation_left(groups: Groups) -> None:
+    # Given a member whose item is an earlier incarnation's, with that one's keep and release
+    incarnation = groups.join("a")
+    groups.store.dynamo.batch_put(
+        groups.store.table,
+        [
+            {
+                "group": groups.key,
+                "item": "m#a",
+                "inc": "earlier",
+                "r": 1,
+                "kc": "conn-0",
+                "kch": "chan-0",
+                "ku": groups.clock.now_ms() + 3_600_000,
+                "ka": groups.clock.now_ms() + 1,
+                "ke": groups.clock.now_ms() + 1,
+            }
+        ],
+    )
+    # When it heartbeats
+    groups.clock.advance(1)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    # Then its item is this incarnation's, renewed, with neither of them
+    item = groups.store.dynamo.get(groups.store.table, {"group": groups.key, "item": "m#a"})
+    assert item is not None and item["inc"] == incarnation
+    assert item["r"] == groups.clock.now_ms() and "vw" in item
+    assert not {"kc", "kch", "ku", "ka", "ke"} & set(item)

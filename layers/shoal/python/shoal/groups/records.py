@@ -163,14 +163,6 @@ class Keep:
     #: when it was written: a keep older than the member's join is a past membership's
     at_ms: int
 
-    def record(self) -> dict[str, Any]:
-        return {
-            "kc": self.connection_id,
-            "kch": self.channel,
-            "ku": self.until_ms,
-            "ka": self.at_ms,
-        }
-
     @classmethod
     def from_record(cls, row: Mapping[str, Any]) -> Keep | None:
         if row.get("kc") is None:
@@ -184,11 +176,9 @@ def member_record(
     member_id: str,
     renewed_at_ms: int,
     view: AgentView,
-    *,
-    keep: Keep | None = None,
-    released_at_ms: int = 0,
 ) -> dict[str, Any]:
-    """``keep``, ``released_at_ms``: as read, written back (the record replaces the item)."""
+    """The item a heartbeat writes: its renewal and view only (``GroupStore.renew_members``
+    leaves a keep and a release as they are)."""
     record: dict[str, Any] = {
         "group": key,
         "item": member_item(member_id),
@@ -203,10 +193,6 @@ def member_record(
             separators=(",", ":"),
         ),
     }
-    if keep is not None:
-        record.update(keep.record())
-    if released_at_ms:
-        record["ke"] = released_at_ms
     return record
 
 

@@ -54,11 +54,12 @@ In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupI
   every stream whose holder, lease or state it changed, on condition of that stream's
   progress version (a holder's last get never races a hand-off).
 - ``m#<session id>``: the member's last renewal and agent view. A heartbeat renews every group
-  of the session in one batch write (no condition can fail); a member is live from its join
-  until its first heartbeat. A member whose session is connected over the WebSocket API runs
-  no function while idle: its connection *keeps* it live instead (``keep``; the connection,
-  its channel and a bound on this item), until the connection ends (``connection_ended``,
-  or the reaper's ``channel_expired`` for a ``$disconnect`` that never came).
+  of the session, an update of each item's renewal and view (a keep or a release written
+  meanwhile stays); a member is live from its join until its first heartbeat. A member whose
+  session is connected over the WebSocket API runs no function while idle: its connection
+  *keeps* it live instead (``keep``; the connection, its channel and a bound on this item),
+  until the connection ends (``connection_ended``, or the reaper's ``channel_expired`` for a
+  ``$disconnect`` that never came).
 - ``s#<source>``: one stream's fence and progress (``shoal.groups.streams``), created by the
   router the first time it writes to the stream (that is how the leader learns of streams).
 
@@ -324,7 +325,7 @@ class GroupService:
     # -- heartbeat
 
     def heartbeat(self, session_id: str, subscriptions: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Renew the session's leases in all its groups (one batch write) and answer what
+        """Renew the session's leases in all its groups (a write each) and answer what
         changed since the member last heard: new, revoking and revoked streams."""
         now = self.clock.now_ms()
         records: list[dict[str, Any]] = []
@@ -337,7 +338,6 @@ class GroupService:
                 continue
             view = loaded.views.get(session_id, AgentView())
             view, delta = agent_sync(view, loaded.state, session_id)
-            member = loaded.state.members[session_id]
             records.append(
                 member_record(
                     ref.key,
@@ -345,9 +345,6 @@ class GroupService:
                     session_id,
                     now,
                     view,
-                    # the record replaces the item: a keep read with it stays
-                    keep=loaded.kept.get(session_id),
-                    released_at_ms=member.released_at_ms,
                 )
             )
             changes += [

@@ -17,6 +17,7 @@ from shoal.core.errors import ServerBusy
 from shoal.core.observability import count
 from shoal.core.retry import backoff_s
 from shoal.groups.held import HeldDeliveries
+from shoal.groups.members import ATTEMPTS, MemberItems
 from shoal.groups.records import (
     HELD_PREFIX,
     KEEP_ATTRIBUTES,
@@ -30,7 +31,6 @@ from shoal.groups.records import (
     agent_view,
     default_lanes,
     leader_record,
-    member_item,
     new_incarnation,
 )
 from shoal.groups.state import (
@@ -59,15 +59,11 @@ from shoal.groups.streams import (
     stream_item,
 )
 
-#: optimistic-concurrency attempts on a group's leader or a stream's progress
-ATTEMPTS = 12
-
-
 #: items of a removed group's backlog deleted at once; TTL removes the rest
 MAX_BACKLOG_DELETE = 1000
 
 
-class GroupStore(HeldDeliveries):
+class GroupStore(HeldDeliveries, MemberItems):
     """The groups table: leaders, members' renewals, streams' progress."""
 
     def __init__(
@@ -489,89 +485,6 @@ class GroupStore(HeldDeliveries):
         ok = self.dynamo.transact(parts) is None
         self.stats.count("progress", conflict=not ok)
         return ok
-
-    # -- members' renewals and views
-
-    def renew_members(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """Members' renewals (and agent views), all in one batch: no condition can fail."""
-        if records:
-            self.dynamo.batch_put(self.table, list(records))
-
-    def renew(self, key: str, incarnation: str, member_id: str, now_ms: int) -> None:
-        """A member's renewal alone (its view stays as it is): no condition a racing member
-        can fail, and no write of the leader."""
-        self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=to_item({"group": key, "item": member_item(member_id)}),
-            UpdateExpression="SET #r = :r, #inc = :inc",
-            # an item an earlier incarnation left behind is the heartbeat's to replace
-            ConditionExpression="attribute_not_exists(#inc) OR #inc = :inc",
-            ExpressionAttributeNames={"#r": "r", "#inc": "inc"},
-            ExpressionAttributeValues=to_item({":r": now_ms, ":inc": incarnation}),
-        )
-
-    def keep(self, key: str, incarnation: str, member_id: str, keep: Keep) -> bool:
-        """A connection keeps the member live: one update of its item, on condition that the
-        item is this incarnation's (or new). False when it is an earlier incarnation's."""
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=to_item({"group": key, "item": member_item(member_id)}),
-            UpdateExpression="SET #kc = :kc, #kch = :kch, #ku = :ku, #ka = :ka, #inc = :inc",
-            ConditionExpression="attribute_not_exists(#inc) OR #inc = :inc",
-            ExpressionAttributeNames={
-                "#kc": "kc",
-                "#kch": "kch",
-                "#ku": "ku",
-                "#ka": "ka",
-                "#inc": "inc",
-            },
-            ExpressionAttributeValues=to_item(
-                {
-                    ":kc": keep.connection_id,
-                    ":kch": keep.channel,
-                    ":ku": keep.until_ms,
-                    ":ka": keep.at_ms,
-                    ":inc": incarnation,
-                }
-            ),
-        )
-
-    def release(self, loaded: Loaded, member_id: str, now_ms: int) -> bool:
-        """The keep ``loaded`` read for the member ends now (renewals before count no more):
-        one update, on condition that the same connection still keeps it. False when another
-        keeps it now (or none does)."""
-        keep = loaded.kept[member_id]
-        return self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=to_item({"group": loaded.key, "item": member_item(member_id)}),
-            UpdateExpression="REMOVE #kc, #kch, #ku, #ka SET #ke = :ke",
-            ConditionExpression="#kc = :kc AND #ka = :ka",
-            ExpressionAttributeNames={
-                "#kc": "kc",
-                "#kch": "kch",
-                "#ku": "ku",
-                "#ka": "ka",
-                "#ke": "ke",
-            },
-            ExpressionAttributeValues=to_item(
-                {":kc": keep.connection_id, ":ka": keep.at_ms, ":ke": now_ms}
-            ),
-        )
-
-    def lost(self, key: str, member_id: str) -> None:
-        """A member's write was fenced off: its agent goes back to connecting."""
-        self.dynamo.conditional(
-            "update_item",
-            TableName=self.table,
-            Key=to_item({"group": key, "item": member_item(member_id)}),
-            UpdateExpression="SET #lost = :true",
-            ConditionExpression="attribute_exists(#vw)",
-            ExpressionAttributeNames={"#vw": "vw", "#lost": "lost"},
-            ExpressionAttributeValues=to_item({":true": True}),
-        )
 
     # -- the router's streams
 

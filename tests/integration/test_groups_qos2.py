@@ -8,6 +8,7 @@ the reason ``session_ended``. QoS 1 keeps today's rule: it moves to a live membe
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from typing import Any
 
@@ -245,3 +246,42 @@ def test_a_qos2_message_unpinned_as_its_member_leaves_is_dropped_not_held(
     loaded = w.group("w", "jobs/#")
     assert loaded is not None and loaded.held == {}
     assert store.held(loaded.key, session) == []
+
+
+def test_a_full_window_of_qos2_messages_is_held_for_its_dead_member_within_a_transaction(
+    gworld: GroupWorld,
+) -> None:
+    """A member dies with a full page of QoS 2 deliveries in flight on one lane (100, the most
+    a get hands out). The member that takes the lane holds them for it: one held item each,
+    written with the stream's progress in one transaction, which DynamoDB caps at 100 parts.
+    Before, all 100 went in one (102 parts with the progress and the members' check): every
+    get of the lane failed, so its messages stopped for every member."""
+    w = gworld
+    channels = members(w)
+    for n in range(100):
+        w.publish("jobs/1", f"job-{n}", qos=2, ordering_key="k")
+    w.route()
+    got = {c: w.get(c, ch, max_messages=100) for c, ch in channels.items()}
+    [holder] = [c for c, m in got.items() if m]
+    [other] = [c for c in channels if c != holder]
+    assert len(got[holder]) == 100
+    # When the holder dies and the other member, getting pages of 100, takes the lane; then a
+    # later message on it
+    got_other: list[dict[str, Any]] = []
+    for round in range(2):
+        for _ in range(int((LEASE_S + 10) / 2)):
+            w.clock.advance(2)
+            w.heartbeat(other, channels[other])
+            got_other += w.get(other, channels[other], max_messages=100)
+        if round == 0:
+            w.publish("jobs/1", "later", qos=2, ordering_key="k")
+            w.route()
+    # Then the other member gets the later message, none of the dead member's
+    assert [base64.b64decode(m["payload"]) for m in got_other] == [b"later"]
+    # and the dead member, back, gets each of its 100 again, once, with dup
+    channel = w.connect(holder, clean_start=False, session_expiry_s=3600)
+    again: list[dict[str, Any]] = []
+    for _ in range(5):
+        again += w.get(holder, channel, max_messages=100)
+    assert sorted(m["id"] for m in again) == sorted(m["id"] for m in got[holder])
+    assert all(m["dup"] for m in again)

@@ -484,6 +484,12 @@ class Unpinned:
     ended: bool
 
 
+#: QoS 2 deliveries one get takes off a stream for other members at most: each is a held item
+#: written in the transaction of the stream's progress (and the members' check), which
+#: DynamoDB caps at 100 parts
+MAX_UNPINNED = 90
+
+
 def serve(
     progress: StreamProgress,
     *,
@@ -537,7 +543,11 @@ def serve(
         pending = [(n, f) for n, f in enumerate(found) if not progress.is_done(run.first + n)]
         room = wanted - len(out)
         taken = pending[:room]
-        for n, f in taken:
+        for at, (n, f) in enumerate(taken):
+            if unpinned is not None and len(unpinned) >= MAX_UNPINNED:
+                # the rest of the run waits for the next get: held in one transaction
+                taken = taken[:at]
+                break
             if _expired(f, now_ms):
                 progress.done.add(run.first + n)
                 continue
@@ -557,6 +567,8 @@ def serve(
         if len(taken) == len(pending):
             run.sent_at_ms, run.lease, run.channel = now_ms, progress.lease, channel
             continue
+        if not taken:
+            break
         # split: the part handed out now (under this lease), the rest still due
         cut = taken[-1][0] + 1
         progress.runs.remove(run)

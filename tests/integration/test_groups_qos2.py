@@ -285,3 +285,40 @@ def test_a_full_window_of_qos2_messages_is_held_for_its_dead_member_within_a_tra
         again += w.get(holder, channel, max_messages=100)
     assert sorted(m["id"] for m in again) == sorted(m["id"] for m in got[holder])
     assert all(m["dup"] for m in again)
+
+
+def test_held_qos2_messages_a_leave_failed_to_drop_are_dropped_by_the_next_get(
+    gworld: GroupWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leave commits, then its drop of the leaver's held deliveries fails (or its function
+    dies there): nothing would ever send or drop them, and the audit counted them lost. The
+    next get of any member, whose read of the group counts them, drops them with the reason."""
+    w = gworld
+    # Given a QoS 2 message held for a member that died, its lane taken by the other member
+    channels, holder, other, delivery = handed(w, 2)
+    assert outlive_the_holder(w, other, channels[other]) == []
+    # When the member comes back and unsubscribes, and the drop after the commit fails
+    channel = w.connect(holder, clean_start=False, session_expiry_s=3600)
+
+    drop = w.groups.drop_held
+    failed: list[str] = []
+
+    def fails_once(key: str, member_id: str) -> int:
+        if not failed:
+            failed.append(member_id)
+            raise RuntimeError("killed after the leave's commit")
+        return drop(key, member_id)
+
+    monkeypatch.setattr(w.groups, "drop_held", fails_once)
+    status, answer = w.unsubscribe(holder, channel, GROUP)
+    assert status == 200, answer
+    assert failed == [w.session_id(holder)]
+    assert [e for e in events(w.session) if e["event"] == "dropped"] == []
+    # Then the other member's next get drops it, with its reason, once
+    w.heartbeat(other, channels[other])
+    assert w.get(other, channels[other]) == []
+    assert w.get(other, channels[other]) == []
+    dropped = [e for e in events(w.session) if e["event"] == "dropped"]
+    assert [(e["message_id"], e["reason"], e["label"]) for e in dropped] == [
+        (delivery["message_id"], "session_ended", w.session_id(holder))
+    ]

@@ -234,8 +234,8 @@ class GroupService:
             try:
                 self.drop_held(key, member_id)
             except Exception:
-                # held items of a non-member are never served; the next leave retries nothing,
-                # so they wait for the group's removal (remove_backlog) or TTL
+                # held items of a non-member are never served: the next get of any member
+                # drops them (its read of the group counts them)
                 logger.exception("dropping a leaver's held QoS 2 deliveries failed")
         for key, incarnation in plan.removed:
             self._record_removal(key, incarnation)
@@ -378,6 +378,8 @@ class GroupService:
             loaded = self.store.advance(ref.key, now, renewing=session_id, acting=session_id)
             if loaded is None or not _same(ref, loaded):
                 continue
+            for gone in sorted(loaded.held.keys() - loaded.state.members.keys()):
+                self.drop_held(ref.key, gone)  # a leave's own drop failed (``after``)
             self._renew_if_due(ref.key, loaded, session_id, now)
             mine = sorted(
                 s for s, x in loaded.state.streams.items() if x.holder == session_id and x.held

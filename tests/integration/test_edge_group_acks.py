@@ -159,3 +159,39 @@ def test_a_due_list_keeps_the_group_ids_it_was_armed_for(group_edge: Edge) -> No
     }
     # taken once
     assert connections.take_due(key, due_at_ms).sessions == []
+
+
+def test_a_group_copy_posted_late_is_not_posted_once_its_ordinal_is_done(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run J of the soak: a member's first copy was posted 38 s after its get handed it out (a
+    batch posts only after all its gets, and the machine was loaded); meanwhile its lane moved
+    and the next holder got the message again and acked it, 20 s before the post. A post that
+    late checks the group first, and a copy whose ordinal is done on its stream goes nowhere.
+    Here the member's own ack frame, run between the get and the post, makes it done: the
+    check reads the stream, not who acked."""
+    edge = group_edge
+    edge.connect("c1", client_id="alice-1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{**SHARE, "qos": 1}]})
+    real_get = PushWorker._get
+    acked: list[dict[str, Any]] = []
+
+    def get_then_done(self: PushWorker, *args: Any, **kwargs: Any) -> Any:
+        handed = real_get(self, *args, **kwargs)
+        if handed and not acked:
+            # the post comes late: its ordinal is done on the stream before it
+            edge.world.clock.advance(2)
+            event = edge.event("edge_frame.json", "c1")
+            event["body"] = json.dumps({"action": "ack", "ref": "x", "ids": [handed[0]["id"]]})
+            event["requestContext"]["routeKey"] = "ack"
+            handle(lambda: edge.service, event)
+            acked.extend(f for f in edge.api.sent["c1"] if f["action"] == "acked")
+        return handed
+
+    monkeypatch.setattr(PushWorker, "_get", get_then_done)
+    # When a message's first copy is handed out, its ordinal done, and its post comes late
+    edge.world.publish("a/b", "job", qos=1)
+    edge.world.route()
+    # Then the copy was not posted
+    assert [a["acked"] for a in acked] == [1]
+    assert edge.messages("c1") == []

@@ -63,6 +63,11 @@ PUSH_PARALLELISM = 16
 MAX_ROUNDS = 8
 #: a session whose items the drain's gate held is pushed again (by the sweep) this much later
 DRAIN_RECHECK_MS = 2_000
+#: a shared group's copy posted this long after its get handed it out is checked first: its
+#: lane may have moved meanwhile and another member acked it (a batch posts only after all its
+#: gets; the soak's run J saw a first copy posted 38 s after its hand-out, 20 s after the other
+#: member's ack). Deployed, a get and its post are tens of ms apart: no read is added
+LATE_POST_MS = 1_000
 #: a chunk returned to the queue is visible again after a jittered, growing delay (by its
 #: receive count), at most this long: its group (its sessions' later pushes) waits meanwhile
 MAX_RETRY_DELAY_S = 60
@@ -125,6 +130,8 @@ class _Push:
     #: list names: the sweep asks the group about them, not the session's state
     grouped: set[str] = field(default_factory=set)
     armed_grouped: set[str] = field(default_factory=set)
+    #: when its last get began (what it handed out is posted after)
+    got_at_ms: int = 0
     #: the items its first get may take without reading them back (``Given``)
     given: Given | None = None
     #: sources whose items the drain's gate held back from its gets (``shoal.drain``)
@@ -295,6 +302,7 @@ class PushWorker:
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
         """A push's first get, its events to ``batch``."""
         overtaken = self._overtaken(push) + self._gated(push)
+        push.got_at_ms = self.clock.now_ms()
         try:
             push.handed = self._get(push, push.source, push.read, batch, given=push.given)
         except (ShoalError, ClientError, BotoCoreError) as exc:
@@ -344,6 +352,7 @@ class PushWorker:
                 if not more or rounds >= MAX_ROUNDS:
                     break
                 # a second get looks in every source: what else waits, wherever it is
+                push.got_at_ms = self.clock.now_ms()
                 messages = self._get(push, None, None, None)
                 push.grouped |= _grouped(push.session_id, messages)
             # the QoS 0 frames after everything handed out: their messages are the latest
@@ -473,10 +482,14 @@ class PushWorker:
         group's held QoS 2 delivery, 29 s after. A strongly consistent read of the session's
         state, and one of the group items, only when such a copy goes out (after an ack
         timeout, or on a new connection); if one fails, its copies go out as before (the
-        client acks them again, unprocessed)."""
+        client acks them again, unprocessed). A late post (``LATE_POST_MS``) checks a shared
+        group's first copies too."""
         again = [str(m.get("id", "")) for m in messages if m.get("dup")]
         ordinals = {i: o for i in again if (o := ordinal_of(push.session_id, i)) is not None}
         grouped = [i for i in again if i not in ordinals]
+        if self.clock.now_ms() - push.got_at_ms > LATE_POST_MS:
+            # a late post: a group's first copies too (``LATE_POST_MS``)
+            grouped = sorted(_grouped(push.session_id, messages) | set(grouped))
         acked: set[str] = set()
         if ordinals:
             with suppress(ShoalError, ClientError, BotoCoreError):

@@ -1066,9 +1066,12 @@ def test_the_checkers_own_matcher_follows_mqtt(
     assert matches(topic_filter, topic) is expected
 
 
-def slow_http_connect(run: Run, answered_after_s: float) -> None:
+def slow_http_connect(answered_after_s: float, will_after_s: float) -> Report:
     """``dev`` connects over HTTP (keepalive 4 s, will w-9 without delay), its answer
-    ``answered_after_s`` after it sent it (retried meanwhile), then disconnects normally."""
+    ``answered_after_s`` after it sent it (retried meanwhile), then disconnects normally; the
+    will is published ``will_after_s`` after the connect was sent. The history checked."""
+    run = Run()
+    start = run.now
     run.connect("watcher", "w1")
     run.subscribe("watcher", "wills/#")
     will = {"wid": "w-9", "topic": "wills/dev", "delay_s": 0}
@@ -1088,27 +1091,29 @@ def slow_http_connect(run: Run, answered_after_s: float) -> None:
     run.rec("disconnect", phase="invoke", client="dev", conn="d9")
     run.tick()
     run.rec("disconnect", phase="ok", client="dev", conn="d9")
-
-
-def test_a_will_of_a_channel_an_unanswered_connect_try_registered_is_allowed() -> None:
-    # Given an HTTP connect answered 20 s after it was sent (an earlier try may have registered
-    # a channel whose answer was lost, silent from then on), ended with a normal DISCONNECT,
-    # and its will published 12 s after the connect was sent
-    run = Run()
-    start = run.now
-    slow_http_connect(run, answered_after_s=20)
+    published_at = int((start + will_after_s) * 1000)
     run.consume(
         "watcher",
         "",
         sub="wills/#",
         conn="w1",
         wid="w-9",
-        delivery_id="d-will-1",
-        published_at=int((start + 12) * 1000),
+        delivery_id="d-1",
+        published_at=published_at,
     )
+    return run.check()
 
-    # When the history is checked
-    report = run.check()
+
+NORMAL_DISCONNECT = (
+    "dev's will w-9 was published though it ended with a normal DISCONNECT [MQTT-3.1.2-8]"
+)
+
+
+def test_a_will_of_a_channel_an_unanswered_connect_try_registered_is_allowed() -> None:
+    # Given an HTTP connect answered 20 s after it was sent (an earlier try may have registered
+    # a channel whose answer was lost, silent from then on), ended with a normal DISCONNECT,
+    # and its will published 12 s after the connect was sent: when the history is checked
+    report = slow_http_connect(answered_after_s=20, will_after_s=12)
 
     # Then the will is that unseen channel's, lost after its keepalive: allowed, and counted
     assert report.ok, report.render()
@@ -1117,45 +1122,13 @@ def test_a_will_of_a_channel_an_unanswered_connect_try_registered_is_allowed() -
 
 def test_a_will_sooner_than_any_unseen_channel_could_lose_it_is_still_caught() -> None:
     # Given the same slow connect, its will published 2 s after the connect was sent (no
-    # channel can have gone silent for its keepalive by then)
-    run = Run()
-    start = run.now
-    slow_http_connect(run, answered_after_s=20)
-    run.consume(
-        "watcher",
-        "",
-        sub="wills/#",
-        conn="w1",
-        wid="w-9",
-        delivery_id="d-will-1",
-        published_at=int((start + 2) * 1000),
-    )
-
-    # When the history is checked
-    report = run.check()
-
-    # Then it broke [MQTT-3.1.2-8]
-    assert violations(report, "will") == [
-        "dev's will w-9 was published though it ended with a normal DISCONNECT [MQTT-3.1.2-8]"
-    ]
+    # channel can have gone silent for its keepalive by then): it broke [MQTT-3.1.2-8]
+    report = slow_http_connect(answered_after_s=20, will_after_s=2)
+    assert violations(report, "will") == [NORMAL_DISCONNECT]
 
 
 def test_a_connect_answered_in_time_has_no_unseen_channel() -> None:
     # Given an HTTP connect answered within its keepalive, a normal DISCONNECT, and a will
-    run = Run()
-    start = run.now
-    slow_http_connect(run, answered_after_s=1)
-    run.consume(
-        "watcher",
-        "",
-        sub="wills/#",
-        conn="w1",
-        wid="w-9",
-        delivery_id="d-will-1",
-        published_at=int((start + 12) * 1000),
-    )
-
-    # When the history is checked: caught
-    assert violations(run.check(), "will") == [
-        "dev's will w-9 was published though it ended with a normal DISCONNECT [MQTT-3.1.2-8]"
-    ]
+    report = slow_http_connect(answered_after_s=1, will_after_s=12)
+    # Then it broke [MQTT-3.1.2-8]
+    assert violations(report, "will") == [NORMAL_DISCONNECT]

@@ -93,6 +93,15 @@ class SessionGate:
         noted = state.drained.get(topic, 0) if state is not None else 0
         return max(noted, self._passed.get((session_id, topic), 0))
 
+    def precedes(self, stream: str | None, later: str | None) -> bool:
+        """True if ``stream`` is an earlier storage topic of ``later``'s composite topic: its
+        messages all come before ``later``'s, whatever their positions. No read."""
+        if stream is None or later is None:
+            return False
+        a = storage_of(stream, self.stream_prefix)
+        b = storage_of(later, self.stream_prefix)
+        return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
+
     def first(self, stream: str) -> bool:
         """True if ``stream`` is its composite topic's first storage topic (or none): its gate
         is open for every session, with nothing to read."""

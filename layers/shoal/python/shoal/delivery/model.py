@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -346,6 +346,16 @@ class ArchiveLine:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+class Position(NamedTuple):
+    """Where a delivery a get handed out is: its source, its position there, and its item's
+    storage stream when the drain gates it (``InboxItem.stream``; None for a composite topic's
+    first storage topic, or a delivery sent again)."""
+
+    source: str
+    position: str
+    stream: str | None = None
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from shoal.delivery.model import (
     POLL_INTERVAL_S,
     RETAINED_SOURCE,
     AckRequest,
+    Position,
     retained_mark,
 )
 from shoal.delivery.ports import SharedGroups
@@ -88,8 +89,9 @@ class _Plan:
     changed: bool = False
     #: new deliveries done without going out, and why (delivery events: ``dropped``)
     dropped: list[tuple[InboxMessage, str]] = field(default_factory=list)
-    #: where each delivery of ``out`` is, by id: (source, position)
-    positions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: where each delivery of ``out`` is, by id: (source, position, the item's storage stream
+    #: when the drain gates it, ``InboxItem.stream``)
+    positions: dict[str, Position] = field(default_factory=dict)
     #: the first new message left waiting behind a full window: (source, position)
     waiting: tuple[str, str] | None = None
 
@@ -178,7 +180,7 @@ class DeliveryService:
         known: SessionRead | None = None,
         events: EventBatch | None = None,
         given: Given | None = None,
-        positions: dict[str, tuple[str, str]] | None = None,
+        positions: dict[str, Position] | None = None,
         waiting: dict[str, str] | None = None,
         held: set[str] | None = None,
     ) -> dict[str, Any]:
@@ -194,12 +196,12 @@ class DeliveryService:
         them, before the deliveries go out). ``given``: the items the caller wrote of ``source``
         for this session (the router's, carried by its push), handed out without being read
         back when the session's cursor stands where they follow (``Given``). ``positions``:
-        filled with the source and position of each delivery handed out from the inbox, by id
-        (a push orders the QoS 0 frames it carries among them). ``waiting``: filled with the
-        position of the first new message the session's full window left waiting, by source
-        (a QoS 0 frame carried past it would overtake it). ``held``: filled with the sources
-        whose items the drain's gate held back (``shoal.drain``): a push has them pushed
-        again once the gate may be open."""
+        filled with the source, position and gated storage stream of each delivery handed out
+        from the inbox, by id (a push orders the QoS 0 frames it carries among them).
+        ``waiting``: filled with the position of the first new message the session's full
+        window left waiting, by source (a QoS 0 frame carried past it would overtake it).
+        ``held``: filled with the sources whose items the drain's gate held back
+        (``shoal.drain``): a push has them pushed again once the gate may be open."""
         if max_messages < 1:
             raise BadRequest("max is at least 1", field="max")
         if wait_ms < 0:
@@ -348,6 +350,9 @@ class DeliveryService:
                     # its archive line is gone: nothing left to send again
                     state.acked.add(run.first + n)
                     continue
+                # a run's items are not read for their stream: a delivery sent again is of a
+                # storage topic the session has had, which no QoS 0 frame of an earlier one
+                # may follow (``PushWorker._gated``)
                 self._give(
                     plan, session_id, run.first + n, message, dup=True, now=now, source=run.source
                 )
@@ -450,7 +455,14 @@ class DeliveryService:
                         window_left += 1
                     continue
                 self._give(
-                    plan, session_id, ordinal, message, dup=False, now=now, source=found.source
+                    plan,
+                    session_id,
+                    ordinal,
+                    message,
+                    dup=False,
+                    now=now,
+                    source=found.source,
+                    stream=found.item.stream,
                 )
                 if message.qos == 0:
                     state.acked.add(ordinal)  # at most once: done as it goes out
@@ -525,11 +537,12 @@ class DeliveryService:
         dup: bool,
         now: int,
         source: str,
+        stream: str | None = None,
     ) -> None:
         """``message`` handed out as ordinal ``ordinal``: its answer, and where it is."""
         answer = self._answer(session_id, ordinal, message, dup, now)
         plan.out.append(answer)
-        plan.positions[answer["id"]] = (source, message.position)
+        plan.positions[answer["id"]] = Position(source, message.position, stream)
 
     def _answer(
         self, session_id: str, ordinal: int, message: InboxMessage, dup: bool, now: int

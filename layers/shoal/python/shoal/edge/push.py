@@ -44,8 +44,9 @@ from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch, record_answers
+from shoal.delivery.gate import SessionGate
 from shoal.delivery.inbox import Given, LineCache, ordinal_of
-from shoal.delivery.model import MAX_GET
+from shoal.delivery.model import MAX_GET, Position
 from shoal.delivery.service import DeliveryService, SessionRead
 from shoal.edge.connections import Connection, ConnectionStore
 from shoal.edge.frames import MessageFrame, encode
@@ -86,11 +87,17 @@ class _Qos0:
     #: the source's stream when the drain gates it (``PushWork.stream``)
     stream: str | None = None
 
-    def before(self, at: tuple[str, str] | None) -> bool:
-        """Whether it goes before a delivery at ``at`` (of the same source, later)."""
-        if at is None or self.position is None or self.source != at[0]:
+    def before(self, at: Position | None, gate: SessionGate | None) -> bool:
+        """Whether it goes before a delivery at ``at``: one of the same source, later, or one
+        of a later storage topic of its composite topic (the gate let that out once the
+        session had every inbox item of this one, but this frame is in no inbox)."""
+        if at is None:
             return False
-        return self.position < at[1]
+        if gate is not None and gate.precedes(self.stream, at.stream):
+            return True
+        if self.position is None or self.source != at.source:
+            return False
+        return self.position < at.position
 
 
 @dataclass
@@ -121,7 +128,7 @@ class _Push:
     #: the QoS 0 frames posted
     posted_direct: int = 0
     #: where each delivery the gets handed out is in its source, by id
-    positions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    positions: dict[str, Position] = field(default_factory=dict)
     #: the first message of each source a full window left waiting (``DeliveryService.get``)
     waiting: dict[str, str] = field(default_factory=dict)
     #: the due index was armed by this push
@@ -506,13 +513,15 @@ class PushWorker:
         its source. Those are taken from anywhere in ``push.direct`` (in their order): a push
         of several records holds frames of several sources in record order, and a frame of
         another source ahead of them must not keep them back (the soak at 200 clients, seed
-        11, saw a QoS 0 frame posted after a later QoS 1 message of its key so)."""
+        11, saw a QoS 0 frame posted after a later QoS 1 message of its key so). A frame of an
+        earlier storage topic goes before any message of a later one (``_Qos0.before``)."""
+        gate = self.delivery.drain
         for message in messages:
             at = push.positions.get(str(message.get("id")))
             ahead: list[_Qos0] = []
             rest: list[_Qos0] = []
             for q in push.direct:
-                (ahead if q.before(at) else rest).append(q)
+                (ahead if q.before(at, gate) else rest).append(q)
             push.direct = ahead + rest
             self._post_direct(push, len(ahead))
             self._post(push, [message])

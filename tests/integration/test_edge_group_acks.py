@@ -11,9 +11,12 @@ import json
 from typing import Any
 
 import pytest
+from shoal.aws.dynamo import Dynamo
+from shoal.core.config import get_config
 from shoal.edge.connections import DUE_SHARDS
 from shoal.edge.push import PushWorker
 from shoal.edge.routes import handle
+from shoal.edge.sweep import PushSweep
 
 from tests.integration.test_edge import Edge, group_edge
 
@@ -195,3 +198,44 @@ def test_a_group_copy_posted_late_is_not_posted_once_its_ordinal_is_done(
     # Then the copy was not posted
     assert [a["acked"] for a in acked] == [1]
     assert edge.messages("c1") == []
+
+
+def test_the_sweep_asks_the_groups_once_for_all_its_sessions(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two members of two groups, each pushed a delivery of one message: the sweep at their
+    ack timeout reads what is still out for both in one batch read (it read once a session),
+    and sends again only the one not acked."""
+    edge = group_edge
+    for connection, client, share in (("c1", "alice-1", "g"), ("c2", "alice-2", "h")):
+        edge.connect(connection, client_id=client)
+        subscription = {"filter": f"$share/{share}/a/#", "qos": 1}
+        edge.send(connection, {"action": "subscribe", "subscriptions": [subscription]})
+    edge.world.publish("a/b", "job", qos=1)
+    edge.world.route()
+    [first] = edge.messages("c1")
+    [second] = edge.messages("c2")
+    edge.send("c1", {"action": "ack", "ids": [first["id"]]})
+    # When the sweep runs past their ack timeout, its reads of the groups' table counted
+    reads: list[dict[str, Any]] = []
+    real = Dynamo.call
+
+    groups = get_config().table("groups")
+
+    def counted(self: Dynamo, operation: str, **kwargs: Any) -> Any:
+        if operation == "batch_get_item" and groups in kwargs.get("RequestItems", {}):
+            reads.append(kwargs)
+        return real(self, operation, **kwargs)
+
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(Dynamo, "call", counted)
+        PushSweep(edge.connections, edge.world.delivery, edge.queue, edge.world.clock).sweep()
+    edge.push()
+    # Then one read asked for both sessions' deliveries, and only alice-2's came again
+    assert len(reads) == 1
+    assert [(f["id"], f["dup"]) for f in edge.messages("c2")] == [
+        (second["id"], False),
+        (second["id"], True),
+    ]
+    assert len(edge.messages("c1")) == 1

@@ -100,16 +100,14 @@ class PushSweep:
 
     def _groups_out(self, grouped: dict[str, set[str]]) -> set[str]:
         """The sessions some of whose group deliveries are still out: one batch read of the
-        group's items a session (``SharedGroups.acked_since``); on a failed read, pushed (a
-        push that finds nothing due sends nothing)."""
+        groups' items for all of them (``SharedGroups.acked_since_by_member``: 100 keys a
+        call, a stream's progress read once for its group's members); on a failed read, all
+        pushed (a push that finds nothing due sends nothing)."""
         groups = self.delivery.groups
-        if groups is None:
+        if groups is None or not grouped:
             return set()
-        out: set[str] = set()
-        for session_id, ids in grouped.items():
-            try:
-                if set(ids) - groups.acked_since(session_id, ids):
-                    out.add(session_id)
-            except (ShoalError, ClientError, BotoCoreError):
-                out.add(session_id)
-        return out
+        try:
+            done = groups.acked_since_by_member(grouped)
+        except (ShoalError, ClientError, BotoCoreError):
+            return set(grouped)
+        return {s for s, ids in grouped.items() if set(ids) - done.get(s, set())}

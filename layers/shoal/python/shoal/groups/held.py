@@ -71,20 +71,39 @@ class HeldDeliveries:
         dropped with the member's session). A held QoS 2 delivery's ordinal was done on its
         stream when it was held, so the held item alone says it is outstanding. One strongly
         consistent batch read of the held items and the streams' progress."""
-        parsed = {d: p for d in delivery_ids if (p := parse_delivery_id(d)) is not None}
-        if not parsed:
-            return set()
-        held = {(p.group_key, held_item(member_id, d)) for d, p in parsed.items()}
-        streams = {(p.group_key, stream_item(p.source)) for p in parsed.values()}
-        rows = self.dynamo.batch_get(
-            self.table, [{"group": g, "item": i} for g, i in sorted(held | streams)]
-        )
+        return self.acked_since_by_member({member_id: delivery_ids}).get(member_id, set())
+
+    def acked_since_by_member(
+        self, delivery_ids: Mapping[str, Iterable[str]]
+    ) -> dict[str, set[str]]:
+        """``acked_since`` for several members at once (the sweep's sessions): their held
+        items and the streams' progress in one batch read (100 keys a call), a stream's item
+        read once for every member of its group."""
+        parsed = {
+            member: {d: p for d in ids if (p := parse_delivery_id(d)) is not None}
+            for member, ids in delivery_ids.items()
+        }
+        keys: set[tuple[str, str]] = set()
+        for member, mine in parsed.items():
+            keys |= {(p.group_key, held_item(member, d)) for d, p in mine.items()}
+            keys |= {(p.group_key, stream_item(p.source)) for p in mine.values()}
+        if not keys:
+            return {member: set() for member in parsed}
+        rows = self.dynamo.batch_get(self.table, [{"group": g, "item": i} for g, i in sorted(keys)])
         found = {(str(r["group"]), str(r["item"])): r for r in rows}
-        out: set[str] = set()
-        for did, p in parsed.items():
-            if (p.group_key, held_item(member_id, did)) in found:
-                continue
-            raw = found.get((p.group_key, stream_item(p.source)))
-            if raw is not None and StreamProgress.from_record(raw).is_done(p.ordinal):
-                out.add(did)
+        progress: dict[tuple[str, str], StreamProgress] = {}
+        out: dict[str, set[str]] = {}
+        for member, mine in parsed.items():
+            done = out[member] = set()
+            for did, p in mine.items():
+                if (p.group_key, held_item(member, did)) in found:
+                    continue
+                where = (p.group_key, stream_item(p.source))
+                raw = found.get(where)
+                if raw is None:
+                    continue
+                if where not in progress:
+                    progress[where] = StreamProgress.from_record(raw)
+                if progress[where].is_done(p.ordinal):
+                    done.add(did)
         return out

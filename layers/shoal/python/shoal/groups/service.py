@@ -455,6 +455,12 @@ class GroupService:
         """Of group deliveries sent the member again, those acked since (``HeldDeliveries``)."""
         return self.store.acked_since(session_id, delivery_ids)
 
+    def acked_since_by_member(
+        self, delivery_ids: Mapping[str, Iterable[str]]
+    ) -> dict[str, set[str]]:
+        """``acked_since`` for several sessions in one batch read (the sweep's)."""
+        return self.store.acked_since_by_member(delivery_ids)
+
     def drop_held(self, key: str, member_id: str) -> int:
         """A member's session ended: its held QoS 2 deliveries go to no one ([MQTT-4.8.2-5]),
         each recorded ``dropped`` with its reason. How many."""

@@ -86,6 +86,13 @@ def _beyond(run: dict[str, Any]) -> str:
     return f"{found['pct']} % ({found['server_mb']} MB against {found['state_mb']} MB)"
 
 
+def _cpu(run: dict[str, Any]) -> str:
+    mean = run.get("server_cpu_cores_mean")
+    if mean is None:
+        return "not measured"
+    return f"{mean} ({run.get('server_cpu_saturated_pct')} % saturated)"
+
+
 def _relative(path: Path) -> str:
     root = HERE.parents[1]
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
@@ -102,6 +109,8 @@ def _previous_runs() -> dict[str, Any]:
 
 
 def report(figures: dict[str, Any]) -> str:
+    from bench.soak.summary import SATURATED_CORES
+
     rows = []
     for label, run in sorted(figures.get("runs", {}).items()):
         latency = run.get("latency_s", {})
@@ -117,7 +126,7 @@ def report(figures: dict[str, Any]) -> str:
             f"| {run.get('counts', {}).get('publishes_acked')} | "
             f"{run.get('counts', {}).get('deliveries')} | {latency.get('p50')} / "
             f"{latency.get('p99')} | {run.get('recovery_s_worst')} | "
-            f"{warm.get('growth_pct')} % | {worst_life} % | {_beyond(run)} |"
+            f"{warm.get('growth_pct')} % | {worst_life} % | {_beyond(run)} | {_cpu(run)} |"
         )
     plots = [
         f"![{label}]({run['plot']})"
@@ -145,10 +154,14 @@ def report(figures: dict[str, Any]) -> str:
         "`shoal dev` keeps all a run writes in memory (Kinesis records, inbox items until "
         "their TTL, archive objects), so its memory grows with the run's data; beyond its "
         "data: the server's memory at the end against a fresh process's that holds the same "
-        "state (its snapshot and journal loaded), which a leak would grow.\n\n"
+        "state (its snapshot and journal loaded), which a leak would grow. Server CPU: the "
+        "mean share of one core its processes used over the traffic while up (the journal "
+        f"replays after kills in), and the share of that time at {SATURATED_CORES:g} core or "
+        "more: one core is about all the emulator's Python work can take under the GIL.\n\n"
         "| run | verdict | violations | kills | dropped | client kills | publishes acked | "
         "deliveries | latency p50 / p99 (s) | worst recovery (s) | RSS growth | worst in a "
-        "life | RSS beyond its data |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "life | RSS beyond its data | server CPU (cores, mean) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows)
         + "\n\n"
         + "\n".join(commands)

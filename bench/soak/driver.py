@@ -347,8 +347,8 @@ def _write(path: Path, text: str) -> None:
 
 
 class Sampler:
-    """The server's resident memory, open files and threads (and the clients' memory), every
-    ``SAMPLE_EVERY_S``."""
+    """The server's resident memory, open files, threads and CPU seconds (and the clients'
+    memory), every ``SAMPLE_EVERY_S``."""
 
     def __init__(
         self, history: History, server: DevProcess, workers: Callable[[], list[int]]
@@ -371,12 +371,14 @@ class Sampler:
             pid = self.server.pid
             seen = resources(pid) if pid is not None else None
             clients_kb = sum((resources(p) or {}).get("rss_kb", 0) for p in self.workers())
+            # its pid says which life a sample is of: CPU seconds count from each start
+            server = {"pid": pid, **seen} if seen is not None else {}
             self.history.record(
                 "sample",
                 server=seen is not None,
                 clients_rss_kb=clients_kb,
                 load=round(os.getloadavg()[0], 2),
-                **(seen or {}),
+                **server,
             )
 
 

@@ -52,7 +52,10 @@ with the next life), ``n`` (the record's number within its file: the order its w
   ``ws_drop``, ``token_expiry``, ``token_renewed``), with what it hit.
 - ``phase``: ``name`` ``start`` (with the run's settings: ``reaper_s``, ``keepalive_s``, the
   throttle), ``traffic_end`` (no new operations from here, only draining), ``end``.
-- ``sample``: the server's ``rss_kb``, ``fds``, ``threads`` (``bench.soak.sampler``).
+- ``sample``: ``server`` (whether it was up), the clients' ``clients_rss_kb``, the machine's
+  ``load``; while up, the server's ``pid``, ``rss_kb``, ``fds``, ``threads`` and ``cpu_s``
+  (the CPU seconds, user and system, its process tree has used since it started; older
+  histories have neither ``pid`` nor ``cpu_s``) (``bench.soak.driver.Sampler``).
 - ``state_memory``: at the end, the server's ``server_rss_kb`` and ``state_rss_kb``, a fresh
   process's holding the same state (``bench.soak.server.state_rss_kb``).
 """

@@ -319,14 +319,19 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def resources(pid: int) -> dict[str, int] | None:
-    """Resident memory (KB), open files and threads of ``pid`` and its descendants; None once
-    it is gone."""
-    rss = fds = threads = 0
+#: /proc's CPU times are in clock ticks, this many a second
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def resources(pid: int) -> dict[str, float] | None:
+    """Resident memory (KB), open files, threads and CPU seconds used so far (``cpu_s``) of
+    ``pid`` and its descendants; None once it is gone."""
+    rss = fds = threads = ticks = 0
     seen = False
     for p in process_tree(pid):
         try:
             status = Path(f"/proc/{p}/status").read_text().splitlines()
+            stat = Path(f"/proc/{p}/stat").read_text()
             fds += len(os.listdir(f"/proc/{p}/fd"))
         except OSError:
             continue
@@ -336,7 +341,16 @@ def resources(pid: int) -> dict[str, int] | None:
                 rss += int(line.split()[1])
             elif line.startswith("Threads:"):
                 threads += int(line.split()[1])
-    return {"rss_kb": rss, "fds": fds, "threads": threads} if seen else None
+        # the command name (field 2, in parentheses) may hold spaces and parentheses: the
+        # fields are counted from after its last ')', where field 3 is
+        fields = stat[stat.rindex(")") + 1 :].split()
+        # utime and stime (fields 14, 15), and cutime and cstime (16, 17): the ticks of its
+        # children once waited for (a snapshot's forked child), which otherwise leave the
+        # tree's total as the child ends
+        ticks += sum(int(field) for field in fields[11:15])
+    if not seen:
+        return None
+    return {"rss_kb": rss, "fds": fds, "threads": threads, "cpu_s": round(ticks / CLOCK_TICKS, 2)}
 
 
 #: a fresh process that starts the emulator on a state directory (its snapshot, then the

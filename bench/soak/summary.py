@@ -1,11 +1,19 @@
-"""The soak's figures from its history: latency over time, the server's memory, open files and
-threads beside the fault marks (``soak.png``), and ``summary.md``.
+"""The soak's figures from its history: latency over time, the server's memory, open files,
+threads and CPU beside the fault marks (``soak.png``), and ``summary.md``.
 
 Latency is a delivery's receive time less its publish's first invoke (one clock), binned by
 receive time into ``BIN_S`` windows: per window the p50 and p99 over all clients, and each
 client's p99. A fault's recovery is the time from its end (the server answering again, the
 client process started again, the connection dropped, the new token written) to the start of
 the first window whose p99 is under ``RECOVERED_P99_S`` again.
+
+The server's CPU is in cores: the CPU seconds (user and system) its process tree used between
+two samples of one life (their ``cpu_s``) over the seconds between them; 1.0 is one core busy,
+about all the emulator's Python work can take under the GIL. ``summary.md`` has a row per life
+of the server: its resident memory and open files once settled (``SETTLED_S`` after it answers)
+and at its end, its threads at the end, and its mean CPU from its first sample to its last;
+and the CPU over the whole traffic. Samples of older histories read no CPU: their CPU
+figures are None.
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ RECOVERED_P99_S = 2.0
 WARM_S = 300.0
 #: a restarted server's level is read this long after it answers again
 SETTLED_S = 30.0
+#: the server counts as saturated from this share of one core on (the GIL's cap is one)
+SATURATED_CORES = 0.9
+#: (from, to, cores): the server's CPU between two consecutive samples of one life
+Step = tuple[float, float, float]
 FAULT_COLOURS = {
     "server_kill": "#d64545",
     "server_up": "#2f9e44",
@@ -110,7 +122,8 @@ def _recoveries(
 
 
 def _lives(samples: list[Record], faults: list[Record], start: float) -> list[dict[str, Any]]:
-    """Each life of the server: its memory and open files once settled and at its end."""
+    """Each life of the server: its memory and open files once settled and at its end, and
+    its mean CPU (cores) from its first sample to its last."""
     bounds = [start] + [float(f["t"]) for f in faults if f.get("kind") == "server_up"]
     kills = [float(f["t"]) for f in faults if f.get("kind") == "server_kill"]
     lives = []
@@ -121,6 +134,7 @@ def _lives(samples: list[Record], faults: list[Record], start: float) -> list[di
         if not settled:
             continue
         first, last = settled[0], inside[-1]
+        read = [s for s in inside if "cpu_s" in s]
         lives.append(
             {
                 "life": n,
@@ -132,9 +146,53 @@ def _lives(samples: list[Record], faults: list[Record], start: float) -> list[di
                 "fds_settled": first["fds"],
                 "fds_end": last["fds"],
                 "threads_end": last["threads"],
+                "cpu_cores_mean": _cores(read[0], read[-1]) if len(read) > 1 else None,
             }
         )
     return lives
+
+
+def _cores(first: Record, last: Record) -> float | None:
+    """The server's CPU between two samples of one life, as a share of one core."""
+    seconds = float(last["t"]) - float(first["t"])
+    if seconds <= 0:
+        return None
+    return round((last["cpu_s"] - first["cpu_s"]) / seconds, 2)
+
+
+def _cpu_steps(samples: list[Record]) -> list[list[Step]]:
+    """Per life of the server (its pid), (from, to, cores) between each two consecutive
+    samples that read its CPU."""
+    lives: list[list[Step]] = []
+    before: Record | None = None
+    for sample in samples:
+        if not sample.get("server") or "cpu_s" not in sample:
+            continue
+        if before is None or before.get("pid") != sample.get("pid"):
+            lives.append([])
+        else:
+            t0, t1 = float(before["t"]), float(sample["t"])
+            if t1 > t0:
+                lives[-1].append((t0, t1, (sample["cpu_s"] - before["cpu_s"]) / (t1 - t0)))
+        before = sample
+    return lives
+
+
+def _cpu_busy(steps: list[list[Step]], start: float, traffic_end: float) -> dict[str, Any]:
+    """The server's CPU over the traffic while it was up (a restart's journal replay in): its
+    mean share of one core, and the share of that time it was saturated."""
+    during = [
+        step for life in steps for step in life if start <= step[0] and step[1] <= traffic_end
+    ]
+    seconds = sum(t1 - t0 for t0, t1, _ in during)
+    if not seconds:
+        return {"server_cpu_cores_mean": None, "server_cpu_saturated_pct": None}
+    busy = sum((t1 - t0) * cores for t0, t1, cores in during)
+    saturated = sum(t1 - t0 for t0, t1, cores in during if cores >= SATURATED_CORES)
+    return {
+        "server_cpu_cores_mean": round(busy / seconds, 2),
+        "server_cpu_saturated_pct": round(100 * saturated / seconds, 1),
+    }
 
 
 def _warm_growth(samples: list[Record], start: float, traffic_end: float) -> dict[str, Any]:
@@ -183,6 +241,7 @@ def summarize(
     drained_record = next((r for r in records if r["op"] == "phase" and r["name"] == "drained"), {})
     drained = drained_record.get("after_s")
     samples = [r for r in records if r["op"] == "sample"]
+    cpu = _cpu_steps(samples)
     faults = [r for r in records if r["op"] == "fault"]
     faults += [
         {**r, "kind": "grow"}
@@ -243,6 +302,7 @@ def summarize(
         "server_lives": _lives(samples, faults, start),
         "rss_after_warmup": _warm_growth(samples, start, traffic_end),
         "rss_beyond_state": _beyond_state(records),
+        **_cpu_busy(cpu, start, traffic_end),
         "server_starts": starts,
         "notes": report.notes[:10],
     }
@@ -251,6 +311,7 @@ def summarize(
         _plot(
             png,
             samples=samples,
+            cpu=cpu,
             faults=faults,
             bins=bins,
             points=points,
@@ -268,6 +329,7 @@ def _plot(
     png: Path,
     *,
     samples: list[Record],
+    cpu: list[list[Step]],
     faults: list[Record],
     bins: dict[int, list[float]],
     points: list[tuple[float, str, float]],
@@ -278,7 +340,7 @@ def _plot(
     matplotlib: Any = import_module("matplotlib")
     matplotlib.use("Agg")
     plt: Any = import_module("matplotlib.pyplot")
-    fig, axes = plt.subplots(4, 1, figsize=(13, 12), sharex=True, dpi=100)
+    fig, axes = plt.subplots(5, 1, figsize=(13, 15), sharex=True, dpi=100)
     minutes = [(float(s["t"]) - start) / 60 for s in samples if s.get("server")]
     live = [s for s in samples if s.get("server")]
     axes[0].plot(minutes, [s["rss_kb"] / 1024 for s in live], color="#1c7ed6", label="shoal dev")
@@ -323,9 +385,19 @@ def _plot(
     axes[3].axhline(RECOVERED_P99_S, color="#495057", linestyle=":", linewidth=1)
     axes[3].set_yscale("log")
     axes[3].set_ylabel(f"latency (s) per {BIN_S:g} s")
-    axes[3].set_xlabel("minutes since the start")
     axes[3].legend(loc="upper left", fontsize=8)
     axes[3].set_title("grey: each client's p99", loc="right", fontsize=8, color="#868e96")
+    for life in cpu:
+        axes[4].plot(
+            [((t0 + t1) / 2 - start) / 60 for t0, t1, _ in life],
+            [cores for _, _, cores in life],
+            color="#0b7285",
+        )
+    axes[4].set_ylim(bottom=0)
+    # one core: about all the emulator's Python work can take under the GIL
+    axes[4].axhline(1.0, color="#495057", linestyle=":", linewidth=1)
+    axes[4].set_ylabel("server CPU (cores)")
+    axes[4].set_xlabel("minutes since the start")
     for ax in axes:
         if figures.get("traffic_end_s") is not None:
             ax.axvline(figures["traffic_end_s"] / 60, color="#212529", linestyle="--", linewidth=1)
@@ -411,15 +483,23 @@ def markdown(figures: dict[str, Any], report: Report) -> str:
     lines += [
         "",
         "| server life | from (s) | to (s) | RSS settled (MB) | RSS end (MB) | growth | "
-        "open files settled | at end | threads at end |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "open files settled | at end | threads at end | CPU (cores, mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {life['life']} | {life['from_s']} | {life['to_s']} | {life['rss_mb_settled']} | "
         f"{life['rss_mb_end']} | {life['rss_growth_pct']} % | {life['fds_settled']} | "
-        f"{life['fds_end']} | {life['threads_end']} |"
+        f"{life['fds_end']} | {life['threads_end']} | {life['cpu_cores_mean']} |"
         for life in figures["server_lives"]
     ]
+    if figures["server_cpu_cores_mean"] is not None:
+        lines += [
+            "",
+            "Server CPU over the traffic while up (restarts' journal replays in): "
+            f"{figures['server_cpu_cores_mean']} cores on average, at {SATURATED_CORES:g} or "
+            f"more {figures['server_cpu_saturated_pct']} % of that time (one core is about all "
+            "the emulator's Python work can take under the GIL).",
+        ]
     warm = figures["rss_after_warmup"]
     if warm:
         lines += [

@@ -17,9 +17,9 @@ from shoal.core.clock import ManualClock
 from shoal.core.config import DeliverySettings, GroupSettings, get_config
 from shoal.delivery.inbox import InboxMessage, InboxStore, pack
 from shoal.delivery.model import position, record_end
-from shoal.groups.records import GroupRef, group_key
+from shoal.groups.records import GroupRef, group_key, member_record
 from shoal.groups.service import GroupService
-from shoal.groups.state import advance
+from shoal.groups.state import AgentState, AgentView, advance
 from shoal.groups.store import GroupStore
 from shoal.groups.streams import StreamReader, StreamState, group_partition, parse_delivery_id
 from shoal.sessions.ports import KeptBy
@@ -441,3 +441,159 @@ def test_a_heartbeat_replaces_a_member_item_an_earlier_incarnation_left(groups: 
     assert item is not None and item["inc"] == incarnation
     assert item["r"] == groups.clock.now_ms() and "vw" in item
     assert not {"kc", "kch", "ku", "ka", "ke"} & set(item)
+
+
+def _member_item(groups: Groups, member: str) -> dict[str, Any]:
+    item = groups.store.dynamo.get(groups.store.table, {"group": groups.key, "item": f"m#{member}"})
+    assert item is not None
+    return item
+
+
+def _view(groups: Groups, member: str) -> AgentState:
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None
+    return loaded.views[member].state
+
+
+def _holding_a(groups: Groups) -> str:
+    """a and b joined, a stream each, and a heartbeat of a's that adopted its stream set."""
+    incarnation = groups.join("a")
+    groups.join("b")
+    groups.publish(incarnation, "src1", 1)
+    groups.publish(incarnation, "src2", 1)
+    assert sorted(_holders(groups).values()) == ["a", "b"]
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    assert _view(groups, "a") is AgentState.REPLAYING
+    return incarnation
+
+
+def test_a_fenced_writes_mark_between_a_heartbeats_read_and_write_stays(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a member whose agent holds its stream set
+    incarnation = _holding_a(groups)
+    # When a fenced write of it marks it lost after a heartbeat of its session read the group,
+    # before the heartbeat writes the member's view
+    write = groups.store.renew_members
+
+    def fenced_meanwhile(*args: Any, **kwargs: Any) -> None:
+        groups.store.lost(groups.key, "a")
+        write(*args, **kwargs)
+
+    groups.clock.advance(1)
+    monkeypatch.setattr(groups.store, "renew_members", fenced_meanwhile)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    monkeypatch.undo()
+    # Then the mark stands (the heartbeat's view came from a read before it): the member's
+    # agent starts over, and the heartbeat's renewal is written all the same
+    assert _member_item(groups, "a").get("lost")
+    assert _view(groups, "a") is AgentState.CONNECTING
+    assert _member_item(groups, "a")["r"] == groups.clock.now_ms()
+
+
+def test_a_heartbeat_that_read_a_mark_clears_it(groups: Groups) -> None:
+    # Given a member marked lost by a fenced write
+    incarnation = _holding_a(groups)
+    groups.store.lost(groups.key, "a")
+    assert _view(groups, "a") is AgentState.CONNECTING
+    # When its session heartbeats (reading the mark, its view brought up to the leader)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    # Then the mark is gone and the agent holds its stream set again
+    assert "lost" not in _member_item(groups, "a")
+    assert _view(groups, "a") is AgentState.REPLAYING
+
+
+def test_a_fresh_mark_over_the_one_a_heartbeat_read_stays(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a member marked lost, whose heartbeat reads the mark
+    incarnation = _holding_a(groups)
+    groups.store.lost(groups.key, "a")
+    write = groups.store.renew_members
+
+    def fenced_again(*args: Any, **kwargs: Any) -> None:
+        groups.store.lost(groups.key, "a")
+        write(*args, **kwargs)
+
+    # When another fenced write marks it again before the heartbeat writes
+    monkeypatch.setattr(groups.store, "renew_members", fenced_again)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    monkeypatch.undo()
+    # Then the heartbeat clears the mark it read, not the one written after its read
+    assert _member_item(groups, "a").get("lost")
+    assert _view(groups, "a") is AgentState.CONNECTING
+
+
+def test_a_heartbeats_older_renewal_leaves_a_newer_one_and_writes_its_view(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a member whose item holds a view its agent has not adopted yet (lost)
+    incarnation = _holding_a(groups)
+    groups.store.lost(groups.key, "a")
+    read_at = groups.clock.now_ms() + 10
+    later = read_at + 1_000
+    write = groups.store.renew_members
+
+    def renewed_meanwhile(*args: Any, **kwargs: Any) -> None:
+        # a get of the session renews it later than the heartbeat's time, and lands first
+        groups.store.renew(groups.key, incarnation, "a", later)
+        write(*args, **kwargs)
+
+    # When a heartbeat of read_at lands after that renewal
+    groups.clock.advance(0.01)
+    monkeypatch.setattr(groups.store, "renew_members", renewed_meanwhile)
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    monkeypatch.undo()
+    # Then the newer renewal stays, and the heartbeat's view is written (the mark it read
+    # cleared)
+    item = _member_item(groups, "a")
+    assert item["r"] == later
+    assert "lost" not in item and _view(groups, "a") is AgentState.REPLAYING
+
+
+def test_heartbeats_renewals_landing_out_of_order_leave_the_newest(groups: Groups) -> None:
+    # Given two heartbeats' writes of a member, t1 < t2
+    incarnation = _holding_a(groups)
+    t1 = groups.clock.now_ms() + 1_000
+    t2 = t1 + 1_000
+    view = AgentView(AgentState.REPLAYING, 1, {})
+    # When the newer one lands first, then the older one
+    groups.store.renew_members([member_record(groups.key, incarnation, "a", t2, view)])
+    groups.store.renew_members([member_record(groups.key, incarnation, "a", t1, view)])
+    # Then the newer renewal stays
+    assert _member_item(groups, "a")["r"] == t2
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None and loaded.renewed["a"] == t2
+
+
+def test_gets_renewals_landing_out_of_order_leave_the_newest(groups: Groups) -> None:
+    # Given a member renewed by a heartbeat
+    incarnation = _holding_a(groups)
+    t1 = groups.clock.now_ms() + 1_000
+    t2 = t1 + 1_000
+    # When gets' renewals land out of order: newer, older, then one older than the heartbeat's
+    groups.store.renew(groups.key, incarnation, "a", t2)
+    groups.store.renew(groups.key, incarnation, "a", t1)
+    groups.store.renew(groups.key, incarnation, "a", groups.clock.now_ms() - 1)
+    # Then the newest stays (none of them is an error)
+    assert _member_item(groups, "a")["r"] == t2
+    loaded = groups.store.load(groups.key)
+    assert loaded is not None and loaded.renewed["a"] == t2
+
+
+def test_a_heartbeat_replaces_an_earlier_incarnations_item_of_a_later_renewal(
+    groups: Groups,
+) -> None:
+    # Given a member whose item is an earlier incarnation's, renewed later than now (its
+    # renewal says nothing of this incarnation's)
+    incarnation = groups.join("a")
+    now = groups.clock.now_ms()
+    groups.store.dynamo.batch_put(
+        groups.store.table,
+        [{"group": groups.key, "item": "m#a", "inc": "earlier", "r": now + 60_000, "lost": True}],
+    )
+    # When it heartbeats
+    groups.service.heartbeat("a", groups.subs(incarnation))
+    # Then its item is this incarnation's, renewed now, without the earlier one's mark
+    item = _member_item(groups, "a")
+    assert (item["inc"], item["r"]) == (incarnation, now) and "lost" not in item

@@ -191,6 +191,19 @@ class Dynamo:
             raise
         return True
 
+    def conditional_old(self, operation: str, **request: Any) -> dict[str, Any] | None:
+        """One conditional write that says what it failed on: None when written, else the
+        item its condition found (``{}``: none). The item comes with the refusal, for the
+        price of the write."""
+        try:
+            self.call(operation, ReturnValuesOnConditionCheckFailure="ALL_OLD", **request)
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                found = exc.response.get("Item")
+                return from_item(found) if isinstance(found, Mapping) else {}
+            raise
+        return None
+
     def transact(self, parts: list[dict[str, Any]]) -> list[str] | None:
         """All or nothing: None when committed, else the cancellation reason of each part
         (``ConditionalCheckFailed``, ``TransactionConflict``, ``None`` for a part that was

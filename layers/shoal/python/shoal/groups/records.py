@@ -203,7 +203,7 @@ def agent_view(row: Mapping[str, Any]) -> AgentView:
         int(raw.get("v", -1)),
         {str(s): (int(x[0]), StreamState(x[1])) for s, x in (raw.get("l") or {}).items()},
     )
-    # ``lost``: a fenced write since the view was written (``GroupStore.lost``)
+    # ``lost``: a fenced write since the view was written (``GroupStore.lost``; a token)
     return agent_lost(view) if row.get("lost") else view
 
 
@@ -221,6 +221,9 @@ class Loaded:
     held: dict[str, int] = field(default_factory=dict)
     #: the connections keeping members live (``Keep``), by member, as stored
     kept: dict[str, Keep] = field(default_factory=dict)
+    #: members' fenced-off marks (``MemberItems.lost``), by member, as stored: a heartbeat
+    #: clears the mark it read and no other (``MemberItems.renew_members``)
+    lost: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

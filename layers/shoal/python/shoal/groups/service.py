@@ -54,12 +54,13 @@ In DynamoDB (``GroupStore``), one partition per group (``shoal.aws.tables.GroupI
   every stream whose holder, lease or state it changed, on condition of that stream's
   progress version (a holder's last get never races a hand-off).
 - ``m#<session id>``: the member's last renewal and agent view. A heartbeat renews every group
-  of the session, an update of each item's renewal and view (a keep or a release written
-  meanwhile stays); a member is live from its join until its first heartbeat. A member whose
-  session is connected over the WebSocket API runs no function while idle: its connection
-  *keeps* it live instead (``keep``; the connection, its channel and a bound on this item),
-  until the connection ends (``connection_ended``, or the reaper's ``channel_expired`` for a
-  ``$disconnect`` that never came).
+  of the session, an update of each item's renewal and view (a keep, a release or a fenced
+  write's mark written meanwhile stays, and a renewal never goes back); a member is live
+  from its join until its first heartbeat. A member whose session is connected over the
+  WebSocket API runs no function while idle: its connection *keeps* it live instead
+  (``keep``; the connection, its channel and a bound on this item), until the connection
+  ends (``connection_ended``, or the reaper's ``channel_expired`` for a ``$disconnect`` that
+  never came).
 - ``s#<source>``: one stream's fence and progress (``shoal.groups.streams``), created by the
   router the first time it writes to the stream (that is how the leader learns of streams).
 
@@ -329,6 +330,9 @@ class GroupService:
         changed since the member last heard: new, revoking and revoked streams."""
         now = self.clock.now_ms()
         records: list[dict[str, Any]] = []
+        # the fenced-off marks read, by group: the write clears these, not one written since
+        # (a fenced write after the read, of which the view computed here knows nothing)
+        marks: dict[str, Any] = {}
         changes: list[dict[str, Any]] = []
         for ref in group_refs(subscriptions):
             loaded = self.store.advance(
@@ -336,6 +340,8 @@ class GroupService:
             )
             if loaded is None or not _same(ref, loaded) or session_id not in loaded.state.members:
                 continue
+            if session_id in loaded.lost:
+                marks[ref.key] = loaded.lost[session_id]
             view = loaded.views.get(session_id, AgentView())
             view, delta = agent_sync(view, loaded.state, session_id)
             records.append(
@@ -351,7 +357,7 @@ class GroupService:
                 {"group": ref.text, "stream": c.stream, "lease": c.lease, "state": c.state.value}
                 for c in delta
             ]
-        self.store.renew_members(records)
+        self.store.renew_members(records, marks)
         return changes
 
     # -- get

@@ -139,6 +139,7 @@ class GroupStore(HeldDeliveries, MemberItems):
         keeps: dict[str, Keep] = {}
         released: dict[str, int] = {}
         views: dict[str, AgentView] = {}
+        marks: dict[str, Any] = {}
         fences: dict[str, Fence] = {}
         held_counts: dict[str, int] = {}
         for row in rows:
@@ -153,6 +154,8 @@ class GroupStore(HeldDeliveries, MemberItems):
                 member_id = name[len(MEMBER_PREFIX) :]
                 renewals[member_id] = int(row.get("r", 0))
                 views[member_id] = agent_view(row)
+                if row.get("lost"):
+                    marks[member_id] = row["lost"]
                 keep = Keep.from_record(row)
                 if keep is not None:
                     keeps[member_id] = keep
@@ -208,6 +211,7 @@ class GroupStore(HeldDeliveries, MemberItems):
             {m: x.renewed_at_ms for m, x in members.items()},
             held_counts,
             keeps,
+            marks,
         )
 
     def progress(self, key: str, source: str) -> StreamProgress | None:

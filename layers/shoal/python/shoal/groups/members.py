@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shoal.aws.dynamo import Dynamo, to_item
+from shoal.core.config import GroupSettings
 from shoal.core.errors import ServerBusy
 from shoal.groups.records import Keep, Loaded, member_item
 
@@ -22,6 +23,7 @@ class MemberItems:
 
     dynamo: Dynamo
     table: str
+    settings: GroupSettings
 
     def renew_members(
         self, records: Sequence[Mapping[str, Any]], lost: Mapping[str, Any] | None = None
@@ -107,6 +109,18 @@ class MemberItems:
             if clearing and found.get("lost") not in (None, seen):
                 clearing = False  # marked again since the read: that mark stays
         raise ServerBusy("this group member's item is contended; retry")
+
+    def renew_if_due(self, loaded: Loaded, member_id: str, now: int) -> None:
+        """A member that gets is alive: its renewal is written once a third of the lease
+        timeout passed since the last (a client that long-polls keeps its streams between
+        heartbeats, and a get costs no write for it most of the time)."""
+        member = loaded.state.members.get(member_id)
+        if member is None or member.kept_until_ms > now + self.settings.lease_timeout_ms:
+            # a member its connection keeps live needs no renewal
+            return
+        stored = loaded.renewed.get(member_id, 0)
+        if now - stored >= self.settings.lease_timeout_ms // 3:
+            self.renew(loaded.key, loaded.state.incarnation, member_id, now)
 
     def renew(self, key: str, incarnation: str, member_id: str, now_ms: int) -> None:
         """A member's renewal alone (its view stays as it is): no condition a racing member

@@ -386,7 +386,7 @@ class GroupService:
                 continue
             for gone in sorted(loaded.held.keys() - loaded.state.members.keys()):
                 self.drop_held(ref.key, gone)  # a leave's own drop failed (``after``)
-            self._renew_if_due(ref.key, loaded, session_id, now)
+            self.store.renew_if_due(loaded, session_id, now)
             mine = sorted(
                 s for s, x in loaded.state.streams.items() if x.holder == session_id and x.held
             )
@@ -491,18 +491,6 @@ class GroupService:
                 )
             events.flush(f"group-ended/{key}/{member_id}/{self.clock.now_ms()}")
         return len(gone)
-
-    def _renew_if_due(self, key: str, loaded: Loaded, member_id: str, now: int) -> None:
-        """A member that gets is alive: its renewal is written once a third of the lease
-        timeout passed since the last (a client that long-polls keeps its streams between
-        heartbeats, and a get costs no write for it most of the time)."""
-        member = loaded.state.members.get(member_id)
-        if member is None or member.kept_until_ms > now + self.store.settings.lease_timeout_ms:
-            # a member its connection keeps live needs no renewal
-            return
-        stored = loaded.renewed.get(member_id, 0)
-        if now - stored >= self.store.settings.lease_timeout_ms // 3:
-            self.store.renew(key, loaded.state.incarnation, member_id, now)
 
     def _serve(
         self,

@@ -100,6 +100,20 @@ def pushes_held(edge: Edge) -> Iterator[list[dict[str, Any]]]:
         delattr(edge.worker, "handle")
 
 
+def q0_held_before_m1(edge: Edge) -> tuple[Drain, Feed, list[dict[str, Any]]]:
+    """A subscribed session; q0 (QoS 0) in T0, a switch, m1 (QoS 1) of the same key in T1;
+    T0 routed with its push held: the held pusher events."""
+    drain, feed = Drain(edge.world), Feed(edge.world)
+    subscribed(edge)
+    publish(edge, "q0", 0)
+    switch("orders", 1)
+    publish(edge, "m1", 1)
+    with pushes_held(edge) as held:
+        feed.route(T0)
+        edge.push()
+    return drain, feed, held
+
+
 def test_a_qos0_message_of_a_storage_topic_still_draining_waits_behind_its_key(
     edge: Edge,
 ) -> None:
@@ -225,16 +239,9 @@ def test_a_qos0_frame_of_a_storage_topic_the_session_passed_is_not_posted_after_
     """The 30-minute soak at 200 clients caught a QoS 0 frame of T0 posted 13 s after a QoS 1
     delivery of its key from T1: the frame waited in the push queue, not in the inbox, so the
     gate let T1 out without it."""
-    drain, feed = Drain(edge.world), Feed(edge.world)
-    subscribed(edge)
     # Given q0 (QoS 0) in T0, a switch, then m1 (QoS 1) of the same key in T1
-    publish(edge, "q0", 0)
-    switch("orders", 1)
-    publish(edge, "m1", 1)
     # When T0 is routed but its push is held (a push queue behind under load)
-    with pushes_held(edge) as held:
-        feed.route(T0)
-        edge.push()
+    drain, feed, held = q0_held_before_m1(edge)
     assert held and texts(edge.messages("c1")) == []
     # and T0 is sealed and drained, and m1 routed from T1 and pushed first
     seal(edge, drain, feed)
@@ -290,16 +297,9 @@ def test_a_qos0_frame_of_an_earlier_storage_topic_goes_before_a_later_ones_messa
     and the frame, of another source, went after it. The soak at 200 clients (seed 11, 8
     minutes, no kills) saw a QoS 0 message posted 2 s after a QoS 1 message of its key
     published 47 s after it, the topic switched between them."""
-    drain, feed = Drain(edge.world), Feed(edge.world)
-    subscribed(edge)
-    # Given q0 (QoS 0) in T0, a switch, then m1 (QoS 1) of the same key in T1
-    publish(edge, "q0", 0)
-    switch("orders", 1)
-    publish(edge, "m1", 1)
-    # T0 routed with its push held (a push queue behind under load), then sealed and drained
-    with pushes_held(edge) as held:
-        feed.route(T0)
-        edge.push()
+    # Given q0 (QoS 0) in T0, a switch, then m1 (QoS 1) of the same key in T1; T0 routed
+    # with its push held (a push queue behind under load), then sealed and drained
+    drain, feed, held = q0_held_before_m1(edge)
     seal(edge, drain, feed)
     # and T1 routed with its push held too
     with pushes_held(edge) as later:

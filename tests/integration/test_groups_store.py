@@ -7,6 +7,7 @@ in ``test_groups_api.py`` and ``test_groups_model.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,6 +468,25 @@ def _holding_a(groups: Groups) -> str:
     return incarnation
 
 
+def heartbeat_with(
+    groups: Groups,
+    incarnation: str,
+    meanwhile: Callable[[], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Member a's session heartbeats, ``meanwhile`` written between its read of the group and
+    its write of the member's item."""
+    write = groups.store.renew_members
+
+    def between(*args: Any, **kwargs: Any) -> None:
+        meanwhile()
+        write(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(groups.store, "renew_members", between)
+        groups.service.heartbeat("a", groups.subs(incarnation))
+
+
 def test_a_fenced_writes_mark_between_a_heartbeats_read_and_write_stays(
     groups: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -474,16 +494,8 @@ def test_a_fenced_writes_mark_between_a_heartbeats_read_and_write_stays(
     incarnation = _holding_a(groups)
     # When a fenced write of it marks it lost after a heartbeat of its session read the group,
     # before the heartbeat writes the member's view
-    write = groups.store.renew_members
-
-    def fenced_meanwhile(*args: Any, **kwargs: Any) -> None:
-        groups.store.lost(groups.key, "a")
-        write(*args, **kwargs)
-
     groups.clock.advance(1)
-    monkeypatch.setattr(groups.store, "renew_members", fenced_meanwhile)
-    groups.service.heartbeat("a", groups.subs(incarnation))
-    monkeypatch.undo()
+    heartbeat_with(groups, incarnation, lambda: groups.store.lost(groups.key, "a"), monkeypatch)
     # Then the mark stands (the heartbeat's view came from a read before it): the member's
     # agent starts over, and the heartbeat's renewal is written all the same
     assert _member_item(groups, "a").get("lost")
@@ -509,16 +521,8 @@ def test_a_fresh_mark_over_the_one_a_heartbeat_read_stays(
     # Given a member marked lost, whose heartbeat reads the mark
     incarnation = _holding_a(groups)
     groups.store.lost(groups.key, "a")
-    write = groups.store.renew_members
-
-    def fenced_again(*args: Any, **kwargs: Any) -> None:
-        groups.store.lost(groups.key, "a")
-        write(*args, **kwargs)
-
     # When another fenced write marks it again before the heartbeat writes
-    monkeypatch.setattr(groups.store, "renew_members", fenced_again)
-    groups.service.heartbeat("a", groups.subs(incarnation))
-    monkeypatch.undo()
+    heartbeat_with(groups, incarnation, lambda: groups.store.lost(groups.key, "a"), monkeypatch)
     # Then the heartbeat clears the mark it read, not the one written after its read
     assert _member_item(groups, "a").get("lost")
     assert _view(groups, "a") is AgentState.CONNECTING
@@ -532,18 +536,14 @@ def test_a_heartbeats_older_renewal_leaves_a_newer_one_and_writes_its_view(
     groups.store.lost(groups.key, "a")
     read_at = groups.clock.now_ms() + 10
     later = read_at + 1_000
-    write = groups.store.renew_members
-
-    def renewed_meanwhile(*args: Any, **kwargs: Any) -> None:
-        # a get of the session renews it later than the heartbeat's time, and lands first
-        groups.store.renew(groups.key, incarnation, "a", later)
-        write(*args, **kwargs)
-
-    # When a heartbeat of read_at lands after that renewal
+    # When a heartbeat of read_at lands after a get of the session renewed it later
     groups.clock.advance(0.01)
-    monkeypatch.setattr(groups.store, "renew_members", renewed_meanwhile)
-    groups.service.heartbeat("a", groups.subs(incarnation))
-    monkeypatch.undo()
+    heartbeat_with(
+        groups,
+        incarnation,
+        lambda: groups.store.renew(groups.key, incarnation, "a", later),
+        monkeypatch,
+    )
     # Then the newer renewal stays, and the heartbeat's view is written (the mark it read
     # cleared)
     item = _member_item(groups, "a")

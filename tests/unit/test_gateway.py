@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from shoal.core.clock import ManualClock
 from shoal.declarations import DEFAULT_ROUTE, FunctionDef, Route
 from shoal.local.authorizer import JwtAuthorizer, SigningKey
+from shoal.local.context import NotInvoked
 from shoal.local.gateway import (
+    INTEGRATION_TIMEOUT_S,
     INVOCATIONS_PATH,
     MAX_REQUEST_BYTES,
     Gateway,
@@ -18,6 +23,7 @@ from shoal.local.gateway import (
     RouteMatch,
     RouteTable,
     build_event,
+    peer_closed,
     to_http_response,
 )
 
@@ -273,11 +279,22 @@ ISSUER = "http://127.0.0.1:8080"
 class Recorder:
     def __init__(self, result: Any = None, error: Exception | None = None) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.deadlines: list[float | None] = []
+        self.abandoned: list[Callable[[], bool] | None] = []
         self.result = result if result is not None else {"statusCode": 204}
         self.error = error
 
-    def __call__(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
+    def __call__(
+        self,
+        fn: FunctionDef,
+        event: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> Any:
         self.calls.append((fn.name, event))
+        self.deadlines.append(deadline)
+        self.abandoned.append(abandoned)
         if self.error:
             raise self.error
         return self.result
@@ -342,6 +359,25 @@ def test_function_that_raises_is_api_gateways_500(key: SigningKey) -> None:
     assert (status, body) == (500, {"message": "Internal Server Error"})
 
 
+def test_a_request_no_sandbox_took_in_the_integrations_time_is_api_gateways_503(
+    key: SigningKey,
+) -> None:
+    """API Gateway waits for its integration 30 s at most, and answers 503 then; here a request
+    may wait for one of a function's few sandboxes, so it waits until that deadline, and the
+    function never runs after it (``NotInvoked``)."""
+    invoke = Recorder(error=NotInvoked("no sandbox"))
+    gone = lambda: False  # noqa: E731 - the client's connection, as the server sees it
+    before = time.monotonic()
+    response = gateway(key, invoke).handle(HttpRequest(method="GET", raw_path="/x", gone=gone))
+    assert (response.status, response.body) == (503, b'{"message":"Service Unavailable"}')
+    # the invocation was given the integration's deadline from the request's arrival, and the
+    # way to tell that its client has gone
+    [deadline] = invoke.deadlines
+    assert deadline is not None
+    assert before + INTEGRATION_TIMEOUT_S <= deadline <= time.monotonic() + INTEGRATION_TIMEOUT_S
+    assert invoke.abandoned == [gone]
+
+
 def test_body_over_10_mb_is_413_without_invoking(key: SigningKey) -> None:
     invoke = Recorder()
     status, body = call(gateway(key, invoke), "POST", "/x", body=b"x" * (MAX_REQUEST_BYTES + 1))
@@ -390,3 +426,16 @@ def test_invocation_counts_are_answered_to_loopback_clients_only(key: SigningKey
     # a gateway not given the counts has no such path
     plain = Gateway(table(TOPICS), authorizer, Recorder(), jwks=key.jwks())
     assert call(plain, "GET", INVOCATIONS_PATH) == (404, {"message": "Not Found"})
+
+
+def test_a_client_that_closed_its_connection_is_seen_gone_and_one_still_there_is_not() -> None:
+    server_side, client_side = socket.socketpair()
+    with server_side, client_side:
+        server_side.settimeout(60)  # as the server's connections: no wait in the check
+        assert not peer_closed(server_side)
+        # a pipelined next request is a client still there
+        client_side.sendall(b"GET / HTTP/1.1\r\n")
+        assert not peer_closed(server_side)
+        assert server_side.recv(64)
+        client_side.close()
+        assert peer_closed(server_side)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from shoal.declarations import Deployment, FunctionDef
+from shoal.local.context import NotInvoked
 from shoal.local.provision import LocalNames
 from shoal.local.runtime import Functions
 
@@ -87,3 +90,50 @@ def test_handler_exception_reaches_the_caller_and_frees_the_environment(
         functions.invoke_def(FN, {})  # no "n": the handler raises
     assert functions.invoke_def(FN, {"n": 3})["n"] == 3
     assert functions._sandboxes["probe"].created == 1
+
+
+@pytest.fixture
+def one_sandbox() -> Functions:
+    deployment = Deployment(tables=(), buckets=(), functions=(FN,))
+    return Functions(deployment, LocalNames.for_deployment(deployment), max_concurrency=1)
+
+
+def test_an_invocation_waits_for_a_sandbox_until_its_deadline_and_then_never_runs(
+    one_sandbox: Functions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API's request waits for a sandbox no longer than API Gateway waits for its
+    integration: past its deadline it is refused (``NotInvoked``) and never runs later, where
+    it would have spent a sandbox for a client that gave up long ago."""
+    ran: list[int] = []
+    gate, release = threading.Event(), threading.Event()
+
+    def recorded(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        ran.append(event["n"])
+        if event.get("hold"):
+            gate.set()
+            release.wait(timeout=10)
+        return {"n": event["n"]}
+
+    monkeypatch.setattr(sys.modules[__name__], "handler", recorded)
+    with ThreadPoolExecutor(1) as pool:
+        # Given the one sandbox busy
+        holder = pool.submit(one_sandbox.invoke_def, FN, {"n": 0, "hold": True})
+        assert gate.wait(timeout=10)
+        # When another invocation's deadline passes while it waits
+        with pytest.raises(NotInvoked):
+            one_sandbox.invoke_def(FN, {"n": 1}, deadline=time.monotonic() + 0.2)
+        release.set()
+        assert holder.result(timeout=10) == {"n": 0}
+    # Then it never ran, not even once the sandbox was free, and was not counted
+    assert ran == [0]
+    assert one_sandbox.invocations["probe"] == 1
+    # and an invocation in time runs
+    assert one_sandbox.invoke_def(FN, {"n": 2}, deadline=time.monotonic() + 5) == {"n": 2}
+
+
+def test_an_invocation_whose_caller_has_gone_does_not_run(one_sandbox: Functions) -> None:
+    with pytest.raises(NotInvoked):
+        one_sandbox.invoke_def(FN, {"n": 1}, abandoned=lambda: True)
+    assert one_sandbox.invocations["probe"] == 0
+    # its sandbox is free again
+    assert one_sandbox.invoke_def(FN, {"n": 2}, abandoned=lambda: False)["n"] == 2

@@ -18,6 +18,11 @@ from shoal.local.provision import ACCOUNT_ID
 REGION = "us-east-1"
 
 
+class NotInvoked(Exception):
+    """An invocation that never ran: no sandbox of the function was free before the caller's
+    deadline, or its caller had gone meanwhile (``shoal.local.runtime.Functions``)."""
+
+
 class LambdaContext(PowertoolsContext):
     """The parts of Lambda's context object a handler (and Powertools) reads; the type handlers
     are annotated with, so that the same handler takes Lambda's object and this one."""

@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import logging
 import secrets
+import select
 import socket
 import sys
 import threading
@@ -40,6 +41,7 @@ from shoal.local.authorizer import (
     JwtAuthorizer,
     unauthorized_header,
 )
+from shoal.local.context import NotInvoked
 from shoal.local.provision import ACCOUNT_ID
 from shoal.local.throttle import POST_THROTTLED_BODY, POST_THROTTLED_HEADERS, Throttles
 from shoal.local.transport import Answer, InProcessEndpoint
@@ -193,6 +195,8 @@ class HttpRequest:
     body: bytes = b""
     source_ip: str = "127.0.0.1"
     protocol: str = "HTTP/1.1"
+    #: whether the client has closed its connection (None: not known, in process)
+    gone: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def header(self, name: str) -> str | None:
         values = [v for k, v in self.headers if k.lower() == name.lower()]
@@ -330,7 +334,25 @@ def to_http_response(result: Any) -> HttpResponse:
 
 # --- the gateway -----------------------------------------------------------------------------
 
-Invoke = Callable[[FunctionDef, dict[str, Any]], Any]
+#: how long API Gateway's HTTP API waits for its integration, at most (its quota); past it the
+#: client is answered 503 ``{"message":"Service Unavailable"}``
+INTEGRATION_TIMEOUT_S = 30.0
+SERVICE_UNAVAILABLE_BODY = {"message": "Service Unavailable"}
+
+
+class Invoke(Protocol):
+    """Runs a function on an event (``shoal.local.runtime.Functions.invoke_def``): waiting for
+    a sandbox until ``deadline`` at most, and not at all once ``abandoned`` says the caller
+    has gone (``NotInvoked`` then)."""
+
+    def __call__(
+        self,
+        fn: FunctionDef,
+        event: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> Any: ...
 
 
 class ConnectionsApi(Protocol):
@@ -373,6 +395,8 @@ class Gateway:
         self.public_url = public_url
 
     def handle(self, request: HttpRequest) -> HttpResponse:
+        # the integration's time runs from the request's arrival, as API Gateway's does
+        arrived = time.monotonic()
         if request.method.upper() == "GET" and request.raw_path in (JWKS_PATH, DISCOVERY_PATH):
             return self._identity_provider(request.raw_path)
         if (
@@ -405,7 +429,16 @@ class Gateway:
         if len(json.dumps(event)) > MAX_INVOKE_PAYLOAD_BYTES:
             return HttpResponse.json(413, {"message": "Request Entity Too Large"})
         try:
-            result = self.invoke(match.function, event)
+            result = self.invoke(
+                match.function,
+                event,
+                deadline=arrived + INTEGRATION_TIMEOUT_S,
+                abandoned=request.gone,
+            )
+        except NotInvoked:
+            # no sandbox in the integration's time, or the client left while it waited: the
+            # function never ran (a client that left reads no answer)
+            response = HttpResponse.json(503, SERVICE_UNAVAILABLE_BODY)
         except Exception as exc:
             # the type only: an exception's message may quote the request
             log.error(
@@ -485,6 +518,18 @@ def _chunk_size(line: bytes) -> int:
     return int(text, 16)
 
 
+def peer_closed(connection: socket.socket) -> bool:
+    """Whether the peer has closed its side: readable with nothing to read (a pipelined next
+    request is something). No wait: on a socket with a timeout, recv would wait."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        if not readable:
+            return False
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "shoal-dev"
@@ -521,6 +566,7 @@ class _Handler(BaseHTTPRequestHandler):
                 body=body,
                 source_ip=self.client_address[0],
                 protocol=self.request_version,
+                gone=self._client_gone,
             )
             try:
                 response = self.server.gateway.handle(request)
@@ -538,6 +584,9 @@ class _Handler(BaseHTTPRequestHandler):
             ms,
             extra={"method": self.command, "path": path, "status": response.status, "ms": ms},
         )
+
+    def _client_gone(self) -> bool:
+        return peer_closed(self.connection)
 
     def _respond(self, response: HttpResponse) -> None:
         try:

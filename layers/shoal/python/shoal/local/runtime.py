@@ -41,7 +41,7 @@ from shoal.local.aws import EmbeddedAws
 from shoal.local.calls import install_from_environment
 from shoal.local.checkpoints import FileCheckpoints
 from shoal.local.console import DevConsole
-from shoal.local.context import REGION, LambdaContext
+from shoal.local.context import REGION, LambdaContext, NotInvoked
 from shoal.local.esm.mappings import EventSourceMappings
 from shoal.local.esm.queues import QueueMappings
 from shoal.local.gateway import (
@@ -165,10 +165,15 @@ class _Sandboxes:
         handler: Handler = getattr(module, self.fn.attribute)
         return handler
 
-    def acquire(self) -> Handler:
+    def acquire(self, deadline: float | None = None) -> Handler:
+        """A free sandbox, made if the function has fewer than its limit; waited for until
+        ``deadline`` (``time.monotonic``) at most: ``NotInvoked`` past it."""
         with self._available:
             while not self._idle and self.created >= self.limit:
-                self._available.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise NotInvoked(f"no sandbox of {self.fn.name} free in time")
+                self._available.wait(left)
             if self._idle:
                 return self._idle.pop()
             handler = self._load()
@@ -229,11 +234,27 @@ class Functions:
             raise KeyError(f"no declared function is deployed as {function_name!r}")
         return self.invoke_def(fn, event)
 
-    def invoke_def(self, fn: FunctionDef, event: dict[str, Any]) -> Any:
+    def invoke_def(
+        self,
+        fn: FunctionDef,
+        event: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> Any:
+        """One invocation in a free sandbox. ``deadline`` and ``abandoned``: an API's request
+        (``shoal.local.gateway``) waits for a sandbox no longer than API Gateway waits for
+        its integration, and does not run once its client has gone. Deployed, Lambda scales
+        out and runs it at once; here the sandboxes are few, and a request that ran minutes
+        after its client gave up spent them for no one while the client's retry queued behind
+        it (the 2-hour soak at 200 clients: no publish answered from minute 22 on)."""
+        sandboxes = self._sandboxes[fn.name]
+        handler = sandboxes.acquire(deadline)
+        if abandoned is not None and abandoned():
+            sandboxes.release(handler)
+            raise NotInvoked(f"the caller of {fn.name} had gone")
         with self._count_lock:
             self.invocations[fn.name] += 1
-        sandboxes = self._sandboxes[fn.name]
-        handler = sandboxes.acquire()
         # the function's own environment (its service name) for this invocation only: every
         # function shares the process's environment here
         service = function_environment(fn)[SERVICE_ENV]

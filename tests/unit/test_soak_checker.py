@@ -751,6 +751,27 @@ def test_a_retained_copy_sent_again_unacked_after_a_new_subscribe_is_not_stale()
     assert violations(report, "retained_current") == []
 
 
+def test_a_retained_copy_first_seen_sent_again_after_a_later_subscribes_copy_is_not_stale() -> None:
+    # Given carol's subscribe's copy of r1 handed out unseen (a long poll's answer lost), an
+    # unsubscribe, r2 replacing r1, a subscribe again whose copy of r2 comes first, and then
+    # r1 sent again (dup) after the ack timeout
+    run = clean_run()
+    run.publish("r1", "state/1", retain=True)
+    run.connect("carol", "c1")
+    run.subscribe("carol", "state/#")
+    run.unsubscribe("carol", "state/#")
+    run.publish("r2", "state/1", retain=True)
+    run.subscribe("carol", "state/#")
+    run.consume("carol", "r2", sub="state/#", conn="c1", retain=True, delivery_id="d-2")
+    run.consume("carol", "r1", sub="state/#", conn="c1", retain=True, delivery_id="d-1", dup=True)
+
+    # When the history is checked
+    report = run.check()
+
+    # Then r1 is the first subscribe's copy, current when it was made: not stale
+    assert violations(report, "retained_current") == []
+
+
 def test_a_resumed_session_that_comes_back_empty_is_caught() -> None:
     # Given alice reconnecting (not clean) soon after her last answer, told no session exists
     run = clean_run()

@@ -23,9 +23,9 @@ from shoal.local.gateway import (
     RouteMatch,
     RouteTable,
     build_event,
-    peer_closed,
     to_http_response,
 )
+from shoal.local.transport import peer_closed
 
 TOPICS = FunctionDef(
     name="topics",

@@ -661,10 +661,9 @@ def test_the_retained_copy_a_subscribe_asks_for_is_allowed_but_must_be_the_newes
     ]
 
 
-def test_an_earlier_subscribes_retained_copy_arriving_after_a_resubscribe_is_allowed() -> None:
-    # Given carol subscribed while r1 was retained (its copy not sent yet), unsubscribed, r2
-    # replacing r1 and answered, and carol subscribing again: then both subscribes' copies
-    # arrive, r1's first (MQTT 5 §3.10.4: what was queued may still be delivered)
+def resubscribed_after_r2() -> Run:
+    """carol subscribed to state/# while r1 was retained, unsubscribed, r2 replaced r1 and was
+    answered, and carol subscribed again: neither subscribe's copy seen yet."""
     run = clean_run()
     run.publish("r1", "state/1", retain=True)
     run.connect("carol", "c1")
@@ -672,6 +671,14 @@ def test_an_earlier_subscribes_retained_copy_arriving_after_a_resubscribe_is_all
     run.unsubscribe("carol", "state/#")
     run.publish("r2", "state/1", retain=True)
     run.subscribe("carol", "state/#")
+    return run
+
+
+def test_an_earlier_subscribes_retained_copy_arriving_after_a_resubscribe_is_allowed() -> None:
+    # Given carol subscribed while r1 was retained (its copy not sent yet), unsubscribed, r2
+    # replacing r1 and answered, and carol subscribing again: then both subscribes' copies
+    # arrive, r1's first (MQTT 5 §3.10.4: what was queued may still be delivered)
+    run = resubscribed_after_r2()
     run.consume("carol", "r1", sub="state/#", conn="c1", retain=True)
     run.consume("carol", "r2", sub="state/#", conn="c1", retain=True)
 
@@ -755,13 +762,7 @@ def test_a_retained_copy_first_seen_sent_again_after_a_later_subscribes_copy_is_
     # Given carol's subscribe's copy of r1 handed out unseen (a long poll's answer lost), an
     # unsubscribe, r2 replacing r1, a subscribe again whose copy of r2 comes first, and then
     # r1 sent again (dup) after the ack timeout
-    run = clean_run()
-    run.publish("r1", "state/1", retain=True)
-    run.connect("carol", "c1")
-    run.subscribe("carol", "state/#")
-    run.unsubscribe("carol", "state/#")
-    run.publish("r2", "state/1", retain=True)
-    run.subscribe("carol", "state/#")
+    run = resubscribed_after_r2()
     run.consume("carol", "r2", sub="state/#", conn="c1", retain=True, delivery_id="d-2")
     run.consume("carol", "r1", sub="state/#", conn="c1", retain=True, delivery_id="d-1", dup=True)
 

@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import logging
 import secrets
-import select
 import socket
 import sys
 import threading
@@ -44,7 +43,7 @@ from shoal.local.authorizer import (
 from shoal.local.context import NotInvoked
 from shoal.local.provision import ACCOUNT_ID
 from shoal.local.throttle import POST_THROTTLED_BODY, POST_THROTTLED_HEADERS, Throttles
-from shoal.local.transport import Answer, InProcessEndpoint
+from shoal.local.transport import Answer, InProcessEndpoint, peer_closed
 
 log = logging.getLogger("shoal-dev.gateway")
 
@@ -516,18 +515,6 @@ def _chunk_size(line: bytes) -> int:
     if not text or len(text) > 16 or not set(text) <= _HEX:
         raise _Refused(400, "Bad Request: malformed chunk size")
     return int(text, 16)
-
-
-def peer_closed(connection: socket.socket) -> bool:
-    """Whether the peer has closed its side: readable with nothing to read (a pipelined next
-    request is something). No wait: on a socket with a timeout, recv would wait."""
-    try:
-        readable, _, _ = select.select([connection], [], [], 0)
-        if not readable:
-            return False
-        return connection.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -39,6 +39,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import select
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -358,3 +360,15 @@ def _keep_user_agents() -> None:
 
     to_string.shoal_kept = True  # type: ignore[attr-defined]
     strings.to_string = to_string  # type: ignore[method-assign]
+
+
+def peer_closed(connection: socket.socket) -> bool:
+    """Whether the peer has closed its side: readable with nothing to read (a pipelined next
+    request is something). No wait: on a socket with a timeout, recv would wait."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        if not readable:
+            return False
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True

@@ -110,7 +110,9 @@ def test_each_function_is_its_own_service_deployed_and_under_shoal_dev(
     # shoal dev: one process for every function, so the invocation names its function
     from shoal.core.observability import service_name
 
-    monkeypatch.setattr(_Sandboxes, "acquire", lambda self: lambda event, context: service_name())
+    monkeypatch.setattr(
+        _Sandboxes, "acquire", lambda self, deadline=None: lambda event, context: service_name()
+    )
     monkeypatch.setattr(_Sandboxes, "release", lambda self, handler: None)
     functions = Functions(DEPLOYMENT, LocalNames.for_deployment())
     assert functions.invoke_def(DEPLOYMENT.function("router"), {}) == "router"

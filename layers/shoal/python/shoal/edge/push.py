@@ -505,7 +505,8 @@ class PushWorker:
         groups = self.delivery.groups
         if grouped and groups is not None:
             with suppress(ShoalError, ClientError, BotoCoreError):
-                acked |= groups.acked_since(push.session_id, grouped)
+                done = groups.acked_since_by_member({push.session_id: grouped})
+                acked |= done.get(push.session_id, set())
         return [m for m in messages if str(m.get("id")) not in acked] if acked else messages
 
     def _post_in_order(self, push: _Push, messages: list[dict[str, Any]]) -> None:

@@ -65,20 +65,15 @@ class HeldDeliveries:
                 out.append(did)
         return out
 
-    def acked_since(self, member_id: str, delivery_ids: Iterable[str]) -> set[str]:
-        """Of group deliveries a get sent ``member_id`` again, those done since: neither held
-        for it off the stream nor outstanding on their stream (acked; a held one also when
-        dropped with the member's session). A held QoS 2 delivery's ordinal was done on its
-        stream when it was held, so the held item alone says it is outstanding. One strongly
-        consistent batch read of the held items and the streams' progress."""
-        return self.acked_since_by_member({member_id: delivery_ids}).get(member_id, set())
-
     def acked_since_by_member(
         self, delivery_ids: Mapping[str, Iterable[str]]
     ) -> dict[str, set[str]]:
-        """``acked_since`` for several members at once (the sweep's sessions): their held
-        items and the streams' progress in one batch read (100 keys a call), a stream's item
-        read once for every member of its group."""
+        """Of group deliveries sent each member (a push's copies sent again, the sweep's
+        sessions), those done since: neither held for it off the stream nor outstanding on
+        their stream (acked; a held one also when dropped with the member's session). A held
+        QoS 2 delivery's ordinal was done on its stream when it was held, so the held item
+        alone says it is outstanding. One strongly consistent batch read of the held items and
+        the streams' progress (100 keys a call), a stream's item once for all its members."""
         parsed = {
             member: {d: p for d in ids if (p := parse_delivery_id(d)) is not None}
             for member, ids in delivery_ids.items()

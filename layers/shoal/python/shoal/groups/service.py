@@ -457,14 +457,10 @@ class GroupService:
             events.flush(f"group-held/{ref.key}/{member_id}/{now}")
         return out
 
-    def acked_since(self, session_id: str, delivery_ids: Iterable[str]) -> set[str]:
-        """Of group deliveries sent the member again, those acked since (``HeldDeliveries``)."""
-        return self.store.acked_since(session_id, delivery_ids)
-
     def acked_since_by_member(
         self, delivery_ids: Mapping[str, Iterable[str]]
     ) -> dict[str, set[str]]:
-        """``acked_since`` for several sessions in one batch read (the sweep's)."""
+        """Of group deliveries sent each session, those done since (``HeldDeliveries``)."""
         return self.store.acked_since_by_member(delivery_ids)
 
     def drop_held(self, key: str, member_id: str) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import json
 import logging
 import secrets
@@ -553,7 +554,7 @@ class _Handler(BaseHTTPRequestHandler):
                 body=body,
                 source_ip=self.client_address[0],
                 protocol=self.request_version,
-                gone=self._client_gone,
+                gone=functools.partial(peer_closed, self.connection),
             )
             try:
                 response = self.server.gateway.handle(request)
@@ -571,9 +572,6 @@ class _Handler(BaseHTTPRequestHandler):
             ms,
             extra={"method": self.command, "path": path, "status": response.status, "ms": ms},
         )
-
-    def _client_gone(self) -> bool:
-        return peer_closed(self.connection)
 
     def _respond(self, response: HttpResponse) -> None:
         try:

@@ -321,20 +321,11 @@ class ConnectionStore:
         params = expression.params(
             f"{expression.n('connection_id')} = {expression.v(connection.connection_id)}"
         )
-        try:
-            self.dynamo.call(
-                "delete_item",
-                TableName=self.table,
-                Key=_key(SESSION + connection.session_id),
-                # a failed condition says what it found, for the price of the write it is
-                ReturnValuesOnConditionCheckFailure="ALL_OLD",
-                **params,
-            )
-        except ClientError as exc:
-            if error_code(exc) != CONDITION_FAILED:
-                raise
-            return bool(exc.response.get("Item"))
-        return False
+        # a failed condition says what it found, for the price of the write it is
+        found = self.dynamo.conditional_old(
+            "delete_item", TableName=self.table, Key=_key(SESSION + connection.session_id), **params
+        )
+        return bool(found)
 
     def targets(self, session_ids: Iterable[str]) -> list[Connection]:
         """The connections of those sessions that have one: strongly consistent, so a session

@@ -166,7 +166,7 @@ def test_the_fleet_report_renders_the_sweep_lines_and_a_results_file_without_the
 ) -> None:
     """``python -m bench`` renders RESULTS.md again from results.json: a file from before
     these lines (no sweep units, no ``tables``) still renders, and one with them lists them
-    with the note that the model leaves them out."""
+    with the note of which of them the model has."""
     results = json.loads((Path(cost.__file__).parent / "results.json").read_text())
     before = copy.deepcopy(results["benchmarks"]["fleet"])
     for units in before["counted"].values():
@@ -183,4 +183,5 @@ def test_the_fleet_report_renders_the_sweep_lines_and_a_results_file_without_the
     text = cost.fleet_report(after)
     assert "- sweep redelivery, shared group:" in text
     assert "reaper: BatchGetItem groups 0.33" in text
-    assert "The sweep's lines are not in the per-client-month model" in text
+    assert "the model has the look at a session acked in time" in text
+    assert "its redeliveries are not in it" in text

@@ -138,3 +138,44 @@ def test_acks_held_longer_cost_fewer_frames_and_writes_at_one_a_second(model: di
     assert saved == pytest.approx(deliveries * (1 - 1 / 3) / 1e6)
     saved_wru = default["lines"]["dynamodb_wru"] - held["lines"]["dynamodb_wru"]
     assert saved_wru == pytest.approx(deliveries * (1 - 1 / 3) * 0.625 / 1e6)
+
+
+def test_the_sweep_looks_at_a_session_once_a_delivery_up_to_once_a_run() -> None:
+    """Each push arms a due list; the reaper's run (every minute) reads the state of each
+    session whose lists came due once, however many: one look a delivery at 1 a minute, one a
+    run at 1 a second, none idle."""
+    push = {
+        "delivery": _unit("push delivery", ws_out=1),
+        "ack": _unit("ack frame", ws_in=1),
+        "reconnect": _unit("reconnect"),
+    }
+    look = _unit("sweep look, acked in time", dynamodb_rru=1, lambda_s=0.001, aws_calls=0.5)
+    without = cost.fleet_model(
+        {
+            "long_poll": {
+                "delivery": _unit("long-poll delivery"),
+                "empty_poll": _unit("empty poll"),
+            },
+            "push": push,
+        }
+    )
+    with_look = cost.fleet_model(
+        {
+            "long_poll": {
+                "delivery": _unit("long-poll delivery"),
+                "empty_poll": _unit("empty poll"),
+            },
+            "push": {**push, "sweep_acked": look},
+        }
+    )
+    month_s = 30 * 86400
+    for traffic, looks in (("idle", 0), ("1 a minute", month_s / 60), ("1 a second", month_s / 60)):
+        for transport in ("WebSocket push", "WebSocket push, acks held 2 s"):
+            a = _row(without, traffic, transport)
+            b = _row(with_look, traffic, transport)
+            added = b["lines"].get("dynamodb_rru", 0.0) - a["lines"].get("dynamodb_rru", 0.0)
+            assert added == pytest.approx(looks * 0.125 / 1e6), (traffic, transport)
+            concurrency = b["lambda_concurrency"] - a["lambda_concurrency"]
+            expected = cost.FLEET * looks / month_s * (0.001 + 0.5 * cost.CALL_RTT_S)
+            assert concurrency == pytest.approx(expected), (traffic, transport)
+    assert cost.sweep_looks(1 / 600) == pytest.approx(month_s / 600)

@@ -1262,6 +1262,25 @@ def sweep_looks(rate: float) -> float:
     return min(rate * MONTH_S, MONTH_S / SWEEP_PERIOD_S)
 
 
+def due_lists(look: Unit) -> Unit:
+    """Of a sweep's look (``sweep look, acked in time``, counted over one round: a delivery
+    a session), what the due lists taken cost: their deletes and the write units (a look at
+    sessions acked in time writes nothing else), with the Lambda time apportioned by calls.
+    Every push arms its batch's list, so these come once a delivery whatever the rate, where
+    the state's read comes once a look."""
+    deletes = look.calls.get("dynamodb.DeleteItem", 0.0)
+    share = deletes / look.aws_calls if look.aws_calls else 0.0
+    return Unit(
+        "due lists taken",
+        look.units,
+        lambda_gb_s=look.lambda_gb_s * share,
+        lambda_s=look.lambda_s * share,
+        aws_calls=deletes,
+        dynamodb_wru=look.dynamodb_wru,
+        calls={"dynamodb.DeleteItem": deletes} if deletes else {},
+    )
+
+
 #: an HTTP channel that leaves a will keeps its keepalive's timer (``Reaper._chain``), and the
 #: client's default keepalive
 HTTP_KEEPALIVE_S = 60
@@ -1988,7 +2007,11 @@ def fleet_model(counted: dict[str, dict[str, Unit]]) -> dict[str, Any]:
             ]
             # a results file from before the look was counted per session has none
             if "sweep_acked" in push and looks:
-                counted_.append((push["sweep_acked"], looks))
+                look = push["sweep_acked"]
+                counted_.append((look, looks))
+                # the due lists come with the deliveries, not with the looks: past one a
+                # run, each delivery's share of its push's list is still taken
+                counted_.append((due_lists(look), max(deliveries - looks, 0.0)))
             for unit, count in counted_:
                 for k, v in unit.dollars().items():
                     lines[k] = lines.get(k, 0.0) + v * count
@@ -2177,7 +2200,8 @@ def fleet_report(figures: dict[str, Any]) -> str:
             "Of the sweep's lines, the model has the look at a session acked in time (sweep "
             "look, acked in time): once a delivery, at most once a sweep run (every "
             f"{figures.get('sweep_period_s', SWEEP_PERIOD_S):g} s), as each push arms a due "
-            "list; its redeliveries are not in it, as its clients ack every delivery within "
+            "list, and the lists it takes (its deletes) once a delivery whatever the rate; "
+            "its redeliveries are not in it, as its clients ack every delivery within "
             "its ack timeout. Each line is one scheduled run of the reaper (the "
             "real handler, invoked with its schedule's event, after an ack timeout of "
             f"{figures.get('sweep_ack_timeout_s', SWEEP_ACK_TIMEOUT_S):g} s waited out) and "

@@ -149,7 +149,14 @@ def test_the_sweep_looks_at_a_session_once_a_delivery_up_to_once_a_run() -> None
         "ack": _unit("ack frame", ws_in=1),
         "reconnect": _unit("reconnect"),
     }
-    look = _unit("sweep look, acked in time", dynamodb_rru=1, lambda_s=0.001, aws_calls=0.5)
+    look = _unit(
+        "sweep look, acked in time",
+        dynamodb_rru=1,
+        dynamodb_wru=0.05,
+        lambda_s=0.001,
+        aws_calls=0.5,
+        calls={"dynamodb.DeleteItem": 0.05, "dynamodb.BatchGetItem": 0.45},
+    )
     without = cost.fleet_model(
         {
             "long_poll": {
@@ -169,13 +176,29 @@ def test_the_sweep_looks_at_a_session_once_a_delivery_up_to_once_a_run() -> None
         }
     )
     month_s = 30 * 86400
-    for traffic, looks in (("idle", 0), ("1 a minute", month_s / 60), ("1 a second", month_s / 60)):
+    # the state's read once a look; the due lists taken (the look's deletes and write units)
+    # once a delivery, as every push arms its batch's list
+    for traffic, looks, deliveries in (
+        ("idle", 0, 0),
+        ("1 a minute", month_s / 60, month_s / 60),
+        ("1 a second", month_s / 60, month_s),
+    ):
         for transport in ("WebSocket push", "WebSocket push, acks held 2 s"):
             a = _row(without, traffic, transport)
             b = _row(with_look, traffic, transport)
             added = b["lines"].get("dynamodb_rru", 0.0) - a["lines"].get("dynamodb_rru", 0.0)
             assert added == pytest.approx(looks * 0.125 / 1e6), (traffic, transport)
+            wru = b["lines"].get("dynamodb_wru", 0.0) - a["lines"].get("dynamodb_wru", 0.0)
+            assert wru == pytest.approx(deliveries * 0.05 * 0.625 / 1e6), (traffic, transport)
             concurrency = b["lambda_concurrency"] - a["lambda_concurrency"]
-            expected = cost.FLEET * looks / month_s * (0.001 + 0.5 * cost.CALL_RTT_S)
+            # past a look a run, a delivery's lists: a tenth of the look's calls and time
+            expected = (
+                cost.FLEET
+                / month_s
+                * (
+                    looks * (0.001 + 0.5 * cost.CALL_RTT_S)
+                    + (deliveries - looks) * (0.0001 + 0.05 * cost.CALL_RTT_S)
+                )
+            )
             assert concurrency == pytest.approx(expected), (traffic, transport)
     assert cost.sweep_looks(1 / 600) == pytest.approx(month_s / 600)

@@ -149,8 +149,9 @@ def test_the_sweep_looks_at_a_session_once_a_delivery_up_to_once_a_run() -> None
         "ack": _unit("ack frame", ws_in=1),
         "reconnect": _unit("reconnect"),
     }
-    look = _unit(
+    look = cost.Unit(
         "sweep look, acked in time",
+        1,
         dynamodb_rru=1,
         dynamodb_wru=0.05,
         lambda_s=0.001,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 from shoal.core.errors import ServerBusy
+from shoal.edge import push as push_module
 
 from tests.integration.test_edge import Edge, chunks_visible_again_at_once, edge, texts
 from tests.integration.test_edge_fanout import qos0_then_qos1_behind_a_waiting_push
@@ -142,3 +143,90 @@ def test_an_ack_sent_again_after_its_hand_off_failed_still_lets_out_what_waits(
     again = len(edge.api.sent["c1"])
     assert edge.send("c1", {"action": "ack", "ids": [first["id"]]}) is None
     assert len(edge.api.sent["c1"]) == again
+
+
+def test_a_connection_whose_ready_mark_meets_a_busy_store_is_marked_when_it_clears(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connect's answer went out, then its ``ready`` mark was refused as busy (throttled,
+    or the store's answer past a call's wait). The client holds itself connected and never
+    sends its connect again, and the pusher posts nothing to a connection not ready: left
+    so, the session would get nothing until it connected again. The mark is tried again
+    through the busy store, as ``$disconnect``'s steps are."""
+    real_ready = edge.connections.ready
+    calls = {"n": 0}
+
+    def busy_twice(*args: Any, **kwargs: Any) -> bool:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise ServerBusy("the store is busy; retry")
+        return real_ready(*args, **kwargs)
+
+    monkeypatch.setattr(edge.connections, "ready", busy_twice)
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    found = edge.connections.connection("c1")
+    assert found is not None
+    target = edge.connections.target(found.session_id)
+    assert target is not None and target.ready
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert texts(edge.messages("c1")) == ["m0"]
+    assert edge.api.closed == []
+
+
+def test_a_connection_that_cannot_be_marked_ready_is_closed_not_left_silent(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the store stays busy past every try: the connection is closed, so that
+    the client connects again (its session kept) instead of waiting, connected, for pushes
+    that skip it. Its ``$disconnect`` ends the channel as any close does, and the next
+    connect is marked ready and pushed to."""
+    real_ready = edge.connections.ready
+
+    def always_busy(*_: Any, **__: Any) -> bool:
+        raise ServerBusy("the store is busy; retry")
+
+    monkeypatch.setattr(edge.connections, "ready", always_busy)
+    edge.connect("c1")
+    assert edge.api.closed == ["c1"]
+    edge.dropped("c1")
+    monkeypatch.setattr(edge.connections, "ready", real_ready)
+    edge.connect("c2")
+    edge.send("c2", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    assert texts(edge.messages("c2")) == ["m0"]
+
+
+def test_a_connect_that_died_after_its_answer_leaves_a_connection_a_push_closes(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connect's answer went out and the function died before the connection's
+    ``ready`` mark (a timeout, a crash): nothing will mark it, and every push skips it. A
+    push that finds it so past ``READY_BOUND_MS`` closes it, so that the client connects
+    again (its session kept) and gets what waits; one that finds it so sooner (a push
+    racing the answer) leaves it be."""
+    real_ready = edge.connections.ready
+
+    def dies(*_: Any, **__: Any) -> bool:
+        raise Crash("the edge died after posting the connect's answer")
+
+    monkeypatch.setattr(edge.connections, "ready", dies)
+    edge.world.clock.advance(0.001)
+    # the route answers the function's error; the client had its answer already
+    edge.send("c1", {"action": "connect", "client_id": "alice-1", "session_expiry_s": 3600})
+    monkeypatch.setattr(edge.connections, "ready", real_ready)
+    assert edge.api.sent["c1"][0]["action"] == "connected"
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    # within the bound: skipped, not closed
+    assert edge.messages("c1") == [] and edge.api.closed == []
+    edge.world.clock.advance(push_module.READY_BOUND_MS / 1000 + 1)
+    edge.world.publish("a/b", "m1")
+    edge.world.route()
+    assert edge.messages("c1") == [] and edge.api.closed == ["c1"]
+    edge.dropped("c1")
+    edge.connect("c2")
+    assert texts(edge.messages("c2")) == ["m0", "m1"]

@@ -69,6 +69,10 @@ DRAIN_RECHECK_MS = 2_000
 #: gets; the soak's run J saw a first copy posted 38 s after its hand-out, 20 s after the other
 #: member's ack). Deployed, a get and its post are tens of ms apart: no read is added
 LATE_POST_MS = 1_000
+#: a connection not ready this long after its connect (or renewal) wrote it was left so by an
+#: invocation that ended without its mark (the edge's timeout is 29 s): a push that finds it
+#: closes it, and the client connects again instead of waiting for pushes that skip it
+READY_BOUND_MS = 120_000
 #: a chunk returned to the queue is visible again after a jittered, growing delay (by its
 #: receive count), at most this long: its group (its sessions' later pushes) waits meanwhile
 MAX_RETRY_DELAY_S = 60
@@ -255,6 +259,9 @@ class PushWorker:
             if push.connection is not None and push.connection.ready:
                 ready.append(push)
         report.skipped = len(pushes) - len(ready)
+        self._close_stranded(
+            [p.connection for p in pushes.values() if p.connection and not p.connection.ready]
+        )
         if ready:
             reads = self._read(ready)
             for push in ready:
@@ -266,6 +273,19 @@ class PushWorker:
         # the members these gets handed group streams to: their own pushes
         self.hand_offs.flush()
         return failed
+
+    def _close_stranded(self, connections: list[Connection]) -> None:
+        """Closes the connections not ready past ``READY_BOUND_MS`` (best effort: the next
+        push tries again); their ``$disconnect`` ends the channel as any close does."""
+        now = self.clock.now_ms()
+        for connection in connections:
+            if now - connection.connected_at_ms < READY_BOUND_MS:
+                continue
+            logger.warning("connection never marked ready: closed")
+            try:
+                self.api.close(connection.connection_id)
+            except (ClientError, BotoCoreError) as exc:
+                logger.info("close failed", extra={"error_type": type(exc).__name__})
 
     def _push(self, pushes: list[_Push]) -> None:
         batch = self._event_batch()

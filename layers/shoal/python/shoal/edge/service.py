@@ -173,7 +173,8 @@ class EdgeService:
         ``$disconnect`` given up on a throttle would leave the session connected to a gone
         connection, its will unpublished, until the registry's bound on a connection (hours).
         Each step may run again: unbinding is idempotent, and losing a channel already lost
-        changes nothing."""
+        changes nothing. A connection's ``ready`` mark, after its answer went out, likewise:
+        the client will not send its connect again."""
         for attempt in range(DISCONNECT_ATTEMPTS):
             try:
                 return step()
@@ -481,9 +482,20 @@ class EdgeService:
         return Answer()
 
     def _push_after(self, connection: Connection, *, ready: bool, push: bool) -> None:
-        if ready and not self.connections.ready(connection):
-            # the session moved to another connection meanwhile: that one pushes for itself
-            return
+        if ready:
+            try:
+                # the answer went out: a refused mark would leave the client waiting, connected,
+                # for pushes that skip its connection until it connects again
+                marked = self._through_busy(lambda: self.connections.ready(connection))
+            except (ServerBusy, BotoCoreError):
+                # so the connection is closed instead, and the client connects again (its
+                # session kept); its $disconnect ends the channel as any close does
+                logger.warning("connection not marked ready: closed")
+                self.api.close(connection.connection_id)
+                return
+            if not marked:
+                # the session moved to another connection meanwhile: that one pushes for itself
+                return
         if push or ready:
             self.queue.hand_off({connection.session_id: connection.client_id})
 

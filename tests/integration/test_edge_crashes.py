@@ -230,3 +230,33 @@ def test_a_connect_that_died_after_its_answer_leaves_a_connection_a_push_closes(
     edge.dropped("c1")
     edge.connect("c2")
     assert texts(edge.messages("c2")) == ["m0", "m1"]
+
+
+def test_a_push_the_queue_refused_after_a_connects_answer_is_handed_over_by_the_sweep(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session reconnects while a message waits for it; the connect's answer goes out and
+    its connection is marked ready, then the queue refuses the hand-off of its push (past
+    the sender's tries). The client has its answer and will not send its connect again, and
+    no new message comes: the sweep's next run hands the push over, and the message goes
+    out without another connect."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.dropped("c1")
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    real_hand_off = edge.queue.hand_off
+    calls = {"n": 0}
+
+    def refused_once(*args: Any, **kwargs: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ServerBusy("the push queue refused a hand-off; retry")
+        return real_hand_off(*args, **kwargs)
+
+    monkeypatch.setattr(edge.queue, "hand_off", refused_once)
+    edge.connect("c2")
+    assert calls["n"] == 1
+    assert edge.messages("c2") == []
+    edge.sweep()
+    assert texts(edge.messages("c2")) == ["m0"]

@@ -496,8 +496,16 @@ class EdgeService:
             if not marked:
                 # the session moved to another connection meanwhile: that one pushes for itself
                 return
-        if push or ready:
+        if not (push or ready):
+            return
+        try:
             self.queue.hand_off({connection.session_id: connection.client_id})
+        except (ServerBusy, ClientError, BotoCoreError) as exc:
+            # the answer went out and the client will not send its frame again: the sweep
+            # hands the push over instead at its next run (a held list: pushed whatever the
+            # session's state says), or what waits would wait for the next message or connect
+            logger.warning("push left to the sweep", extra={"error_type": type(exc).__name__})
+            self.connections.arm_sessions([connection.session_id], self.clock.now_ms(), held=True)
 
 
 def requested_at(context: Mapping[str, Any]) -> int | None:

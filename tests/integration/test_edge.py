@@ -241,6 +241,16 @@ def texts(frames: list[dict[str, Any]]) -> list[str]:
     return [base64.b64decode(f["payload"]).decode() for f in frames]
 
 
+def away_while_published(edge: Edge, text: str) -> None:
+    """``c1`` connects, subscribes to ``a/#`` (QoS 1) and is dropped; then ``text`` is
+    published and routed: a message waits in the session's inbox for its next connect."""
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    edge.dropped("c1")
+    edge.world.publish("a/b", text)
+    edge.world.route()
+
+
 def answered_first(edge: Edge, connection: str, waiting: str) -> None:
     """The connection's first frame is its connect's (or renewal's) answer, the delivery that
     waited comes after it, and the connection is ready: the next message goes out at once."""
@@ -1989,11 +1999,7 @@ def test_nothing_is_pushed_to_a_connection_before_its_connect_is_answered(
     """MQTT 5 [MQTT-3.2.0-1]: CONNACK is the server's first packet. A router's push that
     comes between the connect's bind and its answer finds the connection not ready, and the
     connect's own push, handed over after its ``connected`` frame, sends the deliveries."""
-    edge.connect("c1")
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    edge.dropped("c1")
-    edge.world.publish("a/b", "waiting")
-    edge.world.route()
+    away_while_published(edge, "waiting")
     real_keep = edge.service._keep
     raced: list[int] = []
 

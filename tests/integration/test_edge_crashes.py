@@ -13,7 +13,13 @@ from botocore.exceptions import ClientError
 from shoal.core.errors import ServerBusy
 from shoal.edge import push as push_module
 
-from tests.integration.test_edge import Edge, chunks_visible_again_at_once, edge, texts
+from tests.integration.test_edge import (
+    Edge,
+    away_while_published,
+    chunks_visible_again_at_once,
+    edge,
+    texts,
+)
 from tests.integration.test_edge_fanout import qos0_then_qos1_behind_a_waiting_push
 
 __all__ = ["edge"]  # fixture
@@ -240,11 +246,7 @@ def test_a_push_the_queue_refused_after_a_connects_answer_is_handed_over_by_the_
     the sender's tries). The client has its answer and will not send its connect again, and
     no new message comes: the sweep's next run hands the push over, and the message goes
     out without another connect."""
-    edge.connect("c1")
-    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    edge.dropped("c1")
-    edge.world.publish("a/b", "m0")
-    edge.world.route()
+    away_while_published(edge, "m0")
     real_hand_off = edge.queue.hand_off
     calls = {"n": 0}
 

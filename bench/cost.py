@@ -2017,13 +2017,7 @@ def fleet_model(counted: dict[str, dict[str, Unit]]) -> dict[str, Any]:
                     lines[k] = lines.get(k, 0.0) + v * count
             rows[label_] = _row(
                 lines,
-                concurrency=FLEET
-                * (
-                    reconnects / MONTH_S * push["reconnect"].concurrency_s()
-                    + deliveries / MONTH_S * push["delivery"].concurrency_s()
-                    + acks / MONTH_S * push["ack"].concurrency_s()
-                    + sum(u.concurrency_s() * n for u, n in counted_[3:]) / MONTH_S
-                ),
+                concurrency=FLEET * sum(u.concurrency_s() * n for u, n in counted_) / MONTH_S,
             )
         # IoT Core: connection minutes (pings free); a delivery is the backend's PUBLISH in,
         # the PUBLISH out and the device's PUBACK, 5 KB units each

@@ -29,6 +29,23 @@ class Crash(Exception):
     """A function dying at an injection point (Lambda reports a function error)."""
 
 
+class FailsFirst:
+    """``real`` wrapped: its first ``times`` calls raise ``error`` instead; ``calls`` counts
+    them all."""
+
+    def __init__(self, real: Any, error: Exception, times: int = 1) -> None:
+        self.real = real
+        self.error = error
+        self.times = times
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls <= self.times:
+            raise self.error
+        return self.real(*args, **kwargs)
+
+
 def test_a_router_batch_retried_after_its_hand_off_posts_its_qos0_frames_once(
     edge: Edge,
 ) -> None:
@@ -66,21 +83,15 @@ def test_a_pusher_that_dies_between_its_get_and_its_arm_leaves_what_it_handed_ou
     ``dup``, while the session stays connected (no reconnect, no other message)."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
-    real_arm = edge.connections.arm_sessions
-    calls = {"n": 0}
-
-    def dies_before_arming(*args: Any, **kwargs: Any) -> bool:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise Crash("the pusher died before the due index's write")
-        return real_arm(*args, **kwargs)
-
+    dies_before_arming = FailsFirst(
+        edge.connections.arm_sessions, Crash("the pusher died before the due index's write")
+    )
     monkeypatch.setattr(edge.connections, "arm_sessions", dies_before_arming)
     chunks_visible_again_at_once(edge)
     for n in range(2):
         edge.world.publish("a/b", f"m{n}")
     edge.world.route()
-    assert calls["n"] >= 1
+    assert dies_before_arming.calls >= 1
     assert edge.messages("c1") == []
     edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
     edge.sweep()
@@ -159,15 +170,7 @@ def test_a_connection_whose_ready_mark_meets_a_busy_store_is_marked_when_it_clea
     sends its connect again, and the pusher posts nothing to a connection not ready: left
     so, the session would get nothing until it connected again. The mark is tried again
     through the busy store, as ``$disconnect``'s steps are."""
-    real_ready = edge.connections.ready
-    calls = {"n": 0}
-
-    def busy_twice(*args: Any, **kwargs: Any) -> bool:
-        calls["n"] += 1
-        if calls["n"] <= 2:
-            raise ServerBusy("the store is busy; retry")
-        return real_ready(*args, **kwargs)
-
+    busy_twice = FailsFirst(edge.connections.ready, ServerBusy("the store is busy; retry"), 2)
     monkeypatch.setattr(edge.connections, "ready", busy_twice)
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
@@ -247,18 +250,12 @@ def test_a_push_the_queue_refused_after_a_connects_answer_is_handed_over_by_the_
     no new message comes: the sweep's next run hands the push over, and the message goes
     out without another connect."""
     away_while_published(edge, "m0")
-    real_hand_off = edge.queue.hand_off
-    calls = {"n": 0}
-
-    def refused_once(*args: Any, **kwargs: Any) -> int:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ServerBusy("the push queue refused a hand-off; retry")
-        return real_hand_off(*args, **kwargs)
-
+    refused_once = FailsFirst(
+        edge.queue.hand_off, ServerBusy("the push queue refused a hand-off; retry")
+    )
     monkeypatch.setattr(edge.queue, "hand_off", refused_once)
     edge.connect("c2")
-    assert calls["n"] == 1
+    assert refused_once.calls == 1
     assert edge.messages("c2") == []
     edge.sweep()
     assert texts(edge.messages("c2")) == ["m0"]

@@ -1953,7 +1953,8 @@ def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
 ) -> None:
     """A connection knows its session: an ``ack`` frame reads the session's head and
     delivery state together, in one batch read, and a stale state read that way costs only a
-    read again."""
+    read again. It reads its connection, and then the session, eventually consistent (half
+    the read units)."""
     edge.connect("c1")
     edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
     for n in range(2):
@@ -1969,18 +1970,19 @@ def test_an_ack_frame_reads_its_sessions_head_and_state_in_one_call(
 
     monkeypatch.setattr(Dynamo, "call", recording)
     edge.send("c1", {"action": "ack", "ids": [first["id"]], "ref": "a1"})
-    keys = [r.get("Key", {}) for op, r in calls if op == "get_item"]
+    reads = [r for op, r in calls if op == "get_item"]
     # the one item read alone is the connection's, which names the session
-    assert keys == [{"key": {"S": "conn#c1"}}]
+    assert [(r["Key"], r["ConsistentRead"]) for r in reads] == [({"key": {"S": "conn#c1"}}, False)]
     [batch] = [r for op, r in calls if op == "batch_get_item"]
     assert sorted(len(part["Keys"]) for part in batch["RequestItems"].values()) == [1, 1]
+    assert [part["ConsistentRead"] for part in batch["RequestItems"].values()] == [False, False]
     assert edge.api.sent["c1"][-1] == {"action": "acked", "ref": "a1", "acked": 1}
     # a state that moved after the read: the write fails, the ack reads again and lands
     service = edge.service.delivery
     real_read = service.read_sessions
 
-    def stale_read(*args: Any) -> Any:
-        read = real_read(*args)
+    def stale_read(*args: Any, **kwargs: Any) -> Any:
+        read = real_read(*args, **kwargs)
         monkeypatch.setattr(service, "read_sessions", real_read)
         edge.world.publish("a/b", "m2")
         edge.world.route()  # its push hands m2 out: a new state version

@@ -1,7 +1,8 @@
 """``ack`` frames as a client that holds its acks sends them (issue 46, item 3): many ids in
 one frame, out of order, an id twice, ids the session never handed out, more ids than the
 window, and an ack racing a redelivery; each frame writes the session's delivery state once,
-whatever its number of ids. Driven through the edge's routes over moto (``test_edge.Edge``)."""
+whatever its number of ids; and an ack whose eventually consistent reads are older than what
+it acks. Driven through the edge's routes over moto (``test_edge.Edge``)."""
 
 from __future__ import annotations
 
@@ -197,8 +198,8 @@ def test_an_ack_racing_the_redelivery_of_its_id_lands_and_the_id_never_comes_aga
     service = edge.service.delivery
     real_read = service.read_sessions
 
-    def read_then_sweep(*args: Any) -> Any:
-        read = real_read(*args)
+    def read_then_sweep(*args: Any, **kwargs: Any) -> Any:
+        read = real_read(*args, **kwargs)
         monkeypatch.setattr(service, "read_sessions", real_read)
         edge.sweep()  # sends the delivery again, with dup: a new state version
         return read
@@ -248,4 +249,96 @@ def test_a_copy_handed_out_again_and_acked_before_its_post_is_not_posted(
     assert [(f["id"], f["dup"]) for f in edge.messages("c1")] == [(first["id"], False)]
     # and nothing comes again later
     monkeypatch.setattr(PushWorker, "_get", real_get)
+    assert redelivered(edge, "c1") == []
+
+
+# --- an ack reads its session eventually consistent
+
+
+def stale_ack_reads(edge: Edge, monkeypatch: pytest.MonkeyPatch, connection: str) -> None:
+    """From now on, the eventually consistent reads of the connection's session (an ack
+    frame's) answer what they answer now: a copy as stale as DynamoDB may hand out."""
+    service = edge.service.delivery
+    found = edge.connections.connection(connection)
+    assert found is not None
+    pair = (found.client_id, found.session_id)
+    stale = service.read_sessions([pair], consistent=False)
+    real_read = service.read_sessions
+
+    def read(sessions: Any, *, consistent: bool = True) -> Any:
+        wanted = sorted(set(sessions))
+        if not consistent and wanted == [pair]:
+            return stale
+        return real_read(wanted, consistent=consistent)
+
+    monkeypatch.setattr(service, "read_sessions", read)
+
+
+def test_an_ack_of_an_id_handed_out_after_its_stale_read_lands(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack frame's eventually consistent read may predate the push that handed its id out
+    (the client acks within milliseconds of the frame): the state read then has not handed the
+    id out, and the ack reads it again, consistently, instead of acking nothing."""
+    # Given a connected session whose ack reads answer the state before any push
+    edge.connect("c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{"filter": "a/#", "qos": 1}]})
+    stale_ack_reads(edge, monkeypatch, "c1")
+    # When a delivery is pushed and acked
+    edge.world.publish("a/b", "m0")
+    edge.world.route()
+    (first,) = edge.messages("c1")
+    assert ack(edge, "c1", [first["id"]]) == 1
+    # Then the id never comes again
+    assert redelivered(edge, "c1") == []
+    assert redelivered(edge, "c1") == []
+
+
+def test_an_ack_on_a_new_connection_whose_stale_read_predates_it_lands(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack frame's eventually consistent read may predate the connect that made its
+    channel the session's live one (a reconnect, the session kept): the head read then names
+    the old channel, and the ack reads the head again, consistently, instead of refusing."""
+    # Given a delivery in flight to a session whose client reconnects (the session kept),
+    # its new connection's ack reads answering what they did before the reconnect
+    (first,) = pushed(edge, "c1", 1)
+    found = edge.connections.connection("c1")
+    assert found is not None
+    service = edge.service.delivery
+    before = service.read_sessions([(found.client_id, found.session_id)], consistent=False)
+    edge.api.gone.add("c1")
+    edge.connect("c2")
+    real_read = service.read_sessions
+
+    def read(sessions: Any, *, consistent: bool = True) -> Any:
+        return before if not consistent else real_read(sessions, consistent=consistent)
+
+    monkeypatch.setattr(service, "read_sessions", read)
+    # When the new connection gets the delivery again and acks it
+    again = edge.messages("c2")
+    assert [(f["id"], f["dup"]) for f in again] == [(first["id"], True)]
+    assert ack(edge, "c2", [first["id"]]) == 1
+    # Then it is acked: it never comes again
+    assert redelivered(edge, "c2") == []
+
+
+def test_an_ack_whose_stale_read_finds_no_connection_yet_lands(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack frame's eventually consistent read of its connection may not find the item its
+    ``connect`` wrote yet: the ack reads it again, consistently, instead of answering that
+    the connection holds no session."""
+    # Given a delivery in flight, and reads of the connection that find nothing unless
+    # consistent
+    (first,) = pushed(edge, "c1", 1)
+    real = edge.connections.connection
+
+    def connection(connection_id: str, *, consistent: bool = True) -> Any:
+        return real(connection_id) if consistent else None
+
+    monkeypatch.setattr(edge.connections, "connection", connection)
+    # When the client acks it
+    assert ack(edge, "c1", [first["id"]]) == 1
+    # Then it never comes again
     assert redelivered(edge, "c1") == []

@@ -43,7 +43,13 @@ from shoal.core import metrics
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import DeliverySettings
-from shoal.core.errors import BadRequest, ServerBusy
+from shoal.core.errors import (
+    BadRequest,
+    Forbidden,
+    ServerBusy,
+    SessionNotFound,
+    SessionTakenOver,
+)
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch, Recording, record_answers
@@ -104,6 +110,9 @@ class SessionRead:
 
     head: Head | None
     state: DeliveryState
+    #: False: read eventually consistent (an ack's, ``ack_opening``), so either may predate
+    #: the session's last writes
+    consistent: bool = True
 
 
 class DeliveryService:
@@ -143,13 +152,18 @@ class DeliveryService:
 
     # -- get
 
-    def read_sessions(self, sessions: Iterable[tuple[str, str]]) -> dict[str, SessionRead]:
+    def read_sessions(
+        self, sessions: Iterable[tuple[str, str]], *, consistent: bool = True
+    ) -> dict[str, SessionRead]:
         """The heads and delivery states of ``sessions`` (client id, session id), strongly
-        consistent, in one batch read for up to 50 sessions (not two reads each), by session
-        id: what a router's push to the sessions a batch wrote to starts from."""
-        return self._read_sessions(sorted(set(sessions)))
+        consistent unless asked otherwise, in one batch read for up to 50 sessions (not two
+        reads each), by session id: what a router's push to the sessions a batch wrote to
+        starts from."""
+        return self._read_sessions(sorted(set(sessions)), consistent)
 
-    def _read_sessions(self, pairs: list[tuple[str, str]]) -> dict[str, SessionRead]:
+    def _read_sessions(
+        self, pairs: list[tuple[str, str]], consistent: bool
+    ) -> dict[str, SessionRead]:
         if not pairs:
             return {}
         repository = self.registry.repository
@@ -159,12 +173,15 @@ class DeliveryService:
         keys += [(self.inbox.table, self.inbox.state_key(s)) for _, s in pairs]
         heads: dict[str, Head] = {}
         states: dict[str, DeliveryState] = {}
-        for table, row in self.inbox.dynamo.batch_get_tables(keys, consistent=True):
+        for table, row in self.inbox.dynamo.batch_get_tables(keys, consistent=consistent):
             if table == self.inbox.table:
                 states[str(row["inbox"])] = DeliveryState.from_record(row)
             elif table == repository.table:
                 heads[str(row["client_id"])] = repository.head_of(row)
-        return {s: SessionRead(heads.get(c), states.get(s) or DeliveryState()) for c, s in pairs}
+        return {
+            s: SessionRead(heads.get(c), states.get(s) or DeliveryState(), consistent)
+            for c, s in pairs
+        }
 
     def get(
         self,
@@ -681,10 +698,22 @@ class DeliveryService:
         that follow a get that filled the window, the first to write sees it full.
 
         ``known``: the session's head and state as the caller read them together
-        (``read_sessions``: a WebSocket connection knows its session), not read again."""
+        (``read_sessions``: a WebSocket connection knows its session), not read again. Read
+        eventually consistent (half the read units), they are read again, consistently, only
+        where a stale copy would answer wrong: a head that refuses the channel (it may predate
+        the channel's connect), or a state that has not handed out an id the frame acks yet
+        (it may predate the push that did). Anything else stale costs a failed conditional
+        write and a read again, as a stale state always did: acks only add to a state, so an
+        id done in an older copy is done."""
+        head: Head | None = None
         if known is not None and known.head is not None:
-            head = self.registry.live_as_read(who, client_id, channel, known.head)
-        else:
+            try:
+                head = self.registry.live_as_read(who, client_id, channel, known.head)
+            except (SessionNotFound, Forbidden, SessionTakenOver):
+                if known.consistent:
+                    raise
+                known = None
+        if head is None:
             head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""
         # the state read with the head, when it is this session's (a stale one fails its write)
@@ -698,6 +727,10 @@ class DeliveryService:
         opened = grouped > 0 or _shares(head)
         if not ordinals:
             return {"acked": grouped}, opened
+        stale = known is not None and not known.consistent
+        if state is not None and stale and max(ordinals) >= state.next_ordinal:
+            # an id handed out after this copy was: done or not, only a fresh read says
+            state = None
         for attempt in range(ATTEMPTS):
             if state is None:
                 state = self.inbox.state(session_id)

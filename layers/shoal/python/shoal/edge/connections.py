@@ -291,8 +291,13 @@ class ConnectionStore:
             self.dynamo.call("delete_item", TableName=self.table, Key=_key(CONNECTION + older))
         return connection
 
-    def connection(self, connection_id: str) -> Connection | None:
-        raw = self.dynamo.get(self.table, {"key": CONNECTION + connection_id})
+    def connection(self, connection_id: str, *, consistent: bool = True) -> Connection | None:
+        """The connection's item, once its ``connect`` frame bound it to a session (None
+        before, and once it is gone). What a bound item says is written once, so an eventually
+        consistent read that finds it finds it whole; one may not find it yet."""
+        raw = self.dynamo.get(
+            self.table, {"key": CONNECTION + connection_id}, consistent=consistent
+        )
         return None if raw is None or "session_id" not in raw else Connection.from_record(raw)
 
     def unbind(self, connection: Connection) -> bool:

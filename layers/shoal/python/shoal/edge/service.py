@@ -271,7 +271,12 @@ class EdgeService:
             return self._connect(connection_id, who, frame, requested_at_ms)
         if isinstance(frame, RenewFrame):
             return self._renew(connection_id, who, frame)
-        connection = self.connections.connection(connection_id)
+        # an ack is the frame of every delivery: it reads its connection at half the read
+        # units, and consistently only when that read did not find it (not bound yet to it)
+        acking = isinstance(frame, AckFrame)
+        connection = self.connections.connection(connection_id, consistent=not acking)
+        if connection is None and acking:
+            connection = self.connections.connection(connection_id)
         if connection is None:
             raise NotConnected("send connect first: this connection holds no session")
         if isinstance(frame, SubscribeFrame):
@@ -299,9 +304,10 @@ class EdgeService:
             _, body = self.publisher.publish(who, PublishRequest.model_validate(request))
             return Answer(encode(PublishedFrame.model_validate({"ref": frame.ref, **body})))
         if isinstance(frame, AckFrame):
-            # the connection knows its session: its head and its state in one read, not two
+            # the connection knows its session: its head and its state in one read, not two,
+            # eventually consistent (``ack_opening`` reads again what a stale copy would refuse)
             (known,) = self.delivery.read_sessions(
-                [(connection.client_id, connection.session_id)]
+                [(connection.client_id, connection.session_id)], consistent=False
             ).values()
             answer, opened = self.delivery.ack_opening(
                 who, connection.client_id, connection.channel, frame, connection.window, known=known

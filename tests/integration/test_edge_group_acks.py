@@ -19,6 +19,7 @@ from shoal.edge.routes import handle
 from shoal.edge.sweep import PushSweep
 
 from tests.integration.test_edge import Edge, group_edge
+from tests.integration.test_edge_acks import stale_ack_reads
 
 __all__ = ["group_edge"]  # fixture
 
@@ -239,3 +240,28 @@ def test_the_sweep_asks_the_groups_once_for_all_its_sessions(
         (second["id"], True),
     ]
     assert len(edge.messages("c1")) == 1
+
+
+def test_a_group_ack_whose_stale_read_predates_the_subscribe_lands(
+    group_edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack frame reads the session's head eventually consistent; a copy older than the
+    subscribe that joined the group does not join it, and the group's ack would pass the id
+    over (an id of a group left). The ack reads the head again, consistently, and the id is
+    acked: it never comes again."""
+    edge = group_edge
+    # Given a member whose ack reads answer the head as it was before its subscribe
+    edge.connect("c1", client_id="alice-1")
+    stale_ack_reads(edge, monkeypatch, "c1")
+    edge.send("c1", {"action": "subscribe", "subscriptions": [{**SHARE, "qos": 1}]})
+    edge.world.publish("a/b", "job", qos=1)
+    edge.world.route()
+    [first] = edge.messages("c1")
+    assert first["id"].startswith("g-")
+    # When it acks the group's delivery
+    edge.send("c1", {"action": "ack", "ref": "a", "ids": [first["id"]]})
+    # Then the ack counted, and the sweep after its timeout sends nothing again
+    assert [f["acked"] for f in edge.api.sent["c1"] if f["action"] == "acked"] == [1]
+    edge.world.clock.advance(edge.world.settings.ack_timeout_s + 1)
+    edge.sweep()
+    assert [f["id"] for f in edge.messages("c1")] == [first["id"]]

@@ -701,19 +701,14 @@ class DeliveryService:
         (``read_sessions``: a WebSocket connection knows its session), not read again. Read
         eventually consistent (half the read units), they are read again, consistently, only
         where a stale copy would answer wrong: a head that refuses the channel (it may predate
-        the channel's connect), or a state that has not handed out an id the frame acks yet
-        (it may predate the push that did). Anything else stale costs a failed conditional
+        the channel's connect) or does not join a group whose deliveries the frame acks (it
+        may predate the subscribe), or a state that has not handed out an id the frame acks
+        yet (it may predate the push that did). Anything else stale costs a failed conditional
         write and a read again, as a stale state always did: acks only add to a state, so an
         id done in an older copy is done."""
-        head: Head | None = None
-        if known is not None and known.head is not None:
-            try:
-                head = self.registry.live_as_read(who, client_id, channel, known.head)
-            except (SessionNotFound, Forbidden, SessionTakenOver):
-                if known.consistent:
-                    raise
-                known = None
+        head = self._acking_head(who, client_id, channel, known, request.ids)
         if head is None:
+            known = None
             head = self.registry.require_live(who, client_id, channel)
         session_id = head.session_id or ""
         # the state read with the head, when it is this session's (a stale one fails its write)
@@ -754,6 +749,30 @@ class DeliveryService:
             state = None
             self.clock.sleep(backoff_s(attempt, 0.01, 0.2))
         raise ServerBusy("this session's deliveries are contended; retry")
+
+    def _acking_head(
+        self,
+        who: Principal,
+        client_id: str,
+        channel: Channel | None,
+        known: SessionRead | None,
+        ids: list[str],
+    ) -> Head | None:
+        """The head ``known`` holds, when it may answer the ack of ``ids`` (``ack_opening``);
+        None when there is none, or when an eventually consistent copy may be older than what
+        the ack needs: it refuses the channel, or it does not join a group ``ids`` name."""
+        if known is None or known.head is None:
+            return None
+        try:
+            head = self.registry.live_as_read(who, client_id, channel, known.head)
+        except (SessionNotFound, Forbidden, SessionTakenOver):
+            if known.consistent:
+                raise
+            return None
+        groups = self.groups
+        if not known.consistent and groups is not None and groups.foreign(head.subscriptions, ids):
+            return None
+        return head
 
 
 def _shares(head: Head) -> bool:

@@ -618,6 +618,13 @@ class GroupService:
 
     # -- ack
 
+    def foreign(self, subscriptions: Mapping[str, Any], ids: Iterable[str]) -> bool:
+        """Whether some of ``ids`` are deliveries of a group ``subscriptions`` do not join,
+        which ``ack`` passes over (a group left, or joined after this copy of them was read)."""
+        keys = {r.key for r in group_refs(subscriptions)}
+        parsed = (parse_delivery_id(text) for text in ids)
+        return any(p is not None and p.group_key not in keys for p in parsed)
+
     def ack(self, session_id: str, subscriptions: Mapping[str, Any], ids: Iterable[str]) -> int:
         """Ack group deliveries; ids of other deliveries are the caller's. How many were new."""
         refs = {r.key: r for r in group_refs(subscriptions)}

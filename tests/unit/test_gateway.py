@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -430,6 +432,28 @@ def test_invocation_counts_are_answered_to_loopback_clients_only(key: SigningKey
 
 def test_a_client_that_closed_its_connection_is_seen_gone_and_one_still_there_is_not() -> None:
     server_side, client_side = socket.socketpair()
+    _judged_open_then_closed(server_side, client_side)
+
+
+def test_a_connection_numbered_past_1023_is_judged_as_any_other() -> None:
+    """``shoal dev`` holding thousands of WebSocket connections numbers its HTTP sockets past
+    select's limit (1,023): those were taken for gone, and every request answered 503."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip("this machine allows fewer than 1,100 open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    try:
+        server_side, client_side = socket.socketpair()
+        assert server_side.fileno() > 1023
+        _judged_open_then_closed(server_side, client_side)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _judged_open_then_closed(server_side: socket.socket, client_side: socket.socket) -> None:
     with server_side, client_side:
         server_side.settimeout(60)  # as the server's connections: no wait in the check
         assert not peer_closed(server_side)

@@ -14,9 +14,13 @@ the server's JWKS) and ``edge``'s ``$connect``, as API Gateway would. Measured:
 
 At ``FANOUT`` connections (1,000) the clients then go on to hold sessions: a ``connect`` and a
 ``subscribe`` frame each (the real ``edge`` function: registry, subscription store), at most
-``IN_FLIGHT_SESSIONS`` at once; then one message is published over the HTTP API to the filter
-they all hold, and the time from just before that publish to its ``message`` frame is taken
-at every subscriber: the first, the median and the last (each client acks what it got).
+``IN_FLIGHT_SESSIONS`` at once, each made again on a new connection after a busy answer (429 or
+5xx, or a connection closed, as ``shoal.client`` does: ``SESSION_ATTEMPTS``; every held
+connection sends a one-way ``keepalive`` every ``KEEPALIVE_S``, as the client does, for the
+sessions of 10,000 take longer than API Gateway's 10 minutes idle); then one message is
+published over the HTTP API to the filter they all hold, and the time from just before that
+publish to its ``message`` frame is taken at every subscriber: the first, the median and the
+last (each client acks what it got).
 
 Client and server share the machine's two cores (and the machine is shared with other work:
 the load average is given beside each figure).
@@ -25,8 +29,10 @@ the load average is given beside each figure).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,13 @@ SETTLE_S = 3.0
 #: connect and subscribe frames in flight at once (each runs the edge function)
 IN_FLIGHT_SESSIONS = 8
 FANOUT_WAIT_S = 600.0
+#: a session's connect and subscribe, tried on a new connection after a busy answer
+SESSION_ATTEMPTS = 5
+#: the publish, tried again on a busy answer (exactly once: ``publisher_id``/``publisher_seq``)
+PUBLISH_ATTEMPTS = 8
+#: how often every held connection sends a one-way ``keepalive`` (API Gateway closes one idle
+#: for 10 minutes)
+KEEPALIVE_S = 240.0
 
 
 def _rss_kb(pid: int) -> int:
@@ -67,8 +80,23 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+async def _open(ws_url: str, token: str) -> Any:
+    """One connection, as a client opens it (its handshake runs the authorizer and
+    ``$connect``)."""
+    from websockets.asyncio.client import connect
+
+    return await connect(
+        ws_url,
+        additional_headers={"Authorization": f"Bearer {token}"},
+        ping_interval=None,
+        compression=None,
+        open_timeout=300,
+        close_timeout=30,
+    )
+
+
 async def _hold(ws_url: str, token: str, count: int) -> tuple[list[Any], dict[str, Any]]:
-    from websockets.asyncio.client import ClientConnection, connect
+    from websockets.asyncio.client import ClientConnection
 
     gate = asyncio.Semaphore(IN_FLIGHT)
     failures: dict[str, int] = {}
@@ -76,14 +104,7 @@ async def _hold(ws_url: str, token: str, count: int) -> tuple[list[Any], dict[st
     async def open_one() -> ClientConnection | None:
         async with gate:
             try:
-                ws: ClientConnection = await connect(
-                    ws_url,
-                    additional_headers={"Authorization": f"Bearer {token}"},
-                    ping_interval=None,
-                    compression=None,
-                    open_timeout=300,
-                    close_timeout=30,
-                )
+                ws: ClientConnection = await _open(ws_url, token)
             except Exception as exc:  # counted by type, the run goes on
                 name = type(exc).__name__
                 failures[name] = failures.get(name, 0) + 1
@@ -116,45 +137,104 @@ async def _hold(ws_url: str, token: str, count: int) -> tuple[list[Any], dict[st
     }
 
 
-async def _fanout(url: str, token: str, sockets: list[Any], server_pid: int) -> dict[str, Any]:
+async def _fanout(
+    url: str, ws_url: str, token: str, sockets: list[Any], server_pid: int
+) -> dict[str, Any]:
     """Sessions on the held connections, then one message to all of them."""
     gate = asyncio.Semaphore(IN_FLIGHT_SESSIONS)
     #: frames other than the awaited answer (error frames, a late duplicate), by action and
     #: error code; and sessions that never got their answer
     other: dict[str, int] = {}
     refused = 0
+    #: sessions made again on a new connection after a busy answer, as ``shoal.client`` does
+    retried = 0
 
-    async def expect(ws: Any, action: str) -> bool:
+    async def expect(ws: Any, action: str) -> str:
+        """``action`` when its answer came, ``busy`` for an error a client tries again
+        (429 or 5xx, or a function's failure: ``shoal.client.ws``) or a connection closed
+        (API Gateway's 10 minutes idle: a connection held while thousands of sessions before it
+        are made), else ``none``."""
+        from websockets.exceptions import ConnectionClosed
+
         try:
             async with asyncio.timeout(120):
                 while True:
                     answer = json.loads(await ws.recv())
                     if answer.get("action") == action:
-                        return True
+                        return action
                     error = answer.get("error") or {}
                     reason = f"{answer.get('action')}:{error.get('code') or answer.get('message')}"
                     other[reason] = other.get(reason, 0) + 1
+                    status = int(answer.get("status") or 0)
+                    if answer.get("action") == "error" and (status == 429 or status >= 500):
+                        return "busy"
+                    if answer.get("message") == "Internal server error":
+                        # API Gateway's answer when the function failed: busy for the client
+                        return "busy"
         except TimeoutError:
-            return False
+            return "none"
+        except ConnectionClosed as exc:
+            reason = f"closed:{exc.rcvd.code if exc.rcvd else None}"
+            other[reason] = other.get(reason, 0) + 1
+            return "busy"
 
-    async def session(n: int, ws: Any) -> bool:
-        nonlocal refused
+    async def ask(ws: Any, frame: dict[str, Any]) -> str:
+        """``frame`` sent, and what came of it (``expect``)."""
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await ws.send(json.dumps(frame))
+        except ConnectionClosed:
+            other["closed:before"] = other.get("closed:before", 0) + 1
+            return "busy"
+        return await expect(ws, "connected" if frame["action"] == "connect" else "subscribed")
+
+    async def session(n: int, ws: Any) -> Any:
+        """The connection holding the subscribed session, or None."""
+        nonlocal refused, retried
         async with gate:
             client = f"bench-fan-{n}"
-            await ws.send(json.dumps({"action": "connect", "client_id": client, "ref": "c"}))
             subscription = {"filter": "fan/#", "qos": 1}
             subscribe = {"action": "subscribe", "ref": "s", "subscriptions": [subscription]}
-            if await expect(ws, "connected"):
-                await ws.send(json.dumps(subscribe))
-                if await expect(ws, "subscribed"):
-                    return True
+            for attempt in range(SESSION_ATTEMPTS):
+                if attempt:
+                    # the client's answer to a busy server: a new connection after a backoff
+                    retried += 1
+                    await ws.close()
+                    await asyncio.sleep(0.2 * 2**attempt * random.uniform(0.5, 1.5))
+                    try:
+                        ws = current[n] = await _open(ws_url, token)
+                    except Exception as exc:  # counted as a frame of its own, the run goes on
+                        reason = f"handshake:{type(exc).__name__}"
+                        other[reason] = other.get(reason, 0) + 1
+                        break
+                got = await ask(ws, {"action": "connect", "client_id": client, "ref": "c"})
+                if got == "connected":
+                    got = await ask(ws, subscribe)
+                    if got == "subscribed":
+                        return ws
+                if got != "busy":
+                    break
             refused += 1
-            return False
+            return None
 
+    #: each session's connection as it is now (a busy answer's retry opens a new one)
+    current = list(sockets)
+
+    async def keep_alive() -> None:
+        # as the client does (``shoal.client.wslink``): a one-way ``keepalive`` well inside API
+        # Gateway's 10 minutes idle, for 10,000 sessions take longer than that to make
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            for ws in list(current):
+                with contextlib.suppress(Exception):  # a closed one is the session's to redo
+                    await ws.send('{"action":"keepalive"}')
+
+    keeper = asyncio.create_task(keep_alive())
     started = time.perf_counter()
     ready = await asyncio.gather(*(session(n, ws) for n, ws in enumerate(sockets)))
     sessions_s = time.perf_counter() - started
-    subscribed = [ws for ws, ok in zip(sockets, ready, strict=True) if ok]
+    subscribed = [ws for ws in ready if ws is not None]
     rss_sessions_kb = _rss_kb(server_pid)
     load_before = _load()
     arrivals: list[float] = []
@@ -177,24 +257,34 @@ async def _fanout(url: str, token: str, sockets: list[Any], server_pid: int) -> 
 
     receivers = [asyncio.create_task(receive(n, ws)) for n, ws in enumerate(subscribed)]
     sent = time.time()
-    status, _ = await asyncio.to_thread(
-        _request, url, "POST", "/v1/messages", token, {"topic": "fan/one", "text": "x", "qos": 1}
-    )
+    # exactly once, and tried again on a busy answer as a publisher does (the latency counts
+    # from the first try)
+    message = {"topic": "fan/one", "text": "x", "qos": 1}
+    message |= {"publisher_id": "bench-fan", "publisher_seq": 1}
+    attempts = 0
+    while True:
+        attempts += 1
+        status, _ = await asyncio.to_thread(_request, url, "POST", "/v1/messages", token, message)
+        if (status != 429 and status < 500) or attempts == PUBLISH_ATTEMPTS:
+            break
+        await asyncio.sleep(0.2 * 2**attempts * random.uniform(0.5, 1.5))
     publish_ms = _ms(time.time() - sent)
     await asyncio.wait(first, timeout=FANOUT_WAIT_S)
     # copies too many come later, if at all: read on a while before counting
     await asyncio.sleep(SETTLE_S)
-    for task in receivers:
+    for task in [*receivers, keeper]:
         task.cancel()
     arrivals.sort()
     return {
         "subscribers": len(subscribed),
         "sessions_refused": refused,
+        "sessions_retried": retried,
         "other_frames": other,
         "sessions_s": round(sessions_s, 2),
         "sessions_per_s": round(len(subscribed) / sessions_s, 1),
         "server_rss_sessions_mb": round(rss_sessions_kb / 1024, 1),
         "publish_status": status,
+        "publish_attempts": attempts,
         "publish_ms": publish_ms,
         "received": len(arrivals),
         "received_twice": sum(1 for c in copies if c > 1),
@@ -220,7 +310,7 @@ def measure(count: int, fanout: bool) -> dict[str, Any]:
             figures["load_before"] = load_before
             figures["load_after"] = _load()
             if fanout:
-                figures["fanout"] = await _fanout(url, token, sockets, pid)
+                figures["fanout"] = await _fanout(url, ws_url, token, sockets, pid)
             started = time.perf_counter()
             await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
             figures["close_s"] = round(time.perf_counter() - started, 2)
@@ -290,9 +380,13 @@ def report(figures: dict[str, Any]) -> str:
                 f"- One publish to {f['subscribers']:,} connected subscribers (each a `connect` "
                 f"and a `subscribe` frame first, {figures['in_flight_sessions']} at once: "
                 f"{f['sessions_per_s']} sessions/s, {f['sessions_refused']} without their "
-                f"answer, other frames {f['other_frames'] or 'none'}; server RSS "
-                f"then {f['server_rss_sessions_mb']} MB): publish answered in {f['publish_ms']} "
-                f"ms; {f['received']:,} received it "
+                "answer, made again on a new connection after a busy answer (as "
+                f"`shoal.client` does): {f.get('sessions_retried', 'not counted')}, other "
+                f"frames {f['other_frames'] or 'none'}; server RSS "
+                f"then {f['server_rss_sessions_mb']} MB): publish answered "
+                f"{f['publish_status']} in {f['publish_ms']} ms "
+                f"({f.get('publish_attempts', 'not counted')} tries); "
+                f"{f['received']:,} received it "
                 f"({f.get('received_twice', 'not counted')} of them twice), the first after "
                 f"{f['first_ms']} ms, the median after {f['median_ms']} ms, **the last after "
                 f"{f['last_ms']} ms** (load average before {f['load_before']}, after "

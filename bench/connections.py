@@ -32,10 +32,11 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
+
+from shoal.core.retry import backoff_s
 
 from bench.delivery import _dev_server, _ms, _percentile, _request, _token
 
@@ -141,6 +142,8 @@ async def _fanout(
     url: str, ws_url: str, token: str, sockets: list[Any], server_pid: int
 ) -> dict[str, Any]:
     """Sessions on the held connections, then one message to all of them."""
+    from websockets.exceptions import ConnectionClosed
+
     gate = asyncio.Semaphore(IN_FLIGHT_SESSIONS)
     #: frames other than the awaited answer (error frames, a late duplicate), by action and
     #: error code; and sessions that never got their answer
@@ -154,8 +157,6 @@ async def _fanout(
         (429 or 5xx, or a function's failure: ``shoal.client.ws``) or a connection closed
         (API Gateway's 10 minutes idle: a connection held while thousands of sessions before it
         are made), else ``none``."""
-        from websockets.exceptions import ConnectionClosed
-
         try:
             async with asyncio.timeout(120):
                 while True:
@@ -180,8 +181,6 @@ async def _fanout(
 
     async def ask(ws: Any, frame: dict[str, Any]) -> str:
         """``frame`` sent, and what came of it (``expect``)."""
-        from websockets.exceptions import ConnectionClosed
-
         try:
             await ws.send(json.dumps(frame))
         except ConnectionClosed:
@@ -201,7 +200,7 @@ async def _fanout(
                     # the client's answer to a busy server: a new connection after a backoff
                     retried += 1
                     await ws.close()
-                    await asyncio.sleep(0.2 * 2**attempt * random.uniform(0.5, 1.5))
+                    await asyncio.sleep(backoff_s(attempt, 0.4, 5.0))
                     try:
                         ws = current[n] = await _open(ws_url, token)
                     except Exception as exc:  # counted as a frame of its own, the run goes on
@@ -267,7 +266,7 @@ async def _fanout(
         status, _ = await asyncio.to_thread(_request, url, "POST", "/v1/messages", token, message)
         if (status != 429 and status < 500) or attempts == PUBLISH_ATTEMPTS:
             break
-        await asyncio.sleep(0.2 * 2**attempts * random.uniform(0.5, 1.5))
+        await asyncio.sleep(backoff_s(attempts, 0.2, 5.0))
     publish_ms = _ms(time.time() - sent)
     await asyncio.wait(first, timeout=FANOUT_WAIT_S)
     # copies too many come later, if at all: read on a while before counting

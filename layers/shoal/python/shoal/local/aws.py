@@ -37,6 +37,7 @@ from urllib.parse import parse_qs
 import boto3
 
 from shoal.local import moto_json, snapshot
+from shoal.local.attribute_values import parse_requested_attribute_values_directly
 from shoal.local.esm.consumers import keep_consumers_as_kinesis_does
 from shoal.local.journal import JOURNAL_FILE, Journal, JournalRecord
 from shoal.local.moto_cloudwatch import bucket_metric_queries
@@ -44,16 +45,19 @@ from shoal.local.moto_core import (
     detach_moto_lambda_triggers,
     draw_request_ids_cheaply,
     forget_model_instances,
+    pick_members_by_known_keys,
     share_service_models,
 )
 from shoal.local.moto_dynamodb import (
     cache_action_names,
     lex_conditions_once,
+    parse_conditions_once,
     parse_update_expressions_once,
     project_from_one_conversion,
     query_one_partition,
     roll_back_transactions_by_item,
     serialize_attribute_values_directly,
+    size_items_once,
     traverse_with_fixed_maps,
 )
 from shoal.local.moto_kinesis import read_shards_by_position
@@ -187,6 +191,7 @@ def adapt_moto() -> None:
     share_service_models()
     forget_model_instances()
     draw_request_ids_cheaply()
+    pick_members_by_known_keys()
     detach_moto_lambda_triggers()
     roll_back_transactions_by_item()
     query_one_partition()
@@ -195,11 +200,14 @@ def adapt_moto() -> None:
     parse_update_expressions_once()
     traverse_with_fixed_maps()
     lex_conditions_once()
+    parse_conditions_once()
     keep_consumers_as_kinesis_does()
     bucket_metric_queries()
     read_retention_directly()
     build_attributes_as_asked_while_sending()
     project_from_one_conversion()
+    size_items_once()
+    parse_requested_attribute_values_directly()
     read_shards_by_position()
 
 

@@ -567,3 +567,102 @@ def project_from_one_conversion() -> None:
     project._one_conversion = True  # type: ignore[attr-defined]
     project._moto = original  # type: ignore[attr-defined]  # the tests compare answers
     Item.project = project
+
+
+def size_items_once() -> None:
+    """Check a new item against DynamoDB's 400 KB limit once, not once per attribute.
+
+    moto builds an item's attributes one by one into a ``LimitedSizeDict``, whose every
+    assignment sums the sizes of all the attributes assigned before it: a put's cost grows
+    with the square of its attributes. A session's delivery state has a dozen, some of them
+    nested, and its conditional put spent a quarter of moto's time in those sums (1,000 puts
+    of a state-like item, cProfile, 2026-12-07): the write every push makes. The attributes
+    are assigned without the check, then their total is checked once; sizes are never
+    negative, so the total passes the limit exactly when one of moto's partial sums would
+    have, and the same ``ItemSizeTooLarge`` is raised (the tests compare). Later assignments
+    (an update's) go through moto's own check as before.
+    """
+    from moto.dynamodb.exceptions import ItemSizeTooLarge
+    from moto.dynamodb.models.dynamo_type import DynamoType, Item, LimitedSizeDict
+    from moto.dynamodb.models.utilities import bytesize
+
+    if getattr(Item.__init__, "_sized_once", False):
+        return
+    original = Item.__init__
+
+    def __init__(self: Any, hash_key: Any, range_key: Any, attrs: dict[str, Any]) -> None:
+        self.hash_key = hash_key
+        self.range_key = range_key
+        values = {key: DynamoType(value) for key, value in attrs.items()}
+        if sum(bytesize(key) + value.size() for key, value in values.items()) > ITEM_LIMIT:
+            raise ItemSizeTooLarge
+        self.attrs = LimitedSizeDict()
+        dict.update(self.attrs, values)
+
+    __init__._sized_once = True  # type: ignore[attr-defined]
+    __init__._moto = original  # type: ignore[attr-defined]  # the tests compare answers
+    Item.__init__ = __init__
+
+
+#: moto's own item limit (``LimitedSizeDict``): between DynamoDB's documented 400 KB and the
+#: 409-410 KB it measured
+ITEM_LIMIT = 405_000
+
+
+def parse_conditions_once() -> None:
+    """Keep what a ``ConditionExpression`` (or a ``FilterExpression``) parses to, for the same
+    text, names and values, instead of parsing it again on every call.
+
+    A conditional write's condition is parsed twice a call, by moto's response layer (for the
+    names and values it uses, which must be all those given) and by its backend (to evaluate
+    it); the lexing is kept already (``lex_conditions_once``), but moto then builds the paths,
+    functions, comparisons and their operation objects anew each time. A session's
+    delivery-state put (``#v = :old``, the write every push and every ack makes) spent an
+    eighth of its CPU there (cProfile, 2026-12-07). The parse is a tree of moto's operation
+    objects whose evaluation reads the item and changes nothing (each evaluation builds new
+    values), and the names and values it found: one parse serves every call with the same
+    text, names and values. The key is the text and the ``repr`` of the names and values as the
+    request gave them (equal keys, equal parses; an order that differs only misses). A
+    condition that does not parse raises as before and is not kept. At most
+    ``KEPT_CONDITIONS`` are kept; past that the kept ones are forgotten (a version condition
+    has a value per version).
+    """
+    from moto.dynamodb.comparisons import ConditionExpressionParser
+
+    if getattr(ConditionExpressionParser.parse, "_kept", False):
+        return
+    original = ConditionExpressionParser.parse
+    kept: dict[tuple[Any, str, str], tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
+
+    def parse(self: Any) -> Any:
+        key = (
+            self.condition_expression,
+            repr(self.expression_attribute_names),
+            repr(self.expression_attribute_values),
+        )
+        found = kept.get(key)
+        if found is None:
+            names_before = len(self.expr_attr_names_found)
+            values_before = len(self.expr_attr_values_found)
+            condition = original(self)
+            found = (
+                condition,
+                tuple(self.expr_attr_names_found[names_before:]),
+                tuple(self.expr_attr_values_found[values_before:]),
+            )
+            if len(kept) >= KEPT_CONDITIONS:
+                kept.clear()
+            kept[key] = found
+            return condition
+        condition, names, values = found
+        self.expr_attr_names_found.extend(names)
+        self.expr_attr_values_found.extend(values)
+        return condition
+
+    parse._kept = True  # type: ignore[attr-defined]
+    parse._moto = original  # type: ignore[attr-defined]  # the tests compare
+    ConditionExpressionParser.parse = parse
+
+
+#: parses kept by ``parse_conditions_once`` at most
+KEPT_CONDITIONS = 4096

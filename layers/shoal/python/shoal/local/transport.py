@@ -53,6 +53,7 @@ from botocore.compat import HTTPHeaders
 from botocore.exceptions import NoCredentialsError
 
 from shoal.aws import clients
+from shoal.local.attribute_values import parse_attribute_values_directly
 
 log = logging.getLogger("shoal-dev.aws")
 
@@ -235,6 +236,7 @@ class InProcessTransport(_InProcess):
     def install(self) -> None:
         super().install()
         _sign_in_process_cheaply()
+        parse_attribute_values_directly()
         _keep_user_agent_parts()
         _keep_user_agents()
 

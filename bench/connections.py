@@ -20,7 +20,8 @@ connection sends a one-way ``keepalive`` every ``KEEPALIVE_S``, as the client do
 sessions of 10,000 take longer than API Gateway's 10 minutes idle); then one message is
 published over the HTTP API to the filter they all hold, and the time from just before that
 publish to its ``message`` frame is taken at every subscriber: the first, the median and the
-last (each client acks what it got).
+last (each client acks what it got as ``shoal.client`` does: after its default ack delay, in a
+frame without a ``ref``, which nothing answers).
 
 Client and server share the machine's two cores (and the machine is shared with other work:
 the load average is given beside each figure).
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.client.acks import DEFAULT_ACK_DELAY_S
 from shoal.core.retry import backoff_s
 
 from bench.delivery import _dev_server, _ms, _percentile, _request, _token
@@ -252,8 +254,17 @@ async def _fanout(
                 if not first[n].done():
                     arrivals.append(time.time() - sent)
                     first[n].set_result(None)
-                await ws.send(json.dumps({"action": "ack", "ref": "k", "ids": [frame["id"]]}))
+                acks.append(asyncio.create_task(ack(ws, frame["id"])))
 
+    async def ack(ws: Any, delivery_id: str) -> None:
+        # as ``shoal.client`` acks: held for its default delay (to share a frame with the ids
+        # that come meanwhile), and without a ``ref``, so that nothing answers it (an MQTT
+        # PUBACK gets no answer)
+        await asyncio.sleep(DEFAULT_ACK_DELAY_S)
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(json.dumps({"action": "ack", "ids": [delivery_id]}))
+
+    acks: list[asyncio.Task[None]] = []
     receivers = [asyncio.create_task(receive(n, ws)) for n, ws in enumerate(subscribed)]
     sent = time.time()
     # exactly once, and tried again on a busy answer as a publisher does (the latency counts
@@ -271,7 +282,7 @@ async def _fanout(
     await asyncio.wait(first, timeout=FANOUT_WAIT_S)
     # copies too many come later, if at all: read on a while before counting
     await asyncio.sleep(SETTLE_S)
-    for task in [*receivers, keeper]:
+    for task in [*receivers, *acks, keeper]:
         task.cancel()
     arrivals.sort()
     return {

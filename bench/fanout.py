@@ -17,9 +17,9 @@ The model then times a fan-out to ``SIZES`` subscribers on a deployed stack:
   events) once an invocation, not per subscriber; its CPU per subscriber scaled to its
   memory's share of a vCPU (Lambda gives a full vCPU at 1,769 MB);
 - the pushes: ``pushConcurrency`` workers (the stack's default), each running
-  ``PUSH_PARALLELISM`` sessions side by side: a worker's rate is the lower of its threads'
-  round trips (the pusher's calls per subscriber at ``CALL_S``) and its CPU, and all of them
-  together at most the account's API Gateway rate (``POST_RATE`` a second, shared by every
+  ``PushSettings.parallelism`` (16) sessions side by side: a worker's rate is the lower of its
+  threads' round trips (the pusher's calls per subscriber at ``CALL_S``) and its CPU, and all of
+  them together at most the account's API Gateway rate (``POST_RATE`` a second, shared by every
   API of the region; a post is one request);
 - a mapping's wait before the router (half its one-second poll) and the queue's hop;
 - a large fan-out is written in parts (``shoal.router.fanout.PIPELINE_SESSIONS`` sessions a
@@ -40,9 +40,9 @@ import math
 import time
 from typing import Any
 
+from shoal.core.config import DEFAULT_PUSH_PARALLELISM as PUSH_PARALLELISM
 from shoal.core.config import DEFAULT_WRITE_CONCURRENCY, get_config
 from shoal.declarations import DEPLOYMENT
-from shoal.edge.push import PUSH_PARALLELISM
 from shoal.edge.pushwork import (
     MAX_BATCH_BYTES,
     MAX_BATCH_ENTRIES,

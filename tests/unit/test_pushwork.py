@@ -211,3 +211,67 @@ def test_a_mapping_of_a_queue_reads_as_lambda_lists_it() -> None:
     [record] = event["Records"]
     assert (record["eventSource"], record["body"], record["messageId"]) == ("aws:sqs", "{}", "m")
     assert json.loads(record["body"]) == {}
+
+
+def test_the_push_parallelism_is_read_from_the_environment() -> None:
+    from pydantic import ValidationError
+    from shoal.core.config import DEFAULT_PUSH_PARALLELISM, Config
+
+    assert Config.from_env({}).push.parallelism == DEFAULT_PUSH_PARALLELISM == 16
+    settings = Config.from_env({"SHOAL_PUSH_PARALLELISM": "1", "SHOAL_PUSH_LANES": "8"}).push
+    assert (settings.parallelism, settings.lanes) == (1, 8)
+    with pytest.raises(ValidationError):
+        Config.from_env({"SHOAL_PUSH_PARALLELISM": "0"})
+
+
+@pytest.mark.parametrize("parallelism", [1, 4])
+def test_a_batchs_pushes_each_run_whatever_another_raised(parallelism: int) -> None:
+    """``PushWorker._each``: one after the other on the invocation's thread at parallelism 1
+    (``shoal dev``'s), on a pool of that many threads otherwise; every push's step runs even
+    when another's raised, and the first failure is raised after them all."""
+    import threading
+
+    from shoal.edge.push import PushWorker
+
+    placeholder: Any = None
+    worker = PushWorker(placeholder, placeholder, placeholder, parallelism=parallelism)
+    ran: list[tuple[int, str]] = []
+
+    def step(push: Any) -> None:
+        ran.append((push, threading.current_thread().name))
+        if push in (2, 5):
+            raise RuntimeError(f"push {push}")
+
+    pushes: Any = list(range(8))
+    with pytest.raises(RuntimeError, match="push 2"):
+        worker._each(step, pushes)
+    assert sorted(n for n, _ in ran) == list(range(8))
+    threads = {name for _, name in ran}
+    if parallelism == 1:
+        assert [n for n, _ in ran] == list(range(8))
+        assert threads == {threading.current_thread().name}
+    else:
+        assert all(name.startswith("shoal-push") for name in threads)
+
+
+def test_shoal_dev_pushes_one_session_at_a_time_unless_told_otherwise(tmp_path: Any) -> None:
+    """The local runtime's pushers run one thread an invocation (``LOCAL_PUSH_PARALLELISM``:
+    in one process more threads claim more of the GIL, not more CPU); a value in the
+    environment wins."""
+    import os
+
+    from shoal.local.runtime import LOCAL_PUSH_PARALLELISM, DevOptions, LocalRuntime
+
+    runtime = LocalRuntime(DevOptions(port=0, state_dir=tmp_path))
+    saved = dict(os.environ)
+    try:
+        os.environ.pop("SHOAL_PUSH_PARALLELISM", None)
+        runtime._set_environment("http://127.0.0.1:1", "http://127.0.0.1:2")
+        assert os.environ["SHOAL_PUSH_PARALLELISM"] == str(LOCAL_PUSH_PARALLELISM) == "1"
+        os.environ["SHOAL_PUSH_PARALLELISM"] = "3"
+        runtime._set_environment("http://127.0.0.1:1", "http://127.0.0.1:2")
+        assert os.environ["SHOAL_PUSH_PARALLELISM"] == "3"
+    finally:
+        # the runtime sets the whole process's environment (endpoints among it): all of it back
+        os.environ.clear()
+        os.environ.update(saved)

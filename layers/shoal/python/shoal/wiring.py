@@ -250,7 +250,12 @@ def push_worker(config: Config, clock: Clock | None = None) -> PushWorker:
     # a push's gets are the service's own: they do not keep the channel alive
     delivery = delivery_service(config, clock, requests_seen=False)
     return PushWorker(
-        ConnectionStore.from_config(config, clock), api, delivery, push_queue(config, clock), clock
+        ConnectionStore.from_config(config, clock),
+        api,
+        delivery,
+        push_queue(config, clock),
+        clock,
+        parallelism=config.push.parallelism,
     )
 
 

@@ -83,6 +83,9 @@ class DeliverySettings(BaseModel):
 #: the other in its lane, the lanes side by side, so the pushes of one hand-off spread over at
 #: most this many workers at once (the stack's push concurrency caps them further)
 DEFAULT_PUSH_LANES = 64
+#: sessions of a batch one pusher pushes at once: deployed, each push waits on its round trips
+#: (about 10 ms a call), not on its CPU, so a worker overlaps 16 of them
+DEFAULT_PUSH_PARALLELISM = 16
 
 
 class PushSettings(BaseModel):
@@ -91,10 +94,12 @@ class PushSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     lanes: int = Field(default=DEFAULT_PUSH_LANES, ge=1, le=4096)
+    parallelism: int = Field(default=DEFAULT_PUSH_PARALLELISM, ge=1, le=64)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PushSettings:
-        return cls(lanes=int(env["SHOAL_PUSH_LANES"])) if env.get("SHOAL_PUSH_LANES") else cls()
+        knobs = {"lanes": "SHOAL_PUSH_LANES", "parallelism": "SHOAL_PUSH_PARALLELISM"}
+        return cls(**{k: int(env[name]) for k, name in knobs.items() if env.get(name)})
 
 
 class GroupSettings(BaseModel):

@@ -11,7 +11,7 @@ that channel and comes again with ``dup`` on reconnect (another channel) or afte
 timeout, like an unacked get.
 
 A chunk's work is batched across its sessions: one read of their connections, one batch read
-of their heads and delivery states, their first gets side by side (``PUSH_PARALLELISM``),
+of their heads and delivery states, their first gets side by side (``PushSettings.parallelism``),
 the delivery events of those gets in one append before any frame goes, then the posts side
 by side, each session's in order. Where the chunk carries the archive lines its deliveries
 name, nothing is read back from S3.
@@ -40,6 +40,7 @@ from shoal.aws.clients import error_code
 from shoal.core import metrics
 from shoal.core.auth import Principal
 from shoal.core.clock import Clock, SystemClock
+from shoal.core.config import DEFAULT_PUSH_PARALLELISM
 from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
 from shoal.core.retry import backoff_s
@@ -57,8 +58,6 @@ from shoal.edge.posts import (
 )
 from shoal.edge.pushwork import HandOffs, PushQueue, PushWork
 
-#: sessions of a batch pushed at once: each push waits on its round trips, not on the CPU
-PUSH_PARALLELISM = 16
 #: gets one session's push makes at most: a get hands out at most a page (``MAX_GET``), so a
 #: client that acks at once is not held in one invocation for ever (its acks push the rest)
 MAX_ROUNDS = 8
@@ -171,12 +170,16 @@ class PushWorker:
         delivery: DeliveryService,
         queue: PushQueue | None = None,
         clock: Clock | None = None,
+        *,
+        parallelism: int = DEFAULT_PUSH_PARALLELISM,
     ) -> None:
         self.connections = connections
         self.api = api
         self.delivery = delivery
         self.queue = queue
         self.clock = clock or SystemClock()
+        #: sessions pushed at once (``PushSettings.parallelism``)
+        self.parallelism = parallelism
         #: the members this batch's gets handed group streams to: pushed by their own work
         self.hand_offs = HandOffs(queue)
         self.hand_offs.watch(getattr(delivery, "groups", None))
@@ -316,11 +319,19 @@ class PushWorker:
             self._settle(push)
 
     def _each(self, step: Callable[[_Push], None], pushes: list[_Push]) -> None:
-        if len(pushes) == 1:
-            step(pushes[0])
+        if len(pushes) == 1 or self.parallelism == 1:
+            # one after the other, each run whatever the others raised, as the pool runs them
+            failed: list[Exception] = []
+            for push in pushes:
+                try:
+                    step(push)
+                except Exception as exc:
+                    failed.append(exc)
+            if failed:
+                raise failed[0]
             return
         with ThreadPoolExecutor(
-            min(PUSH_PARALLELISM, len(pushes)), thread_name_prefix="shoal-push"
+            min(self.parallelism, len(pushes)), thread_name_prefix="shoal-push"
         ) as pool:
             # the invocation's context (its metrics, its logger's keys) goes with each
             for done in [pool.submit(contextvars.copy_context().run, step, p) for p in pushes]:

@@ -408,9 +408,11 @@ def report(figures: dict[str, Any]) -> str:
         "thread and no function. The handshake's two invocations (authorizer, `$connect`) "
         "bound the connect rate. A fan-out: the router writes the deliveries and hands the "
         "pushes to the push queue, a message per lane; the pusher's invocations (as many at "
-        "once as its sandboxes, 8) take them side by side, each push a query, the state's "
-        "write and one `PostToConnection`: under `shoal dev` every one of those calls waits "
-        "for the emulator's one lock, on two cores shared with the clients.",
+        "once as its sandboxes, 8) take them side by side, one session at a time each under "
+        "`shoal dev` (16 deployed), each push a share of one batch read of its sessions, the "
+        "state's write and one `PostToConnection`; each client acks after `shoal.client`'s "
+        "default ack delay (300 ms). Under `shoal dev` all of it is CPU of one process, and "
+        "every call waits for the emulator's one lock, on two cores shared with the clients.",
         "",
     ]
     return "\n".join(lines)

@@ -319,17 +319,10 @@ class PushWorker:
             self._settle(push)
 
     def _each(self, step: Callable[[_Push], None], pushes: list[_Push]) -> None:
-        if len(pushes) == 1 or self.parallelism == 1:
-            # one after the other, each run whatever the others raised, as the pool runs them
-            failed: list[Exception] = []
-            for push in pushes:
-                try:
-                    step(push)
-                except Exception as exc:
-                    failed.append(exc)
-            if failed:
-                raise failed[0]
+        if len(pushes) == 1:
+            step(pushes[0])
             return
+        # at parallelism 1 (``shoal dev``'s) one thread takes them in order while this one waits
         with ThreadPoolExecutor(
             min(self.parallelism, len(pushes)), thread_name_prefix="shoal-push"
         ) as pool:

@@ -89,16 +89,6 @@ BASE_ENVIRONMENT = {
 
 StartHook = Callable[[Config], object]
 
-#: sessions a pusher invocation pushes at once under ``shoal dev`` (``PushSettings.parallelism``,
-#: 16 deployed). Deployed, a worker's 16 threads overlap their calls' round trips on a CPU of
-#: its own; here a call is CPU in this process, so the threads overlap nothing and only claim
-#: more of the one core the GIL lets every function share: 8 pushers of 16 threads against 8
-#: ack invocations of one each left the acks a sixteenth of it, and a fan-out to 10,000
-#: connected subscribers had its acks answered at 6 a second, most after their 30 s timeout
-#: (sent again with ``dup``). One thread an invocation gives each its share, as each Lambda
-#: has its own CPU (``SHOAL_PUSH_PARALLELISM`` set in the environment wins).
-LOCAL_PUSH_PARALLELISM = 1
-
 #: the declared mappings' batching window under ``shoal dev`` (the archiver's is 60 s deployed):
 #: events reach the archive a second or two after a call, so that ``shoal pipeline sync``
 #: right after traffic finds them (it waits for the archiver all the same)
@@ -562,7 +552,6 @@ class LocalRuntime:
         os.environ["SHOAL_JWT_ISSUER"] = self.issuer
         os.environ["SHOAL_JWT_AUDIENCE"] = self.options.audience
         os.environ["SHOAL_JWKS_URL"] = f"{public_url}{JWKS_PATH}"
-        os.environ.setdefault("SHOAL_PUSH_PARALLELISM", str(LOCAL_PUSH_PARALLELISM))
 
     def _write_runtime_file(self, state: Path, public_url: str) -> None:
         assert self.aws is not None

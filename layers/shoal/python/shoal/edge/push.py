@@ -322,7 +322,7 @@ class PushWorker:
         if len(pushes) == 1:
             step(pushes[0])
             return
-        # at parallelism 1 (``shoal dev``'s) one thread takes them in order while this one waits
+        # at parallelism 1 one thread takes them in order while this one waits
         with ThreadPoolExecutor(
             min(self.parallelism, len(pushes)), thread_name_prefix="shoal-push"
         ) as pool:

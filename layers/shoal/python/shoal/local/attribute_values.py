@@ -172,8 +172,7 @@ def _validate_attribute_values_directly() -> None:
     def validate_map(self: Any, params: Any, shape: Any, errors: Any, name: str) -> None:
         # the keys: strings with no minimum length (the model's names and placeholders)
         if (
-            shape.value.name == _ATTRIBUTE_VALUE
-            and shape.key.type_name == "string"
+            _attribute_map(shape)
             and "min" not in shape.key.metadata
             and type(params) is dict
             and all(isinstance(k, str) and valid_attribute_value(v) for k, v in params.items())

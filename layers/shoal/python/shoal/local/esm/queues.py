@@ -17,10 +17,11 @@ SQS event source", "Configuring scaling behavior for SQS event source mappings")
   group at once (moto's receive keeps a group with messages in flight back, as SQS does).
 - A disabled mapping is not polled; a deleted one stops.
 
-Not emulated: long polling's own wait (a poller waits for the emulator's next send instead,
-``shoal.local.aws.QUEUE_SENDS``, or a second for visibility timeouts to run out), batching
-windows, and Lambda's gradual scaling of pollers. The queue's messages are in memory only:
-a restart of ``shoal dev`` starts them empty (``shoal.local.aws.TRANSIENT_QUEUE_ACTIONS``).
+Not emulated: long polling's own wait (a poller waits for the emulator's next send to its
+queue instead, ``shoal.local.aws.QUEUE_SENDS``, or a second for visibility timeouts to run
+out), batching windows, and Lambda's gradual scaling of pollers. The queue's messages are in
+memory only: a restart of ``shoal dev`` starts them empty
+(``shoal.local.aws.TRANSIENT_QUEUE_ACTIONS``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class QueueMapping:
     def queue_url(self) -> str:
         _, _, _, region, account, name = self.queue_arn.split(":", 5)
         return f"https://sqs.{region}.amazonaws.com/{account}/{name}"
+
+    @property
+    def queue_name(self) -> str:
+        """What a send to this queue wakes (``shoal.local.aws.sent_queue``)."""
+        return self.queue_arn.rsplit(":", 1)[-1]
 
     @property
     def function_name(self) -> str:
@@ -317,7 +323,8 @@ class QueueMappings:
                 if not current.enabled:
                     self._stopping.wait(self.idle_wait_s)
                     continue
-                seen = QUEUE_SENDS.count
+                queue = current.queue_name
+                seen = QUEUE_SENDS.count_of(queue)
                 slots.acquire()
                 try:
                     messages = self.receive(current)
@@ -328,7 +335,7 @@ class QueueMappings:
                     continue
                 if not messages:
                     slots.release()
-                    QUEUE_SENDS.wait(seen, self.idle_wait_s)
+                    QUEUE_SENDS.wait(seen, self.idle_wait_s, queue)
                     continue
                 pool.submit(self._run, current, messages, slots)
 
@@ -341,5 +348,6 @@ class QueueMappings:
             logger.exception("queue batch's delete failed", extra={"mapping": mapping.uuid})
         finally:
             slots.release()
-            # a finished batch may free a FIFO group: look again without waiting for a send
-            QUEUE_SENDS.notify()
+            # a finished batch may free a FIFO group of its queue: look again without waiting
+            # for a send
+            QUEUE_SENDS.notify(mapping.queue_name)

@@ -62,6 +62,7 @@ from shoal.local.moto_dynamodb import (
     traverse_with_fixed_maps,
 )
 from shoal.local.moto_kinesis import read_shards_by_position
+from shoal.local.moto_scans import count_scans_without_copies
 from shoal.local.moto_sqs import build_attributes_as_asked_while_sending, read_retention_directly
 from shoal.local.serialize import BACKEND_LOCK
 from shoal.local.throttle import DYNAMODB_THROTTLED, Throttles
@@ -208,6 +209,7 @@ def adapt_moto() -> None:
     build_attributes_as_asked_while_sending()
     project_from_one_conversion()
     size_items_once()
+    count_scans_without_copies()
     parse_requested_attribute_values_directly()
     read_shards_by_position()
 

@@ -289,15 +289,10 @@ LOCK_WAIT_BUDGET_S = 2.0
 
 
 class QueueSends:
-    """Wakes whoever waits for a message sent to a queue of this process's emulator.
-
-    Counted per queue (by name): a queue's poller (``shoal.local.esm.queues``) waits for a
-    send to its own queue, so a send to the push queue does not also wake the wills queue's
-    poller for an empty receive. Before, every send and every finished batch woke every
-    poller: in ``bench connections``' fan-out to 1,000 WebSocket subscribers (their
-    connects each hand a push off, their closes each arm a will's timer), the two pollers
-    made 4,466 receives, about 3,300 of them empty: 3.3 s of the server's CPU (traced,
-    2026-12-07). ``notify()`` without a queue wakes every waiter (a stop)."""
+    """Wakes whoever waits for a message sent to a queue of this process's emulator, per
+    queue (by name): a poller (``shoal.local.esm.queues``) waits for its own queue's sends.
+    When every send woke every poller, ``bench connections``' 1,000 subscribers cost 3,300
+    empty receives (3.3 s of CPU, traced 2026-12-07). ``notify()`` wakes every waiter."""
 
     def __init__(self) -> None:
         self._sent = threading.Condition()

@@ -110,6 +110,10 @@ class _Got:
         self.last = 0.0
         #: warm-up deliveries (negative numbers), not measured
         self.warm = 0
+        #: the close a WebSocket session's connection got from the server before the run
+        #: ended ("code reason"; None: none): this client does not connect again, so what the
+        #: session would have got after it counts as missing
+        self.closed: str | None = None
 
     def take(self, message: dict[str, Any], now: float) -> None:
         sent = json.loads(base64.b64decode(message["payload"]))
@@ -261,6 +265,15 @@ class _PushClients:
         ]
 
     async def _receive(self, ws: Any, got: _Got) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await self._receive_until_done(ws, got)
+        except ConnectionClosed as exc:
+            close = exc.rcvd
+            got.closed = f"{close.code} {close.reason}".strip() if close else "no close frame"
+
+    async def _receive_until_done(self, ws: Any, got: _Got) -> None:
         while len(got.counts) < self.wanted:
             frames = [await ws.recv()]
             now = time.time()
@@ -313,6 +326,7 @@ def _summary(sessions: list[_Got], expected: set[int], started: float) -> dict[s
         "missing": sum(len(expected - set(g.counts)) for g in sessions),
         "duplicates": sum(c - 1 for g in sessions for c in g.counts.values()),
         "foreign_deliveries": sum(g.foreign for g in sessions),
+        "closed_by_server": sorted(g.closed for g in sessions if g.closed is not None),
         "errors": sum(g.errors for g in sessions),
         "delivered_per_s": round(delivered / max(last - started, 1e-9), 1),
         "latency_p50_ms": _ms(_percentile(latencies, 0.50)),
@@ -493,6 +507,18 @@ def _goals(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _closed(push: dict[str, Any]) -> str:
+    """What the report says of the WebSocket sessions the server closed during a run (runs
+    before 2026-12-07 10:00 did not record them)."""
+    closed = push.get("closed_by_server")
+    if not closed:
+        return ""
+    return (
+        f" WebSocket sessions whose connection the server closed before the end (not connected "
+        f"again: what they would have got counts as missing): {len(closed)} ({closed})."
+    )
+
+
 def report(figures: dict[str, Any]) -> str:
     rows = _rows(figures["runs"], "polled")
     rows += _rows(figures.get("fan_out_runs", []), "enhanced fan-out")
@@ -509,7 +535,7 @@ def report(figures: dict[str, Any]) -> str:
             f"{'met' if level else 'missed'}. Published {r['messages_published']} at "
             f"{r['publish_rate_per_s']}/s in {r['publishing_s']} s (publish p50 "
             f"{r['publish_p50_ms']} ms); load average before {r['load_before']}, after "
-            f"{r['load_after']}."
+            f"{r['load_after']}." + _closed(r["push"])
         )
     return "\n".join(
         [

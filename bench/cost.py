@@ -1205,6 +1205,20 @@ KEEPALIVE_S = int(CLIENT_SETTINGS.ping_every_s)
 #: billed messages a keep-alive: one in ``check_every`` is a ping and its pong, the others a
 #: one-way ``keepalive`` frame
 KEEPALIVE_MESSAGES = 1 + 1 / CLIENT_SETTINGS.check_every
+
+
+def keepalives_a_month(rate: float, delay_s: float) -> float:
+    """Keep-alives a client sends a month: one after each ``KEEPALIVE_S`` of its own silence
+    (``shoal.client.wslink``: any frame it sends starts the silence again). Its ack frames,
+    one every ``1 / (rate * acks_per_delivery)`` seconds, break the silence: a client acking
+    more often than every ``KEEPALIVE_S`` sends none (a renewal's frames are left out: they
+    would only save a few)."""
+    if rate <= 0:
+        return MONTH_S / KEEPALIVE_S
+    frames = rate * MONTH_S * acks_per_delivery(rate, delay_s)
+    return frames * math.floor(MONTH_S / frames / KEEPALIVE_S)
+
+
 #: API Gateway closes every connection after 2 hours: the client renews its connection
 #: ``renew_before_s`` to twice that (uniformly jittered) before, so once every
 MAX_CONNECTION_S = int(CLIENT_SETTINGS.max_connection_s)
@@ -1984,22 +1998,22 @@ def fleet_model(counted: dict[str, dict[str, Unit]]) -> dict[str, Any]:
             lines,
             concurrency=FLEET * (1 + deliveries / MONTH_S * poll["delivery"].concurrency_s()),
         )
-        # WebSocket push: connection minutes, a keep-alive every KEEPALIVE_S (KEEPALIVE_MESSAGES), a
-        # renewal every RENEW_EVERY_S, the counted work of each delivery
+        # WebSocket push: connection minutes, the keep-alives its silences need
+        # (KEEPALIVE_MESSAGES each), a renewal every RENEW_EVERY_S, the counted work of each
+        # delivery
         reconnects = MONTH_S / RENEW_EVERY_S
-        pings = MONTH_S / KEEPALIVE_S
-        lines = {
-            "ws_connection_minutes": WS_CONNECTION_MINUTE.cost(minutes),
-            "ws_keepalive": WS_MESSAGE.cost(KEEPALIVE_MESSAGES * pings),
-        }
-        base = dict(lines)
         for label_, delay in (
             ("WebSocket push", ACK_DELAY_S),
             ("WebSocket push, acks held 2 s", LONG_ACK_DELAY_S),
         ):
             acks = deliveries * acks_per_delivery(rate, delay)
             looks = sweep_looks(rate)
-            lines = dict(base)
+            lines = {
+                "ws_connection_minutes": WS_CONNECTION_MINUTE.cost(minutes),
+                "ws_keepalive": WS_MESSAGE.cost(
+                    KEEPALIVE_MESSAGES * keepalives_a_month(rate, delay)
+                ),
+            }
             counted_ = [
                 (push["reconnect"], reconnects),
                 (push["delivery"], deliveries),
@@ -2119,8 +2133,9 @@ def fleet_report(figures: dict[str, Any]) -> str:
         f"- Long-poll: a poll always waiting ({figures['long_poll_s']} s at most, then the "
         "next), so one `messages` Lambda (512 MB) held per client all month; the polls that "
         "end empty; each delivery's counted work (publish, router, a get, an ack, archiver).",
-        "- WebSocket push: the connection-minutes; a keep-alive every "
-        f"{figures['keepalive_s'] / 60:g} minutes taken by a mock route (no function): one in "
+        "- WebSocket push: the connection-minutes; a keep-alive after each "
+        f"{figures['keepalive_s'] / 60:g} minutes of the client's silence (none where its ack "
+        "frames come more often), taken by a mock route (no function): one in "
         f"{figures.get('check_every', 1)} a `ping` and its `pong` (two messages), the others a "
         "one-way `keepalive` (one message); the connection renewed every "
         f"{figures['renew_every_s'] / 60:.0f} minutes (before API Gateway's "

@@ -203,3 +203,17 @@ def test_the_sweep_looks_at_a_session_once_a_delivery_up_to_once_a_run() -> None
             )
             assert concurrency == pytest.approx(expected), (traffic, transport)
     assert cost.sweep_looks(1 / 600) == pytest.approx(month_s / 600)
+
+
+def test_keep_alives_fill_only_the_clients_silences(model: dict) -> None:
+    # an ack frame a minute: the client is never silent 570 s, so it sends no keep-alive
+    assert "ws_keepalive" not in _row(model, "1 a minute", "WebSocket push")["lines"]
+    assert "ws_keepalive" not in _row(model, "1 a second", "WebSocket push")["lines"]
+    month_s = 30 * 86400
+    assert cost.keepalives_a_month(0, 0.3) == pytest.approx(month_s / 570)
+    # a message every 20 minutes: one keep-alive 570 s into each gap, a second at 1,140 s
+    gaps = month_s / 1200
+    assert cost.keepalives_a_month(1 / 1200, 0.3) == pytest.approx(2 * gaps)
+    # every 10 minutes: one a gap; held acks make a gap of two messages
+    assert cost.keepalives_a_month(1 / 600, 0.3) == pytest.approx(month_s / 600)
+    assert cost.keepalives_a_month(1 / 300, 301) == pytest.approx(month_s / 600)

@@ -53,10 +53,6 @@ SETTLE_S = 3.0
 #: connect and subscribe frames in flight at once (each runs the edge function)
 IN_FLIGHT_SESSIONS = 8
 FANOUT_WAIT_S = 600.0
-#: ``shoal dev`` set as docs/operations.md says for a fan-out to thousands of connected clients:
-#: one push thread a pusher, so that the ack invocations keep their share of the process's one
-#: core (with 16, a fan-out to 10,000 had its acks answered after their timeout: sent again)
-DEV_ENVIRONMENT = {"SHOAL_PUSH_PARALLELISM": "1"}
 #: a session's connect and subscribe, tried on a new connection after a busy answer
 SESSION_ATTEMPTS = 5
 #: the publish, tried again on a busy answer (exactly once: ``publisher_id``/``publisher_seq``)
@@ -311,7 +307,7 @@ async def _fanout(
 
 
 def measure(count: int, fanout: bool) -> dict[str, Any]:
-    with _dev_server(DEV_ENVIRONMENT) as (url, state):
+    with _dev_server() as (url, state):
         info = json.loads((Path(state) / "runtime.json").read_text())
         ws_url, pid = info["ws_url"], int(info["pid"])
         token = _token(state)
@@ -412,12 +408,12 @@ def report(figures: dict[str, Any]) -> str:
         "thread and no function. The handshake's two invocations (authorizer, `$connect`) "
         "bound the connect rate. A fan-out: the router writes the deliveries and hands the "
         "pushes to the push queue, a message per lane; the pusher's invocations (as many at "
-        "once as its sandboxes, 8) take them side by side, one session at a time each "
-        "(`SHOAL_PUSH_PARALLELISM=1`; 16 by default), each push a share of one batch read "
-        "of its sessions, the state's write and one `PostToConnection`; each client acks "
-        "after `shoal.client`'s default ack delay (300 ms). Under `shoal dev` all of it is "
-        "CPU of one process, and every call waits for the emulator's one lock, on two cores "
-        "shared with the clients.",
+        "once as its sandboxes, 8) take them side by side, four sessions at a time each "
+        "under `shoal dev` (16 deployed: `SHOAL_PUSH_PARALLELISM`), each push a share of one "
+        "batch read of its sessions, the state's write and one `PostToConnection`; each client "
+        "acks after `shoal.client`'s default ack delay (300 ms). Under `shoal dev` all of it "
+        "is CPU of one process, and every call waits for the emulator's one lock, on two "
+        "cores shared with the clients.",
         "",
     ]
     return "\n".join(lines)

@@ -253,3 +253,26 @@ def test_a_batchs_pushes_run_on_at_most_parallelism_threads(parallelism: int) ->
     assert len(threads) <= parallelism
     if parallelism == 1:
         assert [n for n, _ in ran] == list(range(8))
+
+
+def test_shoal_dev_pushes_four_sessions_at_a_time_unless_told_otherwise(tmp_path: Any) -> None:
+    """The local runtime's pushers run 4 threads an invocation (``LOCAL_PUSH_PARALLELISM``: in
+    one process more threads claim more of the GIL, not more CPU); a value in the environment
+    wins."""
+    import os
+
+    from shoal.local.runtime import LOCAL_PUSH_PARALLELISM, DevOptions, LocalRuntime
+
+    runtime = LocalRuntime(DevOptions(port=0, state_dir=tmp_path))
+    saved = dict(os.environ)
+    try:
+        os.environ.pop("SHOAL_PUSH_PARALLELISM", None)
+        runtime._set_environment("http://127.0.0.1:1", "http://127.0.0.1:2")
+        assert os.environ["SHOAL_PUSH_PARALLELISM"] == str(LOCAL_PUSH_PARALLELISM) == "4"
+        os.environ["SHOAL_PUSH_PARALLELISM"] = "3"
+        runtime._set_environment("http://127.0.0.1:1", "http://127.0.0.1:2")
+        assert os.environ["SHOAL_PUSH_PARALLELISM"] == "3"
+    finally:
+        # the runtime sets the whole process's environment (endpoints among it): all of it back
+        os.environ.clear()
+        os.environ.update(saved)

@@ -89,6 +89,15 @@ BASE_ENVIRONMENT = {
 
 StartHook = Callable[[Config], object]
 
+#: sessions a pusher invocation pushes at once under ``shoal dev`` (``PushSettings.parallelism``,
+#: 16 deployed, where a worker's threads overlap their calls' round trips on a CPU of its own).
+#: Here every call is CPU of this one process, and a function's share of the core the GIL
+#: gives grows with its threads: 8 pushers of 16 threads left a fan-out's ack invocations so
+#: little that 10,000 subscribers' acks came after their 30 s timeout (sent again with
+#: ``dup``); 1 thread left the pushes too little beside a hundred long polls. 4 serves both
+#: (docs/design.md has the runs). A value in the environment wins.
+LOCAL_PUSH_PARALLELISM = 4
+
 #: the declared mappings' batching window under ``shoal dev`` (the archiver's is 60 s deployed):
 #: events reach the archive a second or two after a call, so that ``shoal pipeline sync``
 #: right after traffic finds them (it waits for the archiver all the same)
@@ -552,6 +561,7 @@ class LocalRuntime:
         os.environ["SHOAL_JWT_ISSUER"] = self.issuer
         os.environ["SHOAL_JWT_AUDIENCE"] = self.options.audience
         os.environ["SHOAL_JWKS_URL"] = f"{public_url}{JWKS_PATH}"
+        os.environ.setdefault("SHOAL_PUSH_PARALLELISM", str(LOCAL_PUSH_PARALLELISM))
 
     def _write_runtime_file(self, state: Path, public_url: str) -> None:
         assert self.aws is not None

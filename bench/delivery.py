@@ -355,12 +355,12 @@ def _environment() -> dict[str, str]:
 
 
 @contextmanager
-def _dev_server(environment: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
-    """A ``shoal dev`` of this checkout, with ``environment`` added to its own."""
+def _dev_server() -> Iterator[tuple[str, Path]]:
+    """A ``shoal dev`` of this checkout."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         state = Path(tmp) / "state"
-        env = _environment() | (environment or {})
+        env = _environment()
         args = [*_shoal(), "dev", "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state)]
         args += ["--default-partitions", "2"]
         log = open(Path(tmp) / "dev.log", "wb")  # noqa: SIM115 - closed below

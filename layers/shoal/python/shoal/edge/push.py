@@ -27,9 +27,7 @@ and the retry sends it again, in order, with ``dup``.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -43,6 +41,7 @@ from shoal.core.clock import Clock, SystemClock
 from shoal.core.config import DEFAULT_PUSH_PARALLELISM
 from shoal.core.errors import ServerBusy, ShoalError
 from shoal.core.observability import count, logger
+from shoal.core.pools import Pools
 from shoal.core.retry import backoff_s
 from shoal.delivery.events import EventBatch, record_answers
 from shoal.delivery.gate import SessionGate
@@ -180,6 +179,7 @@ class PushWorker:
         self.clock = clock or SystemClock()
         #: sessions pushed at once (``PushSettings.parallelism``)
         self.parallelism = parallelism
+        self.pools = Pools(parallelism, "shoal-push")
         #: the members this batch's gets handed group streams to: pushed by their own work
         self.hand_offs = HandOffs(queue)
         self.hand_offs.watch(getattr(delivery, "groups", None))
@@ -319,16 +319,8 @@ class PushWorker:
             self._settle(push)
 
     def _each(self, step: Callable[[_Push], None], pushes: list[_Push]) -> None:
-        if len(pushes) == 1:
-            step(pushes[0])
-            return
         # at parallelism 1 one thread takes them in order while this one waits
-        with ThreadPoolExecutor(
-            min(self.parallelism, len(pushes)), thread_name_prefix="shoal-push"
-        ) as pool:
-            # the invocation's context (its metrics, its logger's keys) goes with each
-            for done in [pool.submit(contextvars.copy_context().run, step, p) for p in pushes]:
-                done.result()
+        self.pools.each(step, pushes)
 
     def _open(self, push: _Push, batch: EventBatch | None) -> None:
         """A push's first get, its events to ``batch``."""

@@ -23,13 +23,25 @@ def _threads(pools: Pools, items: list[int]) -> set[threading.Thread]:
 
 
 def test_a_callers_second_batch_runs_on_the_threads_of_its_first() -> None:
-    """A warm environment's next invocation starts no thread: the same ones take it."""
+    """A warm environment's next invocation starts no thread: the same ones take it. Each
+    batch's steps wait for one another, so a batch takes all three threads."""
     pools = Pools(3, "shoal-test")
-    first = _threads(pools, list(range(9)))
-    second = _threads(pools, list(range(9)))
-    assert 1 <= len(first) <= 3
-    assert second <= first
+
+    def batch() -> set[threading.Thread]:
+        met = threading.Barrier(3, timeout=10)
+        seen: set[threading.Thread] = set()
+
+        def step(_: int) -> None:
+            seen.add(threading.current_thread())
+            met.wait()
+
+        pools.each(step, [1, 2, 3])
+        return seen
+
+    first = batch()
+    assert len(first) == 3
     assert threading.current_thread() not in first
+    assert batch() == first
 
 
 def test_callers_side_by_side_each_get_their_own_pool() -> None:

@@ -276,3 +276,45 @@ def test_shoal_dev_pushes_four_sessions_at_a_time_unless_told_otherwise(tmp_path
         # the runtime sets the whole process's environment (endpoints among it): all of it back
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_members_a_batchs_gets_hand_streams_to_are_handed_off_from_any_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``HandOffs`` keeps the invocation's notes, not a thread's: a batch of several sessions
+    runs its gets on the pusher's threads (``shoal.core.pools``), and the members those gets
+    hand shared-group streams to reach the push queue at the batch's end. A thread's local
+    hid them from the flush, and the lanes waited for the group's next message."""
+    from shoal.edge.push import PushWorker
+
+    handed: list[set[str]] = []
+
+    class Queue:
+        def hand_off(self, sessions: Any, **_: Any) -> int:
+            handed.append(set(sessions))
+            return 1
+
+    class Delivery:
+        groups = None
+
+        def read_sessions(self, pairs: Any) -> dict[str, Any]:
+            return {}
+
+    placeholder: Any = None
+    worker = PushWorker(placeholder, placeholder, Delivery(), Queue(), parallelism=4)  # type: ignore[arg-type]
+
+    def push(pushes: list[Any]) -> None:
+        # each get hands a stream of its group to another member, on whichever thread it ran
+        worker._each(lambda p: worker.hand_offs.note({f"member-of-{p.session_id}"}), pushes)
+
+    monkeypatch.setattr(worker, "_push", push)
+    sessions = [f"s{n}" for n in range(8)]
+    work = PushWork(
+        dict.fromkeys(sessions, "alice"),
+        connections={s: _connection(f"k-{s}", s) for s in sessions},
+    )
+    assert worker.work([work]) == set()
+    assert handed == [{f"member-of-{s}" for s in sessions}]
+    # and a second batch on this thread hands off only its own
+    assert worker.work([PushWork({"s1": "alice"}, connections={"s1": _connection("k")})]) == set()
+    assert handed[1:] == [{"member-of-s1"}]

@@ -246,6 +246,7 @@ class PushWorker:
         the records whose push failed (to be returned to the queue). ``retried``: the indexes
         of the records the queue gave out before (``_Push.retried``)."""
         report = self.last = WorkReport()
+        self.hand_offs.begin()
         pushes = _plan(works)
         for push in pushes.values():
             push.retried = any(n in retried for n in push.records)

@@ -44,6 +44,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -404,16 +405,27 @@ def _calls(entries: Sequence[_Entry]) -> Iterator[list[_Entry]]:
 
 
 class HandOffs:
-    """Sessions noted during one invocation (per thread: ``shoal dev`` runs invocations on
-    threads), handed to the push queue at its end: the shared-group members a request's work
-    handed streams to (an ack's final progress, a leave, a subscribe's rebalance, an expired
-    lease). A member connected over the WebSocket API and idle runs nothing that would read
-    them, so a group of HTTP and WebSocket members would leave a lane's backlog waiting for
-    the next message routed to the group. Nothing without a push queue."""
+    """Sessions noted during one invocation (per context: ``shoal dev`` runs invocations on
+    threads, each with its own), handed to the push queue at its end: the shared-group
+    members a request's work handed streams to (an ack's final progress, a leave, a
+    subscribe's rebalance, an expired lease). A member connected over the WebSocket API and
+    idle runs nothing that would read them, so a group of HTTP and WebSocket members would
+    leave a lane's backlog waiting for the next message routed to the group. Nothing without
+    a push queue."""
 
     def __init__(self, queue: PushQueue | None) -> None:
         self.queue = queue
-        self._local = threading.local()
+        # the invocation's, not the thread's: the threads a pusher runs its gets on
+        # (``shoal.core.pools``, each step in a copy of the invocation's context) note into the
+        # invocation's set, which a thread's local would hide from its flush
+        self._pending: ContextVar[set[str] | None] = ContextVar(
+            f"shoal-hand-offs-{id(self)}", default=None
+        )
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        """An invocation's notes start empty, in its context (before it starts threads)."""
+        self._pending.set(set())
 
     def watch(self, groups: object | None) -> None:
         """Notes the hand-overs of ``groups`` (a ``GroupService``) from now on."""
@@ -426,26 +438,29 @@ class HandOffs:
         """Notes the hand-overs of ``groups`` during the block, then hands them off (an HTTP
         request's: its function makes one such object per container)."""
         self.watch(groups)
-        self._local.pending = set()
+        self.begin()
         try:
             yield
         finally:
             self.flush()
 
     def note(self, session_ids: set[str]) -> None:
-        pending: set[str] | None = getattr(self._local, "pending", None)
+        pending = self._pending.get()
         if pending is None:
-            pending = self._local.pending = set()
-        pending.update(session_ids)
+            pending = set()
+            self._pending.set(pending)
+        with self._lock:
+            pending.update(session_ids)
 
     def flush(self) -> int:
         """Hands what was noted on this thread to the queue (best effort: a failed hand-off
         leaves the streams to the member's next trigger); the messages sent."""
-        pending: set[str] | None = getattr(self._local, "pending", None)
+        pending = self._pending.get()
         if not pending or self.queue is None:
             return 0
-        noted = set(pending)
-        pending.clear()
+        with self._lock:
+            noted = set(pending)
+            pending.clear()
         try:
             return self.queue.hand_off(noted)
         except (ServerBusy, ClientError, BotoCoreError) as exc:

@@ -177,8 +177,7 @@ class PushWorker:
         self.delivery = delivery
         self.queue = queue
         self.clock = clock or SystemClock()
-        #: sessions pushed at once (``PushSettings.parallelism``)
-        self.parallelism = parallelism
+        #: the threads that push ``PushSettings.parallelism`` sessions at once, kept
         self.pools = Pools(parallelism, "shoal-push")
         #: the members this batch's gets handed group streams to: pushed by their own work
         self.hand_offs = HandOffs(queue)

@@ -453,7 +453,7 @@ class HandOffs:
             pending.update(session_ids)
 
     def flush(self) -> int:
-        """Hands what was noted on this thread to the queue (best effort: a failed hand-off
+        """Hands what this invocation noted to the queue (best effort: a failed hand-off
         leaves the streams to the member's next trigger); the messages sent."""
         pending = self._pending.get()
         if not pending or self.queue is None:

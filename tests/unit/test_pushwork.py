@@ -318,3 +318,43 @@ def test_the_members_a_batchs_gets_hand_streams_to_are_handed_off_from_any_threa
     # and a second batch on this thread hands off only its own
     assert worker.work([PushWork({"s1": "alice"}, connections={"s1": _connection("k")})]) == set()
     assert handed[1:] == [{"member-of-s1"}]
+
+
+def test_the_last_report_is_the_whole_one_of_the_batch_that_finished_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PushWorker.last``: ``shoal dev`` runs pusher batches side by side on one worker, so a
+    batch that began and ended while another ran must not leave its report there after the
+    other finished (it was set when a batch began, and the longer batch's figures went to a
+    report nobody read)."""
+    import threading
+
+    from shoal.edge.push import PushWorker
+
+    class Delivery:
+        groups = None
+
+        def read_sessions(self, pairs: Any) -> dict[str, Any]:
+            return {}
+
+    placeholder: Any = None
+    worker = PushWorker(placeholder, placeholder, Delivery(), None, parallelism=2)  # type: ignore[arg-type]
+    inner = PushWork({"s9": "alice"}, connections={"s9": _connection("k-s9", "s9")})
+
+    def push(pushes: list[Any]) -> None:
+        if len(pushes) > 1:
+            # another invocation's batch, begun and done while this one pushes
+            side = threading.Thread(target=worker.work, args=([inner],))
+            side.start()
+            side.join()
+            assert worker.last.sessions == 1
+
+    monkeypatch.setattr(worker, "_push", push)
+    sessions = [f"s{n}" for n in range(3)]
+    outer = PushWork(
+        dict.fromkeys(sessions, "alice"),
+        connections={s: _connection(f"k-{s}", s) for s in sessions},
+    )
+    assert worker.work([outer]) == set()
+    assert worker.last.sessions == 3
+    assert worker.last.skipped == 0

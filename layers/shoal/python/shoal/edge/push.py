@@ -182,6 +182,8 @@ class PushWorker:
         #: the members this batch's gets handed group streams to: pushed by their own work
         self.hand_offs = HandOffs(queue)
         self.hand_offs.watch(getattr(delivery, "groups", None))
+        #: the report of the batch that finished last, whole: set once its batch is done, as
+        #: ``shoal dev`` runs batches side by side on one worker (tests and benches read it)
         self.last = WorkReport()
 
     # -- the function's event
@@ -244,13 +246,14 @@ class PushWorker:
         """Pushes the sessions of ``works`` (the batch's records, in order); the indexes of
         the records whose push failed (to be returned to the queue). ``retried``: the indexes
         of the records the queue gave out before (``_Push.retried``)."""
-        report = self.last = WorkReport()
+        report = WorkReport()
         self.hand_offs.begin()
         pushes = _plan(works)
         for push in pushes.values():
             push.retried = any(n in retried for n in push.records)
         report.sessions = len(pushes)
         if not pushes:
+            self.last = report
             return set()
         targets = _carried(works, pushes.keys())
         unread = [s for s in pushes if s not in targets]
@@ -275,6 +278,7 @@ class PushWorker:
         report.failed_records = len(failed)
         # the members these gets handed group streams to: their own pushes
         self.hand_offs.flush()
+        self.last = report
         return failed
 
     def _close_stranded(self, connections: list[Connection]) -> None:

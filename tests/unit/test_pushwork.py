@@ -60,6 +60,23 @@ def _connection(connection_id: str, session_id: str = "s1") -> Connection:
     return Connection(connection_id, "alice", "sub-1", "ch-1", session_id, 7, 123)
 
 
+class _Unread:
+    """A delivery service whose batch read finds nothing (each get would read its own)."""
+
+    groups = None
+
+    def read_sessions(self, pairs: Any) -> dict[str, Any]:
+        return {}
+
+
+def _carried_batch(sessions: list[str]) -> PushWork:
+    """A push work naming ``sessions``, each with its connection carried (none read)."""
+    return PushWork(
+        dict.fromkeys(sessions, "alice"),
+        connections={s: _connection(f"k-{s}", s) for s in sessions},
+    )
+
+
 def test_a_work_message_carries_the_connections_read_for_its_sessions() -> None:
     work = PushWork({"s1": "alice", "s2": None}, connections={"s1": _connection("k1")})
     back = PushWork.parse(work.body())
@@ -294,14 +311,8 @@ def test_the_members_a_batchs_gets_hand_streams_to_are_handed_off_from_any_threa
             handed.append(set(sessions))
             return 1
 
-    class Delivery:
-        groups = None
-
-        def read_sessions(self, pairs: Any) -> dict[str, Any]:
-            return {}
-
     placeholder: Any = None
-    worker = PushWorker(placeholder, placeholder, Delivery(), Queue(), parallelism=4)  # type: ignore[arg-type]
+    worker = PushWorker(placeholder, placeholder, _Unread(), Queue(), parallelism=4)  # type: ignore[arg-type]
 
     def push(pushes: list[Any]) -> None:
         # each get hands a stream of its group to another member, on whichever thread it ran
@@ -309,11 +320,7 @@ def test_the_members_a_batchs_gets_hand_streams_to_are_handed_off_from_any_threa
 
     monkeypatch.setattr(worker, "_push", push)
     sessions = [f"s{n}" for n in range(8)]
-    work = PushWork(
-        dict.fromkeys(sessions, "alice"),
-        connections={s: _connection(f"k-{s}", s) for s in sessions},
-    )
-    assert worker.work([work]) == set()
+    assert worker.work([_carried_batch(sessions)]) == set()
     assert handed == [{f"member-of-{s}" for s in sessions}]
     # and a second batch on this thread hands off only its own
     assert worker.work([PushWork({"s1": "alice"}, connections={"s1": _connection("k")})]) == set()
@@ -331,14 +338,8 @@ def test_the_last_report_is_the_whole_one_of_the_batch_that_finished_last(
 
     from shoal.edge.push import PushWorker
 
-    class Delivery:
-        groups = None
-
-        def read_sessions(self, pairs: Any) -> dict[str, Any]:
-            return {}
-
     placeholder: Any = None
-    worker = PushWorker(placeholder, placeholder, Delivery(), None, parallelism=2)  # type: ignore[arg-type]
+    worker = PushWorker(placeholder, placeholder, _Unread(), None, parallelism=2)  # type: ignore[arg-type]
     inner = PushWork({"s9": "alice"}, connections={"s9": _connection("k-s9", "s9")})
 
     def push(pushes: list[Any]) -> None:
@@ -350,11 +351,6 @@ def test_the_last_report_is_the_whole_one_of_the_batch_that_finished_last(
             assert worker.last.sessions == 1
 
     monkeypatch.setattr(worker, "_push", push)
-    sessions = [f"s{n}" for n in range(3)]
-    outer = PushWork(
-        dict.fromkeys(sessions, "alice"),
-        connections={s: _connection(f"k-{s}", s) for s in sessions},
-    )
-    assert worker.work([outer]) == set()
+    assert worker.work([_carried_batch([f"s{n}" for n in range(3)])]) == set()
     assert worker.last.sessions == 3
     assert worker.last.skipped == 0

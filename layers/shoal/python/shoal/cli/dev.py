@@ -103,6 +103,7 @@ def run_dev(args: argparse.Namespace) -> int:
     # passes over them, repeated while loading and then while serving, are skipped (below).
     gc.disable()
     # imported here: only `shoal dev` needs the local runtime, the other commands start faster
+    from shoal.local.collector import Collector
     from shoal.local.logs import configure
     from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
     from shoal.local.websocket import lifetimes_from_environment
@@ -151,6 +152,9 @@ def run_dev(args: argparse.Namespace) -> int:
         # passes, which then walk only what serving creates
         gc.freeze()
         gc.enable()
+    # the collector's full passes walk all the account holds: in quiet moments, not in bursts
+    collector = Collector()
+    collector.start()
     try:
         assert runtime.aws is not None
         _remember_emulator_port(options.state_dir, runtime.aws_url)
@@ -183,6 +187,7 @@ def run_dev(args: argparse.Namespace) -> int:
     finally:
         logging.getLogger("shoal-dev.runtime").info("stopping")
         runtime.stop()
+        collector.stop()
     # Everything is stopped, fsynced and closed. Tearing down the interpreter's copy of every
     # emulated service would take seconds more, so the process ends here.
     logging.shutdown()

@@ -103,7 +103,6 @@ def run_dev(args: argparse.Namespace) -> int:
     # passes over them, repeated while loading and then while serving, are skipped (below).
     gc.disable()
     # imported here: only `shoal dev` needs the local runtime, the other commands start faster
-    from shoal.local.collector import Collector
     from shoal.local.logs import configure
     from shoal.local.runtime import DevOptions, LocalRuntime, StateDirInUse
     from shoal.local.websocket import lifetimes_from_environment
@@ -153,6 +152,8 @@ def run_dev(args: argparse.Namespace) -> int:
         gc.freeze()
         gc.enable()
     # the collector's full passes walk all the account holds: in quiet moments, not in bursts
+    from shoal.local.collector import Collector
+
     collector = Collector()
     collector.start()
     try:
